@@ -1,0 +1,16 @@
+"""flashnb -- FlashAttention built kernel by kernel in Numba CUDA, one notebook per stage.
+
+Importing flashnb chooses the device first (a real GPU when a CUDA driver and device are present, the
+Numba CUDA simulator otherwise; ``FLASHNB_DEVICE=gpu|sim`` overrides), then registers every stage.
+"""
+
+from . import runtime  # must come first: decides NUMBA_ENABLE_CUDASIM before numba.cuda is imported
+from .runtime import MODE, is_simulator
+from . import registry, common  # noqa: E402
+from .api import attention, attention_forward, attention_backward  # noqa: E402
+from . import naive  # noqa: E402,F401  (stage 1 registers impl="naive")
+
+__version__ = "0.1.0"
+
+__all__ = ["MODE", "is_simulator", "attention", "attention_forward", "attention_backward", "registry",
+           "common", "runtime", "__version__"]

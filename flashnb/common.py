@@ -1,0 +1,157 @@
+"""Shared kernel mechanics, written once and reused by every stage.
+
+* constants that stay float32 on a real GPU (``NEG_INF``, ``ZERO``: a bare ``0.0`` or ``-math.inf`` in a
+  kernel silently makes it float64);
+* device functions: bounded tile loads and stores (zero fill outside the matrix), the causal predicate;
+* host helpers: ``cdiv``, poisoned (NaN-filled) device outputs, and :func:`launch`, through which every
+  kernel launch in flashnb goes (it fixes scalar argument types to the guarded signature and names the
+  launch for the traffic counter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+
+import numpy as np
+
+from . import runtime  # noqa: F401  (selects GPU or simulator before numba.cuda is imported)
+from numba import cuda, float32  # noqa: E402
+
+__all__ = [
+    "NEG_INF", "ZERO", "ONE", "cdiv", "causal_allowed", "load_tile", "load_rows", "store_rows",
+    "empty", "to_device", "launch", "current_label", "launch_hooks",
+]
+
+NEG_INF = float32(-math.inf)
+ZERO = float32(0.0)
+ONE = float32(1.0)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: number of tiles of size ``b`` that cover ``a``."""
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------- device functions
+
+
+@cuda.jit(device=True, inline="always")
+def causal_allowed(i, j, diag):
+    """May query row ``i`` attend to key ``j``?  Bottom-right aligned: ``j <= i + (Nk - Nq)``."""
+    return j <= i + diag
+
+
+@cuda.jit(device=True, inline="always")
+def load_tile(src, z, r0, c0, tile, transposed):
+    """One element per thread of a (T, T) block: ``tile[ty, tx] = op(src[z])[r0 + ty, c0 + tx]``.
+
+    ``op`` is the transpose when ``transposed``; the thread then reads ``src[z, c0 + ty, r0 + tx]``
+    and stores it at ``tile[tx, ty]`` so that neighbouring threads still read neighbouring addresses.
+    Elements outside ``src`` are zero-filled in the tile (and are not global reads).
+    """
+    ty = cuda.threadIdx.y
+    tx = cuda.threadIdx.x
+    if transposed:
+        r = c0 + ty
+        c = r0 + tx
+    else:
+        r = r0 + ty
+        c = c0 + tx
+    value = float32(0.0)
+    if r < src.shape[1] and c < src.shape[2]:
+        value = src[z, r, c]
+    if transposed:
+        tile[tx, ty] = value
+    else:
+        tile[ty, tx] = value
+
+
+@cuda.jit(device=True, inline="always")
+def load_rows(src, z, r0, tile, tid, nthreads):
+    """Cooperative load of rows ``r0 ..`` of ``src[z]`` into ``tile`` (shape (R, C), C = src's width).
+
+    Thread ``tid`` of ``nthreads`` copies elements ``tid, tid + nthreads, ...`` in row-major order, so
+    consecutive threads read consecutive addresses (coalesced).  Rows past the end are zero-filled.
+    """
+    R = tile.shape[0]
+    C = tile.shape[1]
+    nrows = src.shape[1]
+    for e in range(tid, R * C, nthreads):
+        r = e // C
+        c = e - r * C
+        value = float32(0.0)
+        if r0 + r < nrows:
+            value = src[z, r0 + r, c]
+        tile[r, c] = value
+
+
+@cuda.jit(device=True, inline="always")
+def store_rows(tile, dst, z, r0, tid, nthreads):
+    """Cooperative store of ``tile`` into rows ``r0 ..`` of ``dst[z]``; rows past the end are skipped."""
+    R = tile.shape[0]
+    C = tile.shape[1]
+    nrows = dst.shape[1]
+    for e in range(tid, R * C, nthreads):
+        r = e // C
+        c = e - r * C
+        if r0 + r < nrows:
+            dst[z, r0 + r, c] = tile[r, c]
+
+
+# --------------------------------------------------------------------------- host helpers
+
+
+def to_device(a: np.ndarray):
+    """Copy a host array to the device as C-contiguous float32 (what every kernel signature expects)."""
+    return cuda.to_device(np.ascontiguousarray(a, dtype=np.float32))
+
+
+def empty(shape, *, poison: bool = True):
+    """A float32 device array; filled with NaN when ``poison`` so an unwritten element can't pass a test."""
+    host = np.full(shape, np.nan if poison else 0.0, dtype=np.float32)
+    return cuda.to_device(host)
+
+
+_state = threading.local()
+launch_hooks: list = []  # callables(label, kernel, grid, block, args) -> context manager; used by counters
+
+
+def current_label() -> str | None:
+    """The label of the launch in progress (set by :func:`launch`), or None."""
+    return getattr(_state, "label", None)
+
+
+def _scalar(x):
+    if isinstance(x, (bool, np.bool_)):
+        return x
+    if isinstance(x, (int, np.integer)):
+        return np.int32(x)
+    if isinstance(x, (float, np.floating)):
+        return np.float32(x)
+    return x
+
+
+def launch(kernel, grid, block, *args, label: str | None = None):
+    """Launch ``kernel[grid, block](*args)``.
+
+    Python ints and floats become ``int32`` / ``float32`` so a GPU compiles exactly the signature the PTX
+    guard checked (a Python float would otherwise specialise the kernel on float64).  ``label`` names the
+    launch (e.g. ``"S = QK^T"``) in traffic counts and benchmarks.
+    """
+    args = tuple(_scalar(a) for a in args)
+    grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))
+    block = tuple(int(b) for b in (block if isinstance(block, tuple) else (block,)))
+    if any(g <= 0 for g in grid):
+        return  # nothing to do (an empty grid is a no-op, not a CUDA error)
+    name = label or kernel.py_func.__name__
+    previous = getattr(_state, "label", None)
+    _state.label = name
+    try:
+        with contextlib.ExitStack() as stack:
+            for hook in list(launch_hooks):
+                stack.enter_context(hook(name, kernel, grid, block, args))
+            kernel[grid, block](*args)
+    finally:
+        _state.label = previous

@@ -1,0 +1,87 @@
+"""Two registries that let a stage plug in without touching the others.
+
+* :data:`KERNELS` -- every ``@cuda.jit`` kernel in the package, as a *kernel factory* (a function of
+  compile-time constants such as tile sizes that returns a kernel) together with its launch signature and
+  the configurations the PTX guard compiles.  ``tests/test_ptx_guard.py`` checks that no kernel in the
+  source tree is missing from it.
+* :data:`IMPLS` -- the implementations behind ``flashnb.attention(..., impl=NAME)``.
+
+Both are filled by decorators at import time of the stage modules.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = ["KernelSpec", "Impl", "KERNELS", "IMPLS", "kernel_factory", "register_impl"]
+
+
+@dataclass
+class KernelSpec:
+    """A kernel factory and what is needed to compile it without a GPU."""
+
+    name: str
+    stage: str
+    factory: Callable[..., Any]
+    signature: str | Callable[..., str]
+    configs: list[dict] = field(default_factory=lambda: [{}])
+
+    def signature_for(self, config: dict) -> str:
+        sig = self.signature
+        return sig(**config) if callable(sig) else sig
+
+    def instances(self):
+        """Yield ``(config, kernel, signature)`` for every configuration the guard compiles."""
+        for config in self.configs:
+            yield config, self.factory(**config), self.signature_for(config)
+
+
+KERNELS: dict[str, KernelSpec] = {}
+
+
+def kernel_factory(name: str, *, stage: str, signature, configs=None):
+    """Register a kernel factory; the factory is memoised so each configuration compiles once.
+
+    ``signature`` is the Numba signature string the kernel is launched with (or a function of the
+    configuration returning it); ``configs`` are keyword-argument dicts covering every code path the
+    guard must compile (e.g. ``causal`` True and False, the smallest and largest head dim).
+    """
+
+    def decorate(factory):
+        cached = functools.lru_cache(maxsize=None)(factory)
+        if name in KERNELS:
+            raise ValueError(f"kernel {name!r} registered twice")
+        KERNELS[name] = KernelSpec(name, stage, cached, signature, list(configs or [{}]))
+        return cached
+
+    return decorate
+
+
+@dataclass
+class Impl:
+    """One attention implementation: device-array forward/backward plus a description for the tour.
+
+    ``forward(q, k, v, *, causal, scale, **options) -> (o, lse)`` and
+    ``backward(q, k, v, o, lse, do, *, causal, scale, **options) -> (dq, dk, dv)`` take and return
+    float32 device arrays of shape ``(BH, N, d)`` (``lse``: ``(BH, Nq)``).
+    """
+
+    name: str
+    stage: str
+    description: str
+    forward: Callable[..., Any]
+    backward: Callable[..., Any] | None = None
+    options: tuple[str, ...] = ()
+
+
+IMPLS: dict[str, Impl] = {}
+
+
+def register_impl(name: str, *, stage: str, description: str, forward, backward=None, options=()):
+    """Make ``impl=name`` available in the public API, the tour and the benchmarks."""
+    if name in IMPLS:
+        raise ValueError(f"impl {name!r} registered twice")
+    IMPLS[name] = Impl(name, stage, description, forward, backward, tuple(options))
+    return IMPLS[name]

@@ -1,0 +1,94 @@
+"""Choose between a real GPU and the Numba CUDA simulator, before ``numba.cuda`` is imported.
+
+Numba reads ``NUMBA_ENABLE_CUDASIM`` once, when ``numba.cuda`` is first imported, so the choice
+cannot be changed afterwards.  The rule:
+
+* ``FLASHNB_DEVICE=gpu`` or ``FLASHNB_DEVICE=sim`` forces a mode;
+* otherwise a real GPU is used when the CUDA driver library loads and reports at least one device,
+  and the simulator is used everywhere else (the common case for readers of the notebooks).
+
+The probe talks to the driver through :mod:`ctypes` so that it never imports ``numba.cuda``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+__all__ = ["MODE", "is_simulator", "select_mode", "driver_device_count", "RuntimeModeError"]
+
+_VALID = ("gpu", "sim")
+
+
+class RuntimeModeError(RuntimeError):
+    """numba.cuda was already imported in the other mode, or the requested mode cannot work."""
+
+
+def driver_device_count() -> int:
+    """Number of CUDA devices the driver reports, or 0 when no driver library can be loaded."""
+    names = ["nvcuda.dll"] if sys.platform == "win32" else ["libcuda.so.1", "libcuda.so"]
+    found = ctypes.util.find_library("cuda")
+    if found:
+        names.append(found)
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        try:
+            if lib.cuInit(0) != 0:
+                return 0
+            count = ctypes.c_int(0)
+            if lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
+                return 0
+            return int(count.value)
+        except AttributeError:
+            return 0
+    return 0
+
+
+def _requested() -> str | None:
+    value = os.environ.get("FLASHNB_DEVICE", "").strip().lower()
+    if not value:
+        return None
+    if value not in _VALID:
+        raise RuntimeModeError(
+            f"FLASHNB_DEVICE must be 'gpu' or 'sim' (or unset to auto-detect), got {value!r}"
+        )
+    return value
+
+
+def select_mode() -> str:
+    """Decide the mode and set ``NUMBA_ENABLE_CUDASIM`` accordingly; return ``'gpu'`` or ``'sim'``."""
+    requested = _requested()
+    if "numba.cuda" in sys.modules:
+        # Too late to choose: report what numba.cuda is actually running.
+        from numba.cuda.core import config
+
+        actual = "sim" if config.ENABLE_CUDASIM else "gpu"
+        if requested is not None and requested != actual:
+            raise RuntimeModeError(
+                f"FLASHNB_DEVICE={requested} but numba.cuda was already imported in "
+                f"{'simulator' if actual == 'sim' else 'GPU'} mode. NUMBA_ENABLE_CUDASIM is read "
+                "only when numba.cuda is first imported: import flashnb (or set "
+                "NUMBA_ENABLE_CUDASIM) before anything imports numba.cuda, or restart the kernel."
+            )
+        return actual
+    mode = requested
+    if mode is None:
+        if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
+            mode = "sim"
+        else:
+            mode = "gpu" if driver_device_count() > 0 else "sim"
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1" if mode == "sim" else "0"
+    return mode
+
+
+MODE: str = select_mode()
+
+
+def is_simulator() -> bool:
+    """True when flashnb runs its kernels on the Numba CUDA simulator."""
+    return MODE == "sim"
