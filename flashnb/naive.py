@@ -207,7 +207,7 @@ def _matmul_model(BH, rows, cols, inner, T=TILE):
 
 
 def _add(acc, launch_name, reads, writes, shared_reads=0, shared_writes=0):
-    acc.append(dict(launch=launch_name, reads=reads, writes=writes,
+    acc.append(dict(launch=launch_name, reads=reads, writes=writes, atomics={},
                     shared_reads=shared_reads, shared_writes=shared_writes))
 
 
