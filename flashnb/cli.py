@@ -1,0 +1,146 @@
+"""``flashnb`` command line: ``info``, ``tour``, ``inspect``, ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+
+import numpy as np
+
+
+def _versions() -> dict:
+    import numba
+
+    from . import __version__
+
+    out = {"flashnb": __version__, "python": platform.python_version(), "numpy": np.__version__,
+           "numba": numba.__version__}
+    try:
+        from importlib.metadata import version
+
+        out["numba-cuda"] = version("numba-cuda")
+    except Exception:  # pragma: no cover - metadata missing in odd installs
+        out["numba-cuda"] = "unknown"
+    return out
+
+
+def device_description() -> dict:
+    """Mode, device name, compute capability and SM count (or the simulator)."""
+    from numba import cuda
+
+    from .runtime import MODE
+
+    if MODE == "sim":
+        return {"mode": "sim", "device": "simulator (Numba CUDA simulator: each CUDA thread is a Python thread)"}
+    dev = cuda.get_current_device()
+    name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+    return {"mode": "gpu", "device": name, "compute_capability": "%d.%d" % dev.compute_capability,
+            "sm_count": dev.MULTIPROCESSOR_COUNT}
+
+
+def cmd_info(args) -> int:
+    for key, value in {**device_description(), **_versions()}.items():
+        print(f"{key:>20}: {value}")
+    from .registry import IMPLS, KERNELS
+
+    print(f"{'impls':>20}: {', '.join(IMPLS)}")
+    print(f"{'kernels':>20}: {len(KERNELS)} registered")
+    return 0
+
+
+def tour_rows(*, BH=2, Nq=40, Nk=56, d=16, causal=True, seed=0, progress=True):
+    """Run every registered impl on one small problem; return a list of result dicts."""
+    from tqdm.auto import tqdm
+
+    from . import api, reference
+    from .registry import IMPLS
+    from .runtime import MODE
+
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((BH, Nq, d))
+    k = rng.standard_normal((BH, Nk, d))
+    v = rng.standard_normal((BH, Nk, d))
+    do = rng.standard_normal((BH, Nq, d))
+    o_ref, lse_ref = reference.attention_forward(q, k, v, causal=causal)
+    grads_ref = reference.attention_backward(q, k, v, do, causal=causal)
+    jobs = [(name, "forward") for name in IMPLS] + [(n, "backward") for n, e in IMPLS.items() if e.backward]
+    rows = []
+    for name, direction in tqdm(jobs, desc="flashnb tour", disable=not progress, file=sys.stderr):
+        entry = IMPLS[name]
+        counter = None
+        if MODE == "sim":
+            from . import traffic
+
+            counter = traffic.count()
+        row = {"impl": name, "stage": entry.stage, "pass": direction}
+        with counter if counter is not None else _null():
+            if direction == "forward":
+                o, lse = api.attention_forward(q, k, v, causal=causal, impl=name)
+                finite = np.isfinite(lse_ref)
+                err = max(np.abs(o - o_ref).max(), np.abs(lse[finite] - lse_ref[finite]).max())
+            else:
+                # the backward is checked on its own: it gets the reference's O and LSE
+                grads = api.attention_backward(q, k, v, o_ref, lse_ref, do, causal=causal, impl=name)
+                err = max(np.abs(g - r).max() for g, r in zip(grads, grads_ref))
+        row["max_abs_err"] = float(err)
+        if counter is not None:
+            row.update(read_bytes=counter.global_read_bytes, write_bytes=counter.global_write_bytes,
+                       shared=counter.shared_reads + counter.shared_writes)
+        rows.append(row)
+    return rows
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def cmd_tour(args) -> int:
+    from .runtime import MODE
+
+    desc = device_description()
+    print(f"flashnb tour on {desc['device']}: BH={args.bh}, Nq={args.nq}, Nk={args.nk}, d={args.d}, "
+          f"causal={args.causal}; errors are max |impl - float64 reference|")
+    rows = tour_rows(BH=args.bh, Nq=args.nq, Nk=args.nk, d=args.d, causal=args.causal, progress=not args.quiet)
+    header = f"{'stage':>5}  {'impl':<10} {'pass':<9} {'max err':>9}"
+    if MODE == "sim":
+        header += f" {'HBM read B':>11} {'HBM write B':>11} {'shared acc.':>11}"
+    print(header)
+    ok = True
+    for r in rows:
+        line = f"{r['stage']:>5}  {r['impl']:<10} {r['pass']:<9} {r['max_abs_err']:9.2e}"
+        if "read_bytes" in r:
+            line += f" {r['read_bytes']:11,d} {r['write_bytes']:11,d} {r['shared']:11,d}"
+        print(line)
+        ok &= r["max_abs_err"] < 1e-3
+    if MODE == "sim":
+        print("HBM bytes are counted on the simulator (program-level element accesses x 4 bytes), not measured.")
+    print("all impls agree with the reference" if ok else "SOME IMPLS DISAGREE WITH THE REFERENCE")
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="flashnb", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="mode (GPU or simulator), device and versions")
+    tour = sub.add_parser("tour", help="run every registered stage on a small input and check it")
+    tour.add_argument("--bh", type=int, default=2)
+    tour.add_argument("--nq", type=int, default=40)
+    tour.add_argument("--nk", type=int, default=56)
+    tour.add_argument("--d", type=int, default=16)
+    tour.add_argument("--no-causal", dest="causal", action="store_false")
+    tour.add_argument("--quiet", action="store_true", help="no progress bar")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "info":
+        return cmd_info(args)
+    if args.command == "tour":
+        return cmd_tour(args)
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Small helpers the notebooks share: where figures go, and showing kernel source from the package."""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from pathlib import Path
+
+__all__ = ["figures_dir", "savefig", "show_source"]
+
+
+def figures_dir() -> Path:
+    """The repository's ``figures/`` folder (notebooks run from ``notebooks/``), else ``./figures``."""
+    here = Path.cwd()
+    for base in (here, here.parent):
+        if (base / "figures").is_dir() and (base / "flashnb").is_dir():
+            return base / "figures"
+    out = here / "figures"
+    out.mkdir(exist_ok=True)
+    return out
+
+
+def savefig(fig, name: str) -> Path:
+    """Save ``fig`` as ``figures/<name>.png`` (150 dpi) and return the path."""
+    path = figures_dir() / f"{name}.png"
+    fig.savefig(path, dpi=150, bbox_inches="tight")
+    return path
+
+
+def show_source(obj) -> None:
+    """Print the source of a function, kernel factory or kernel, straight from the package."""
+    target = getattr(obj, "py_func", None) or getattr(obj, "__wrapped__", None) or obj
+    print(textwrap.dedent(inspect.getsource(target)))

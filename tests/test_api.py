@@ -1,0 +1,111 @@
+"""The public API: shapes, dtypes, layouts and every bad input of issue 2 item 4."""
+
+import numpy as np
+import pytest
+from conftest import assert_close, qkv
+
+import flashnb
+from flashnb import reference
+
+# float32 compute vs float64 reference on N <= 24, d <= 8: each output is a sum of <= 24 products of
+# O(1) numbers, so rounding stays near 24 * 2**-24 ~ 1.5e-6; 1e-5 leaves room without hiding real bugs.
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(5, 3), (2, 5, 3), (1, 2, 5, 3)])
+def test_accepts_2d_3d_4d_and_returns_same_layout(rng, shape):
+    q, k, v = qkv(rng, shape, 7)
+    o, lse = flashnb.attention_forward(q, k, v)
+    assert o.shape == q.shape and o.dtype == np.float32
+    assert lse.shape == q.shape[:-1] and lse.dtype == np.float32
+    o_ref, lse_ref = reference.attention_forward(q, k, v)
+    assert_close(o, o_ref, **TOL, what="o")
+    assert_close(lse, lse_ref, **TOL, what="lse")
+    assert_close(flashnb.attention(q, k, v), o_ref, **TOL, what="attention()")
+
+
+def test_non_contiguous_and_other_dtypes(rng):
+    base = rng.standard_normal((2, 9, 12))
+    q = base[:, :, ::2]                      # strided view, d = 6
+    k = np.asfortranarray(rng.standard_normal((2, 11, 6)))
+    v = rng.standard_normal((2, 6, 11)).transpose(0, 2, 1)  # transposed view
+    assert not q.flags.c_contiguous and not v.flags.c_contiguous
+    o = flashnb.attention(q.astype(np.float16).astype(np.float64), k.astype(np.float32), v)
+    o_ref, _ = reference.attention_forward(q.astype(np.float16).astype(np.float64), k, v)
+    assert_close(o, o_ref, **TOL, what="o (non-contiguous)")
+    ints = rng.integers(-3, 4, size=(4, 3))
+    assert_close(flashnb.attention(ints, ints, ints), reference.attention_forward(ints, ints, ints)[0], **TOL,
+                 what="o (integer inputs)")
+
+
+def test_scale_is_used(rng):
+    q, k, v = qkv(rng, (6, 4), 5)
+    assert_close(flashnb.attention(q, k, v, scale=0.7), reference.attention_forward(q, k, v, scale=0.7)[0], **TOL,
+                 what="o (scale=0.7)")
+
+
+def _good(rng):
+    return qkv(rng, (2, 3, 4), 5)
+
+
+@pytest.mark.parametrize(
+    "mutate, exc, words",
+    [
+        (lambda q, k, v: (q[0, 0], k, v), ValueError, "ndim"),                     # 1-D q
+        (lambda q, k, v: (q[None, None], k[None, None], v[None, None]), ValueError, "ndim"),  # 5-D
+        (lambda q, k, v: (q, k, v[:, :4]), ValueError, "k and v"),                 # Nk mismatch
+        (lambda q, k, v: (q, k[..., :3], v[..., :3]), ValueError, "head dim"),     # d mismatch
+        (lambda q, k, v: (q, k[:1], v[:1]), ValueError, "leading"),                # heads mismatch
+        (lambda q, k, v: (q[:, :0], k, v), ValueError, "empty"),                   # Nq = 0
+        (lambda q, k, v: (q, k[:, :0], v[:, :0]), ValueError, "empty"),            # Nk = 0
+        (lambda q, k, v: (q.astype(complex), k, v), TypeError, "real"),            # complex
+        (lambda q, k, v: (q, k.astype(object), v), TypeError, "real"),             # object
+        (lambda q, k, v: (q, k, np.array([["a"]])), TypeError, "real"),            # strings
+        (lambda q, k, v: (np.where(q > 0, np.nan, q), k, v), ValueError, "NaN"),   # non-finite input
+    ],
+)
+def test_bad_inputs_raise_naming_the_argument(rng, mutate, exc, words):
+    q, k, v = mutate(*_good(rng))
+    with pytest.raises(exc, match=words):
+        flashnb.attention(q, k, v)
+
+
+@pytest.mark.parametrize("d", [0, 129, 200])
+def test_head_dim_range(rng, d):
+    q = rng.standard_normal((3, d)) if d else np.ones((3, 0))
+    with pytest.raises(ValueError):
+        flashnb.attention(q, q, q)
+
+
+def test_head_dim_128_is_accepted(rng):
+    q, k, v = qkv(rng, (2, 128), 3)
+    assert_close(flashnb.attention(q, k, v), reference.attention_forward(q, k, v)[0], **TOL, what="o (d=128)")
+
+
+@pytest.mark.parametrize("scale, exc", [(0.0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
+                                        (float("inf"), ValueError), ("0.5", TypeError), (True, TypeError)])
+def test_bad_scale(rng, scale, exc):
+    q, k, v = _good(rng)
+    with pytest.raises(exc, match="scale"):
+        flashnb.attention(q, k, v, scale=scale)
+
+
+def test_unknown_impl_and_option(rng):
+    q, k, v = _good(rng)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        flashnb.attention(q, k, v, impl="flash3")
+    with pytest.raises(TypeError, match="option"):
+        flashnb.attention(q, k, v, impl="naive", Br=16)
+
+
+def test_backward_validates_o_lse_do(rng):
+    q, k, v, do = qkv(rng, (2, 3, 4), 5, do=True)
+    o, lse = flashnb.attention_forward(q, k, v)
+    with pytest.raises(ValueError, match="do must have"):
+        flashnb.attention_backward(q, k, v, o, lse, do[:, :2])
+    with pytest.raises(ValueError, match="lse must have"):
+        flashnb.attention_backward(q, k, v, o, lse[:, :2], do)
+    with pytest.raises(ValueError, match="o must have"):
+        flashnb.attention_backward(q, k, v, o[..., :2], lse, do)
+    with pytest.raises(ValueError, match="lse"):
+        flashnb.attention_backward(q, k, v, o, np.full_like(lse, np.nan), do)

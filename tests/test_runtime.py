@@ -1,0 +1,54 @@
+"""GPU/simulator selection happens before numba.cuda is imported; each case runs in a fresh interpreter."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run(code, **env):
+    full = {k: v for k, v in os.environ.items() if k not in ("FLASHNB_DEVICE", "NUMBA_ENABLE_CUDASIM")}
+    full.update(env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=120)
+
+
+def test_auto_detect_without_driver_is_simulator():
+    from flashnb.runtime import driver_device_count
+
+    if driver_device_count() > 0:
+        pytest.skip("this machine has a GPU")
+    r = run("import flashnb, numba.cuda.core.config as c; print(flashnb.MODE, c.ENABLE_CUDASIM)")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["sim", "1"]
+
+
+def test_forced_modes():
+    r = run("import flashnb; print(flashnb.MODE)", FLASHNB_DEVICE="sim")
+    assert r.stdout.strip() == "sim", r.stderr
+    # GPU mode imports without a driver (kernels can be compiled to PTX, not launched)
+    r = run("import flashnb, numba.cuda.core.config as c; print(flashnb.MODE, c.ENABLE_CUDASIM)", FLASHNB_DEVICE="GPU")
+    assert r.stdout.split() == ["gpu", "0"], r.stderr
+
+
+def test_invalid_value_is_a_clear_error():
+    r = run("import flashnb", FLASHNB_DEVICE="tpu")
+    assert r.returncode != 0 and "FLASHNB_DEVICE must be 'gpu' or 'sim'" in r.stderr
+
+
+def test_numba_cuda_already_imported_in_other_mode():
+    r = run("import numba.cuda; import flashnb", NUMBA_ENABLE_CUDASIM="1", FLASHNB_DEVICE="gpu")
+    assert r.returncode != 0
+    assert "already imported in simulator mode" in r.stderr
+
+
+def test_numba_cuda_already_imported_same_mode_is_fine():
+    r = run("import numba.cuda; import flashnb; print(flashnb.MODE)", NUMBA_ENABLE_CUDASIM="1")
+    assert r.returncode == 0 and r.stdout.strip() == "sim", r.stderr
+
+
+def test_cli_info():
+    r = subprocess.run([sys.executable, "-m", "flashnb.cli", "info"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "FLASHNB_DEVICE": "sim"})
+    assert r.returncode == 0, r.stderr
+    assert "mode: sim" in r.stdout and "simulator" in r.stdout and "numba-cuda: 0.30.4" in r.stdout
