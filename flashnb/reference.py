@@ -1,0 +1,136 @@
+"""Float64 NumPy reference attention: the ground truth every kernel is compared against.
+
+Conventions (shared with :mod:`flashnb.api`; leading axes, e.g. batch and heads, are independent problems):
+
+* ``q`` is ``(..., N_q, d)``, ``k`` is ``(..., N_k, d)``, ``v`` is ``(..., N_k, d_v)``; all computing is in
+  float64, whatever the input dtype.
+* Scores ``S = scale · Q Kᵀ`` with ``scale = 1/sqrt(d)`` by default.
+* ``allowed[i, j]`` says whether query ``i`` may attend to key ``j``: ``causal`` is aligned to the
+  bottom-right corner (``j <= i + N_k - N_q``, as FlashAttention >= 2.1), ``mask`` (boolean, True =
+  allowed, broadcastable to ``(..., N_q, N_k)``) is combined with it by AND.
+* Forward: ``P = softmax(S)`` over the allowed keys of each row, ``O = P V``,
+  ``lse_i = log sum_{j allowed} exp(S_ij)``.
+* Backward (gradients of ``sum(O ∘ dO)``): ``dV = Pᵀ dO``, ``dP = dO Vᵀ``, ``D_i = sum_j P_ij dP_ij``,
+  ``dS = P ∘ (dP - D)``, ``dQ = scale · dS K``, ``dK = scale · dSᵀ Q``.
+* A row with no allowed key has ``P = 0``: ``o = 0``, ``lse = -inf`` and zero gradients (never NaN,
+  and no NumPy warnings).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .api import _check_scale
+
+__all__ = ["attention_forward", "attention_backward", "attention", "expand_block_mask"]
+
+
+def _check_inputs(q, k, v, arrays=()):
+    """float64 copies of q, k, v (and of any extra ``(name, array)`` pairs with q's shape), validated."""
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a.ndim < 2 or 0 in a.shape:
+            raise ValueError(f"{name} must have shape (..., N, d) with every axis >= 1, got {a.shape}")
+    if q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q (..., N_q, d) and k (..., N_k, d) must share leading axes and d, got {q.shape}, {k.shape}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"v must have shape (..., N_k, d_v) matching k {k.shape}, got {v.shape}")
+    extra = []
+    for name, a in arrays:
+        a = np.asarray(a, dtype=np.float64)
+        if a.shape != q.shape[:-1] + v.shape[-1:]:
+            raise ValueError(f"{name} must have o's shape {q.shape[:-1] + v.shape[-1:]}, got {a.shape}")
+        extra.append(a)
+    return q, k, v, extra
+
+
+def _allowed(shape, causal, mask):
+    """Boolean ``allowed`` of the scores' ``shape`` (..., N_q, N_k): causal AND mask."""
+    Nq, Nk = shape[-2:]
+    allowed = np.ones((Nq, Nk), dtype=bool)
+    if causal:
+        i = np.arange(Nq)[:, None]
+        j = np.arange(Nk)[None, :]
+        allowed = j <= i + (Nk - Nq)                      # bottom-right aligned
+    if mask is not None:
+        mask = np.asarray(mask)
+        if mask.dtype != np.bool_:
+            raise TypeError(f"mask must be a boolean array (True = allowed), got dtype {mask.dtype}")
+        try:
+            if np.broadcast_shapes(mask.shape, shape) != tuple(shape):
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"mask of shape {mask.shape} does not broadcast to the scores' shape {shape}") from None
+        allowed = allowed & mask
+    return np.broadcast_to(allowed, shape)
+
+
+def _softmax(q, k, causal, scale, mask):
+    """``(P, lse, scale)``: masked row softmax of ``S = scale · Q Kᵀ``; rows with no allowed key give P = 0."""
+    scale = _check_scale(scale, q.shape[-1])
+    S = scale * (q @ np.swapaxes(k, -1, -2))
+    allowed = _allowed(S.shape, causal, mask)
+    S = np.where(allowed, S, -np.inf)
+    m = S.max(axis=-1, keepdims=True)                     # -inf on a fully masked row
+    m = np.where(np.isfinite(m), m, 0.0)                  # ... so use 0 there: no (-inf) - (-inf)
+    E = np.exp(S - m)                                     # exp(-inf) = 0 where masked
+    l = E.sum(axis=-1, keepdims=True)
+    has_key = l > 0
+    P = E / np.where(has_key, l, 1.0)
+    lse = np.where(has_key, m + np.log(np.where(has_key, l, 1.0)), -np.inf)[..., 0]
+    return P, lse, scale
+
+
+def attention_forward(q, k, v, *, causal=False, scale=None, mask=None):
+    """Reference forward pass; returns ``(o, lse)`` in float64.
+
+    ``o = softmax(scale · q kᵀ, masked) v`` has shape (..., N_q, d_v); ``lse`` (..., N_q) is the
+    log-sum-exp of each row's allowed scaled scores (``-inf`` for a row with no allowed key, whose
+    ``o`` row is 0).  See the module docstring for the causal/mask conventions.
+    """
+    q, k, v, _ = _check_inputs(q, k, v)
+    P, lse, _ = _softmax(q, k, causal, scale, mask)
+    return P @ v, lse
+
+
+def attention(q, k, v, *, causal=False, scale=None, mask=None):
+    """Reference attention output ``o`` only; see :func:`attention_forward`."""
+    return attention_forward(q, k, v, causal=causal, scale=scale, mask=mask)[0]
+
+
+def attention_backward(q, k, v, do, *, causal=False, scale=None, mask=None):
+    """Reference gradients ``(dq, dk, dv)`` of ``sum(o * do)``, float64, shapes of q, k, v.
+
+    P is recomputed from q and k (nothing from the forward is needed):
+    ``dv = Pᵀ do``, ``dP = do vᵀ``, ``dS = P ∘ (dP - rowsum(P ∘ dP))``, ``dq = scale · dS k``,
+    ``dk = scale · dSᵀ q``.  Masked entries and fully masked rows have P = 0, so they contribute nothing.
+    """
+    q, k, v, (do,) = _check_inputs(q, k, v, [("do", do)])
+    P, _, scale = _softmax(q, k, causal, scale, mask)
+    dv = np.swapaxes(P, -1, -2) @ do
+    dP = do @ np.swapaxes(v, -1, -2)
+    D = (P * dP).sum(axis=-1, keepdims=True)              # D_i = rowsum(P ∘ dP) = rowsum(do ∘ o)
+    dS = P * (dP - D)
+    dq = scale * (dS @ k)
+    dk = scale * (np.swapaxes(dS, -1, -2) @ q)
+    return dq, dk, dv
+
+
+def expand_block_mask(block_mask, Nq, Nk, Br, Bc):
+    """Element mask ``(..., Nq, Nk)`` from a block mask ``(..., ceil(Nq/Br), ceil(Nk/Bc))``.
+
+    Block ``(I, J)`` covers queries ``I·Br .. I·Br+Br-1`` and keys ``J·Bc .. J·Bc+Bc-1`` (the last block
+    row/column is cut at ``Nq``/``Nk``); ``mask[i, j] = block_mask[i // Br, j // Bc]``.
+    """
+    for name, n in (("Nq", Nq), ("Nk", Nk), ("Br", Br), ("Bc", Bc)):
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"{name} must be a positive integer, got {n!r}")
+    block_mask = np.asarray(block_mask)
+    if block_mask.dtype != np.bool_:
+        raise TypeError(f"block_mask must be a boolean array (True = compute the block), got dtype {block_mask.dtype}")
+    Tr, Tc = -(-Nq // Br), -(-Nk // Bc)
+    if block_mask.ndim < 2 or block_mask.shape[-2:] != (Tr, Tc):
+        raise ValueError(f"block_mask must have shape (..., {Tr}, {Tc}) = (..., ceil(Nq/Br), ceil(Nk/Bc)) for "
+                         f"Nq={Nq}, Nk={Nk}, Br={Br}, Bc={Bc}; got {block_mask.shape}")
+    mask = np.repeat(np.repeat(block_mask, Br, axis=-2), Bc, axis=-1)
+    return np.ascontiguousarray(mask[..., :Nq, :Nk])
