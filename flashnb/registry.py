@@ -27,10 +27,16 @@ class KernelSpec:
     factory: Callable[..., Any]
     signature: str | Callable[..., str]
     configs: list[dict] = field(default_factory=lambda: [{}])
+    threads: int | Callable[..., int] | None = None  # threads per block (int or f(**config)); for occupancy
 
     def signature_for(self, config: dict) -> str:
         sig = self.signature
         return sig(**config) if callable(sig) else sig
+
+    def threads_for(self, config: dict) -> int | None:
+        """Threads per block the launcher uses with ``config`` (None when the spec does not say)."""
+        t = self.threads
+        return int(t(**config)) if callable(t) else (None if t is None else int(t))
 
     def instances(self):
         """Yield ``(config, kernel, signature)`` for every configuration the guard compiles."""
@@ -41,19 +47,21 @@ class KernelSpec:
 KERNELS: dict[str, KernelSpec] = {}
 
 
-def kernel_factory(name: str, *, stage: str, signature, configs=None):
+def kernel_factory(name: str, *, stage: str, signature, configs=None, threads=None):
     """Register a kernel factory; the factory is memoised so each configuration compiles once.
 
     ``signature`` is the Numba signature string the kernel is launched with (or a function of the
     configuration returning it); ``configs`` are keyword-argument dicts covering every code path the
     guard must compile (e.g. ``causal`` True and False, the smallest and largest head dim).
+    ``threads`` (optional) is the block size the launcher uses -- an int or a function of the
+    configuration -- so ``flashnb inspect`` can work out occupancy.
     """
 
     def decorate(factory):
         cached = functools.lru_cache(maxsize=None)(factory)
         if name in KERNELS:
             raise ValueError(f"kernel {name!r} registered twice")
-        KERNELS[name] = KernelSpec(name, stage, cached, signature, list(configs or [{}]))
+        KERNELS[name] = KernelSpec(name, stage, cached, signature, list(configs or [{}]), threads)
         return cached
 
     return decorate

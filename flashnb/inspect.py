@@ -1,0 +1,607 @@
+"""What a kernel costs on a real GPU, found without one: registers, shared memory, spills, occupancy.
+
+Every number here comes from compiling the kernel for a real architecture -- ``numba.cuda.compile_ptx``
+(NVVM) and then ``ptxas -v`` (the assembler that produces the machine code) -- never from the simulator.
+
+* :func:`resources_for` / :func:`resources` -- compile one kernel for one compute capability and return a
+  :class:`Resources` (registers per thread, static shared memory, stack, spill bytes, ``.f64`` count).
+* :func:`occupancy` -- resident blocks and warps per SM from those resources and the published per-SM
+  limits in :data:`SM_LIMITS`, and which limit binds.
+* :func:`guard_kernel` -- the PTX guard's list of problems (float64 instructions, > 48 KiB static shared
+  memory, spills, compile errors).
+* :func:`report` / :func:`main_inspect` -- the table behind ``flashnb inspect``.
+
+In simulator mode ``numba.cuda.compile_ptx`` does not exist (``NUMBA_ENABLE_CUDASIM`` is read once per
+process), so the compilation runs in a child Python process started with ``FLASHNB_DEVICE=gpu``; NVVM and
+ptxas need no driver and no GPU.  Results are cached per (kernel, config, cc) in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from . import runtime
+from .registry import KERNELS, KernelSpec
+
+__all__ = [
+    "SMLimits", "SM_LIMITS", "Occupancy", "Resources", "occupancy", "resources", "resources_for",
+    "resources_many", "guard_kernel", "problems", "report", "format_report", "main_inspect", "find_ptxas",
+    "MAX_STATIC_SHARED",
+]
+
+MAX_STATIC_SHARED = 48 * 1024  # bytes of *static* shared memory one block may declare (all cc >= 2.0)
+
+
+# --------------------------------------------------------------------------- per-SM limits
+
+
+@dataclass(frozen=True)
+class SMLimits:
+    """Per-SM resource limits of one compute capability.
+
+    Sources: CUDA C++ Programming Guide, "Technical Specifications per Compute Capability" (registers,
+    warps, blocks, shared memory per SM, 48 KiB static shared per block, 255 registers per thread), and
+    ``cuda_occupancy.h`` from the CUDA 12.9 runtime (shipped in the nvidia-cuda-runtime-cu12 wheel):
+    register allocation unit 256 per warp, 4 sub-partitions per SM (registers are split between them),
+    shared memory allocation unit 128 bytes, and 1 KiB of shared memory reserved per block on cc >= 8.0
+    (``cudaDevAttrReservedSharedMemoryPerBlock``).
+    """
+
+    cc: tuple[int, int]
+    gpus: str
+    regs_per_sm: int = 64 * 1024
+    max_regs_per_block: int = 64 * 1024
+    max_regs_per_thread: int = 255
+    reg_alloc_unit: int = 256        # registers are allocated per warp in units of 256
+    sub_partitions: int = 4          # each SM's register file is split over 4 sub-partitions
+    max_warps_per_sm: int = 64
+    max_blocks_per_sm: int = 32
+    max_threads_per_block: int = 1024
+    smem_per_sm: int = 164 * 1024    # usable shared memory per SM at the maximum carve-out
+    smem_alloc_unit: int = 128
+    reserved_smem_per_block: int = 1024
+    max_static_smem_per_block: int = MAX_STATIC_SHARED
+
+
+SM_LIMITS: dict[tuple[int, int], SMLimits] = {
+    # A100 (GA100): 164 KB shared per SM (of the 192 KB L1/shared array), 32 blocks, 64 warps.
+    (8, 0): SMLimits((8, 0), "A100", smem_per_sm=164 * 1024, max_blocks_per_sm=32),
+    # H100/H200 (GH100): 228 KB shared per SM (of the 256 KB L1/shared array), 32 blocks, 64 warps.
+    (9, 0): SMLimits((9, 0), "H100/H200", smem_per_sm=228 * 1024, max_blocks_per_sm=32),
+}
+
+
+def _limits(cc) -> SMLimits:
+    cc = tuple(cc)
+    if cc not in SM_LIMITS:
+        raise ValueError(f"cc must be one of {sorted(SM_LIMITS)} (published per-SM limits known), got {cc}")
+    return SM_LIMITS[cc]
+
+
+def _round_up(x: int, unit: int) -> int:
+    return -(-x // unit) * unit
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """Resident blocks per SM for one kernel at one block size, and the limit that binds.
+
+    ``limits`` maps each resource (``warps``, ``blocks``, ``registers``, ``shared memory``) to the number
+    of blocks it alone would allow; ``limiter`` names the smallest (ties: the first in that order, so
+    registers or shared memory are named only when they cost blocks the warp/block caps would allow).
+    """
+
+    cc: tuple[int, int]
+    threads_per_block: int
+    blocks_per_sm: int
+    warps_per_sm: int
+    occupancy: float               # resident warps / max warps per SM
+    limiter: str
+    limits: dict = field(default_factory=dict)
+
+
+def occupancy(registers: int, shared_bytes: int, threads_per_block: int, cc=(9, 0)) -> Occupancy:
+    """Blocks per SM the hardware can keep resident, following ``cuda_occupancy.h`` (CUDA 12.9).
+
+    * registers: ``regs_per_warp = round_up(registers · 32, 256)``; each of the 4 sub-partitions holds
+      ``floor(16384 / regs_per_warp)`` warps, so ``blocks = 4 · that // warps_per_block``;
+    * shared memory: ``round_up(static + 1 KiB reserved, 128)`` per block out of the SM's shared memory;
+    * warps: ``64 // warps_per_block``; blocks: 32.
+    A block that cannot fit at all (too many registers or shared bytes for one block) gives 0 blocks.
+    """
+    lim = _limits(cc)
+    if threads_per_block <= 0 or threads_per_block > lim.max_threads_per_block:
+        raise ValueError(f"threads_per_block must be in 1..{lim.max_threads_per_block}, got {threads_per_block}")
+    if registers < 0 or shared_bytes < 0:
+        raise ValueError(f"registers and shared_bytes must be >= 0, got {registers}, {shared_bytes}")
+    warps = -(-threads_per_block // 32)
+    # registers
+    regs_per_warp = _round_up(registers * 32, lim.reg_alloc_unit)
+    if registers > lim.max_regs_per_thread or regs_per_warp * _round_up(warps, lim.sub_partitions) > \
+            lim.max_regs_per_block:
+        by_regs = 0
+    elif regs_per_warp == 0:
+        by_regs = lim.max_blocks_per_sm
+    else:
+        warps_per_sub = (lim.regs_per_sm // lim.sub_partitions) // regs_per_warp
+        by_regs = warps_per_sub * lim.sub_partitions // warps
+    # shared memory
+    smem_alloc = _round_up(shared_bytes + lim.reserved_smem_per_block, lim.smem_alloc_unit)
+    if shared_bytes > lim.max_static_smem_per_block or smem_alloc > lim.smem_per_sm:
+        by_smem = 0
+    else:
+        by_smem = lim.smem_per_sm // smem_alloc
+    by_warps = lim.max_warps_per_sm // warps
+    by_blocks = lim.max_blocks_per_sm
+    # On a tie the hardware caps (warps, blocks) are named: a resource binds only when it alone costs blocks.
+    limits = {"warps": by_warps, "blocks": by_blocks, "registers": by_regs, "shared memory": by_smem}
+    blocks = min(limits.values())
+    limiter = min(limits, key=lambda k: limits[k])  # dict order breaks ties
+    return Occupancy(tuple(cc), threads_per_block, blocks, blocks * warps,
+                     blocks * warps / lim.max_warps_per_sm, limiter, limits)
+
+
+# --------------------------------------------------------------------------- compiled resources
+
+
+@dataclass
+class Resources:
+    """What ptxas reports for one kernel compiled for one compute capability (all sizes in bytes).
+
+    ``registers`` etc. are None when ptxas could not run (``error`` says why); ``shared_bytes`` then
+    falls back to the sum of the PTX's ``.shared`` declarations.  ``f64_count`` counts PTX lines with a
+    ``.f64`` type -- each one a float64 operation (usually a Python float literal in the kernel).
+    """
+
+    name: str
+    config: dict
+    cc: tuple[int, int]
+    registers: int | None = None
+    shared_bytes: int | None = None
+    stack_bytes: int | None = None          # per-thread stack frame (local memory)
+    spill_store_bytes: int | None = None
+    spill_load_bytes: int | None = None
+    f64_count: int = 0
+    threads: int | None = None              # block size the launcher uses, when known
+    error: str | None = None
+    ptxas_log: str = field(default="", repr=False)
+    ptx: str | None = field(default=None, repr=False)
+
+    @property
+    def ptx_available(self) -> bool:
+        return self.ptx is not None
+
+    @property
+    def spill_bytes(self) -> int | None:
+        if self.spill_store_bytes is None or self.spill_load_bytes is None:
+            return None
+        return self.spill_store_bytes + self.spill_load_bytes
+
+    def occupancy(self, threads_per_block: int | None = None, cc=None) -> Occupancy:
+        """Occupancy at ``threads_per_block`` (default: the launcher's block size) on ``cc`` (default:
+        the cc compiled for)."""
+        threads = threads_per_block if threads_per_block is not None else self.threads
+        if threads is None:
+            raise ValueError(f"{self.name}: threads_per_block unknown (pass it, or register threads=)")
+        if self.registers is None:
+            raise ValueError(f"{self.name}: no register count ({self.error})")
+        return occupancy(self.registers, self.shared_bytes or 0, threads, cc or self.cc)
+
+    def problems(self, max_shared: int = MAX_STATIC_SHARED) -> list[str]:
+        return problems(self, max_shared=max_shared)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["cc"] = list(self.cc)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Resources":
+        d = dict(d)
+        d["cc"] = tuple(d["cc"])
+        return cls(**d)
+
+
+def problems(res: Resources, *, max_shared: int = MAX_STATIC_SHARED) -> list[str]:
+    """The PTX guard: everything that would make this kernel wrong or slow on a real GPU."""
+    out = []
+    where = f"{res.name} {res.config} sm_{res.cc[0]}{res.cc[1]}"
+    if res.error:
+        out.append(f"{where}: compile error: {res.error}")
+    if res.f64_count:
+        out.append(f"{where}: {res.f64_count} float64 (.f64) PTX lines -- a Python float literal or "
+                   "unwrapped math result in the kernel (use float32(...) / common constants)")
+    if res.shared_bytes is not None and res.shared_bytes > max_shared:
+        out.append(f"{where}: {res.shared_bytes} bytes static shared memory > {max_shared} (48 KiB)")
+    if res.spill_bytes:
+        out.append(f"{where}: register spills ({res.spill_store_bytes} B stored, {res.spill_load_bytes} B "
+                   "loaded per thread)")
+    if res.error is None and res.registers is None:
+        out.append(f"{where}: no ptxas report (ptxas not found?)")
+    return out
+
+
+def find_ptxas() -> str | None:
+    """Path of a ptxas binary: the nvidia-cuda-nvcc wheel's (via cuda.pathfinder or the package path),
+    then ``$CUDA_HOME/bin``, then PATH."""
+    with contextlib.suppress(Exception):
+        from cuda import pathfinder
+
+        found = pathfinder.find_nvidia_binary_utility("ptxas")
+        if found:
+            return str(found)
+    with contextlib.suppress(Exception):
+        import nvidia.cuda_nvcc as nvcc
+
+        for base in list(nvcc.__path__):
+            cand = Path(base) / "bin" / "ptxas"
+            if cand.is_file():
+                return str(cand)
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            cand = Path(os.environ[env]) / "bin" / "ptxas"
+            if cand.is_file():
+                return str(cand)
+    return shutil.which("ptxas")
+
+
+_SHARED_DECL = re.compile(r"^\s*(?:\.visible\s+|\.extern\s+)?\.shared\s+.*?\.b8\s+\S+\[(\d+)\]", re.M)
+_F64 = re.compile(r"\.f64\b")
+
+
+def _parse_ptxas(log: str, res: Resources) -> None:
+    m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if m:
+        res.stack_bytes, res.spill_store_bytes, res.spill_load_bytes = map(int, m.groups())
+    m = re.search(r"Used (\d+) registers", log)
+    if m:
+        res.registers = int(m.group(1))
+    m = re.search(r"(\d+) bytes smem", log)
+    res.shared_bytes = int(m.group(1)) if m else (0 if res.registers is not None else res.shared_bytes)
+
+
+def _ptx_resources(ptx: str, name: str, config: dict, cc) -> Resources:
+    res = Resources(name, dict(config), tuple(cc), ptx=ptx)
+    res.f64_count = sum(1 for line in ptx.splitlines() if _F64.search(line) and not line.lstrip().startswith("//"))
+    res.shared_bytes = sum(int(n) for n in _SHARED_DECL.findall(ptx))
+    ptxas = find_ptxas()
+    if ptxas is None:
+        return res
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        proc = subprocess.run([ptxas, "-v", f"-arch=sm_{cc[0]}{cc[1]}", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                              capture_output=True, text=True)
+    res.ptxas_log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        errs = [ln for ln in res.ptxas_log.splitlines() if "error" in ln.lower() or "fatal" in ln.lower()]
+        res.error = "ptxas: " + ("; ".join(errs) or res.ptxas_log.strip()[-500:])
+        return res
+    _parse_ptxas(res.ptxas_log, res)
+    return res
+
+
+@contextlib.contextmanager
+def _fake_device(cc):
+    """Without a driver, numba asks ``get_current_device()`` for the cc when a kernel calls a device
+    function; answer with the cc being compiled for (only when no driver/GPU is present)."""
+    import numba.cuda.dispatcher as dispatcher
+
+    if runtime.driver_device_count() > 0:
+        yield
+        return
+
+    class _Device:
+        compute_capability = tuple(cc)
+        name = f"(no GPU: compiling for sm_{cc[0]}{cc[1]})"
+
+    saved = dispatcher.get_current_device
+    dispatcher.get_current_device = lambda: _Device()
+    try:
+        yield
+    finally:
+        dispatcher.get_current_device = saved
+
+
+def _compile_here(kernel, signature: str, cc, name: str, config: dict) -> Resources:
+    from numba import cuda
+
+    if cuda.compile_ptx is None:  # pragma: no cover - guarded by callers
+        raise RuntimeError("compile_ptx is unavailable in simulator mode")
+    py_func = getattr(kernel, "py_func", kernel)
+    try:
+        with _fake_device(cc):
+            ptx, _ = cuda.compile_ptx(py_func, signature, cc=tuple(cc))
+    except Exception as exc:  # a kernel that doesn't compile is a guard finding, not a crash
+        first = str(exc).strip().splitlines()
+        return Resources(name, dict(config), tuple(cc), error=f"{type(exc).__name__}: {first[0] if first else ''}")
+    return _ptx_resources(ptx, name, config, cc)
+
+
+def _key(name: str, config: Mapping, cc) -> tuple:
+    return (name, json.dumps(dict(config), sort_keys=True, default=str), tuple(cc))
+
+
+_CACHE: dict[tuple, Resources] = {}
+
+
+def _threads(spec: KernelSpec | None, config: dict) -> int | None:
+    if spec is None:
+        return None
+    with contextlib.suppress(AttributeError):
+        return spec.threads_for(config)
+    return None
+
+
+def _run_job(job: dict) -> Resources:
+    """Compile one job in this (GPU-mode) process.  A job names a registered kernel
+    (``name``, ``config``) or a module-level kernel (``path`` or ``module``, ``attr``, ``signature``)."""
+    cc = tuple(job["cc"])
+    if "attr" in job:
+        if job.get("path"):
+            spec = importlib.util.spec_from_file_location(f"_flashnb_inspect_{abs(hash(job['path']))}", job["path"])
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = mod
+            spec.loader.exec_module(mod)
+        else:
+            mod = importlib.import_module(job["module"])
+        obj = mod
+        for part in job["attr"].split("."):
+            obj = getattr(obj, part)
+        return _compile_here(obj, job["signature"], cc, job.get("name", job["attr"]), job.get("config", {}))
+    spec = KERNELS[job["name"]]
+    config = job["config"]
+    res = _compile_here(spec.factory(**config), spec.signature_for(config), cc, spec.name, config)
+    res.threads = _threads(spec, config)
+    return res
+
+
+def _worker() -> None:
+    """Child-process entry point: JSON jobs on stdin, JSON results on stdout."""
+    import flashnb  # noqa: F401  (registers every stage)
+
+    jobs = json.load(sys.stdin)
+    keep_ptx = bool(jobs.get("keep_ptx"))
+    out = []
+    for job in jobs["jobs"]:
+        try:
+            res = _run_job(job)
+        except Exception as exc:
+            res = Resources(job.get("name", job.get("attr", "?")), job.get("config", {}), tuple(job["cc"]),
+                            error=f"{type(exc).__name__}: {exc}")
+        if not keep_ptx:
+            res.ptx = None
+        out.append(res.to_json())
+    sys.stdout.write("\n@@FLASHNB-JSON@@\n" + json.dumps(out))
+
+
+def _in_subprocess(jobs: list[dict], keep_ptx: bool = False, timeout: float = 1800) -> list[Resources]:
+    env = dict(os.environ)
+    env["FLASHNB_DEVICE"] = "gpu"
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.run([sys.executable, "-c", "from flashnb.inspect import _worker; _worker()"],
+                          input=json.dumps({"jobs": jobs, "keep_ptx": keep_ptx}), capture_output=True,
+                          text=True, env=env, timeout=timeout)
+    marker = "\n@@FLASHNB-JSON@@\n"
+    if proc.returncode != 0 or marker not in proc.stdout:
+        raise RuntimeError(f"PTX compile subprocess failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return [Resources.from_json(d) for d in json.loads(proc.stdout.split(marker, 1)[1])]
+
+
+def _can_compile_here() -> bool:
+    if runtime.is_simulator():
+        return False
+    from numba import cuda
+
+    return cuda.compile_ptx is not None
+
+
+def resources_many(jobs: Iterable[tuple[str, dict, tuple[int, int]]], *, keep_ptx: bool = False) -> list[Resources]:
+    """Compile many registered ``(name, config, cc)`` at once (one child process in simulator mode)."""
+    jobs = [(n, dict(c), tuple(cc)) for n, c, cc in jobs]
+    for n, _, cc in jobs:
+        if n not in KERNELS:
+            raise ValueError(f"name must be a registered kernel ({sorted(KERNELS)}), got {n!r}")
+        _limits(cc)
+    originals = {_key(*j): j for j in jobs}
+    todo = [k for k in originals if k not in _CACHE or (keep_ptx and _CACHE[k].ptx is None)]
+    if todo:
+        raw = [dict(name=originals[k][0], config=originals[k][1], cc=list(k[2])) for k in todo]
+        if _can_compile_here():
+            results = [_run_job(j) for j in raw]
+            if not keep_ptx:
+                for r in results:
+                    r.ptx = None
+        else:
+            results = _in_subprocess(raw, keep_ptx=keep_ptx)
+        for k, r in zip(todo, results):
+            _CACHE[k] = r
+    return [_CACHE[_key(*j)] for j in jobs]
+
+
+def resources_for(name: str, config: Mapping | None = None, cc=(9, 0), *, keep_ptx: bool = False) -> Resources:
+    """Resources of the registered kernel ``name`` built with ``config`` (default: its first config)."""
+    if name not in KERNELS:
+        raise ValueError(f"name must be a registered kernel ({sorted(KERNELS)}), got {name!r}")
+    if config is None:
+        config = KERNELS[name].configs[0]
+    return resources_many([(name, dict(config), cc)], keep_ptx=keep_ptx)[0]
+
+
+def _same_kernel(a, b) -> bool:
+    """Same factory-made kernel: identical object, or same code with equal closure constants (the factory
+    cache keys positional and keyword calls apart, so equal configs can give two objects)."""
+    if a is b:
+        return True
+    fa, fb = getattr(a, "py_func", None), getattr(b, "py_func", None)
+    if fa is None or fb is None or fa.__code__ is not fb.__code__:
+        return False
+    cells = lambda f: tuple(c.cell_contents for c in (f.__closure__ or ()))
+    with contextlib.suppress(Exception):
+        return cells(fa) == cells(fb)
+    return False
+
+
+def _registered(kernel) -> tuple[str, dict] | None:
+    for spec in KERNELS.values():
+        for config in spec.configs:
+            with contextlib.suppress(Exception):
+                if _same_kernel(spec.factory(**config), kernel):
+                    return spec.name, config
+    return None
+
+
+def _signature_from_args(args) -> str:
+    from numba import typeof
+
+    return "void(" + ", ".join(str(typeof(a)) for a in args) + ")"
+
+
+def resources(kernel, signature_or_example_args, cc=(9, 0), *, keep_ptx: bool = True) -> Resources:
+    """Resources of any ``@cuda.jit`` kernel, given its signature string or example arguments.
+
+    A kernel made by a registered factory is compiled by registry name; any other kernel must be defined
+    at module level (so a child process can import it) when called in simulator mode.
+    """
+    _limits(cc)
+    sig = (signature_or_example_args if isinstance(signature_or_example_args, str)
+           else _signature_from_args(signature_or_example_args))
+    found = _registered(kernel)
+    if found is not None and sig == KERNELS[found[0]].signature_for(found[1]):
+        return resources_for(found[0], found[1], cc, keep_ptx=keep_ptx)
+    py_func = getattr(kernel, "py_func", kernel)
+    name = f"{py_func.__module__}.{py_func.__qualname__}"
+    key = ("<kernel>" + name, sig, tuple(cc))
+    if key in _CACHE:
+        return _CACHE[key]
+    if _can_compile_here():
+        res = _compile_here(kernel, sig, cc, name, {})
+    else:
+        if "<locals>" in py_func.__qualname__:
+            raise TypeError(f"{name}: in simulator mode only registered or module-level kernels can be "
+                            "compiled (the compile runs in a child process that imports them)")
+        import inspect as _std_inspect
+
+        path = _std_inspect.getsourcefile(py_func)
+        res = _in_subprocess([dict(path=path, attr=py_func.__qualname__, signature=sig, cc=list(cc), name=name)],
+                             keep_ptx=keep_ptx)[0]
+    _CACHE[key] = res
+    return res
+
+
+def guard_kernel(spec: KernelSpec | str, config: Mapping | None = None, cc=(9, 0)) -> list[str]:
+    """The PTX guard for one registered kernel configuration: a list of problems (empty = clean)."""
+    name = spec if isinstance(spec, str) else spec.name
+    return problems(resources_for(name, config, cc))
+
+
+# --------------------------------------------------------------------------- report / CLI
+
+
+def _threads_for(spec: KernelSpec, config: dict, threads) -> int | None:
+    if threads is None:
+        return _threads(spec, config)
+    if isinstance(threads, Mapping):
+        t = threads.get(spec.name)
+        if t is None:
+            return _threads(spec, config)
+        return int(t(**config)) if callable(t) else int(t)
+    return int(threads)
+
+
+def report(ccs=((8, 0), (9, 0)), threads=None, names: Iterable[str] | None = None) -> list[dict]:
+    """One row per (registered kernel, config, cc): resources, occupancy and its limiter.
+
+    ``threads`` overrides the block size used for occupancy: an int for every kernel, or a mapping
+    ``{name: int | f(**config)}``; otherwise the spec's ``threads`` is used (occupancy blank if unknown).
+    """
+    specs = [KERNELS[n] for n in (names if names is not None else KERNELS)]
+    jobs = [(s.name, c, tuple(cc)) for s in specs for c in s.configs for cc in ccs]
+    results = resources_many(jobs)
+    rows = []
+    for (name, config, cc), res in zip(jobs, results):
+        t = _threads_for(KERNELS[name], config, threads)
+        row = dict(name=name, config=config, cc=cc, regs=res.registers, smem=res.shared_bytes,
+                   stack=res.stack_bytes, spills=res.spill_bytes, f64=res.f64_count, threads=t,
+                   blocks_per_sm=None, warps_per_sm=None, occupancy=None, limiter=None,
+                   problems=problems(res))
+        if t is not None and res.registers is not None:
+            occ = occupancy(res.registers, res.shared_bytes or 0, t, cc)
+            row.update(blocks_per_sm=occ.blocks_per_sm, warps_per_sm=occ.warps_per_sm,
+                       occupancy=occ.occupancy, limiter=occ.limiter)
+        rows.append(row)
+    return rows
+
+
+def _fmt_config(config: dict) -> str:
+    return ",".join(f"{k}={'T' if v is True else 'F' if v is False else v}" for k, v in config.items()) or "-"
+
+
+def format_report(rows: list[dict]) -> str:
+    """The report as a fixed-width text table."""
+    head = ["kernel", "config", "sm", "regs", "smem", "stack", "spill", "f64", "thr", "blk/SM", "warps",
+            "occ", "limiter", "guard"]
+    table = [head]
+    dash = "-"
+    for r in rows:
+        table.append([
+            r["name"], _fmt_config(r["config"]), f"{r['cc'][0]}{r['cc'][1]}",
+            *(dash if r[k] is None else str(r[k]) for k in ("regs", "smem", "stack", "spills", "f64", "threads",
+                                                             "blocks_per_sm", "warps_per_sm")),
+            dash if r["occupancy"] is None else f"{r['occupancy']:.0%}", r["limiter"] or dash,
+            "ok" if not r["problems"] else f"{len(r['problems'])} problem(s)",
+        ])
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i < 2 or i >= 12 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    notes = [p for r in rows for p in r["problems"]]
+    foot = ["", "regs: registers/thread; smem: static shared bytes/block; stack, spill: bytes/thread (ptxas -v);",
+            "occupancy from the published per-SM limits (flashnb.inspect.SM_LIMITS), at thr threads/block."]
+    return "\n".join(lines + foot + (["", "problems:"] + ["  " + p for p in notes] if notes else []))
+
+
+def main_inspect(argv=None) -> int:
+    """``flashnb inspect``: print the resource/occupancy table of every registered kernel."""
+    p = argparse.ArgumentParser(prog="flashnb inspect", description=main_inspect.__doc__)
+    p.add_argument("--cc", action="append", default=None, metavar="MAJOR.MINOR",
+                   help="compute capability to compile for (repeatable; default 8.0 and 9.0)")
+    p.add_argument("--threads", type=int, default=None, help="threads per block for every kernel's occupancy")
+    p.add_argument("--kernel", action="append", default=None, help="only this registered kernel (repeatable)")
+    p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    args = p.parse_args(argv)
+    try:
+        ccs = [tuple(int(x) for x in s.split(".")) for s in args.cc] if args.cc else [(8, 0), (9, 0)]
+        for cc in ccs:
+            _limits(cc)
+        names = args.kernel
+        if names:
+            for n in names:
+                if n not in KERNELS:
+                    raise ValueError(f"--kernel must be one of {sorted(KERNELS)}, got {n!r}")
+    except ValueError as exc:
+        p.error(str(exc))
+    rows = report(ccs, threads=args.threads, names=names)
+    if args.json:
+        print(json.dumps(rows, default=list, indent=1))
+    else:
+        print(format_report(rows))
+    return 1 if any(r["problems"] for r in rows) else 0
+
+
+def _main(argv=None) -> Any:  # pragma: no cover
+    return main_inspect(argv)
