@@ -1,0 +1,549 @@
+"""Count the memory traffic of every kernel launch, on the Numba CUDA simulator, without touching kernels.
+
+::
+
+    with flashnb.traffic.count() as t:
+        flashnb.attention_forward(q, k, v, impl="naive")
+    print(t)                                  # a table: launch, array, reads, writes, atomics, bytes
+    t.summary() == flashnb.naive.model_forward(BH, Nq, Nk, d)   # the model format of CONTRIBUTING.md
+
+What is counted, per launch (grid, block, label from :func:`flashnb.common.launch` or the kernel's name):
+
+* **global arrays**, by the kernel's parameter name: element reads (``x = A[i, j]``), element writes
+  (``A[i, j] = x``) and atomics (``cuda.atomic.add(A, i, x)`` is *one* atomic and no read or write);
+  indexing that yields a view (``A[z]``) is not an access, reads and writes through the view count for
+  ``A``;
+* **shared arrays** (``cuda.shared.array``), by the variable they are assigned to in the kernel source
+  (``As = cuda.shared.array(...)`` is ``"As"``): element reads and writes (and atomics, reported apart);
+* local arrays (``cuda.local.array``) and scalars are registers/local memory: not counted.
+
+These are *program-level element accesses* -- what the kernel asks for -- not DRAM bytes: a real GPU
+coalesces, caches and replays.  Bytes are elements × itemsize.
+
+Mechanism (simulator only).  While a counter is active, a top-level launch of a simulated kernel
+(``FakeCUDAKernel.__call__``) gets one extra argument extension whose ``prepare_args`` hands the kernel a
+counting proxy for each array argument; ``FakeCUDAShared.array`` returns a counting proxy of the shared
+allocation (keyed, like the simulator does, by the *kernel's* source file and line, so two shared arrays
+never alias); ``FakeCUDAAtomic``'s functions count one atomic and then work on the unwrapped array.
+Counters are per simulator thread (no lock on the hot path) and summed when the launch ends.  The
+patches are installed on the first :func:`count` and stay installed, inert, when nothing is counting
+(they then behave exactly like the simulator's own code).  Nothing else of the simulator is replaced, so
+other patches (e.g. ``flashnb.sim``'s barrier and warp shuffles) compose with these.
+
+Counting needs the simulator: in GPU mode :func:`count` raises :class:`TrafficError`.
+"""
+
+from __future__ import annotations
+
+import html
+import inspect
+import linecache
+import os
+import re
+import sys
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import runtime
+from .common import current_label
+
+__all__ = ["count", "Traffic", "LaunchTraffic", "TrafficError"]
+
+
+class TrafficError(RuntimeError):
+    """Traffic counting is impossible here (GPU mode) or was misused (a counter entered twice)."""
+
+
+# --------------------------------------------------------------------------- per-launch recording
+
+_stack: list["Traffic"] = []     # active counters, outermost first: every launch is recorded in all of them
+_current: "_Recorder | None" = None  # the launch being counted (the simulator runs one launch at a time)
+_install_lock = threading.Lock()
+_installed = False
+
+
+class _Recorder:
+    """Counts of one launch in progress: one dict per simulator thread, summed by :meth:`finish`."""
+
+    def __init__(self):
+        self.tls = threading.local()
+        self.per_thread: list[dict] = []
+        self.lock = threading.Lock()
+        self.itemsize: dict[str, int] = {}
+        self.shared_names: dict[tuple, str] = {}
+
+    def new_thread(self) -> dict:
+        c: dict = {}
+        self.tls.c = c
+        with self.lock:
+            self.per_thread.append(c)
+        return c
+
+    def shared_name(self, key) -> str:
+        name = self.shared_names.get(key)
+        if name is None:
+            with self.lock:
+                name = self.shared_names.get(key)
+                if name is None:
+                    name = _shared_var_name(*key)
+                    if name in self.shared_names.values():  # same variable name at another line: disambiguate
+                        name = f"{name}@{os.path.basename(key[0])}:{key[1]}"
+                    self.shared_names[key] = name
+        return name
+
+    def totals(self) -> dict:
+        out: dict = {}
+        for c in self.per_thread:
+            for k, v in c.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+
+def _bump(rec: _Recorder, key, n: int) -> None:
+    try:
+        c = rec.tls.c
+    except AttributeError:
+        c = rec.new_thread()
+    c[key] = c.get(key, 0) + n
+
+
+class _Counted:
+    """A counting stand-in for an array inside a simulated kernel.
+
+    Scalar element reads/writes bump this thread's counters under the array's name; indexing that yields
+    a sub-array returns a view proxy sharing the name (and so the counts).
+    """
+
+    __slots__ = ("_a", "_rec", "_kr", "_kw", "_ka", "shape", "ndim", "size", "dtype", "_fake_shape")
+
+    def __init__(self, a: np.ndarray, rec: _Recorder, keys: tuple, fake_shape: bool):
+        self._a = a
+        self._rec = rec
+        self._kr, self._kw, self._ka = keys
+        self._fake_shape = fake_shape
+        self.shape = _FakeShape(a.shape) if fake_shape else a.shape
+        self.ndim = a.ndim
+        self.size = a.size
+        self.dtype = a.dtype
+
+    def _view(self, sub):
+        return _Counted(sub, self._rec, (self._kr, self._kw, self._ka), self._fake_shape)
+
+    def __getitem__(self, idx):
+        r = self._a[idx]
+        if type(r) is np.ndarray:
+            return self._view(r)
+        try:
+            c = self._rec.tls.c
+        except AttributeError:
+            c = self._rec.new_thread()
+        k = self._kr
+        c[k] = c.get(k, 0) + 1
+        return r
+
+    def __setitem__(self, idx, value):
+        a = self._a
+        if type(value) is _Counted:  # copying from another counted array: the whole right side is read
+            _bump(value._rec, value._kr, value._a.size)
+            value = value._a
+        a[idx] = value
+        if type(idx) is tuple:
+            n = 1
+            if len(idx) != a.ndim or any(type(i) is slice or i is Ellipsis or i is None for i in idx):
+                n = np.size(a[idx])
+        elif a.ndim == 1 and type(idx) is not slice and idx is not Ellipsis and idx is not None:
+            n = 1
+        else:
+            n = np.size(a[idx])
+        try:
+            c = self._rec.tls.c
+        except AttributeError:
+            c = self._rec.new_thread()
+        k = self._kw
+        c[k] = c.get(k, 0) + n
+
+    def __len__(self):
+        return len(self._a)
+
+    def __getattr__(self, name):  # strides, itemsize, nbytes, ... (only reached for names not above)
+        return getattr(self._a, name)
+
+    def __repr__(self):
+        return f"<counted {self._kr[1]!r} {self.dtype}{tuple(self.shape)}>"
+
+
+def _shared_var_name(filename: str, lineno: int) -> str:
+    line = linecache.getline(filename, lineno)
+    m = re.match(r"\s*([A-Za-z_]\w*)\s*(?::[^=]*)?=(?!=)", line)
+    if m:
+        return m.group(1)
+    return f"shared@{os.path.basename(filename)}:{lineno}"
+
+
+# --------------------------------------------------------------------------- simulator patches
+
+
+class _ArgExtension:
+    """Argument extension (the simulator's ``prepare_args`` protocol): arrays become counting proxies."""
+
+    def __init__(self, rec: _Recorder, names: list[str]):
+        self.rec = rec
+        self.names = names
+        self.position = 0
+
+    def prepare_args(self, ty, val, stream=0, retr=None):
+        from numba.cuda.simulator.args import ArgHint, InOut
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray, FakeWithinKernelCUDAArray
+
+        i = self.position
+        self.position += 1
+        name = self.names[i] if i < len(self.names) else f"arg{i}"
+        retr = [] if retr is None else retr
+        # the same conversions the simulator applies after the extensions, so semantics are unchanged
+        if isinstance(val, np.ndarray) and val.ndim > 0:
+            val = InOut(val).to_device(retr)
+        elif isinstance(val, ArgHint):
+            val = val.to_device(retr)
+        if isinstance(val, FakeWithinKernelCUDAArray):
+            val = val._item
+        if isinstance(val, FakeCUDAArray) and type(val._ary) is np.ndarray and val._ary.dtype.fields is None:
+            a = val._ary
+            self.rec.itemsize[name] = a.dtype.itemsize
+            keys = (("r", name), ("w", name), ("a", name))
+            return ty, _Counted(a, self.rec, keys, fake_shape=True)
+        return ty, val
+
+
+_param_names_cache: dict = {}
+
+
+def _param_names(fn) -> list[str]:
+    names = _param_names_cache.get(fn)
+    if names is None:
+        try:
+            names = [p.name for p in inspect.signature(fn).parameters.values()
+                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        except (TypeError, ValueError):
+            names = []
+        _param_names_cache[fn] = names
+    return names
+
+
+def _install() -> None:
+    """Patch three simulator entry points, once; the patches are inert while nothing is counting."""
+    global _installed, _FakeShape
+    with _install_lock:
+        if _installed:
+            return
+        from numba.cuda.simulator import kernel as sim_kernel
+        from numba.cuda.simulator import kernelapi
+        from numba.cuda.simulator.cudadrv.devicearray import FakeShape
+        from numba.cuda import types as nb_types
+        from numba.cuda.np import numpy_support
+
+        _FakeShape = FakeShape
+        call = sim_kernel.FakeCUDAKernel.__call__
+
+        def __call__(self, *args):
+            global _current
+            if self._device or sim_kernel._kernel_context is not None or not _stack or _current is not None:
+                return call(self, *args)
+            rec = _Recorder()
+            ext = _ArgExtension(rec, _param_names(self.fn))
+            self.extensions.append(ext)
+            _current = rec
+            try:
+                result = call(self, *args)
+            finally:
+                _current = None
+                self.extensions.remove(ext)
+            record = LaunchTraffic._from_recorder(
+                rec, label=current_label() or self.fn.__name__, kernel=self.fn.__name__,
+                grid=tuple(self.grid_dim), block=tuple(self.block_dim))
+            for t in list(_stack):
+                t.launches.append(record)
+            return result
+
+        __call__.__wrapped__ = call
+        sim_kernel.FakeCUDAKernel.__call__ = __call__
+
+        shared_array = kernelapi.FakeCUDAShared.array
+
+        def array(self, shape, dtype, alignment=None):
+            if alignment is not None or (not isinstance(shape, tuple) and shape == 0):
+                res = shared_array(self, shape, dtype, alignment)  # dynamic shared: not keyed by caller
+                frame = sys._getframe(1)
+            else:
+                # The simulator's own logic, but keyed by *our* caller's (file, line): calling through
+                # would key every allocation by this line and alias all shared arrays of a kernel.
+                if isinstance(dtype, nb_types.Type):
+                    dtype = numpy_support.as_dtype(dtype)
+                frame = sys._getframe(1)
+                caller = (frame.f_code.co_filename, frame.f_lineno)
+                res = self._allocations.get(caller)
+                if res is None:
+                    res = np.empty(shape, dtype)
+                    self._allocations[caller] = res
+            rec = _current
+            if rec is None:
+                return res
+            name = rec.shared_name((frame.f_code.co_filename, frame.f_lineno))
+            keys = (("sr", name), ("sw", name), ("sa", name))
+            return _Counted(res, rec, keys, fake_shape=False)
+
+        array.__wrapped__ = shared_array
+        kernelapi.FakeCUDAShared.array = array
+
+        def wrap_atomic(fn):
+            def atomic(self, array, *args):
+                if type(array) is _Counted:
+                    _bump(array._rec, array._ka, 1)
+                    array = array._a  # the simulator's read-modify-write on the raw array: not counted
+                return fn(self, array, *args)
+
+            atomic.__wrapped__ = fn
+            atomic.__name__ = fn.__name__
+            return atomic
+
+        for attr, fn in list(vars(kernelapi.FakeCUDAAtomic).items()):
+            if not attr.startswith("__") and callable(fn):
+                setattr(kernelapi.FakeCUDAAtomic, attr, wrap_atomic(fn))
+        _installed = True
+
+
+_FakeShape = tuple  # replaced by the simulator's FakeShape (no negative indexing) on install
+
+
+# --------------------------------------------------------------------------- results
+
+
+def _nonzero(d: dict) -> dict:
+    return {k: v for k, v in d.items() if v}
+
+
+@dataclass
+class LaunchTraffic:
+    """The counts of one kernel launch (elements unless the name says bytes)."""
+
+    label: str
+    kernel: str
+    grid: tuple
+    block: tuple
+    reads: dict = field(default_factory=dict)          # global param -> elements read
+    writes: dict = field(default_factory=dict)         # global param -> elements written
+    atomics: dict = field(default_factory=dict)        # global param -> atomic operations
+    shared_reads: dict = field(default_factory=dict)   # shared array -> elements read
+    shared_writes: dict = field(default_factory=dict)  # shared array -> elements written
+    shared_atomics: dict = field(default_factory=dict)  # shared array -> atomic operations
+    itemsize: dict = field(default_factory=dict)       # global param -> bytes per element
+
+    @classmethod
+    def _from_recorder(cls, rec: _Recorder, **meta) -> "LaunchTraffic":
+        out = cls(**meta, itemsize=dict(rec.itemsize))
+        slot = dict(r=out.reads, w=out.writes, a=out.atomics, sr=out.shared_reads, sw=out.shared_writes,
+                    sa=out.shared_atomics)
+        for (kind, name), n in sorted(rec.totals().items()):
+            if n:
+                slot[kind][name] = n
+        return out
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(n * self.itemsize.get(k, 4) for k, n in self.reads.items())
+
+    @property
+    def write_bytes(self) -> int:
+        return sum(n * self.itemsize.get(k, 4) for k, n in self.writes.items())
+
+    def summary(self) -> dict:
+        """This launch in the traffic-model format of CONTRIBUTING.md."""
+        return dict(launch=self.label, reads=_nonzero(self.reads), writes=_nonzero(self.writes),
+                    atomics=_nonzero(self.atomics), shared_reads=sum(self.shared_reads.values()),
+                    shared_writes=sum(self.shared_writes.values()))
+
+    def rows(self):
+        """(array, kind, reads, writes, atomics, read bytes, written bytes) per array of this launch."""
+        seen = list(self.itemsize)  # parameter order
+        for name in sorted(set(self.reads) | set(self.writes) | set(self.atomics),
+                           key=lambda n: (seen.index(n) if n in seen else len(seen), n)):
+            size = self.itemsize.get(name, 4)
+            r, w = self.reads.get(name, 0), self.writes.get(name, 0)
+            yield name, "global", r, w, self.atomics.get(name, 0), r * size, w * size
+        for name in dict.fromkeys([*self.shared_writes, *self.shared_reads, *self.shared_atomics]):
+            yield (name, "shared", self.shared_reads.get(name, 0), self.shared_writes.get(name, 0),
+                   self.shared_atomics.get(name, 0), None, None)
+
+
+class Traffic:
+    """Counts of every launch made while the ``with`` block ran; see the module docstring.
+
+    ``launches`` is a list of :class:`LaunchTraffic` in launch order.  Nested counters each see the
+    launches made while they are active; one ``Traffic`` cannot be entered twice.
+    """
+
+    def __init__(self):
+        self.launches: list[LaunchTraffic] = []
+        self._state = "new"
+
+    # -- context manager
+    def __enter__(self) -> "Traffic":
+        _check_simulator()
+        if self._state != "new":
+            raise TrafficError("this traffic counter was already used; make a new one with flashnb.traffic.count()")
+        if _current is not None:
+            raise TrafficError("cannot start counting inside a kernel launch")
+        _install()
+        self._state = "active"
+        _stack.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self in _stack:
+            _stack.remove(self)
+        self._state = "done"
+
+    # -- totals (global: elements × itemsize; shared: elements)
+    @property
+    def global_reads(self) -> int:
+        return sum(sum(lt.reads.values()) for lt in self.launches)
+
+    @property
+    def global_writes(self) -> int:
+        return sum(sum(lt.writes.values()) for lt in self.launches)
+
+    @property
+    def global_read_bytes(self) -> int:
+        return sum(lt.read_bytes for lt in self.launches)
+
+    @property
+    def global_write_bytes(self) -> int:
+        return sum(lt.write_bytes for lt in self.launches)
+
+    @property
+    def atomics(self) -> int:
+        """Atomic operations on global arrays (not included in the read/write counts)."""
+        return sum(sum(lt.atomics.values()) for lt in self.launches)
+
+    @property
+    def shared_reads(self) -> int:
+        return sum(sum(lt.shared_reads.values()) for lt in self.launches)
+
+    @property
+    def shared_writes(self) -> int:
+        return sum(sum(lt.shared_writes.values()) for lt in self.launches)
+
+    @property
+    def shared_atomics(self) -> int:
+        return sum(sum(lt.shared_atomics.values()) for lt in self.launches)
+
+    def summary(self) -> list[dict]:
+        """One dict per launch in the model format of CONTRIBUTING.md (compare with ``model_*`` exactly)."""
+        return [lt.summary() for lt in self.launches]
+
+    def totals_by_array(self) -> dict:
+        """Counts summed over launches per array name: ``{name: dict(kind, reads, writes, atomics,
+        read_bytes, write_bytes)}``; global arrays by parameter name (``A`` of two launches of the same
+        kernel add up), shared arrays as ``"shared:NAME"`` (bytes are None for shared arrays)."""
+        out: dict = {}
+        for lt in self.launches:
+            for name, kind, r, w, a, rb, wb in lt.rows():
+                key = name if kind == "global" else f"shared:{name}"
+                e = out.setdefault(key, dict(kind=kind, reads=0, writes=0, atomics=0,
+                                             read_bytes=0 if kind == "global" else None,
+                                             write_bytes=0 if kind == "global" else None))
+                e["reads"] += r
+                e["writes"] += w
+                e["atomics"] += a
+                if kind == "global":
+                    e["read_bytes"] += rb
+                    e["write_bytes"] += wb
+        return out
+
+    def totals_by_launch(self) -> dict:
+        """``{label: dict(read_bytes, write_bytes, atomics, shared_reads, shared_writes)}`` summed over
+        launches with the same label."""
+        out: dict = {}
+        for lt in self.launches:
+            e = out.setdefault(lt.label, dict(read_bytes=0, write_bytes=0, atomics=0, shared_reads=0,
+                                              shared_writes=0))
+            e["read_bytes"] += lt.read_bytes
+            e["write_bytes"] += lt.write_bytes
+            e["atomics"] += sum(lt.atomics.values())
+            e["shared_reads"] += sum(lt.shared_reads.values())
+            e["shared_writes"] += sum(lt.shared_writes.values())
+        return out
+
+    # -- rendering
+    _HEAD = ("launch", "kernel", "grid", "block", "array", "reads", "writes", "atomics", "read B", "written B")
+
+    def _table(self) -> list[tuple]:
+        rows = []
+        for lt in self.launches:
+            first = True
+            arrays = list(lt.rows()) or [("-", "global", 0, 0, 0, 0, 0)]
+            for name, kind, r, w, a, rb, wb in arrays:
+                meta = (lt.label, lt.kernel, _dim(lt.grid), _dim(lt.block)) if first else ("", "", "", "")
+                first = False
+                rows.append((*meta, name if kind == "global" else f"{name} (shared)", f"{r:,}", f"{w:,}",
+                             f"{a:,}", "" if rb is None else _bytes(rb), "" if wb is None else _bytes(wb)))
+        return rows
+
+    def _headline(self) -> str:
+        return (f"{len(self.launches)} launch{'es' if len(self.launches) != 1 else ''}: global "
+                f"{_bytes(self.global_read_bytes)} read, {_bytes(self.global_write_bytes)} written, "
+                f"{self.atomics:,} atomics; shared {self.shared_reads:,} element reads, "
+                f"{self.shared_writes:,} element writes")
+
+    def __str__(self) -> str:
+        rows = [self._HEAD] + self._table()
+        widths = [max(len(r[i]) for r in rows) for i in range(len(self._HEAD))]
+        right = {5, 6, 7, 8, 9}
+        lines = [self._headline()]
+        for j, r in enumerate(rows):
+            lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w)
+                                   for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+            if j == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<flashnb.traffic.Traffic {self._state}, {self._headline()}>"
+
+    def _repr_html_(self) -> str:
+        e = html.escape
+        head = "".join(f"<th>{e(h)}</th>" for h in self._HEAD)
+        body = "".join("<tr>" + "".join(f"<td style='text-align:{'right' if i >= 5 else 'left'}'>{e(c)}</td>"
+                                        for i, c in enumerate(r)) + "</tr>" for r in self._table())
+        return (f"<div><p>{e(self._headline())}</p><table><thead><tr>{head}</tr></thead>"
+                f"<tbody>{body}</tbody></table></div>")
+
+
+def _dim(t: tuple) -> str:
+    t = tuple(t)
+    while len(t) > 1 and t[-1] == 1:
+        t = t[:-1]
+    return "(" + ", ".join(str(x) for x in t) + ")"
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _check_simulator() -> None:
+    if runtime.MODE != "sim":
+        raise TrafficError(
+            "flashnb.traffic.count() needs the Numba CUDA simulator, but this process runs kernels on a GPU "
+            "(flashnb.MODE == 'gpu'). Start a fresh process with FLASHNB_DEVICE=sim (the mode is fixed when "
+            "numba.cuda is first imported) to count element accesses; on a GPU use Nsight Compute for bytes.")
+
+
+def count() -> Traffic:
+    """A new traffic counter: ``with flashnb.traffic.count() as t: ...``; raises :class:`TrafficError` in
+    GPU mode."""
+    _check_simulator()
+    return Traffic()
