@@ -216,10 +216,10 @@ def _mm(acc, name, a, b, c, BH, rows, cols, inner):
     _add(acc, name, {a: m["a_reads"], b: m["b_reads"]}, {c: m["c_writes"]}, m["shared_reads"], m["shared_writes"])
 
 
-def model_forward(BH, Nq, Nk, d):
-    """Expected element reads/writes per launch and per array of :func:`forward` (any causal flag:
-    masking changes values, not accesses).  Returns a list of dicts, one per launch, in launch order;
-    array names are the kernels' parameter names."""
+def model_forward(BH, Nq, Nk, d, *, causal=False):
+    """Expected element reads/writes per launch and per array of :func:`forward` (the causal flag does
+    not matter here: masking changes values, not accesses).  Returns a list of dicts, one per launch, in
+    launch order; array names are the kernels' parameter names."""
     acc = []
     _mm(acc, "S = scale·QKᵀ", "A", "B", "C", BH, Nq, Nk, d)
     _add(acc, "P = softmax(S)", {"S": 3 * BH * Nq * Nk}, {"P": BH * Nq * Nk, "L": BH * Nq})
@@ -227,11 +227,15 @@ def model_forward(BH, Nq, Nk, d):
     return acc
 
 
-def model_backward(BH, Nq, Nk, d):
-    """Expected element reads/writes per launch and per array of :func:`backward` (see model_forward)."""
+def model_backward(BH, Nq, Nk, d, *, causal=False):
+    """Expected element reads/writes per launch and per array of :func:`backward` (see model_forward),
+    for the ``lse`` the forward produces.  One access depends on ``causal``: with Nq > Nk the first
+    Nq - Nk query rows see no key, their L is -inf, and ``p_from_lse`` writes P = 0 there without
+    reading S."""
+    empty_rows = max(0, Nq - Nk) if causal else 0
     acc = []
     _mm(acc, "S = scale·QKᵀ", "A", "B", "C", BH, Nq, Nk, d)
-    _add(acc, "P = exp(S - L)", {"S": BH * Nq * Nk, "L": BH * Nq}, {"P": BH * Nq * Nk})
+    _add(acc, "P = exp(S - L)", {"S": BH * (Nq - empty_rows) * Nk, "L": BH * Nq}, {"P": BH * Nq * Nk})
     _mm(acc, "dV = PᵀdO", "A", "B", "C", BH, Nk, d, Nq)
     _mm(acc, "dP = dO Vᵀ", "A", "B", "C", BH, Nq, Nk, d)
     _add(acc, "dS = P∘(dP - rowsum(P∘dP))", {"P": 2 * BH * Nq * Nk, "dP": 2 * BH * Nq * Nk},
