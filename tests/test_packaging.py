@@ -1,0 +1,160 @@
+"""pyproject.toml (pip) and environment.yml (conda) must list the same runtime packages and pins."""
+
+import copy
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement  # a dependency of pytest itself
+from packaging.utils import canonicalize_name
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    tomllib = pytest.importorskip("tomli")
+yaml = pytest.importorskip("yaml")  # PyYAML: comes with jupytext (test and notebooks extras)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# pip distribution -> conda-forge package(s) providing the same thing.
+PIP_TO_CONDA = {
+    "numba": ("numba",),
+    "numba-cuda": ("numba-cuda",),       # conda-forge's numba-cuda depends on cuda-bindings itself
+    "cuda-toolkit": ("cuda-version",),   # the metapackage's version pin becomes cuda-version=MAJOR.MINOR
+    "numpy": ("numpy",),
+    "matplotlib": ("matplotlib",),
+    "tqdm": ("tqdm",),
+}
+# (pip distribution, extra) -> conda-forge package(s) that the extra pulls in.
+EXTRA_TO_CONDA = {
+    ("numba-cuda", "cu12"): ("libnvjitlink",),
+    ("cuda-toolkit", "cccl"): ("cuda-cccl",),
+    ("cuda-toolkit", "cudart"): ("cuda-cudart",),
+    ("cuda-toolkit", "nvcc"): ("cuda-nvcc-impl",),   # NVVM + ptxas
+    ("cuda-toolkit", "nvrtc"): ("cuda-nvrtc",),
+}
+EXACT_PINS = ("numba", "numba-cuda")  # pinned with == in pyproject, = (or ==) in environment.yml
+
+
+def _load():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    return pyproject, env
+
+
+def _runtime(pyproject):
+    """{canonical pip name: Requirement} of [project] dependencies."""
+    reqs = [Requirement(s) for s in pyproject["project"]["dependencies"]]
+    return {canonicalize_name(r.name): r for r in reqs}
+
+
+def _conda_specs(env):
+    """{conda name: version spec string ('' if none)} of environment.yml's conda dependencies."""
+    specs = {}
+    for entry in env["dependencies"]:
+        if isinstance(entry, dict):  # the `pip:` sub-list may only install flashnb itself
+            assert set(entry) == {"pip"}, f"unexpected environment.yml entry {entry}"
+            for line in entry["pip"]:
+                assert line.startswith(("-e", ".")), f"pip entry {line!r}: runtime packages belong in the conda list"
+            continue
+        m = re.fullmatch(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(.*?)\s*", entry)
+        assert m, f"cannot parse environment.yml dependency {entry!r}"
+        name, spec = m.group(1).lower(), m.group(2)
+        if spec[:1].isdigit():  # conda's "name 1.2" form
+            spec = "=" + spec
+        specs[name] = spec
+    return specs
+
+
+def _exact(spec):
+    """The version of an exact pin ('==1.2' for pip; '=1.2' or '==1.2' for conda), else None."""
+    m = re.fullmatch(r"==?\s*([0-9][0-9A-Za-z.+]*)", spec.strip())
+    return m.group(1) if m else None
+
+
+def _mismatches(pyproject, env):
+    """Every way the two files disagree, as readable messages (empty list when they agree)."""
+    problems = []
+    runtime = _runtime(pyproject)
+    conda = _conda_specs(env)
+    expected = set()
+    for name, req in runtime.items():
+        if name not in PIP_TO_CONDA:
+            problems.append(f"pyproject runtime package {name!r} has no conda name: add it to PIP_TO_CONDA in "
+                            "tests/test_packaging.py and to environment.yml")
+            continue
+        expected.update(PIP_TO_CONDA[name])
+        for extra in sorted(req.extras):
+            if (name, extra) not in EXTRA_TO_CONDA:
+                problems.append(f"pyproject {name}[{extra}] has no conda equivalent in EXTRA_TO_CONDA")
+            else:
+                expected.update(EXTRA_TO_CONDA[(name, extra)])
+    # conda-only entries: the interpreter, pip, and the optional [notebooks] extra
+    notebooks = {canonicalize_name(Requirement(s).name)
+                 for s in pyproject["project"].get("optional-dependencies", {}).get("notebooks", [])}
+    actual = set(conda) - {"python", "pip"} - notebooks
+    if expected - actual:
+        problems.append(f"environment.yml lacks {sorted(expected - actual)} (runtime dependencies in pyproject.toml)")
+    if actual - expected:
+        problems.append(f"environment.yml has {sorted(actual - expected)}, which pyproject.toml's runtime "
+                        "dependencies do not list (or PIP_TO_CONDA does not map)")
+    for name in EXACT_PINS:
+        if name in runtime and name in conda:
+            pip_pin, conda_pin = _exact(str(runtime[name].specifier)), _exact(conda[name])
+            if pip_pin is None or pip_pin != conda_pin:
+                problems.append(f"{name}: pyproject pins {str(runtime[name].specifier)!r}, "
+                                f"environment.yml {conda[name]!r}; both must pin the same exact version")
+    for name in (set(runtime) & set(conda)) - set(EXACT_PINS):   # e.g. numpy>=1.24 on both sides
+        if conda[name] and conda[name].replace(" ", "") != str(runtime[name].specifier):
+            problems.append(f"{name}: pyproject says {str(runtime[name].specifier)!r}, environment.yml {conda[name]!r}")
+    if "cuda-toolkit" in runtime:
+        pin = _exact(str(runtime["cuda-toolkit"].specifier)) or ""
+        major_minor = ".".join(pin.split(".")[:2])
+        if _exact(conda.get("cuda-version", "")) != major_minor:
+            problems.append(f"cuda-toolkit=={pin} needs cuda-version={major_minor} in environment.yml, "
+                            f"got {conda.get('cuda-version')!r}")
+    python = pyproject["project"].get("requires-python", "")
+    if conda.get("python", "").replace(" ", "") != python.replace(" ", ""):
+        problems.append(f"python: requires-python {python!r} but environment.yml has {conda.get('python')!r}")
+    return problems
+
+
+def test_environment_yml_mirrors_pyproject():
+    pyproject, env = _load()
+    assert _mismatches(pyproject, env) == []
+
+
+def test_environment_yml_is_conda_forge_only_and_never_cudatoolkit():
+    _, env = _load()
+    assert env["channels"] == ["conda-forge"]
+    assert "cudatoolkit" not in _conda_specs(env)
+
+
+def test_numba_cuda_pinned_exactly_with_cu12_extra():
+    pyproject, _ = _load()
+    req = _runtime(pyproject)["numba-cuda"]
+    assert req.extras == {"cu12"}, f"numba-cuda must use the [cu12] extra, got {req}"
+    assert [s.operator for s in req.specifier] == ["=="], f"numba-cuda must be pinned with ==, got {req}"
+    cuda = _runtime(pyproject)["cuda-toolkit"]
+    assert [s.operator for s in cuda.specifier] == ["=="] and _exact(str(cuda.specifier)).startswith("12.9."), cuda
+
+
+@pytest.mark.parametrize("edit", ["pip_only", "conda_only", "pin_drift", "new_extra", "bound_drift"])
+def test_a_one_sided_change_is_caught(edit):
+    """The checker itself: editing only one file must produce a mismatch."""
+    pyproject, env = _load()
+    pyproject, env = copy.deepcopy(pyproject), copy.deepcopy(env)
+    deps, conda = pyproject["project"]["dependencies"], env["dependencies"]
+    if edit == "pip_only":
+        deps.append("scipy>=1.10")
+    elif edit == "conda_only":
+        conda.append("scipy>=1.10")
+    elif edit == "pin_drift":
+        conda[:] = ["numba-cuda=0.30.5" if str(c).startswith("numba-cuda") else c for c in conda]
+    elif edit == "new_extra":
+        deps[:] = [d.replace("cuda-toolkit[cccl,", "cuda-toolkit[cublas,cccl,") for d in deps]
+    elif edit == "bound_drift":
+        conda[:] = ["numpy>=2.0" if str(c).startswith("numpy") else c for c in conda]
+    assert (pyproject, env) != _load(), f"{edit}: the edit changed nothing"
+    assert _mismatches(pyproject, env), f"{edit}: mismatch not detected"
