@@ -5,6 +5,7 @@ Numba CUDA simulator otherwise; ``FLASHNB_DEVICE=gpu|sim`` overrides), then regi
 """
 
 from . import runtime  # must come first: decides NUMBA_ENABLE_CUDASIM before numba.cuda is imported
+from . import sim  # noqa: F401  simulator only: sim.install() (fast barrier, warp intrinsics) when MODE == "sim"
 from .runtime import MODE, is_simulator
 from . import registry, common  # noqa: E402
 from .api import attention, attention_forward, attention_backward  # noqa: E402

@@ -1,0 +1,140 @@
+"""flashnb's additions to the Numba CUDA simulator (installed automatically when ``flashnb.MODE == "sim"``).
+
+* a thread-block manager whose ``syncthreads()`` waits instead of busy-polling under the GIL
+  (:mod:`flashnb.sim.fastbarrier`; same semantics, several times faster on barrier-heavy kernels);
+* the warp intrinsics the stock simulator lacks -- ``cuda.syncwarp``, ``cuda.shfl_sync``/``shfl_up_sync``/
+  ``shfl_down_sync``/``shfl_xor_sync``, ``cuda.ballot_sync``/``all_sync``/``any_sync``/``eq_sync``,
+  ``cuda.match_any_sync``/``match_all_sync``, ``cuda.activemask``, ``cuda.lanemask_lt``
+  (:mod:`flashnb.sim.warp`), so kernels using them run unchanged here and on a GPU;
+* a block in which every live thread waits for something that cannot happen (a GPU would hang) raises
+  :class:`SimulatorDeadlock` instead of hanging.
+
+Both patch *private* simulator internals of numba-cuda 0.30.4.  :func:`install` first checks that those
+internals are the ones this code was written against (SHA-256 of their source); if not, it leaves the
+stock simulator alone and warns once.
+
+API: :func:`install` (idempotent; returns True when the patch is active), :func:`uninstall`,
+:func:`is_installed`, :func:`self_test`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import warnings
+
+from .. import runtime
+
+__all__ = ["install", "uninstall", "is_installed", "self_test", "EXPECTED_SOURCE_SHA256", "SimulatorDeadlock"]
+
+#: SHA-256 of ``inspect.getsource`` of every simulator internal the patch replaces or relies on (numba-cuda 0.30.4).
+EXPECTED_SOURCE_SHA256 = {
+    "kernel.BlockThread": "31539332ab25b3d00cb2c83f4a2cb7c75acd90b4a17240c6c50333f2559d9a39",
+    "kernel.BlockManager": "e2b159fde19167444cb40465e175ed69d0da53a453d678e1510a7f7c753b1b9d",
+    "kernel.FakeCUDAKernel.__call__": "71c9d298b7bc62785c792eacfd2c24323bfaf7eaf98d0fa61c920781e81dbada",
+    "kernelapi.FakeCUDAModule": "100ce788e6efc8533b27c51247f684d5c850d2a25841aee3ac43558604a71d4e",
+}
+
+_state = {"installed": False, "warned": False, "stock_block_manager": None, "problem": None}
+
+
+def __getattr__(name):  # SimulatorDeadlock without importing the simulator at ``import flashnb.sim``
+    if name == "SimulatorDeadlock":
+        from .fastbarrier import SimulatorDeadlock
+
+        return SimulatorDeadlock
+    raise AttributeError(name)
+
+
+def _source_problem(kernel, kernelapi):
+    """None when the simulator internals are the expected ones, else a sentence saying what differs."""
+    stock = _state["stock_block_manager"] or getattr(kernel, "BlockManager", None)
+    targets = {
+        "kernel.BlockThread": getattr(kernel, "BlockThread", None),
+        "kernel.BlockManager": stock,
+        "kernel.FakeCUDAKernel.__call__": getattr(getattr(kernel, "FakeCUDAKernel", None), "__call__", None),
+        "kernelapi.FakeCUDAModule": getattr(kernelapi, "FakeCUDAModule", None),
+    }
+    changed = []
+    for name, obj in targets.items():
+        try:
+            digest = hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()
+        except (TypeError, OSError):
+            digest = None
+        if digest != EXPECTED_SOURCE_SHA256.get(name):
+            changed.append(name)
+    if changed:
+        return f"{', '.join(changed)} differ from numba-cuda 0.30.4"
+    from .warp import INTRINSICS
+
+    present = [n for n in INTRINSICS if n in vars(kernelapi.FakeCUDAModule)]
+    if present:
+        return f"FakeCUDAModule already defines {', '.join(present)}"
+    return None
+
+
+def install() -> bool:
+    """Patch the simulator (fast barrier + warp intrinsics).  Idempotent; a no-op returning False in GPU mode.
+
+    Returns True when the patch is active.  When the simulator internals are not the expected ones it
+    returns False, keeps the stock simulator, and emits one ``RuntimeWarning``.
+    """
+    if runtime.MODE != "sim":
+        return False
+    if _state["installed"]:
+        return True
+    from numba.cuda.simulator import kernel, kernelapi
+
+    problem = _source_problem(kernel, kernelapi)
+    if problem is not None:
+        _state["problem"] = problem
+        if not _state["warned"]:
+            _state["warned"] = True
+            warnings.warn(
+                f"flashnb.sim: the Numba CUDA simulator's internals are not the ones flashnb patches ({problem}); "
+                "using the stock simulator: syncthreads() is slow and the warp intrinsics (cuda.shfl_*_sync, "
+                "cuda.ballot_sync, ...) are unavailable.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return False
+    from . import warp
+    from .fastbarrier import FastBlockManager
+
+    _state["stock_block_manager"] = kernel.BlockManager
+    kernel.BlockManager = FastBlockManager
+    warp.install(kernelapi.FakeCUDAModule)
+    _state["installed"] = True
+    _state["problem"] = None
+    return True
+
+
+def uninstall() -> None:
+    """Restore the stock simulator (and forget an earlier warning, so a later :func:`install` checks afresh)."""
+    if _state["installed"]:
+        from numba.cuda.simulator import kernel, kernelapi
+
+        from . import warp
+
+        kernel.BlockManager = _state["stock_block_manager"]
+        warp.uninstall(kernelapi.FakeCUDAModule)
+        _state["installed"] = False
+    _state["warned"] = False
+    _state["problem"] = None
+
+
+def is_installed() -> bool:
+    """True while the patched simulator is active."""
+    return _state["installed"]
+
+
+def self_test() -> dict:
+    """Run tiny kernels with barriers (and, when installed, warp intrinsics); raise AssertionError on a wrong
+    result.  Returns ``dict(installed=..., checks=[names of the checks that passed])``."""
+    from .selftest import run
+
+    return run(warp=_state["installed"])
+
+
+if runtime.MODE == "sim":
+    install()

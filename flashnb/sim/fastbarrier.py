@@ -1,0 +1,251 @@
+"""A thread-block manager for the Numba CUDA simulator that waits instead of spinning.
+
+The stock simulator (numba-cuda 0.30.4, ``numba.cuda.simulator.kernel.BlockManager``) runs each CUDA thread
+as a Python thread and finds out that every thread has reached ``cuda.syncthreads()`` by *polling* them in a
+loop that never sleeps: the polling thread holds the GIL most of the time, so one barrier costs 13-38 ms
+per block.  :class:`FastBlockManager` keeps the same rules and replaces the polling with counting under
+one lock:
+
+* a barrier is released when every *live* thread of the block is waiting at it (threads that have returned
+  no longer count, exactly as in the stock simulator);
+* when a thread raises, every other thread is aborted (``RuntimeError`` at its current or next barrier) and
+  the launch re-raises the first exception, prefixed with ``tid=[..] ctaid=[..]``, as the stock one does;
+* ``syncthreads_count/and/or`` are the stock implementations (they are built on ``syncthreads``).
+
+The same lock also serves the warp intrinsics of :mod:`flashnb.sim.warp` (one *round* per (warp, mask)
+in progress), which lets the manager detect a block that can never make progress -- every live thread is
+waiting, at a barrier or at a warp intrinsic, and none of those waits can complete (on a GPU: a hang) --
+and raise a ``SimulatorDeadlock`` describing who waits where, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from numba.cuda.simulator import kernel as _sim_kernel
+
+__all__ = ["FastBlockManager", "FastBlockThread", "SimulatorDeadlock", "WarpRound"]
+
+
+class SimulatorDeadlock(RuntimeError):
+    """Every live thread of a block waits for something that can no longer happen (a hang on a GPU)."""
+
+
+class _Generation:
+    """One use of the block barrier (threads of the next use wait on a fresh generation)."""
+
+    __slots__ = ("cond", "done")
+
+    def __init__(self, lock):
+        self.cond = threading.Condition(lock)
+        self.done = False
+
+
+class WarpRound:
+    """One warp intrinsic in progress for one (warp, mask): the values of the lanes that have arrived."""
+
+    __slots__ = ("kind", "warp", "mask", "compute", "cond", "args", "results", "done")
+
+    def __init__(self, kind, warp, mask, compute, lock):
+        self.kind = kind
+        self.compute = compute  # (round, lanes_in_warp, participants_mask) -> {lane: result}
+        self.warp = warp
+        self.mask = mask
+        self.cond = threading.Condition(lock)
+        self.args = {}  # lane -> (value, operand)
+        self.results = None  # lane -> result, once complete
+        self.done = False
+
+
+class FastBlockThread(_sim_kernel.BlockThread):
+    """A simulated CUDA thread whose barrier waits on a condition variable (no polling)."""
+
+    def run(self):
+        try:
+            super().run()  # the stock run(): records an exception as (exception with tid/ctaid, traceback)
+        finally:
+            self._manager._exited(self)
+
+    def syncthreads(self):
+        m = self._manager
+        with m.lock:
+            if self.abort:
+                raise RuntimeError("abort flag set on syncthreads call")
+            gen = m.generation
+            m.at_barrier += 1
+            m.running -= 1
+            self.waiting_at = "syncthreads"
+            if not m._release_barrier_if_complete():
+                m._check_deadlock()
+            while not (gen.done or self.abort):
+                gen.cond.wait()
+            self.waiting_at = None
+            if self.abort:
+                raise RuntimeError("abort flag set on syncthreads clear")
+
+    def warp_collective(self, kind, mask, value, operand, compute):
+        """Wait until every participating lane of this (warp, mask) has called ``kind``; return this lane's
+        result of ``compute(round, lanes_in_warp, participants)``.  Used by :mod:`flashnb.sim.warp`."""
+        m = self._manager
+        lane = self.thread_id & 31
+        warp = self.thread_id >> 5
+        with m.lock:
+            if self.abort:
+                raise RuntimeError(f"abort flag set on {kind} call")
+            key = (warp, mask)
+            rnd = m.rounds.get(key)
+            if rnd is None:
+                rnd = m.rounds[key] = WarpRound(kind, warp, mask, compute, m.lock)
+            elif rnd.kind != kind:
+                raise RuntimeError(
+                    f"lane {lane} of warp {warp} called {kind}(mask={mask:#010x}) while lanes "
+                    f"{sorted(rnd.args)} of the same warp wait in {rnd.kind}(mask={mask:#010x}): every lane "
+                    "named in a mask must execute the same warp intrinsic (undefined behaviour in CUDA)"
+                )
+            rnd.args[lane] = (value, operand)
+            m.running -= 1
+            self.waiting_at = rnd
+            if not m._complete_round_if_ready(key):
+                m._check_deadlock()
+            while not (rnd.done or self.abort):
+                rnd.cond.wait()
+            self.waiting_at = None
+            if not rnd.done:
+                raise RuntimeError(f"abort flag set on {kind} clear")
+            return rnd.results[lane]
+
+
+class FastBlockManager(_sim_kernel.BlockManager):
+    """Runs one thread block with :class:`FastBlockThread` threads; same interface as the stock manager."""
+
+    def run(self, grid_point, *args):
+        self.lock = threading.Lock()
+        self.finished = threading.Condition(self.lock)
+        self.generation = _Generation(self.lock)
+        self.rounds = {}
+        self.first_exception = None
+        self.exited = set()  # linear thread ids that have returned
+        self.nthreads = 1
+        for n in self._block_dim:
+            self.nthreads *= n
+
+        def target():
+            self._f(*args)
+
+        threads = []
+        for block_point in _sim_kernel.np.ndindex(*self._block_dim):
+            t = FastBlockThread(target, self, grid_point, block_point, self._debug)
+            t.waiting_at = None
+            threads.append(t)
+        self.threads = threads
+        self.by_tid = {t.thread_id: t for t in threads}
+        self.live = self.running = len(threads)  # counted before any thread starts
+        self.at_barrier = 0
+        with self.lock:
+            for i, t in enumerate(threads):
+                try:
+                    t.start()  # the threads block on self.lock until every one of them is started
+                except BaseException:
+                    self.live -= len(threads) - i
+                    self.running -= len(threads) - i
+                    self._fail((RuntimeError("could not start a simulator thread"), None))
+                    raise
+            while self.live and self.first_exception is None:
+                self.finished.wait()
+            failure = self.first_exception
+        if failure is not None:
+            # As the stock manager: raise at once, the other (aborted) threads are not joined.
+            raise failure[0].with_traceback(failure[1])
+
+    # -- everything below runs with self.lock held
+
+    def _fail(self, exc_tb):
+        if self.first_exception is None:
+            self.first_exception = exc_tb
+        for t in self.threads:
+            t.abort = True
+        self.generation.cond.notify_all()
+        for rnd in self.rounds.values():
+            rnd.cond.notify_all()
+        self.finished.notify_all()
+
+    def _exited(self, t):
+        with self.lock:
+            self.live -= 1
+            self.running -= 1
+            self.exited.add(t.thread_id)
+            if t.exception is not None:
+                self._fail(t.exception)
+            elif self.first_exception is None:
+                self._release_barrier_if_complete()
+                warp = t.thread_id >> 5
+                for key in [k for k in self.rounds if k[0] == warp]:
+                    self._complete_round_if_ready(key)
+                if self.live:
+                    self._check_deadlock()
+            if not self.live:
+                self.finished.notify_all()
+
+    def _release_barrier_if_complete(self):
+        if self.at_barrier and self.at_barrier == self.live:
+            gen = self.generation
+            self.generation = _Generation(self.lock)
+            self.running += self.at_barrier
+            self.at_barrier = 0
+            gen.done = True
+            gen.cond.notify_all()
+            return True
+        return False
+
+    def lanes_in_warp(self, warp):
+        """Number of threads in ``warp`` (32 except for a partial last warp)."""
+        return min(32, self.nthreads - 32 * warp)
+
+    def live_lanes(self, warp):
+        """Bit mask of the lanes of ``warp`` that exist and have not returned."""
+        base = 32 * warp
+        return sum(1 << lane for lane in range(self.lanes_in_warp(warp)) if base + lane not in self.exited)
+
+    def _complete_round_if_ready(self, key):
+        rnd = self.rounds[key]
+        participants = rnd.mask & self.live_lanes(rnd.warp)
+        arrived = sum(1 << lane for lane in rnd.args)
+        if arrived != participants:
+            return False
+        del self.rounds[key]
+        try:
+            rnd.results = rnd.compute(rnd, self.lanes_in_warp(rnd.warp), participants)
+        except BaseException as e:  # a bad value: fail the launch with it, do not strand the lanes
+            self._fail((type(e)(f"{rnd.kind} in warp {rnd.warp}: {e}"), e.__traceback__))
+            return True
+        self.running += len(rnd.args)
+        rnd.done = True
+        rnd.cond.notify_all()
+        return True
+
+    def _check_deadlock(self):
+        if self.running or not self.live or self.first_exception is not None:
+            return
+        at_barrier = [t for t in self.threads if t.waiting_at == "syncthreads"]
+        lines = [
+            f"every live thread of block {list(self.threads[0].blockIdx)} is waiting and none of the waits can "
+            "complete (a real GPU would hang here):"
+        ]
+        if at_barrier:
+            lines.append(
+                f"  {len(at_barrier)} thread(s) wait in syncthreads() (it needs all {self.live} live threads), "
+                f"e.g. tid={list(at_barrier[0].threadIdx)}"
+            )
+        for rnd in self.rounds.values():
+            participants = rnd.mask & self.live_lanes(rnd.warp)
+            missing = [lane for lane in range(32) if participants >> lane & 1 and lane not in rnd.args]
+            where = []
+            for lane in missing[:4]:
+                other = self.by_tid[32 * rnd.warp + lane].waiting_at
+                what = "syncthreads()" if other == "syncthreads" else f"{other.kind}(mask={other.mask:#010x})"
+                where.append(f"lane {lane} waits in {what}")
+            lines.append(
+                f"  warp {rnd.warp}: lanes {sorted(rnd.args)} wait in {rnd.kind}(mask={rnd.mask:#010x}) for "
+                f"live lanes {missing} named in the mask ({'; '.join(where)})"
+            )
+        self._fail((SimulatorDeadlock("\n".join(lines)), None))
