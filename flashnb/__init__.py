@@ -10,6 +10,7 @@ from .runtime import MODE, is_simulator
 from . import registry, common  # noqa: E402
 from .api import attention, attention_forward, attention_backward  # noqa: E402
 from . import naive  # noqa: E402,F401  (stage 1 registers impl="naive")
+from . import fa1  # noqa: E402,F401  (stage 3 registers impl="fa1")
 from . import softmax  # noqa: E402,F401  (stage 2 registers impl="onepass")
 
 __version__ = "0.1.0"
