@@ -22,8 +22,9 @@ Semantics (CUDA C++ Programming Guide, "Warp Shuffle/Vote Functions"; PTX ISA ``
   reads as NaN and an integer as ``0xDEADBEEF`` (as int32, -559038737) so the mistake shows in results.
 * result types as numba types them: ``ballot_sync``/``match_*`` give a signed int32 (bit 31 set -> negative),
   ``all/any/eq_sync`` a bool, ``activemask``/``lanemask_lt`` an unsigned 32-bit value.
-  ``activemask()`` reports the lanes that exist and have not returned (the simulator does not model
-  divergence, so lanes in another branch still count as active).
+  ``activemask()`` reports the lanes that *exist* in the warp: the simulator's threads are not converged
+  (they run one after another), so which lanes have returned or sit in another branch at "the same time"
+  is not defined here; a GPU would leave those out.
 """
 
 from __future__ import annotations
@@ -177,8 +178,7 @@ def syncwarp(self, mask=FULL_MASK):
 
 def activemask(self):
     t = _thread("activemask")
-    with t._manager.lock:
-        return t._manager.live_lanes(t.thread_id >> 5)
+    return (1 << t._manager.lanes_in_warp(t.thread_id >> 5)) - 1
 
 
 def lanemask_lt(self):
