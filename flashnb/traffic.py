@@ -149,13 +149,16 @@ class _Counted:
             _bump(value._rec, value._kr, value._a.size)
             value = value._a
         a[idx] = value
+        n = 1  # one element, unless the index selects a sub-array (a slice, Ellipsis, None, fewer indices)
         if type(idx) is tuple:
-            n = 1
-            if len(idx) != a.ndim or any(type(i) is slice or i is Ellipsis or i is None for i in idx):
+            if len(idx) != a.ndim:
                 n = np.size(a[idx])
-        elif a.ndim == 1 and type(idx) is not slice and idx is not Ellipsis and idx is not None:
-            n = 1
-        else:
+            else:
+                for i in idx:
+                    if type(i) is slice or i is Ellipsis or i is None:
+                        n = np.size(a[idx])
+                        break
+        elif a.ndim != 1 or type(idx) is slice or idx is Ellipsis or idx is None:
             n = np.size(a[idx])
         try:
             c = self._rec.tls.c
@@ -237,11 +240,11 @@ def _install() -> None:
     with _install_lock:
         if _installed:
             return
+        from numba.cuda import types as nb_types
+        from numba.cuda.np import numpy_support
         from numba.cuda.simulator import kernel as sim_kernel
         from numba.cuda.simulator import kernelapi
         from numba.cuda.simulator.cudadrv.devicearray import FakeShape
-        from numba.cuda import types as nb_types
-        from numba.cuda.np import numpy_support
 
         _FakeShape = FakeShape
         call = sim_kernel.FakeCUDAKernel.__call__

@@ -229,3 +229,13 @@ def test_counting_does_not_change_results(rng):
         counted = naive.forward(q, k, v, causal=True, scale=0.3)
     for a, b in zip(plain, counted):
         np.testing.assert_array_equal(a.copy_to_host(), b.copy_to_host())   # same float32 ops: bit-identical
+
+
+def test_a_failing_launch_leaves_the_counter_usable(rng):
+    src, dst = _dev(rng.standard_normal(4)), common.empty(4)
+    with traffic.count() as t:
+        with pytest.raises(IndexError):
+            common.launch(copy_kernel, 1, 4, src, common.empty(2))   # threads 2, 3 write past dst's end
+        common.launch(copy_kernel, 1, 4, src, dst, label="after")
+    assert [lt.label for lt in t.launches] == ["after"]              # the failed launch is not recorded
+    assert t.launches[0].reads == {"src": 4}
