@@ -19,7 +19,7 @@ import math
 
 from numba import cuda, float32
 
-from .common import NEG_INF, cdiv, causal_allowed, empty, launch, load_tile
+from .common import NEG_INF, causal_allowed, cdiv, empty, launch, load_tile
 from .registry import kernel_factory, register_impl
 
 __all__ = ["make_matmul", "make_softmax_rows", "make_p_from_lse", "make_softmax_bwd_rows",

@@ -39,5 +39,6 @@ def assert_close(actual, expected, *, atol, rtol, what):
     bound = atol + rtol * np.abs(expected[finite])
     worst = np.argmax(err - bound) if err.size else 0
     assert np.all(err <= bound), (
-        f"{what}: max abs error {err.max():.3e} (worst element err {err.flat[worst]:.3e} > bound {bound.flat[worst]:.3e})"
+        f"{what}: max abs error {err.max():.3e} "
+        f"(worst element err {err.flat[worst]:.3e} > bound {bound.flat[worst]:.3e})"
     )
