@@ -289,6 +289,14 @@ def test_lanes_that_returned_are_not_waited_for():
     assert (out[:24, 1] == 0xFFFFFF).all()
 
 
+def test_strict_mode_rejects_masks_naming_returned_lanes(monkeypatch):
+    monkeypatch.setattr(sim.fastbarrier, "STRICT_EXITED_LANES", True)
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"lanes \[24, 25, .*31\] named in the mask had already returned"):
+        early_return[1, 32](np.arange(32, dtype=np.float32), np.zeros((32, 2), np.float32))
+    assert time.perf_counter() - start < 10
+
+
 # --------------------------------------------------------------------------- what a GPU would hang on
 
 

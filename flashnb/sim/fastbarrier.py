@@ -24,7 +24,13 @@ import threading
 
 from numba.cuda.simulator import kernel as _sim_kernel
 
-__all__ = ["FastBlockManager", "FastBlockThread", "SimulatorDeadlock", "WarpRound"]
+__all__ = ["FastBlockManager", "FastBlockThread", "SimulatorDeadlock", "WarpRound", "STRICT_EXITED_LANES"]
+
+#: When True, a warp intrinsic whose mask names a lane that has already returned fails the launch.  CUDA
+#: itself only waits for the *non-exited* lanes named in the mask (and values read from exited lanes are
+#: undefined), which is the default here; the strict mode catches "returned early, then shuffled with a
+#: full mask" bugs, which often work by accident on a GPU.
+STRICT_EXITED_LANES = False
 
 
 class SimulatorDeadlock(RuntimeError):
@@ -213,6 +219,16 @@ class FastBlockManager(_sim_kernel.BlockManager):
         if arrived != participants:
             return False
         del self.rounds[key]
+        gone = rnd.mask & ((1 << self.lanes_in_warp(rnd.warp)) - 1) & ~participants
+        if STRICT_EXITED_LANES and gone:
+            lanes = [lane for lane in range(32) if gone >> lane & 1]
+            message = (
+                f"{rnd.kind}(mask={rnd.mask:#010x}) in warp {rnd.warp}: lanes {lanes} named in the mask had "
+                "already returned (STRICT_EXITED_LANES; CUDA only waits for non-exited lanes and values read "
+                "from them are undefined)"
+            )
+            self._fail((RuntimeError(message), None))
+            return True
         try:
             rnd.results = rnd.compute(rnd, self.lanes_in_warp(rnd.warp), participants)
         except BaseException as e:  # a bad value: fail the launch with it, do not strand the lanes
