@@ -344,12 +344,14 @@ def make_attention_rows(R, d, causal):
         """Grid (⌈Nq/R⌉, BH), block (R,).  For keys j = 1..N (x_j = scale·q·k_j):
         m_j = max(m_{j-1}, x_j);  d_j = d_{j-1}·e^(m_{j-1}-m_j) + e^(x_j-m_j);
         o_j = o_{j-1}·d_{j-1}·e^(m_{j-1}-m_j) / d_j + e^(x_j-m_j) / d_j · V[j]."""
+        Qs = cuda.shared.array((R, d), float32)  # the block's query rows (registers can't hold q and o at d=128)
         z = cuda.blockIdx.y
-        i = cuda.blockIdx.x * R + cuda.threadIdx.x
+        tid = cuda.threadIdx.x
+        i = cuda.blockIdx.x * R + tid
         if i >= Q.shape[1]:
             return
         Nk = K.shape[1]
-        q_i = cuda.local.array(d, float32)
+        q_i = Qs[tid]                                      # thread tid's own row: no barrier needed
         o_i = cuda.local.array(d, float32)
         for t in range(d):
             q_i[t] = Q[z, i, t]
@@ -648,11 +650,12 @@ def _keys(i, Nk, diag, causal):
 
 
 def model_attention_rows(BH, Nq, Nk, d, *, causal=False):
-    """Accesses of the key-by-key kernel: each query row reads q once and K, V rows for every visible key."""
+    """Accesses of the key-by-key kernel: each query row reads q once (into shared memory) and the K, V rows
+    of every visible key from global memory; its q is read back from shared memory once per key."""
     diag = Nk - Nq
     keys = sum(_keys(i, Nk, diag, causal) for i in range(Nq))
     return [_launch("one-pass attention", {"Q": BH * Nq * d, "K": BH * keys * d, "V": BH * keys * d},
-                    {"O": BH * Nq * d, "L": BH * Nq})]
+                    {"O": BH * Nq * d, "L": BH * Nq}, BH * keys * d, BH * Nq * d)]
 
 
 def model_forward(BH, Nq, Nk, d, *, causal=False, tile=TILE):
