@@ -1,0 +1,163 @@
+"""The PTX guard: every registered kernel compiles for real GPUs (sm_80, sm_90) with no GPU present.
+
+The simulator hides float64 promotion, oversized shared memory and register spills; compiling with NVVM
+(``numba.cuda.compile_ptx``) and assembling with ``ptxas -v`` does not.  The simulator process cannot
+compile (``compile_ptx`` is None there), so :mod:`flashnb.inspect` compiles everything in one child
+process started with ``FLASHNB_DEVICE=gpu`` and hands back JSON.
+
+Also checked: no ``@cuda.jit`` kernel in ``flashnb/`` escapes the registry (AST scan), and the guard does
+fail on kernels that are deliberately wrong (a float64 literal, 64 KiB of static shared memory).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import flashnb  # noqa: F401  (selects the simulator before numba.cuda is imported)
+from flashnb import inspect as fi
+from flashnb.registry import KERNELS
+from numba import cuda, float32
+
+CCS = [(8, 0), (9, 0)]
+PACKAGE = Path(flashnb.__file__).resolve().parent
+# Packages whose kernels are simulator self-checks, never launched on a GPU (exempt from registration).
+SIMULATOR_ONLY = ("flashnb.sim",)
+
+CASES = [(name, config) for name, spec in KERNELS.items() for config in spec.configs]
+
+
+def _id(case):
+    name, config = case
+    return name + "[" + ",".join(f"{k}={v}" for k, v in config.items()) + "]"
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Every (kernel, config, cc) compiled once, in one child process (~0.5 s per variant)."""
+    jobs = [(name, config, cc) for name, config in CASES for cc in CCS]
+    return {(n, fi._key(n, c, cc)): r for (n, c, cc), r in zip(jobs, fi.resources_many(jobs))}
+
+
+def test_ptxas_available():
+    assert fi.find_ptxas(), "ptxas not found: install numba-cuda[cu12] (nvidia-cuda-nvcc-cu12 ships ptxas)"
+
+
+@pytest.mark.parametrize("cc", CCS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_kernel_passes_guard(compiled, case, cc):
+    name, config = case
+    res = compiled[(name, fi._key(name, config, cc))]
+    assert res.error is None, res.error
+    assert res.f64_count == 0, f"{name} {config}: {res.f64_count} .f64 PTX lines (Python float literal?)"
+    assert res.shared_bytes <= 48 * 1024, f"{name} {config}: {res.shared_bytes} B static shared > 48 KiB"
+    assert res.registers is not None, "ptxas gave no register count"
+    assert res.spill_store_bytes == 0 and res.spill_load_bytes == 0, \
+        f"{name} {config}: spills {res.spill_store_bytes} B stored / {res.spill_load_bytes} B loaded"
+    assert fi.problems(res) == []
+
+
+# --------------------------------------------------------------------------- completeness
+
+
+def _is_cuda_jit(dec) -> tuple[bool, bool]:
+    """(is a cuda.jit decorator, is device=True)."""
+    call = dec if isinstance(dec, ast.Call) else None
+    target = call.func if call else dec
+    is_jit = (isinstance(target, ast.Attribute) and target.attr == "jit"
+              and isinstance(target.value, ast.Name) and target.value.id == "cuda")
+    device = bool(call) and any(
+        kw.arg == "device" and isinstance(kw.value, ast.Constant) and kw.value.value is True
+        for kw in call.keywords)
+    return is_jit, device
+
+
+def _kernels_in_source() -> set[tuple[str, str]]:
+    """(module, qualname) of every function decorated with ``@cuda.jit`` (not device=True) in flashnb/."""
+    found = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = "flashnb." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        module = module.removesuffix(".__init__")
+
+        def visit(node, prefix):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    qual = prefix + child.name
+                    for dec in child.decorator_list:
+                        is_jit, device = _is_cuda_jit(dec)
+                        if is_jit and not device and not module.startswith(SIMULATOR_ONLY):
+                            found.add((module, qual))
+                    visit(child, qual + ".<locals>.")
+                elif isinstance(child, ast.ClassDef):
+                    visit(child, prefix + child.name + ".")
+                else:
+                    visit(child, prefix)
+
+        visit(ast.parse(path.read_text(), str(path)), "")
+    return found
+
+
+def _kernels_in_registry() -> set[tuple[str, str]]:
+    made = set()
+    for spec in KERNELS.values():
+        for config in spec.configs:
+            f = spec.factory(**config).py_func
+            made.add((f.__module__, f.__qualname__))
+    return made
+
+
+def test_scan_finds_kernels():
+    assert ("flashnb.naive", "make_matmul.<locals>.matmul") in _kernels_in_source()
+
+
+def test_every_kernel_is_registered():
+    missing = _kernels_in_source() - _kernels_in_registry()
+    assert not missing, ("@cuda.jit kernels not produced by any registered factory config (register them "
+                         f"with @kernel_factory so the PTX guard compiles them): {sorted(missing)}")
+
+
+# --------------------------------------------------------------------------- the guard can fail
+
+
+@cuda.jit
+def _bad_float64(x):
+    i = cuda.grid(1)
+    if i < x.size:
+        x[i] = x[i] * 0.1            # Python float literal: float64 multiply, then a cast back
+
+
+@cuda.jit
+def _bad_shared(x):
+    big = cuda.shared.array((128, 128), float32)   # 64 KiB > 48 KiB static limit
+    i = cuda.grid(1)
+    big[i % 128, i // 128 % 128] = x[i]
+    cuda.syncthreads()
+    x[i] = big[(i + 1) % 128, i // 128 % 128]
+
+
+@cuda.jit
+def _good(x):
+    i = cuda.grid(1)
+    if i < x.size:
+        x[i] = x[i] * float32(0.5)
+
+
+def test_guard_flags_float64_literal():
+    res = fi.resources(_bad_float64, "void(float32[::1])", cc=(9, 0))
+    assert res.f64_count > 0 and ".f64" in res.ptx
+    assert any("float64" in p for p in fi.problems(res))
+
+
+def test_guard_flags_oversized_shared_memory():
+    res = fi.resources(_bad_shared, "void(float32[::1])", cc=(8, 0))
+    assert res.shared_bytes == 128 * 128 * 4
+    found = fi.problems(res)
+    assert any("shared memory" in p for p in found), found
+
+
+def test_guard_passes_clean_kernel():
+    res = fi.resources(_good, "void(float32[::1])", cc=(9, 0))
+    assert fi.problems(res) == [], fi.problems(res)
+    assert res.f64_count == 0 and res.registers and res.spill_bytes == 0
