@@ -587,7 +587,7 @@ register_impl("onepass", stage="2",
 def attention_rows(q, K, V, *, tile=TILE, scale=None, causal=False, return_lse=False):
     """Attention for query rows ``q`` (``(d,)`` or ``(Nq, d)``) over keys ``K`` and values ``V`` (``(Nk, d)``),
     in one pass over K and V (see :func:`forward`).  Returns ``o`` (q's shape), and ``lse`` if asked."""
-    from .api import _check_qkv, _check_finite, _check_scale
+    from .api import _check_finite, _check_qkv, _check_scale
 
     q_arr = np.asarray(q)
     q2 = q_arr[None] if q_arr.ndim == 1 else q_arr

@@ -39,7 +39,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import flashnb
-from flashnb import reference, softmax as S, traffic
+from flashnb import reference, traffic
+from flashnb import softmax as S
 from flashnb.notebook import savefig, show_source
 
 T0 = time.perf_counter()

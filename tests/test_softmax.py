@@ -2,12 +2,12 @@
 
 import numpy as np
 import pytest
+from conftest import assert_close
 
 import flashnb
-from flashnb import reference, softmax as S, traffic
+from flashnb import reference, traffic
+from flashnb import softmax as S
 from flashnb.common import to_device
-
-from conftest import assert_close
 
 try:  # warp shuffles on the simulator come from flashnb.sim
     from flashnb import sim as _sim
