@@ -4,7 +4,8 @@ The stock simulator (numba-cuda 0.30.4, ``numba.cuda.simulator.kernel.BlockManag
 as a Python thread and finds out that every thread has reached ``cuda.syncthreads()`` by *polling* them in a
 loop that never sleeps: the polling thread holds the GIL most of the time, so one barrier costs 13-38 ms
 per block.  :class:`FastBlockManager` keeps the same rules and replaces the polling with counting under
-one lock:
+one lock; a waiting thread blocks on its own pre-locked ``threading.Lock`` (its gate), which the thread
+that completes the barrier opens:
 
 * a barrier is released when every *live* thread of the block is waiting at it (threads that have returned
   no longer count, exactly as in the stock simulator);
@@ -40,31 +41,35 @@ class SimulatorDeadlock(RuntimeError):
 class _Generation:
     """One use of the block barrier (threads of the next use wait on a fresh generation)."""
 
-    __slots__ = ("cond", "done")
+    __slots__ = ("waiters", "done")
 
-    def __init__(self, lock):
-        self.cond = threading.Condition(lock)
+    def __init__(self):
+        self.waiters = []
         self.done = False
 
 
 class WarpRound:
     """One warp intrinsic in progress for one (warp, mask): the values of the lanes that have arrived."""
 
-    __slots__ = ("kind", "warp", "mask", "compute", "cond", "args", "results", "done")
+    __slots__ = ("kind", "warp", "mask", "compute", "args", "results", "done")
 
-    def __init__(self, kind, warp, mask, compute, lock):
+    def __init__(self, kind, warp, mask, compute):
         self.kind = kind
         self.compute = compute  # (round, lanes_in_warp, participants_mask) -> {lane: result}
         self.warp = warp
         self.mask = mask
-        self.cond = threading.Condition(lock)
         self.args = {}  # lane -> (value, operand)
         self.results = None  # lane -> result, once complete
         self.done = False
 
 
 class FastBlockThread(_sim_kernel.BlockThread):
-    """A simulated CUDA thread whose barrier waits on a condition variable (no polling)."""
+    """A simulated CUDA thread whose barrier blocks on its own lock (its *gate*) until released: no polling,
+    and no contended re-acquire of the manager's lock on wake-up."""
+
+    def _block(self):
+        """Wait at the gate; the manager's lock must *not* be held (it was released by the caller)."""
+        self.gate.acquire()
 
     def run(self):
         try:
@@ -81,13 +86,13 @@ class FastBlockThread(_sim_kernel.BlockThread):
             m.at_barrier += 1
             m.running -= 1
             self.waiting_at = "syncthreads"
+            self.gated = True
+            gen.waiters.append(self)
             if not m._release_barrier_if_complete():
                 m._check_deadlock()
-            while not (gen.done or self.abort):
-                gen.cond.wait()
-            self.waiting_at = None
-            if self.abort:
-                raise RuntimeError("abort flag set on syncthreads clear")
+        self._block()
+        if self.abort:
+            raise RuntimeError("abort flag set on syncthreads clear")
 
     def warp_collective(self, kind, mask, value, operand, compute):
         """Wait until every participating lane of this (warp, mask) has called ``kind``; return this lane's
@@ -101,7 +106,7 @@ class FastBlockThread(_sim_kernel.BlockThread):
             key = (warp, mask)
             rnd = m.rounds.get(key)
             if rnd is None:
-                rnd = m.rounds[key] = WarpRound(kind, warp, mask, compute, m.lock)
+                rnd = m.rounds[key] = WarpRound(kind, warp, mask, compute)
             elif rnd.kind != kind:
                 raise RuntimeError(
                     f"lane {lane} of warp {warp} called {kind}(mask={mask:#010x}) while lanes "
@@ -111,14 +116,13 @@ class FastBlockThread(_sim_kernel.BlockThread):
             rnd.args[lane] = (value, operand)
             m.running -= 1
             self.waiting_at = rnd
+            self.gated = True
             if not m._complete_round_if_ready(key):
                 m._check_deadlock()
-            while not (rnd.done or self.abort):
-                rnd.cond.wait()
-            self.waiting_at = None
-            if not rnd.done:
-                raise RuntimeError(f"abort flag set on {kind} clear")
-            return rnd.results[lane]
+        self._block()
+        if not rnd.done:
+            raise RuntimeError(f"abort flag set on {kind} clear")
+        return rnd.results[lane]
 
 
 class FastBlockManager(_sim_kernel.BlockManager):
@@ -127,7 +131,7 @@ class FastBlockManager(_sim_kernel.BlockManager):
     def run(self, grid_point, *args):
         self.lock = threading.Lock()
         self.finished = threading.Condition(self.lock)
-        self.generation = _Generation(self.lock)
+        self.generation = _Generation()
         self.rounds = {}
         self.first_exception = None
         self.exited = set()  # linear thread ids that have returned
@@ -142,6 +146,9 @@ class FastBlockManager(_sim_kernel.BlockManager):
         for block_point in _sim_kernel.np.ndindex(*self._block_dim):
             t = FastBlockThread(target, self, grid_point, block_point, self._debug)
             t.waiting_at = None
+            t.gated = False
+            t.gate = threading.Lock()
+            t.gate.acquire()  # closed: a waiting thread blocks on it until the manager opens it
             threads.append(t)
         self.threads = threads
         self.by_tid = {t.thread_id: t for t in threads}
@@ -170,10 +177,15 @@ class FastBlockManager(_sim_kernel.BlockManager):
             self.first_exception = exc_tb
         for t in self.threads:
             t.abort = True
-        self.generation.cond.notify_all()
-        for rnd in self.rounds.values():
-            rnd.cond.notify_all()
+        for t in self.threads:
+            self._wake(t)
         self.finished.notify_all()
+
+    def _wake(self, t):
+        if t.gated:
+            t.gated = False
+            t.waiting_at = None
+            t.gate.release()
 
     def _exited(self, t):
         with self.lock:
@@ -195,11 +207,12 @@ class FastBlockManager(_sim_kernel.BlockManager):
     def _release_barrier_if_complete(self):
         if self.at_barrier and self.at_barrier == self.live:
             gen = self.generation
-            self.generation = _Generation(self.lock)
+            self.generation = _Generation()
             self.running += self.at_barrier
             self.at_barrier = 0
             gen.done = True
-            gen.cond.notify_all()
+            for t in gen.waiters:
+                self._wake(t)
             return True
         return False
 
@@ -236,7 +249,9 @@ class FastBlockManager(_sim_kernel.BlockManager):
             return True
         self.running += len(rnd.args)
         rnd.done = True
-        rnd.cond.notify_all()
+        base = 32 * rnd.warp
+        for lane in rnd.args:
+            self._wake(self.by_tid[base + lane])
         return True
 
     def _check_deadlock(self):
