@@ -1,0 +1,176 @@
+"""A roofline model: how fast a kernel *could* run, from its FLOPs and HBM bytes and a GPU's datasheet.
+
+Everything here is **modelled**, not measured: ``time = max(FLOPs / peak FP32, bytes / HBM bandwidth)``.
+flashnb's kernels run on the FP32 CUDA cores (no tensor cores), so the compute roof is the non-tensor FP32
+peak; the FP16/BF16 tensor peak is listed only to show how far a production kernel's roof sits above it.
+
+GPU presets (NVIDIA datasheet values, decimal units: 1 GB/s = 1e9 B/s, 1 TFLOP/s = 1e12 FLOP/s):
+
+* A100 SXM 40GB / 80GB -- NVIDIA A100 Tensor Core GPU datasheet: HBM2 1,555 GB/s (40GB), HBM2e 2,039 GB/s
+  (80GB SXM); FP32 19.5 TFLOPS; FP16/BF16 tensor 312 TFLOPS dense (624 with sparsity).  SM count 108 and
+  boost clock 1410 MHz from the NVIDIA A100 Tensor Core GPU Architecture whitepaper; shared memory per SM
+  up to 164 KB (CUDA C++ Programming Guide, compute capability 8.0).
+* H100 SXM5 80GB -- NVIDIA H100 Tensor Core GPU datasheet: 3.35 TB/s HBM3; FP32 67 TFLOPS; FP16/BF16
+  tensor 1,979 TFLOPS *with sparsity*, i.e. 989.5 dense.  132 SMs, 1980 MHz max boost (NVIDIA H100 /
+  Hopper architecture whitepaper); 228 KB shared memory per SM (Programming Guide, cc 9.0).
+* H200 SXM 141GB -- NVIDIA H200 Tensor Core GPU datasheet: 4.8 TB/s HBM3e; FP32 67 TFLOPS; FP16/BF16
+  tensor 1,979 TFLOPS with sparsity (989.5 dense).  Same GH100 configuration as H100 SXM (132 SMs,
+  228 KB shared memory per SM); the boost clock is not on the datasheet -- 1980 MHz is the value that
+  reproduces 67 TFLOPS (132 SMs x 128 FP32 lanes x 2 FLOP x 1.98 GHz = 66.9 TFLOP/s).
+
+Check: FP32 peak = SMs x FP32 lanes per SM x 2 (FMA) x clock: A100 108 x 64 x 2 x 1.41 GHz = 19.5 TF;
+H100 132 x 128 x 2 x 1.98 GHz = 66.9 TF (``tests/test_roofline.py`` asserts both).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+__all__ = ["GPU", "GPUS", "get_gpu", "ModelledTime", "modelled_time", "flops_forward", "flops_backward",
+           "roofline_plot"]
+
+
+@dataclass(frozen=True)
+class GPU:
+    """Datasheet numbers of one GPU (SI units: bytes/s, FLOP/s, Hz, bytes)."""
+
+    name: str
+    cc: tuple[int, int]
+    sm_count: int
+    hbm_bandwidth: float          # bytes/s
+    fp32_peak: float              # FLOP/s on the FP32 CUDA cores (non-tensor)
+    tensor_fp16_dense: float      # FLOP/s, FP16/BF16 tensor cores, dense -- context only
+    boost_clock_hz: float
+    smem_per_sm: int              # bytes of shared memory per SM at the maximum carve-out
+    fp32_lanes_per_sm: int
+
+    @property
+    def ridge_intensity(self) -> float:
+        """FLOP/byte where the FP32 roof meets the bandwidth roof."""
+        return self.fp32_peak / self.hbm_bandwidth
+
+    @property
+    def fp32_peak_from_clock(self) -> float:
+        return self.sm_count * self.fp32_lanes_per_sm * 2 * self.boost_clock_hz
+
+
+GPUS: dict[str, GPU] = {
+    "A100 40GB SXM": GPU("A100 40GB SXM", (8, 0), 108, 1555e9, 19.5e12, 312e12, 1410e6, 164 * 1024, 64),
+    "A100 80GB SXM": GPU("A100 80GB SXM", (8, 0), 108, 2039e9, 19.5e12, 312e12, 1410e6, 164 * 1024, 64),
+    "H100 SXM": GPU("H100 SXM", (9, 0), 132, 3.35e12, 67e12, 989.5e12, 1980e6, 228 * 1024, 128),
+    "H200": GPU("H200", (9, 0), 132, 4.8e12, 67e12, 989.5e12, 1980e6, 228 * 1024, 128),
+}
+
+
+def get_gpu(gpu: str | GPU) -> GPU:
+    if isinstance(gpu, GPU):
+        return gpu
+    if isinstance(gpu, str) and gpu in GPUS:
+        return GPUS[gpu]
+    raise ValueError(f"gpu must be a flashnb.roofline.GPU or one of {sorted(GPUS)}, got {gpu!r}")
+
+
+@dataclass(frozen=True)
+class ModelledTime:
+    """A roofline estimate -- **modelled, not measured**.  ``bound`` is ``"compute"`` or ``"memory"``."""
+
+    seconds: float
+    compute_seconds: float
+    memory_seconds: float
+    bound: str
+    flops: float
+    bytes: float
+    gpu: str
+    kind: str = "modelled"
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity, FLOP per HBM byte."""
+        return self.flops / self.bytes if self.bytes else math.inf
+
+    @property
+    def tflops(self) -> float:
+        """Modelled throughput (TFLOP/s) -- what the roofline allows, not what a kernel achieved."""
+        return self.flops / self.seconds / 1e12 if self.seconds else math.inf
+
+    def __str__(self) -> str:
+        return (f"modelled {self.seconds * 1e3:.3f} ms on {self.gpu} ({self.bound}-bound: compute "
+                f"{self.compute_seconds * 1e3:.3f} ms, memory {self.memory_seconds * 1e3:.3f} ms)")
+
+
+def modelled_time(flops: float, bytes: float, gpu: str | GPU = "H100 SXM") -> ModelledTime:
+    """Roofline time ``max(flops / FP32 peak, bytes / HBM bandwidth)`` -- a model, never a measurement."""
+    g = get_gpu(gpu)
+    for name, value in (("flops", flops), ("bytes", bytes)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    t_c = flops / g.fp32_peak
+    t_m = bytes / g.hbm_bandwidth
+    return ModelledTime(max(t_c, t_m), t_c, t_m, "compute" if t_c >= t_m else "memory", float(flops),
+                        float(bytes), g.name)
+
+
+def _check_dims(**dims):
+    for k, v in dims.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{k} must be a positive int, got {v!r}")
+
+
+def flops_forward(B: int, H: int, Nq: int, Nk: int, d: int, causal: bool = False) -> float:
+    """Forward FLOPs by the FlashAttention benchmark convention: ``4·B·H·Nq·Nk·d`` (two matmuls, QKᵀ and
+    PV, at 2 FLOP per multiply-add), halved when causal (about half the scores are masked; exact for
+    Nq = Nk up to the diagonal).  Softmax FLOPs are not counted."""
+    _check_dims(B=B, H=H, Nq=Nq, Nk=Nk, d=d)
+    f = 4.0 * B * H * Nq * Nk * d
+    return f / 2 if causal else f
+
+
+def flops_backward(B: int, H: int, Nq: int, Nk: int, d: int, causal: bool = False) -> float:
+    """Backward FLOPs: 2.5 x forward (five matmuls to the forward's two; benchmark_flash_attention.py)."""
+    return 2.5 * flops_forward(B, H, Nq, Nk, d, causal)
+
+
+def _points(points) -> list[tuple[str, float, float]]:
+    out = []
+    for p in points:
+        if isinstance(p, ModelledTime):
+            out.append((p.gpu, p.flops, p.bytes))
+        elif isinstance(p, dict):
+            out.append((str(p.get("label", p.get("name", ""))), float(p["flops"]), float(p["bytes"])))
+        else:
+            label, f, b = p
+            out.append((str(label), float(f), float(b)))
+    return out
+
+
+def roofline_plot(points: Iterable, gpu: str | GPU = "H100 SXM", ax=None):
+    """Draw the (modelled) FP32 roofline of ``gpu`` and each point at its arithmetic intensity.
+
+    ``points``: ``(label, flops, bytes)`` tuples, dicts with those keys, or :class:`ModelledTime`.  Each
+    point sits on the roof at its intensity -- the *modelled* attainable FLOP/s, not a measurement.
+    Returns the matplotlib Axes (a new headless Figure's when ``ax`` is None).
+    """
+    g = get_gpu(gpu)
+    pts = _points(points)
+    if ax is None:
+        from matplotlib.figure import Figure
+
+        ax = Figure(figsize=(7, 4.5)).add_subplot()
+    intens = [f / b for _, f, b in pts if b > 0] or [g.ridge_intensity]
+    lo = min(min(intens), g.ridge_intensity) / 10
+    hi = max(max(intens), g.ridge_intensity) * 10
+    xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    ax.loglog(xs, [min(g.fp32_peak, g.hbm_bandwidth * x) / 1e12 for x in xs], color="black",
+              label=f"FP32 roof: {g.fp32_peak / 1e12:.1f} TFLOP/s, {g.hbm_bandwidth / 1e12:.2f} TB/s")
+    ax.axvline(g.ridge_intensity, color="grey", ls=":", lw=1)
+    for label, f, b in pts:
+        x = f / b if b > 0 else hi
+        y = min(g.fp32_peak, g.hbm_bandwidth * x) / 1e12
+        ax.plot([x], [y], "o", label=f"{label} ({x:.1f} FLOP/B)")
+    ax.set_xlabel("arithmetic intensity (FLOP / HBM byte)")
+    ax.set_ylabel("modelled attainable TFLOP/s (FP32)")
+    ax.set_title(f"Roofline on {g.name} -- modelled, not measured")
+    ax.legend(fontsize="small")
+    return ax
