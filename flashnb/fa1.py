@@ -109,6 +109,7 @@ def make_forward(Br, Bc, d, W, causal):
         tid = w * WARP + lane
         Nq = Q.shape[1]
         Nk = K.shape[1]
+        dd = Q.shape[2]   # = d, read at run time so the compiler keeps the d-loops rolled (no spills)
         for j in range((Nk + Bc - 1) // Bc):                      # line 5
             load_rows(K, z, j * Bc, K_j, tid, NT)                 # line 6: K_j, V_j -> SRAM, once
             load_rows(V, z, j * Bc, V_j, tid, NT)
@@ -123,7 +124,7 @@ def make_forward(Br, Bc, d, W, causal):
                     for cc in range(Bw):                          # line 9: S_ij = τ Q_i K_jᵀ, MASK
                         c = w * Bw + cc
                         acc = float32(0.0)
-                        for x in range(d):
+                        for x in range(dd):
                             acc += Q_i[r, x] * K_j[c, x]
                         s = scale * acc
                         if j * Bc + c >= Nk or (causal and not causal_allowed(i * Br + r, j * Bc + c, diag)):
@@ -135,7 +136,7 @@ def make_forward(Br, Bc, d, W, causal):
                         p = exp_diff(S[cc], mx)                   # line 10: P̃ = exp(S - m̃)
                         S[cc] = p
                         ls += p                                   # line 10: l̃ = rowsum(P̃)
-                    for x in range(d):                            # partial P̃ V_j of this warp's keys
+                    for x in range(dd):                           # partial P̃ V_j of this warp's keys
                         acc = float32(0.0)
                         for cc in range(Bw):
                             acc += S[cc] * V_j[w * Bw + cc, x]
@@ -368,6 +369,7 @@ def tiles(d, *, M=None, Br=None, Bc=None, warps=None):
     if W > 32:
         raise ValueError(f"warps must be at most 32 (1024 threads per block), got {W}")
     budget = DEFAULT_M if M is None else M
+    from_budget = Br is None or Bc is None
     base = cdiv(budget, 4 * d)
     if Bc is None:
         Bc = cdiv(base, W) * W
@@ -378,7 +380,7 @@ def tiles(d, *, M=None, Br=None, Bc=None, warps=None):
     fwd = 4 * shared_elements_forward(Br, Bc, d, W)
     bwd = 4 * shared_elements_backward(Br, Bc, d)
     if max(fwd, bwd) > SHARED_LIMIT_BYTES:
-        names = "M" if M is not None and (Br is None or Bc is None) else "Br/Bc"
+        names = "M" if M is not None and from_budget else "Br/Bc"
         raise ValueError(f"tiles Br={Br}, Bc={Bc} at d={d}, warps={W} need {fwd} B (forward) and {bwd} B "
                          f"(backward) of shared memory, over the {SHARED_LIMIT_BYTES} B static limit; "
                          f"choose a smaller {names}")
