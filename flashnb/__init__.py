@@ -12,8 +12,10 @@ from .api import attention, attention_forward, attention_backward  # noqa: E402
 from . import naive  # noqa: E402,F401  (stage 1 registers impl="naive")
 from . import fa1  # noqa: E402,F401  (stage 3 registers impl="fa1")
 from . import softmax  # noqa: E402,F401  (stage 2 registers impl="onepass")
+from . import fa2  # noqa: E402,F401  (stage 4 registers impl="fa2")
+from . import reference, traffic  # noqa: E402,F401
 
 __version__ = "0.1.0"
 
 __all__ = ["MODE", "is_simulator", "attention", "attention_forward", "attention_backward", "registry",
-           "common", "runtime", "__version__"]
+           "common", "runtime", "reference", "traffic", "__version__"]

@@ -1,0 +1,532 @@
+"""Stage 4 -- FlashAttention-2 (FA2 paper, Algorithm 1 forward and Algorithm 2 backward).
+
+What changes against stage 3 (FlashAttention-1), the three changes of the FA2 paper:
+
+1. **Fewer non-matmul operations.**  The output accumulator ``O~_i`` is kept *unscaled* on chip and
+   multiplied by ``diag(l_i)^-1`` once, after the last K/V tile (delayed rescaling); per tile it is only
+   multiplied by ``exp(m_old - m_new)``.  The forward stores one statistic, ``L = m + log l``.
+2. **Parallelism over the sequence.**  The forward grid is (Q blocks ``Tr`` × batch·heads): the loop over
+   Q blocks became the grid; each thread block keeps ``Q_i`` in shared memory and streams ``K_j, V_j``.
+   The backward grid is (K/V blocks ``Tc`` × batch·heads) and ``dQ`` is summed in HBM with atomics.
+3. **Split-Q warp partitioning.**  Each warp owns ``Br / warps`` query rows of the block; ``K_j, V_j`` are
+   read by every warp; the row max and row sum are reduced *inside* a warp with shuffles; no warp ever
+   needs another warp's partial result, so the only block barriers are those around the K/V tile load.
+
+Thread layout (both directions).  A warp's 32 lanes form a ``LR × LC = 4 × 8`` grid, ``lane = lr·LC + lc``.
+In the forward, lane ``(lr, lc)`` of warp ``w`` owns the query rows ``w·(Br/warps) + lr + LR·a``
+(``a < TM``), the key columns ``lc + LC·b`` of the S tile (``b < TN``) and the head-dim columns
+``lc + LC·e`` of ``O`` (``e < DN``): a ``TM × TN`` register micro-tile of S and a ``TM × DN`` one of O,
+so every value read from shared memory feeds ``TN``, ``TM`` or ``TM`` FMAs.  The 8 lanes of one row
+group hold one row of S between them: the row max is a 3-step ``shfl_xor`` butterfly, and ``P V`` gets
+each ``P_ij`` from its owner lane with ``shfl_sync`` (P never touches shared memory).
+
+Kernels (arrays float32, C-contiguous, ``(BH, N, d)``; ``L``/``D`` are ``(BH, N)``):
+
+* :func:`make_forward` -- FA2 Alg. 1, grid ``(Tr, BH)``, ``32·warps`` threads.
+* :func:`make_preprocess` -- FA2 Alg. 2 line 4 (``D = rowsum(dO ∘ O)``), also zeroes the dQ accumulator.
+* :func:`make_backward` -- FA2 Alg. 2, grid ``(Tc, BH)``; the warps split the *key* rows of the block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32
+
+from .common import NEG_INF, ONE, ZERO, cdiv, empty, launch
+from .registry import kernel_factory, register_impl
+
+__all__ = ["make_forward", "make_preprocess", "make_backward", "forward", "backward", "model_forward",
+           "model_backward", "default_tiles", "geometry", "tiles_visited", "LR", "LC", "FULL_MASK",
+           "fmas_per_shared_read", "shared_bytes"]
+
+LR = 4                 # lanes of a warp along the rows it owns
+LC = 8                 # lanes of a warp along the columns (key columns of S, head-dim columns of O)
+FULL_MASK = 0xFFFFFFFF  # every lane takes part in every shuffle (no divergence around them)
+PRE_WARPS = 4          # preprocessing kernel: one warp per query row, 4 rows per thread block
+
+_A3 = "float32[:, :, ::1]"
+_A2 = "float32[:, ::1]"
+_FWD_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, float32, int32)"
+_PRE_SIG = f"void({_A3}, {_A3}, {_A2}, {_A3})"
+_BWD_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, {_A2}, {_A3}, {_A3}, {_A3}, float32, int32)"
+
+# Default tiles per head dim, chosen with the resource report (registers, spills, static shared memory
+# <= 48 KiB on sm_80/sm_90): see notebooks/05 and the module's ``default_tiles``.
+# sm_80 registers/thread -> resident warps per SM (forward): d=32 64x32x4w 153 -> 12 (64x64x4w: 194 -> 8);
+# d=64 64x32x4w 213 -> 8; d=128 32x32x4w 204 -> 8 (32x32x2w: 226 -> 6).  Backward: d=32 32x32x4w 178 -> 8
+# (2 warps: 227); d=64 32x32x4w 238 -> 8; d=128 16x16x4w 168 -> 12 (2 warps: 128 -> 8).
+_FWD_DEFAULTS = {32: dict(Br=64, Bc=32, warps=4), 64: dict(Br=64, Bc=32, warps=4),
+                 128: dict(Br=32, Bc=32, warps=4)}
+_BWD_DEFAULTS = {32: dict(Br=32, Bc=32, warps=4), 64: dict(Br=32, Bc=32, warps=4),
+                 128: dict(Br=16, Bc=16, warps=4)}
+
+
+def default_tiles(d: int, direction: str = "forward") -> dict:
+    """The default ``Br, Bc, warps`` for head dim ``d`` (the table for the smallest listed d >= d)."""
+    table = _FWD_DEFAULTS if direction == "forward" else _BWD_DEFAULTS
+    for dmax in sorted(table):
+        if d <= dmax:
+            return dict(table[dmax])
+    raise ValueError(f"head dim d must be <= {max(table)}, got {d}")
+
+
+def _configs(direction):
+    """What the PTX guard compiles: the default tiles of every head-dim class (causal on and off), plus
+    one-warp tiles with an odd head dim (padded to the lanes)."""
+    return ([dict(**default_tiles(d, direction), d=d, causal=c) for d, c in ((32, False), (64, True), (128, True))]
+            + [dict(Br=16, Bc=16, d=20, warps=1, causal=False)])
+
+
+def geometry(rows: int, cols: int, d: int, warps: int) -> dict:
+    """Per-thread micro-tile of a block whose warps split ``rows`` and whose lanes also split ``cols``:
+    ``TM`` rows × ``TN`` columns of the score tile, ``DN`` head-dim columns (``Dp = LC·DN >= d``)."""
+    if warps < 1 or rows % (warps * LR):
+        raise ValueError(f"the rows split over warps ({rows}) must be a multiple of {LR}·warps = {LR * warps}")
+    if cols % LC:
+        raise ValueError(f"the columns split over lanes ({cols}) must be a multiple of {LC}")
+    DN = cdiv(d, LC)
+    return dict(TM=rows // (warps * LR), TN=cols // LC, DN=DN, Dp=DN * LC, threads=32 * warps)
+
+
+# --------------------------------------------------------------------------- forward kernel
+
+
+@cuda.jit(device=True, inline="always")
+def cdiv_dev(a, b):
+    """Ceiling division on the device."""
+    return (a + b - 1) // b
+
+
+@kernel_factory("fa2.forward", stage="4", signature=_FWD_SIG, configs=_configs("forward"),
+                threads=lambda warps, **_: 32 * warps)
+def make_forward(Br, Bc, d, warps, causal):
+    """FA2 Alg. 1 for one (Br, Bc, d, warps, causal); grid ``(Tr, BH)``, block ``32·warps`` threads."""
+    g = geometry(Br, Bc, d, warps)
+    TM, TN, DN, Dp, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["threads"]
+
+    @cuda.jit(device=True, inline="always")
+    def fa2_tile(QsT, KsT, Vs, S, Oi, m, l, qv, kv, p, r0, lr, lc, i0, j0, Nk, scale, diag):
+        """Alg. 1 lines 8-10 for one K/V tile, on this lane's micro-tile (no other warp involved)."""
+        for a in range(TM):
+            for b in range(TN):
+                S[a, b] = ZERO
+        for k in range(d):                           # line 8: S = Q_i K_jᵀ, TM + TN reads feed TM·TN FMAs
+            for a in range(TM):
+                qv[a] = QsT[k, r0 + LR * a]
+            for b in range(TN):
+                kv[b] = KsT[k, lc + LC * b]
+            for a in range(TM):
+                for b in range(TN):
+                    S[a, b] += qv[a] * kv[b]
+        crossing = j0 + Bc > Nk or (causal and j0 + Bc - 1 > i0 + diag)  # only these are masked
+        for a in range(TM):                          # line 9: m_new, P~ = exp(S - m_new), l
+            mx = NEG_INF
+            for b in range(TN):
+                s = scale * S[a, b]
+                if crossing:
+                    col = j0 + lc + LC * b
+                    if col >= Nk or (causal and col > i0 + r0 + LR * a + diag):
+                        s = NEG_INF
+                S[a, b] = s
+                mx = max(mx, s)
+            off = LC // 2
+            while off > 0:                           # row max across the 8 lanes of the row group
+                mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, off))
+                off //= 2
+            m_new = max(m[a], mx)
+            alpha = ONE
+            rs = ZERO
+            if m_new != NEG_INF:
+                alpha = float32(math.exp(m[a] - m_new))
+                for b in range(TN):
+                    pb = float32(math.exp(S[a, b] - m_new))
+                    S[a, b] = pb
+                    rs += pb
+            else:                                    # nothing seen yet: P~ = 0
+                for b in range(TN):
+                    S[a, b] = ZERO
+            l[a] = alpha * l[a] + rs                 # per-lane partial, reduced once at the end
+            m[a] = m_new
+            for c in range(DN):                      # line 10: O~ = diag(e^(m_old - m_new)) O~ ...
+                Oi[a, c] *= alpha
+        for b in range(TN):                          # ... + P~ V_j; P~_ij comes from its owner lane
+            for src in range(LC):
+                for a in range(TM):
+                    p[a] = cuda.shfl_sync(FULL_MASK, S[a, b], lr * LC + src)
+                j = b * LC + src
+                for c in range(DN):
+                    vj = Vs[j, lc + LC * c]          # one shared read feeds TM FMAs
+                    for a in range(TM):
+                        Oi[a, c] += p[a] * vj
+
+    @cuda.jit
+    def fa2_forward(Q, K, V, O, L, scale, diag):
+        QsT = cuda.shared.array((d, Br), float32)    # Q_i (transposed: lanes read consecutive rows)
+        KsT = cuda.shared.array((d, Bc), float32)    # K_j (transposed)
+        Vs = cuda.shared.array((Bc, Dp), float32)    # V_j (head dim padded to Dp with zeros)
+        S = cuda.local.array((TM, TN), float32)      # registers: S_ij micro-tile, then P~_ij
+        Oi = cuda.local.array((TM, DN), float32)     # registers: unscaled O~_i micro-tile
+        m = cuda.local.array(TM, float32)
+        l = cuda.local.array(TM, float32)            # this lane's partial row sums
+        qv = cuda.local.array(TM, float32)
+        kv = cuda.local.array(TN, float32)
+        p = cuda.local.array(TM, float32)
+        z = cuda.blockIdx.y
+        i0 = cuda.blockIdx.x * Br
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        lr = lane // LC
+        lc = lane % LC
+        r0 = (tid // 32) * (TM * LR) + lr            # this lane's rows: r0 + LR·a
+        Nq = Q.shape[1]
+        Nk = K.shape[1]
+        for e in range(tid, Br * d, NT):             # Alg. 1 line 4: load Q_i once (coalesced)
+            r = e // d
+            k = e - r * d
+            QsT[k, r] = Q[z, i0 + r, k] if i0 + r < Nq else ZERO
+        for a in range(TM):                          # line 5: O~ = 0, l = 0, m = -inf
+            m[a] = NEG_INF
+            l[a] = ZERO
+            for c in range(DN):
+                Oi[a, c] = ZERO
+        n_tiles = cdiv_dev(Nk, Bc)
+        if causal:                                   # skip K/V blocks entirely above the diagonal
+            last = min(i0 + Br, Nq) - 1 + diag       # last key any row of this block may see
+            n_tiles = min(n_tiles, last // Bc + 1) if last >= 0 else 0
+        for jt in range(n_tiles):                    # line 6
+            j0 = jt * Bc
+            cuda.syncthreads()                       # every warp is done with K_{j-1}, V_{j-1}
+            for e in range(tid, Bc * d, NT):         # line 7: load K_j, V_j
+                c = e // d
+                k = e - c * d
+                KsT[k, c] = K[z, j0 + c, k] if j0 + c < Nk else ZERO
+            for e in range(tid, Bc * Dp, NT):
+                c = e // Dp
+                k = e - c * Dp
+                Vs[c, k] = V[z, j0 + c, k] if j0 + c < Nk and k < d else ZERO
+            cuda.syncthreads()
+            fa2_tile(QsT, KsT, Vs, S, Oi, m, l, qv, kv, p, r0, lr, lc, i0, j0, Nk, scale, diag)
+        for a in range(TM):                          # lines 12-14: O_i = diag(l)^-1 O~_i, L_i = m + log l
+            ls = l[a]
+            off = LC // 2
+            while off > 0:
+                ls += cuda.shfl_xor_sync(FULL_MASK, ls, off)
+                off //= 2
+            row = i0 + r0 + LR * a
+            inv = ONE / ls if ls > ZERO else ZERO
+            if row < Nq:
+                for c in range(DN):
+                    col = lc + LC * c
+                    if col < d:
+                        O[z, row, col] = Oi[a, c] * inv
+                if lc == 0:
+                    L[z, row] = m[a] + float32(math.log(ls)) if ls > ZERO else NEG_INF
+
+    return fa2_forward
+
+
+# --------------------------------------------------------------------------- backward kernels
+
+
+@kernel_factory("fa2.preprocess", stage="4", signature=_PRE_SIG, threads=32 * PRE_WARPS)
+def make_preprocess():
+    @cuda.jit
+    def fa2_bwd_preprocess(O, dO, D, dQ):
+        """FA2 Alg. 2 line 4: D_i = rowsum(dO_i ∘ O_i), one warp per row (lanes over d, shuffle-reduced);
+        also zeroes the dQ accumulator that the main kernel adds into."""
+        z = cuda.blockIdx.y
+        lane = cuda.threadIdx.x % 32
+        i = cuda.blockIdx.x * PRE_WARPS + cuda.threadIdx.x // 32
+        acc = ZERO
+        if i < O.shape[1]:                          # warp-uniform branch
+            for e in range(lane, O.shape[2], 32):
+                acc += dO[z, i, e] * O[z, i, e]
+                dQ[z, i, e] = ZERO
+        off = 16
+        while off > 0:
+            acc += cuda.shfl_down_sync(FULL_MASK, acc, off)
+            off //= 2
+        if lane == 0 and i < O.shape[1]:
+            D[z, i] = acc
+
+    return fa2_bwd_preprocess
+
+
+@kernel_factory("fa2.backward", stage="4", signature=_BWD_SIG, configs=_configs("backward"),
+                threads=lambda warps, **_: 32 * warps)
+def make_backward(Br, Bc, d, warps, causal):
+    """FA2 Alg. 2 for one configuration; grid ``(Tc, BH)``.  The warps split the Bc *key* rows (each lane
+    owns ``TM`` key rows × ``TN`` query columns of Sᵀ and ``TM × DN`` of dK_j, dV_j); dS goes through
+    shared memory once per tile so that all threads can form dQ_i = dS K_j and add it into HBM."""
+    g = geometry(Bc, Br, d, warps)
+    TM, TN, DN, Dp, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["threads"]
+
+    @cuda.jit(device=True, inline="always")
+    def fa2_bwd_tile(QsT, KsT, VsT, dOsT, Ls, Ds, dSs, S, dP, dKj, dVj, kv, vv, qv, ov,
+                     c0, lr, lc, i0, j0, Nk, scale, diag):
+        """Alg. 2 lines 10-16 for one Q tile on this lane's micro-tile of the transposed scores."""
+        for a in range(TM):
+            for b in range(TN):
+                S[a, b] = ZERO
+                dP[a, b] = ZERO
+        for k in range(d):                           # line 10: Sᵀ = K_j Q_iᵀ; line 13: dPᵀ = V_j dO_iᵀ
+            for a in range(TM):
+                kv[a] = KsT[k, c0 + LR * a]
+                vv[a] = VsT[k, c0 + LR * a]
+            for b in range(TN):
+                qv[b] = QsT[k, lc + LC * b]
+                ov[b] = dOsT[k, lc + LC * b]
+            for a in range(TM):
+                for b in range(TN):
+                    S[a, b] += kv[a] * qv[b]
+                    dP[a, b] += vv[a] * ov[b]
+        for b in range(TN):                          # line 11: P = exp(scale·S - L); line 14: dS
+            r = lc + LC * b
+            Lr = Ls[r]
+            Dr = Ds[r]
+            for a in range(TM):
+                key = j0 + c0 + LR * a
+                pv = ZERO
+                if Lr != NEG_INF and key < Nk and not (causal and key > i0 + r + diag):
+                    pv = float32(math.exp(scale * S[a, b] - Lr))
+                S[a, b] = pv
+                dP[a, b] = pv * (dP[a, b] - Dr)
+        for b in range(TN):                          # line 12: dV_j += Pᵀ dO_i; line 16: dK_j += dSᵀ Q_i
+            for src in range(LC):
+                r = b * LC + src
+                for a in range(TM):
+                    kv[a] = cuda.shfl_sync(FULL_MASK, S[a, b], lr * LC + src)
+                    vv[a] = cuda.shfl_sync(FULL_MASK, dP[a, b], lr * LC + src)
+                for c in range(DN):
+                    o = dOsT[lc + LC * c, r]
+                    q = QsT[lc + LC * c, r]
+                    for a in range(TM):
+                        dVj[a, c] += kv[a] * o
+                        dKj[a, c] += vv[a] * q
+        for a in range(TM):                          # dSᵀ to shared for line 15
+            for b in range(TN):
+                dSs[c0 + LR * a, lc + LC * b] = dP[a, b]
+
+    @cuda.jit
+    def fa2_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag):
+        KsT = cuda.shared.array((d, Bc), float32)    # K_j, V_j: loaded once
+        VsT = cuda.shared.array((d, Bc), float32)
+        QsT = cuda.shared.array((Dp, Br), float32)   # Q_i, dO_i: one tile per inner step
+        dOsT = cuda.shared.array((Dp, Br), float32)
+        Ls = cuda.shared.array(Br, float32)
+        Ds = cuda.shared.array(Br, float32)
+        dSs = cuda.shared.array((Bc, Br), float32)   # dS_ijᵀ, for dQ_i (the one inter-warp exchange)
+        S = cuda.local.array((TM, TN), float32)      # Sᵀ, then Pᵀ
+        dP = cuda.local.array((TM, TN), float32)     # dPᵀ, then dSᵀ
+        dKj = cuda.local.array((TM, DN), float32)
+        dVj = cuda.local.array((TM, DN), float32)
+        kv = cuda.local.array(TM, float32)
+        vv = cuda.local.array(TM, float32)
+        qv = cuda.local.array(TN, float32)
+        ov = cuda.local.array(TN, float32)
+        z = cuda.blockIdx.y
+        j0 = cuda.blockIdx.x * Bc
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        lr = lane // LC
+        lc = lane % LC
+        c0 = (tid // 32) * (TM * LR) + lr            # this lane's key rows: c0 + LR·a
+        Nq = Q.shape[1]
+        Nk = K.shape[1]
+        for e in range(tid, Bc * d, NT):             # Alg. 2 line 6: load K_j, V_j
+            c = e // d
+            k = e - c * d
+            inside = j0 + c < Nk
+            KsT[k, c] = K[z, j0 + c, k] if inside else ZERO
+            VsT[k, c] = V[z, j0 + c, k] if inside else ZERO
+        for a in range(TM):                          # line 7: dK_j = dV_j = 0 (on chip)
+            for c in range(DN):
+                dKj[a, c] = ZERO
+                dVj[a, c] = ZERO
+        i_first = 0
+        if causal:                                   # skip Q blocks whose rows all precede key j0
+            first = j0 - diag                        # first query row that may see key j0
+            i_first = first // Br if first > 0 else 0
+        for it in range(i_first, cdiv_dev(Nq, Br)):  # line 8
+            i0 = it * Br
+            cuda.syncthreads()
+            for e in range(tid, Br * Dp, NT):        # line 9: load Q_i, dO_i, L_i, D_i
+                r = e // Dp
+                k = e - r * Dp
+                inside = i0 + r < Nq and k < d
+                QsT[k, r] = Q[z, i0 + r, k] if inside else ZERO
+                dOsT[k, r] = dO[z, i0 + r, k] if inside else ZERO
+            for r in range(tid, Br, NT):
+                Ls[r] = L[z, i0 + r] if i0 + r < Nq else NEG_INF
+                Ds[r] = D[z, i0 + r] if i0 + r < Nq else ZERO
+            cuda.syncthreads()
+            fa2_bwd_tile(QsT, KsT, VsT, dOsT, Ls, Ds, dSs, S, dP, dKj, dVj, kv, vv, qv, ov,
+                         c0, lr, lc, i0, j0, Nk, scale, diag)
+            cuda.syncthreads()                       # dSs complete (written by every warp)
+            for e in range(tid, Br * d, NT):         # line 15: dQ_i += scale · dS K_j (atomic, HBM)
+                r = e // d
+                k = e - r * d
+                acc = ZERO
+                for c in range(Bc):
+                    acc += dSs[c, r] * KsT[k, c]
+                if i0 + r < Nq:
+                    cuda.atomic.add(dQ, (z, i0 + r, k), scale * acc)
+        for a in range(TM):                          # line 18: write dK_j, dV_j once
+            key = j0 + c0 + LR * a
+            if key < Nk:
+                for c in range(DN):
+                    col = lc + LC * c
+                    if col < d:
+                        dK[z, key, col] = scale * dKj[a, c]
+                        dV[z, key, col] = dVj[a, c]
+
+    return fa2_backward
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _tiles(d, direction, Br, Bc, warps):
+    """The tiles a launch uses: defaults for ``d`` overridden by the options, checked against the layout."""
+    t = default_tiles(d, direction)
+    for name, value in (("Br", Br), ("Bc", Bc), ("warps", warps)):
+        if value is not None:
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{name} must be a positive int, got {value!r}")
+            if value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            t[name] = int(value)
+    # forward: warps split the Br query rows, lanes the Bc keys; backward: warps split the Bc keys
+    split, lanes = ("Br", "Bc") if direction == "forward" else ("Bc", "Br")
+    if t[split] % (LR * t["warps"]):
+        raise ValueError(f"fa2 {direction}: {split}={t[split]} must be a multiple of {LR}·warps = "
+                         f"{LR * t['warps']} (each warp owns {split}/warps rows, {LR} lanes along them)")
+    if t[lanes] % LC:
+        raise ValueError(f"fa2 {direction}: {lanes}={t[lanes]} must be a multiple of {LC} (the lanes of a row group)")
+    return t
+
+
+def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None):
+    """Device arrays in, ``(O, L)`` out (FA2 Alg. 1); ``Br, Bc, warps`` default to :func:`default_tiles`."""
+    BH, Nq, d = q.shape
+    Nk = k.shape[1]
+    t = _tiles(d, "forward", Br, Bc, warps)
+    O = empty((BH, Nq, d))
+    L = empty((BH, Nq))
+    kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal))
+    launch(kernel, (cdiv(Nq, t["Br"]), BH), 32 * t["warps"], q, k, v, O, L, scale, Nk - Nq,
+           label="FA2 forward")
+    return O, L
+
+
+def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warps=None):
+    """FA2 Alg. 2: the D preprocessing launch, then one thread block per K/V column block."""
+    BH, Nq, d = q.shape
+    Nk = k.shape[1]
+    t = _tiles(d, "backward", Br, Bc, warps)
+    D = empty((BH, Nq))
+    dQ = empty((BH, Nq, d))
+    launch(make_preprocess(), (cdiv(Nq, PRE_WARPS), BH), 32 * PRE_WARPS, o, do, D, dQ,
+           label="D = rowsum(dO∘O)")
+    dK = empty((BH, Nk, d))
+    dV = empty((BH, Nk, d))
+    kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], bool(causal))
+    launch(kernel, (cdiv(Nk, t["Bc"]), BH), 32 * t["warps"], q, k, v, do, lse, D, dQ, dK, dV, scale, Nk - Nq,
+           label="FA2 backward")
+    return dQ, dK, dV
+
+
+register_impl("fa2", stage="4",
+              description="FlashAttention-2: Q-block grid, split-Q warps, delayed rescaling; dQ by atomics",
+              forward=forward, backward=backward, options=("Br", "Bc", "warps"))
+
+
+# --------------------------------------------------------------------------- analytic model
+
+
+def tiles_visited(Nq, Nk, Br, Bc, causal, direction="forward"):
+    """``[(outer, inner, rows, cols), ...]`` -- the (Q tile, K/V tile) pairs a launch computes, with their
+    valid row/column counts.  Forward: outer = Q block i, inner = K/V block j; backward the reverse."""
+    diag = Nk - Nq
+    out = []
+    if direction == "forward":
+        for i in range(cdiv(Nq, Br)):
+            n = cdiv(Nk, Bc)
+            if causal:
+                last = min((i + 1) * Br, Nq) - 1 + diag
+                n = min(n, last // Bc + 1) if last >= 0 else 0
+            out += [(i, j, min(Br, Nq - i * Br), min(Bc, Nk - j * Bc)) for j in range(n)]
+    else:
+        for j in range(cdiv(Nk, Bc)):
+            first = j * Bc - diag
+            i_first = first // Br if (causal and first > 0) else 0
+            out += [(j, i, min(Br, Nq - i * Br), min(Bc, Nk - j * Bc)) for i in range(i_first, cdiv(Nq, Br))]
+    return out
+
+
+def shared_bytes(Br, Bc, d, warps, direction="forward"):
+    """Static shared memory of one thread block, in bytes."""
+    if direction == "forward":
+        g = geometry(Br, Bc, d, warps)
+        return 4 * (d * Br + d * Bc + Bc * g["Dp"])
+    g = geometry(Bc, Br, d, warps)
+    return 4 * (2 * d * Bc + 2 * g["Dp"] * Br + 2 * Br + Bc * Br)
+
+
+def fmas_per_shared_read(Br, Bc, d, warps):
+    """Inner-loop FMAs per shared-memory element read of the forward (per thread, from the kernel):
+    ``S``: TM·TN FMAs per TM + TN reads; ``P V``: TM FMAs per read of V_j (P arrives by shuffle)."""
+    g = geometry(Br, Bc, d, warps)
+    TM, TN, DN = g["TM"], g["TN"], g["DN"]
+    fmas = d * TM * TN + Bc * DN * TM
+    reads = d * (TM + TN) + Bc * DN
+    return dict(qk=TM * TN / (TM + TN), pv=float(TM), tile=fmas / reads, fmas=fmas, reads=reads)
+
+
+def _launch(name, reads, writes, atomics=None, shared_reads=0, shared_writes=0):
+    return dict(launch=name, reads={a: n for a, n in reads.items() if n},
+                writes={a: n for a, n in writes.items() if n},
+                atomics={a: n for a, n in (atomics or {}).items() if n},
+                shared_reads=int(shared_reads), shared_writes=int(shared_writes))
+
+
+def model_forward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None):
+    """Element accesses of :func:`forward` (one launch): Q, O, L once; K_j, V_j once per visited tile.
+
+    Shared: Q_i written once per block (``Br·d``), K_j and V_j per tile (``Bc·d + Bc·Dp``); per tile each of
+    the ``32·warps`` threads reads ``d·(TM + TN)`` (S) and ``Bc·DN`` (V) elements."""
+    t = _tiles(d, "forward", Br, Bc, warps)
+    g = geometry(t["Br"], t["Bc"], d, t["warps"])
+    visited = tiles_visited(Nq, Nk, t["Br"], t["Bc"], causal)
+    kv = sum(cols for _, _, _, cols in visited) * d
+    n = len(visited)
+    per_tile_reads = g["threads"] * (d * (g["TM"] + g["TN"]) + t["Bc"] * g["DN"])
+    return [_launch("FA2 forward", {"Q": BH * Nq * d, "K": BH * kv, "V": BH * kv},
+                    {"O": BH * Nq * d, "L": BH * Nq},
+                    shared_reads=BH * n * per_tile_reads,
+                    shared_writes=BH * (cdiv(Nq, t["Br"]) * t["Br"] * d + n * t["Bc"] * (d + g["Dp"])))]
+
+
+def model_backward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None):
+    """Element accesses of :func:`backward`: the preprocessing launch (O, dO read, D and dQ = 0 written),
+    then the main launch -- K_j, V_j once per column block; Q_i, dO_i, L_i, D_i once per visited tile;
+    ``rows·d`` atomic adds into dQ per visited tile; dK, dV written once."""
+    t = _tiles(d, "backward", Br, Bc, warps)
+    Br_, Bc_ = t["Br"], t["Bc"]
+    g = geometry(Bc_, Br_, d, t["warps"])
+    visited = tiles_visited(Nq, Nk, Br_, Bc_, causal, "backward")
+    q_rows = sum(rows for _, _, rows, _ in visited)
+    n = len(visited)
+    pre = _launch("D = rowsum(dO∘O)", {"O": BH * Nq * d, "dO": BH * Nq * d}, {"D": BH * Nq, "dQ": BH * Nq * d})
+    per_tile_reads = (g["threads"] * (2 * d * (g["TM"] + g["TN"]) + 2 * g["TN"] + 2 * Br_ * g["DN"])
+                      + 2 * Br_ * d * Bc_)
+    per_tile_writes = 2 * g["Dp"] * Br_ + 2 * Br_ + Bc_ * Br_
+    main = _launch("FA2 backward",
+                   {"Q": BH * q_rows * d, "K": BH * Nk * d, "V": BH * Nk * d, "dO": BH * q_rows * d,
+                    "L": BH * q_rows, "D": BH * q_rows},
+                   {"dK": BH * Nk * d, "dV": BH * Nk * d}, {"dQ": BH * q_rows * d},
+                   shared_reads=BH * n * per_tile_reads,
+                   shared_writes=BH * (cdiv(Nk, Bc_) * 2 * d * Bc_ + n * per_tile_writes))
+    return [pre, main]
