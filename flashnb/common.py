@@ -21,7 +21,7 @@ from numba import cuda, float32  # noqa: E402
 
 __all__ = [
     "NEG_INF", "ZERO", "ONE", "cdiv", "causal_allowed", "load_tile", "load_rows", "store_rows",
-    "empty", "to_device", "launch", "current_label", "launch_hooks",
+    "empty", "to_device", "launch", "current_label", "launch_hooks", "ShapeOnly", "dry_run",
 ]
 
 NEG_INF = float32(-math.inf)
@@ -155,3 +155,55 @@ def launch(kernel, grid, block, *args, label: str | None = None):
             kernel[grid, block](*args)
     finally:
         _state.label = previous
+
+
+# --------------------------------------------------------------------------- dry runs
+
+
+class ShapeOnly:
+    """A stand-in for a float32 device array: a shape and a dtype, no storage (see :func:`dry_run`)."""
+
+    def __init__(self, shape, dtype=np.float32):
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def __repr__(self):
+        return f"ShapeOnly({self.shape})"
+
+
+def dry_run(fn, *args, **kwargs) -> list:
+    """Run a stage's host launcher ``fn`` without a device: every ``empty(...)`` it calls returns a
+    :class:`ShapeOnly` and every ``launch(...)`` does nothing.  Returns the list of arrays ``fn``
+    allocated, in order -- its own allocations, for shapes far too big to simulate.
+
+    Pass :class:`ShapeOnly` for the array arguments.  Patches ``empty``/``launch`` in ``fn``'s module for
+    the duration of the call (not thread-safe; meant for notebooks and tests).
+    """
+    g = fn.__globals__
+    allocated = []
+
+    def fake_empty(shape, *, poison=True):
+        a = ShapeOnly(shape)
+        allocated.append(a)
+        return a
+
+    saved = {name: g[name] for name in ("empty", "launch") if name in g}
+    g["empty"] = fake_empty
+    g["launch"] = lambda *a, **k: None
+    try:
+        fn(*args, **kwargs)
+    finally:
+        for name in ("empty", "launch"):
+            if name in saved:
+                g[name] = saved[name]
+            else:
+                g.pop(name, None)
+    return allocated
