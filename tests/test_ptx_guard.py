@@ -9,7 +9,7 @@ Also checked: no ``@cuda.jit`` kernel in ``flashnb/`` escapes the registry (AST 
 fail on kernels that are deliberately wrong (a float64 literal, 64 KiB of static shared memory).
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001  (flashnb must be imported before numba.cuda)
 
 import ast
 from pathlib import Path

@@ -1,0 +1,269 @@
+#!/usr/bin/env python
+"""Everything flashnb can only check on a real GPU, in one run of under five minutes.
+
+1. Correctness of every registered implementation (``flashnb.registry.IMPLS``) at realistic sizes
+   (default B=2, H=4, N=1024, d=64, causal and not) against the float64 ``flashnb.reference``.
+2. The benchmark sweep (``flashnb.bench.sweep``): CUDA-event timings with provenance columns.
+3. Where ``ncu`` (Nsight Compute) is on PATH: DRAM bytes per kernel launch (``dram__bytes_read.sum``,
+   ``dram__bytes_write.sum``) beside the analytic (modelled) traffic of the same call.
+
+Everything measured goes under the output directory: ``--out``, else ``$OUT``, else ``results/gpu/``.
+On the simulator it refuses (exit status 2): nothing it measures would mean anything there.
+
+    python scripts/gpu_check.py [--out DIR] [--quick] [--budget SECONDS]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import flashnb  # noqa: E402  (chooses GPU or simulator before numba.cuda is imported)
+
+# Forward outputs are float32 with fp32 accumulation over N=1024 keys: errors grow ~sqrt(N)·eps32 ≈ 4e-6
+# relative; 2e-4 absolute + 2e-4 relative leaves room for exp() and the backward's longer reductions.
+ATOL = 2e-4
+RTOL = 2e-4
+NCU_METRICS = "dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum"
+
+
+def default_out() -> Path:
+    return Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "results" / "gpu"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", type=Path, default=None, help="output directory (default $OUT or results/gpu/)")
+    p.add_argument("--impl", action="append", default=None, help="only these implementations (repeatable)")
+    p.add_argument("--B", type=int, default=2)
+    p.add_argument("--H", type=int, default=4)
+    p.add_argument("--N", type=int, default=1024, help="sequence length of the correctness check")
+    p.add_argument("--d", type=int, default=64, help="head dim of the correctness check")
+    p.add_argument("--bench-N", type=int, action="append", default=None, help="sweep sizes (default 1024 2048 4096)")
+    p.add_argument("--bench-d", type=int, action="append", default=None, help="sweep head dims (default 64 128)")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--budget", type=float, default=270.0, help="seconds before remaining work is skipped")
+    p.add_argument("--quick", action="store_true", help="small sweep (N 1024, d 64) and short repeats")
+    p.add_argument("--no-ncu", action="store_true", help="skip the Nsight Compute DRAM measurement")
+    p.add_argument("--ncu-child", nargs=4, metavar=("IMPL", "N", "D", "CAUSAL"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    for name in ("B", "H", "N", "d", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.budget <= 0:
+        p.error(f"--budget must be > 0, got {args.budget}")
+    args.out = args.out if args.out is not None else default_out()
+    if args.quick:
+        args.bench_N = args.bench_N or [1024]
+        args.bench_d = args.bench_d or [64]
+        args.repeats = min(args.repeats, 5)
+    args.bench_N = args.bench_N or [1024, 2048, 4096]
+    args.bench_d = args.bench_d or [64, 128]
+    return args
+
+
+def write_rows(path: Path, rows: list[dict], provenance: dict) -> Path:
+    """CSV of ``rows`` with the provenance columns appended to every row (header = union of keys)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [{**r, **provenance} for r in rows]
+    cols = []
+    for r in rows or [provenance]:
+        cols += [k for k in r if k not in cols]
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: "" if r.get(k) is None else r.get(k) for k in cols})
+    return path
+
+
+def _impls(args):
+    from flashnb.registry import IMPLS
+
+    names = args.impl or list(IMPLS)
+    bad = [n for n in names if n not in IMPLS]
+    if bad:
+        raise SystemExit(f"--impl must be among {sorted(IMPLS)}, got {bad}")
+    return names
+
+
+def check_correctness(args, deadline: float) -> list[dict]:
+    import numpy as np
+
+    from flashnb import reference
+    from flashnb.common import to_device
+    from flashnb.registry import IMPLS
+
+    rng = np.random.default_rng(1234)
+    B, H, N, d = args.B, args.H, args.N, args.d
+    shape = (B, H, N, d)
+    q, k, v, do = (rng.standard_normal(shape) for _ in range(4))
+    scale = 1.0 / math.sqrt(d)
+    rows = []
+    for causal in (False, True):
+        o_ref, lse_ref = reference.attention_forward(q, k, v, causal=causal, scale=scale)
+        grads_ref = reference.attention_backward(q, k, v, do, causal=causal, scale=scale)
+        dev = [to_device(x.reshape(B * H, N, d)) for x in (q, k, v, do)]
+        for name in _impls(args):
+            row = dict(impl=name, B=B, H=H, N=N, d=d, causal=causal, atol=ATOL, rtol=RTOL)
+            if time.monotonic() > deadline:
+                rows.append({**row, "ok": "", "error": "skipped: time budget"})
+                continue
+            entry = IMPLS[name]
+            try:
+                o, lse = entry.forward(*dev[:3], causal=causal, scale=scale)
+                got = dict(o=o.copy_to_host().reshape(shape), lse=lse.copy_to_host().reshape(B, H, N))
+                want = dict(o=o_ref, lse=lse_ref)
+                if entry.backward is not None:
+                    dq, dk, dv = entry.backward(*dev[:3], o, lse, dev[3], causal=causal, scale=scale)
+                    for key, arr, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), grads_ref):
+                        got[key] = arr.copy_to_host().reshape(shape)
+                        want[key] = ref
+                ok = True
+                for key in got:
+                    a, r = got[key], want[key]
+                    fin = np.isfinite(r)
+                    err = float(np.max(np.abs(a[fin] - r[fin]) - RTOL * np.abs(r[fin]))) if fin.any() else 0.0
+                    row[f"{key}_max_abs_err"] = float(np.max(np.abs(a[fin] - r[fin]))) if fin.any() else 0.0
+                    good = (not np.isnan(a).any()) and err <= ATOL and np.array_equal(a[~fin], r[~fin])
+                    ok &= bool(good)
+                row["ok"] = ok
+            except Exception as exc:
+                row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+                traceback.print_exc()
+            rows.append(row)
+            print(f"correctness {name:>10} causal={causal!s:<5} {'OK' if row.get('ok') else 'FAIL'} "
+                  f"{row.get('error', '')}", flush=True)
+    return rows
+
+
+def ncu_child(impl: str, N: int, d: int, causal: bool) -> None:
+    """Run one forward call under ncu (called in a child process ncu profiles)."""
+    import numpy as np
+
+    from flashnb.common import to_device
+    from flashnb.registry import IMPLS
+
+    rng = np.random.default_rng(0)
+    q, k, v = (to_device(rng.standard_normal((8, N, d), dtype=np.float32)) for _ in range(3))
+    IMPLS[impl].forward(q, k, v, causal=causal, scale=1.0 / math.sqrt(d))
+    from numba import cuda
+
+    cuda.synchronize()
+
+
+def parse_ncu_csv(text: str) -> list[dict]:
+    """Rows (kernel name, metric, value) from ``ncu --csv`` output (lines before the header skipped)."""
+    lines = text.splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith('"ID"')), None)
+    if start is None:
+        return []
+    out = []
+    for r in csv.DictReader(lines[start:]):
+        val = (r.get("Metric Value") or "").replace(",", "")
+        try:
+            value = float(val)
+        except ValueError:
+            continue
+        unit = (r.get("Metric Unit") or "").strip()
+        factor = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}.get(unit, 1)
+        out.append(dict(id=r.get("ID"), kernel=r.get("Kernel Name", ""), metric=r.get("Metric Name"),
+                        value=value * factor if "bytes" in (r.get("Metric Name") or "") else value, unit=unit))
+    return out
+
+
+def measure_dram(args, deadline: float) -> list[dict]:
+    ncu = shutil.which("ncu")
+    if ncu is None or args.no_ncu:
+        print("ncu: not on PATH (or --no-ncu); DRAM bytes not measured", flush=True)
+        return []
+    from flashnb.bench import modelled_bytes
+
+    rows = []
+    N, d = args.N, args.d
+    for name in _impls(args):
+        if time.monotonic() > deadline - 30:
+            rows.append(dict(impl=name, error="skipped: time budget"))
+            continue
+        cmd = [ncu, "--csv", "--metrics", NCU_METRICS, "--target-processes", "all", sys.executable,
+               str(Path(__file__).resolve()), "--ncu-child", name, str(N), str(d), "0"]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(10, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            rows.append(dict(impl=name, error="ncu timed out"))
+            continue
+        (args.out / f"ncu_{name}.txt").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+        parsed = parse_ncu_csv(proc.stdout)
+        if not parsed:
+            rows.append(dict(impl=name, error=f"ncu gave no metrics (rc {proc.returncode}): "
+                                              f"{(proc.stderr or proc.stdout)[-300:]}"))
+            continue
+        per = {}
+        for r in parsed:
+            per.setdefault((r["id"], r["kernel"]), {})[r["metric"]] = r["value"]
+        total = 0.0
+        for (kid, kernel), m in per.items():
+            read, write = m.get("dram__bytes_read.sum", 0.0), m.get("dram__bytes_write.sum", 0.0)
+            total += read + write
+            rows.append(dict(impl=name, launch=kid, kernel=kernel[:80], N=N, d=d, BH=8, dram_read_bytes=read,
+                             dram_write_bytes=write, gpu_time_ns=m.get("gpu__time_duration.sum")))
+        model = modelled_bytes(name, 1, 8, N, d, False, "fwd")
+        rows.append(dict(impl=name, launch="total", N=N, d=d, BH=8, dram_bytes_total=total,
+                         modelled_bytes=model, measured_over_modelled=(total / model) if model else None))
+        print(f"ncu {name:>10}: DRAM {total / 1e6:.1f} MB measured vs {model / 1e6 if model else float('nan'):.1f} "
+              "MB modelled (element-access model; L2 hits make DRAM lower)", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.ncu_child:
+        impl, N, d, causal = args.ncu_child
+        ncu_child(impl, int(N), int(d), causal == "1")
+        return 0
+    if flashnb.is_simulator():
+        print("gpu_check: refusing to run -- flashnb is on the Numba CUDA simulator (no CUDA GPU/driver found, "
+              "or FLASHNB_DEVICE=sim). Run this on a machine with an NVIDIA GPU.", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    deadline = t0 + args.budget
+    args.out.mkdir(parents=True, exist_ok=True)
+    from flashnb import bench
+
+    info = bench.device_info()
+    prov = bench.provenance(info=info)
+    (args.out / "device.json").write_text(json.dumps({**info, **prov}, indent=1))
+    print(f"device: {info}", flush=True)
+    status = 0
+    correct = check_correctness(args, deadline)
+    write_rows(args.out / "correctness.csv", correct, prov)
+    if not all(r.get("ok") for r in correct if r.get("error") != "skipped: time budget"):
+        status = 1
+    rows = bench.sweep(args.impl, tuple(args.bench_N), tuple(args.bench_d), (False, True), B=args.B, H=args.H,
+                       repeats=args.repeats, warmup=2, out_dir=args.out, figures_dir=args.out,
+                       deadline=deadline - 45, progress=True)
+    for r in rows:
+        print(f"bench {r['impl']:>10} {r['direction']} N={r['N']} d={r['d']} causal={r['causal']} "
+              f"{r.get('median_ms') or r.get('error')} ms  {r.get('tflops') or ''} TFLOP/s", flush=True)
+    dram = measure_dram(args, deadline)
+    if dram:
+        write_rows(args.out / "dram.csv", dram, prov)
+    print(f"gpu_check done in {time.monotonic() - t0:.0f} s; results in {args.out}", flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

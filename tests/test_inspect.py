@@ -1,0 +1,99 @@
+"""Occupancy arithmetic against hand-worked cases, the ptxas-report parser, and the report table.
+
+Limits used by hand (flashnb.inspect.SM_LIMITS; CUDA Programming Guide + cuda_occupancy.h): 65536
+registers per SM in 4 sub-partitions of 16384, allocated per warp in units of 256; 64 warps and 32 blocks
+per SM; shared memory per SM 164 KiB (sm_80) / 228 KiB (sm_90), allocated per block as
+round_up(static + 1 KiB reserved, 128).
+"""
+
+import pytest
+
+from flashnb import inspect as fi
+
+
+def test_64_regs_256_threads_sm80_is_register_limited():
+    # 64·32 = 2048 regs/warp; 16384 // 2048 = 8 warps per sub-partition -> 32 warps -> 32 // 8 = 4 blocks
+    occ = fi.occupancy(64, 0, 256, (8, 0))
+    assert (occ.blocks_per_sm, occ.warps_per_sm, occ.occupancy, occ.limiter) == (4, 32, 0.5, "registers")
+    assert occ.limits == {"warps": 8, "blocks": 32, "registers": 4, "shared memory": 164}
+
+
+def test_32_regs_full_occupancy_names_the_warp_cap():
+    # 1024 regs/warp -> 16 warps per sub-partition -> 64 warps = the warp cap; 2048 + 1024 B smem -> 54 blocks
+    occ = fi.occupancy(32, 2048, 256, (8, 0))
+    assert (occ.blocks_per_sm, occ.occupancy, occ.limiter) == (8, 1.0, "warps")
+    assert occ.limits["shared memory"] == 167936 // 3072 == 54
+
+
+def test_register_rounding_is_per_sub_partition():
+    # 80·32 = 2560 regs/warp; 16384 // 2560 = 6 per sub-partition -> 24 warps (not 65536 // 2560 = 25)
+    occ = fi.occupancy(80, 0, 32, (9, 0))
+    assert (occ.blocks_per_sm, occ.limiter) == (24, "registers")
+
+
+def test_register_allocation_unit_rounds_up():
+    # 33·32 = 1056 -> rounded to 1280 per warp; 16384 // 1280 = 12 -> 48 warps -> 6 blocks of 256 threads
+    assert fi.occupancy(33, 0, 256, (8, 0)).blocks_per_sm == 6
+
+
+def test_shared_memory_limit_differs_between_a100_and_h100():
+    # 40 KiB static + 1 KiB reserved = 41984 B/block: sm_80 167936 // 41984 = 4, sm_90 233472 // 41984 = 5
+    a = fi.occupancy(32, 40 * 1024, 128, (8, 0))
+    h = fi.occupancy(32, 40 * 1024, 128, (9, 0))
+    assert (a.blocks_per_sm, a.limiter) == (4, "shared memory")
+    assert (h.blocks_per_sm, h.limiter) == (5, "shared memory")
+    assert a.occupancy == 16 / 64 and h.occupancy == 20 / 64
+
+
+def test_block_cap():
+    # 16 regs, one warp per block: registers allow 128 warps, warps 64 blocks, the 32-block cap binds
+    occ = fi.occupancy(16, 0, 32, (9, 0))
+    assert (occ.blocks_per_sm, occ.warps_per_sm, occ.limiter) == (32, 32, "blocks")
+
+
+def test_blocks_that_cannot_fit_give_zero():
+    assert fi.occupancy(255, 0, 1024, (9, 0)).blocks_per_sm == 0           # 8192 regs/warp x 32 warps > 64K
+    assert fi.occupancy(255, 0, 256, (9, 0)).blocks_per_sm == 1            # 8 warps x 8192 = 64K: fits once
+    assert fi.occupancy(32, 48 * 1024 + 4, 128, (8, 0)).blocks_per_sm == 0  # over the 48 KiB static limit
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="threads_per_block"):
+        fi.occupancy(32, 0, 0, (8, 0))
+    with pytest.raises(ValueError, match="cc"):
+        fi.occupancy(32, 0, 128, (7, 5))
+
+
+PTXAS_LOG = """ptxas info    : 8 bytes gmem
+ptxas info    : Compiling entry function '_Z1k' for 'sm_90'
+ptxas info    : Function properties for _Z1k
+    136 bytes stack frame, 132 bytes spill stores, 128 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 4096 bytes smem, 400 bytes cmem[0]
+"""
+
+
+def test_parse_ptxas_and_problems():
+    res = fi.Resources("k", {}, (9, 0))
+    fi._parse_ptxas(PTXAS_LOG, res)
+    assert (res.registers, res.shared_bytes, res.stack_bytes) == (255, 4096, 136)
+    assert (res.spill_store_bytes, res.spill_load_bytes, res.spill_bytes) == (132, 128, 260)
+    assert any("spills" in p for p in fi.problems(res))
+    assert res.occupancy(64).limiter == "registers"
+
+
+def test_format_report_table():
+    rows = [dict(name="naive.matmul", config=dict(T=16, causal=True), cc=(8, 0), regs=32, smem=2048, stack=0,
+                 spills=0, f64=0, threads=256, blocks_per_sm=8, warps_per_sm=64, occupancy=1.0, limiter="warps",
+                 problems=[])]
+    text = fi.format_report(rows)
+    assert "naive.matmul" in text and "T=16,causal=T" in text and "100%" in text and "warps" in text
+
+
+def test_resources_for_compiles_without_gpu_and_caches(monkeypatch):
+    res = fi.resources_for("naive.matmul", None, (9, 0))
+    assert res.error is None and res.registers and res.shared_bytes == 2 * 16 * 16 * 4
+    monkeypatch.setattr(fi, "_in_subprocess", lambda *a, **k: pytest.fail("not cached"))
+    assert fi.resources_for("naive.matmul", None, (9, 0)) is res
+    assert fi.guard_kernel("naive.matmul", None, (9, 0)) == []
+    with pytest.raises(ValueError, match="registered kernel"):
+        fi.resources_for("no.such.kernel")
