@@ -350,14 +350,15 @@ def _positive_int(name, value, allow_none=True):
     return value
 
 
-def tiles(d, *, M=None, Br=None, Bc=None, warps=None):
+def tiles(d, *, M=None, Br=None, Bc=None, warps=None, check_fit=True):
     """The tiles the FA1 kernels use for head dim ``d``: a dict with ``Br, Bc, warps, M`` and the shared
     bytes of each kernel.
 
     From the SRAM budget ``M`` (float32 elements, default :data:`DEFAULT_M`) as FA1 Alg. 1 line 1:
     ``Bc = ⌈M/4d⌉`` rounded up to a multiple of ``warps`` (each warp takes ``Bc/warps`` keys),
     ``Br = min(⌈M/4d⌉, d)``.  ``Br`` and ``Bc`` override the formula.  Raises ``ValueError`` (naming the
-    option) when the tiles do not divide among the warps or the kernels would exceed 48 KiB of shared memory.
+    option) when the tiles do not divide among the warps or (unless ``check_fit=False``, for models of tiles
+    bigger than this kernel can hold) the kernels would exceed 48 KiB of shared memory.
     """
     d = _positive_int("d", d, allow_none=False)
     M = _positive_int("M", M)
@@ -379,7 +380,7 @@ def tiles(d, *, M=None, Br=None, Bc=None, warps=None):
         Br = min(base, d)
     fwd = 4 * shared_elements_forward(Br, Bc, d, W)
     bwd = 4 * shared_elements_backward(Br, Bc, d)
-    if max(fwd, bwd) > SHARED_LIMIT_BYTES:
+    if check_fit and max(fwd, bwd) > SHARED_LIMIT_BYTES:
         names = "M" if M is not None and from_budget else "Br/Bc"
         raise ValueError(f"tiles Br={Br}, Bc={Bc} at d={d}, warps={W} need {fwd} B (forward) and {bwd} B "
                          f"(backward) of shared memory, over the {SHARED_LIMIT_BYTES} B static limit; "
@@ -444,7 +445,7 @@ def _launch(name, reads, writes, shared_reads=0, shared_writes=0):
                 shared_reads=shared_reads, shared_writes=shared_writes)
 
 
-def model_forward(BH, Nq, Nk, d, *, M=None, Br=None, Bc=None, warps=None):
+def model_forward(BH, Nq, Nk, d, *, M=None, Br=None, Bc=None, warps=None, check_fit=True):
     """Exact element accesses of :func:`forward`, one dict per launch (any causal flag: the mask changes
     values, never which elements are touched).  Per (batch, head), with ``Tr = ⌈Nq/Br⌉``, ``Tc = ⌈Nk/Bc⌉``:
 
@@ -453,7 +454,7 @@ def model_forward(BH, Nq, Nk, d, *, M=None, Br=None, Bc=None, warps=None):
       (``2Nq`` reads, ``Nq`` writes).
     * shared: every tile is processed full size (padding rows and keys included), see the comments.
     """
-    t = tiles(d, M=M, Br=Br, Bc=Bc, warps=warps)
+    t = tiles(d, M=M, Br=Br, Bc=Bc, warps=warps, check_fit=check_fit)
     Br, Bc, W = t["Br"], t["Bc"], t["warps"]
     Tr, Tc = cdiv(Nq, Br), cdiv(Nk, Bc)
     it = BH * Tr * Tc   # inner iterations over all blocks
@@ -477,11 +478,11 @@ def model_forward(BH, Nq, Nk, d, *, M=None, Br=None, Bc=None, warps=None):
     ]
 
 
-def model_backward(BH, Nq, Nk, d, *, M=None, Br=None, Bc=None, warps=None):
+def model_backward(BH, Nq, Nk, d, *, M=None, Br=None, Bc=None, warps=None, check_fit=True):
     """Exact element accesses of :func:`backward`, one dict per launch (any causal flag).  Per (batch,
     head): K, V read once and dK, dV written once (``Nk·d`` each); Q, O, dO, dQ read ``Tc·Nq·d`` each and
     dQ written ``Tc·Nq·d``; L read ``Tc·Nq``; plus the ``dQ = 0`` init (``Nq·d`` writes)."""
-    t = tiles(d, M=M, Br=Br, Bc=Bc, warps=warps)
+    t = tiles(d, M=M, Br=Br, Bc=Bc, warps=warps, check_fit=check_fit)
     Br, Bc = t["Br"], t["Bc"]
     Tr, Tc = cdiv(Nq, Br), cdiv(Nk, Bc)
     it = BH * Tr * Tc
