@@ -1,0 +1,244 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 01 · Standard attention, and why it is slow
+#
+# Attention for one head is three steps (FlashAttention-1 paper, **Algorithm 0**):
+#
+# 1. $S = \tau\, Q K^\top$ — load $Q, K$ from HBM, write $S$ ($N_q \times N_k$) to HBM;
+# 2. $P = \mathrm{softmax}(S)$ row by row — read $S$, write $P$ ($N_q \times N_k$);
+# 3. $O = P V$ — read $P, V$, write $O$.
+#
+# Here $Q \in \mathbb{R}^{N_q\times d}$, $K, V \in \mathbb{R}^{N_k\times d}$ and $\tau = 1/\sqrt d$.
+# The FLOPs are those of two matrix products, about $4 N_q N_k d$. The *memory traffic* is the problem:
+# the two $N_q\times N_k$ intermediates go out to HBM and come back, so traffic grows like $N^2$ while each
+# element of $S$ and $P$ is used for only a handful of arithmetic operations.
+#
+# **Compute-bound or memory-bound?** A kernel is memory-bound when the time to move its bytes,
+# bytes / bandwidth, exceeds the time to do its FLOPs, FLOPs / peak. The ratio FLOPs/byte a GPU can sustain
+# is its *ridge point*. Softmax does a few FLOPs per 4-byte element it reads and writes — far below the ridge
+# of any GPU — so steps 2 (and the HBM round trips of $S$ and $P$) are memory-bound.
+#
+# **The memory hierarchy** (numbers the FlashAttention paper gives for an A100):
+#
+# | memory | size | bandwidth |
+# |---|---|---|
+# | HBM (global memory) | 40–80 GB | 1.5–2.0 TB/s |
+# | SRAM (shared memory / L1, per SM) | 192 KB × 108 SMs | ~19 TB/s |
+#
+# SRAM is an order of magnitude faster but about five orders of magnitude smaller. In CUDA, SRAM is what
+# `cuda.shared.array` allocates: a tile that the threads of one block share. Every stage of flashnb is about
+# which data lives where.
+#
+# This notebook builds Algorithm 0 as separate kernels, checks them, **counts** their HBM traffic on the
+# Numba CUDA simulator and compares the count with an analytic model.
+
+# %%
+import time
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+import flashnb
+from flashnb import naive, reference, traffic
+from flashnb.notebook import savefig, show_source
+
+T0 = time.perf_counter()
+print("running on:", "the Numba CUDA simulator" if flashnb.is_simulator() else "a GPU")
+
+# %% [markdown]
+# ## The kernels
+#
+# Step 1 (and every product in the backward) is one tiled matrix-multiply kernel. Its tile size `T`, the
+# transposes and the causal flag are compile-time constants baked in by a *kernel factory*: the same
+# source, compiled once per configuration. Each thread block computes a `T x T` tile of the output; at each
+# step of the inner dimension it copies a `T x T` tile of each operand into shared memory (`As`, `Bs`), waits
+# at a barrier, and multiplies out of SRAM.
+
+# %%
+show_source(naive.make_matmul)
+
+# %% [markdown]
+# The tile loads are shared mechanics (`flashnb/common.py`), reused by every stage: a bounded load that
+# zero-fills outside the matrix, so lengths need not be multiples of `T`.
+
+# %%
+show_source(flashnb.common.load_tile)
+
+# %% [markdown]
+# Step 2 is the *safe* softmax: subtract the row maximum before exponentiating (otherwise $e^{s}$ overflows
+# float32 for $s > 88.7$). It takes **three passes over each row of $S$**: max, sum, normalise — each pass a
+# read from HBM. Notebook 02 shows how to do this in fewer passes; FlashAttention needs that trick.
+# The kernel also stores the log-sum-exp $L_i = m_i + \log \ell_i$ of each row: the backward uses it.
+
+# %%
+show_source(naive.make_softmax_rows)
+
+# %% [markdown]
+# And the host side: three launches, three $N_q \times N_k$ or $N \times d$ arrays written to HBM.
+
+# %%
+show_source(naive.forward)
+
+# %% [markdown]
+# ## Correctness
+#
+# Against the float64 NumPy reference (`flashnb.reference`), with lengths that are not multiples of the tile
+# and a causal mask aligned to the bottom-right corner ($N_q \ne N_k$).
+
+# %%
+rng = np.random.default_rng(0)
+B, H, Nq, Nk, d = 1, 2, 37, 45, 16
+q, k, v = (rng.standard_normal((B, H, n, d)) for n in (Nq, Nk, Nk))
+for causal in (False, True):
+    o, lse = flashnb.attention_forward(q, k, v, causal=causal, impl="naive")
+    o_ref, lse_ref = reference.attention_forward(q, k, v, causal=causal)
+    print(f"causal={causal!s:5}  max |O - O_ref| = {np.abs(o - o_ref).max():.1e}   "
+          f"max |L - L_ref| = {np.abs(lse - lse_ref).max():.1e}")
+
+# %% [markdown]
+# Errors of order $10^{-7}$: float32 rounding, nothing else.
+#
+# ## Counting HBM traffic
+#
+# On the simulator, `flashnb.traffic.count()` watches every element each kernel reads or writes, per array
+# (named by the kernel's parameter), and every shared-memory access. It is a *program-level* count — what
+# the kernel asks for, element by element. A real GPU moves whole 32-byte sectors and may serve re-reads from
+# its L2 cache, so DRAM bytes measured by Nsight Compute can be lower (notebook 00 discusses this).
+
+# %%
+BH, N, d = 1, 48, 16
+q3, k3, v3 = (rng.standard_normal((BH, N, d)) for _ in range(3))
+with traffic.count() as t:
+    flashnb.attention_forward(q3, k3, v3, impl="naive")
+print(t)
+
+# %% [markdown]
+# The analytic model (`naive.model_forward`) predicts every one of those numbers from the shapes alone.
+# The tiled matmul reads each element of its left operand once per *column tile* of the output, and each
+# element of its right operand once per *row tile*: $S = QK^\top$ reads $Q$ $\lceil N_k/T\rceil$ times.
+# Softmax reads $S$ three times (three passes) and writes $P$ once.
+
+# %%
+model = naive.model_forward(BH, N, N, d)
+assert t.summary() == model, "counted traffic differs from the model"
+for launch_model in model:
+    print(f"{launch_model['launch']:<16} reads {launch_model['reads']}  writes {launch_model['writes']}")
+
+# %% [markdown]
+# ### Traffic as $N$ grows
+#
+# The FA1 paper's Theorem 2: standard attention needs $\Theta(Nd + N^2)$ HBM accesses. We count the real
+# kernels for small $N$ on the simulator, check every count against the model, and then use the validated
+# model for larger $N$. The $N^2$ terms (S written, read three times; P written and read) dominate as soon
+# as $N$ exceeds a few times $d$.
+
+# %%
+d = 16
+Ns_counted = [8, 16, 32, 48, 64]
+counted = []
+for n in Ns_counted:
+    x = rng.standard_normal((1, n, d))
+    with traffic.count() as t:
+        flashnb.attention_forward(x, x, x, impl="naive")
+    assert t.summary() == naive.model_forward(1, n, n, d)
+    counted.append(t.global_read_bytes + t.global_write_bytes)
+
+
+def model_bytes(n, d):
+    launches = naive.model_forward(1, n, n, d)
+    return 4 * sum(sum(m["reads"].values()) + sum(m["writes"].values()) for m in launches)
+
+
+Ns = np.array([8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096])
+fig, ax = plt.subplots(figsize=(6, 4))
+ax.loglog(Ns, [model_bytes(n, d) for n in Ns], "-", label="model (exact for these kernels)")
+ax.loglog(Ns_counted, counted, "o", label="counted on the simulator")
+ax.loglog(Ns, [4 * 4 * n * n for n in Ns], ":", label=r"$4N^2$ elements (S, P written + read)")
+ax.set_xlabel("sequence length N (Nq = Nk, d = 16, one head)")
+ax.set_ylabel("global memory traffic (bytes)")
+ax.set_title("Standard attention forward: HBM traffic grows like N²")
+ax.legend()
+savefig(fig, "01_naive_traffic_vs_N")
+plt.show()
+
+# %% [markdown]
+# ## Memory footprint of S and P
+#
+# Beyond traffic, the intermediates must *fit*: $S$ and $P$ are $B \cdot H \cdot N^2$ floats each. For the
+# GPT-2 medium setting of the FA1 paper's Figure 2 (batch 64, 16 heads):
+
+# %%
+for n in (1024, 2048, 4096, 8192, 16384):
+    elems = 64 * 16 * n * n
+    print(f"N = {n:>5}:  S and P together = {2 * elems * 4 / 2**30:8.1f} GiB in float32,"
+          f" {2 * elems * 2 / 2**30:8.1f} GiB in float16")
+
+# %% [markdown]
+# At $N = 4096$ that is more than the 80 GB of an A100 holds, before counting the backward's $dP$ and $dS$.
+#
+# ## Modelled speed
+#
+# Without a GPU we can still say how fast this *would* be if each kernel ran at the roofline: its time is at
+# least $\max(\text{FLOPs}/\text{peak}, \text{bytes}/\text{bandwidth})$. This is a **model**, a lower bound
+# from counted bytes and FLOPs, not a measurement. numba has no tensor-core intrinsics, so the honest compute
+# ceiling is the FP32 CUDA-core peak.
+
+# %%
+from flashnb import roofline  # noqa: E402
+
+gpu = roofline.GPUS["A100 80GB SXM"]
+BH, N, d = 16 * 64, 1024, 64
+rows = []
+for m in naive.model_forward(BH, N, N, d):
+    nbytes = 4 * (sum(m["reads"].values()) + sum(m["writes"].values()))
+    flops = {"S = scale·QKᵀ": 2 * BH * N * N * d, "O = PV": 2 * BH * N * N * d}.get(m["launch"], 5 * BH * N * N)
+    rows.append((m["launch"], flops, nbytes, roofline.modelled_time(flops, nbytes, gpu)))
+for name, flops, nbytes, mt in rows:
+    print(f"{name:<16} {flops / 1e9:8.1f} GFLOP {nbytes / 1e9:8.2f} GB  intensity {flops / nbytes:6.2f} FLOP/B"
+          f"  modelled {mt.seconds * 1e3:7.2f} ms ({mt.bound}-bound)")
+print(f"total modelled forward time on {gpu.name}: {sum(r[3].seconds for r in rows) * 1e3:.1f} ms (model, not a measurement)")
+print(f"{gpu.name} FP32 ridge point: {gpu.ridge_intensity:.1f} FLOP/B")
+fig, ax = plt.subplots(figsize=(7, 4.5))
+roofline.roofline_plot([(name, flops, nbytes) for name, flops, nbytes, _ in rows], gpu, ax=ax)
+savefig(fig, "01_naive_roofline")
+plt.show()
+
+# %% [markdown]
+# (The softmax's FLOPs are counted here as ~5 per element: max, subtract, exp, add, multiply.)
+#
+# Compare each intensity printed above with the GPU's FP32 ridge point (printed below): a kernel left of
+# the ridge is memory-bound. An element of $S$ costs $2d$ FLOPs to compute and 4 bytes to write, but our
+# $T = 16$ tiles also re-read $Q$ and $K$ once per tile, which pulls even the matrix products down. The
+# softmax, at a fraction of a FLOP per byte, is memory-bound on every GPU.
+#
+# **What a GPU run adds.** With a GPU, `flashnb bench` times each implementation with CUDA events and
+# `scripts/gpu_check.py` reads DRAM bytes from Nsight Compute, to set beside these counted and modelled
+# numbers. The simulator's wall-clock time says nothing about GPU speed and flashnb never reports it as such.
+
+# %%
+print(f"notebook ran in {time.perf_counter() - T0:.1f} s")
+
+# %% [markdown]
+# ## Exercises
+#
+# 1. Change `naive.TILE` to 8 and recount. Which arrays' read counts change, and by what factor? Derive it
+#    from `_matmul_model` before running.
+# 2. The softmax kernel reads each row of $S$ three times. Write the count for a two-pass version (notebook 02
+#    shows how), and predict the total traffic saving at $N = 1024, d = 64$.
+# 3. Our softmax uses one thread per row, so neighbouring threads read addresses $N_k$ floats apart. Why is
+#    that bad on a GPU (coalescing)? Would the traffic *count* change if one block handled one row?
+# 4. `naive.backward` rebuilds $P = e^{S - L}$ from the saved log-sum-exp instead of keeping $P$ from the
+#    forward. Count its traffic with `traffic.count()` and compare with `naive.model_backward`: which launches
+#    would a standard implementation that stored $P$ skip?

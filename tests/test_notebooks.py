@@ -1,0 +1,33 @@
+"""Every notebook is a jupytext pair: the .py (reviewed in diffs) and the .ipynb (executed by CI) must agree."""
+
+from pathlib import Path
+
+import pytest
+
+jupytext = pytest.importorskip("jupytext")
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+PAIRS = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
+
+
+def _cells(nb):
+    return [(c.cell_type, c.source.strip()) for c in nb.cells if c.source.strip()]
+
+
+def test_there_are_notebooks():
+    assert len(PAIRS) >= 2
+
+
+@pytest.mark.parametrize("py", PAIRS, ids=lambda p: p.stem)
+def test_ipynb_matches_py(py):
+    ipynb = py.with_suffix(".ipynb")
+    assert ipynb.exists(), f"{ipynb.name} missing: run `jupytext --to ipynb {py}`"
+    from_py = _cells(jupytext.read(py))
+    from_nb = _cells(jupytext.read(ipynb))
+    assert from_py == from_nb, f"{ipynb.name} is out of sync with {py.name}: run `jupytext --sync {py}`"
+
+
+@pytest.mark.parametrize("py", PAIRS, ids=lambda p: p.stem)
+def test_notebook_ends_with_exercises(py):
+    text = py.read_text()
+    assert "## Exercises" in text, f"{py.name} has no Exercises section"
