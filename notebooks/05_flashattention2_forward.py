@@ -1,0 +1,350 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 05 · FlashAttention-2, forward: three changes, each measured
+#
+# FlashAttention-1 (stage 3) already keeps $S$ and $P$ on chip. It still reaches only 25–40 % of an A100's
+# peak. The FlashAttention-2 paper makes **three changes** and gets about 2× more speed:
+#
+# 1. **fewer non-matmul operations**: keep $\tilde O_i$ *unscaled* and divide by $\ell_i$ once, at the end
+#    (delayed rescaling); store one statistic $L_i = m_i + \log \ell_i$ instead of $m$ and $\ell$;
+# 2. **parallelism over the sequence**: the loop over query blocks becomes the grid, so thread blocks =
+#    $T_r \times$ batch·heads instead of batch·heads;
+# 3. **split-Q instead of split-K** inside a thread block: each warp owns its own query rows, so warps never
+#    exchange partial results through shared memory.
+#
+# FA2 **Algorithm 1** (one thread block per $(i, \text{batch·head})$):
+#
+# | line | |
+# |---|---|
+# | 4 | load $Q_i$ to SRAM (once) |
+# | 5 | $\tilde O_i = 0$, $\ell_i = 0$, $m_i = -\infty$ (registers) |
+# | 6–7 | for each $j$: load $K_j, V_j$ to SRAM |
+# | 8 | $S_{ij} = Q_i K_j^\top$ |
+# | 9 | $m_{new} = \max(m_i, \mathrm{rowmax}\,S_{ij})$, $\tilde P_{ij} = e^{S_{ij} - m_{new}}$, $\ell_i = e^{m_i - m_{new}}\ell_i + \mathrm{rowsum}\,\tilde P_{ij}$ |
+# | 10 | $\tilde O_i = \mathrm{diag}(e^{m_i - m_{new}})\,\tilde O_i + \tilde P_{ij} V_j$ |
+# | 12–14 | $O_i = \mathrm{diag}(\ell_i)^{-1}\tilde O_i$, $L_i = m_i + \log \ell_i$; write $O_i$, $L_i$ |
+
+# %%
+import time
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+import flashnb
+from flashnb import fa1, fa2, naive, reference, roofline, traffic
+from flashnb.notebook import savefig, show_source
+
+T0 = time.perf_counter()
+print("running on:", "the Numba CUDA simulator" if flashnb.is_simulator() else "a GPU")
+rng = np.random.default_rng(5)
+
+# %% [markdown]
+# ## The kernel
+#
+# The thread block has `32·warps` threads. A warp's 32 lanes form a $4 \times 8$ grid (`LR × LC`). Lane
+# $(l_r, l_c)$ of warp $w$ owns query rows $w\,B_r/\text{warps} + l_r + 4a$ ($a < T_M$), key columns
+# $l_c + 8b$ of the score tile ($b < T_N$) and head-dim columns $l_c + 8e$ of $\tilde O$: small register
+# tiles. The 8 lanes of one row group share a row of $S$: the row max is a 3-step `shfl_xor` butterfly and
+# $\tilde P V$ fetches each $\tilde P_{ij}$ from its owner lane with `shfl_sync`.
+
+# %%
+show_source(fa2.make_forward)
+
+# %% [markdown]
+# It computes attention (checked against the float64 reference, with ragged lengths, $N_q \ne N_k$ and the
+# causal mask):
+
+# %%
+q, k, v = (rng.standard_normal((1, n, 16)) for n in (40, 56, 56))
+for causal in (False, True):
+    o, lse = flashnb.attention_forward(q, k, v, causal=causal, impl="fa2", Br=16, Bc=16, warps=1)
+    o_ref, lse_ref = reference.attention_forward(q, k, v, causal=causal)
+    print(f"causal={causal}: max |o - o_ref| = {np.abs(o - o_ref).max():.1e}, "
+          f"max |lse - lse_ref| = {np.abs(lse - lse_ref).max():.1e}")
+
+# %% [markdown]
+# ## Change 1 · delayed rescaling: non-matmul operations per tile
+#
+# FA1 (Alg. 1 line 12) rescales $O_i$ by $\mathrm{diag}(\ell_{new})^{-1}$ on every tile; FA2 multiplies
+# $\tilde O_i$ by $e^{m_i - m_{new}}$ only and divides once at the end. Below, both update rules run in NumPy
+# with every non-matmul operation on $O$ and on the statistics *counted* as it happens; both must give
+# the same $O$.
+
+# %%
+def run_rule(S_tiles, V_tiles, rule):
+    """Online softmax over tiles with FA1's or FA2's output update; returns O and the count of
+    non-matmul element operations (multiplies, divides, adds outside the matmuls, exps, max/compare)."""
+    Br, d = S_tiles[0].shape[0], V_tiles[0].shape[1]
+    O, l, m = np.zeros((Br, d)), np.zeros(Br), np.full(Br, -np.inf)
+    ops = []
+    for S, V in zip(S_tiles, V_tiles):
+        n = 0
+        mt = S.max(1)
+        n += S.size                                   # row max
+        mn = np.maximum(m, mt)
+        n += Br
+        P = np.exp(S - mn[:, None])
+        n += 2 * S.size                               # subtract, exp
+        PV = P @ V                                    # matmul: not counted
+        if rule == "fa1":                             # l~ = rowsum(P~) with m~ ; O = diag(l_new)^-1 (...)
+            ln = np.exp(m - mn) * l + P.sum(1)
+            n += S.size + 3 * Br
+            O = (l * np.exp(m - mn))[:, None] * O / ln[:, None] + PV / ln[:, None]
+            n += 2 * Br + 4 * O.size                  # weights; 2 multiplies/divides, 1 divide, 1 add per element
+        else:                                         # FA2: O~ = diag(e^(m - m_new)) O~ + P~ V
+            a = np.exp(m - mn)
+            l = a * l + P.sum(1)
+            n += 2 * Br + S.size + 2 * Br
+            O = a[:, None] * O + PV
+            n += O.size                               # 1 multiply per element (the add fuses into the matmul)
+        if rule == "fa1":
+            l = ln
+        m = mn
+        ops.append(n)
+    if rule == "fa2":
+        O = O / l[:, None]                            # once, at the end
+        ops.append(O.size + Br)
+    return O, ops
+
+
+Br_, Bc_, d_, Tc_ = 64, 64, 64, 8
+S_tiles = [rng.standard_normal((Br_, Bc_)) for _ in range(Tc_)]
+V_tiles = [rng.standard_normal((Bc_, d_)) for _ in range(Tc_)]
+O1, ops1 = run_rule(S_tiles, V_tiles, "fa1")
+O2, ops2 = run_rule(S_tiles, V_tiles, "fa2")
+print("same O:", np.allclose(O1, O2))
+print(f"non-matmul ops per tile (Br = Bc = d = 64): FA1 {ops1[0]}, FA2 {ops2[0]} "
+      f"(+ {ops2[-1]} once at the end)")
+print(f"on O alone: FA1 {4 * Br_ * d_} per tile, FA2 {Br_ * d_} per tile -- over {Tc_} tiles "
+      f"FA1 {sum(ops1)} vs FA2 {sum(ops2)} in total ({sum(ops1) / sum(ops2):.2f}x)")
+print("matmul FLOPs per tile:", 4 * Br_ * Bc_ * d_, "-- but on an A100 a non-matmul FLOP costs ~16 matmul FLOPs")
+
+# %% [markdown]
+# ## Change 2 · parallelism over the sequence: thread blocks and busy SMs
+#
+# FA1's grid is batch·heads (one block walks the whole sequence); FA2's is $T_r$ × batch·heads. With long
+# sequences and few heads per GPU, FA1 leaves most SMs idle.
+
+# %%
+N = 2048
+BHs = np.array([1, 2, 4, 8, 16, 32, 64, 128])
+fig, ax = plt.subplots(figsize=(6.5, 3.6))
+for name in ("A100 80GB SXM", "H100 SXM"):
+    sms = roofline.get_gpu(name).sm_count
+    for impl, blocks in (("FA1", BHs), ("FA2", BHs * -(-N // fa2.default_tiles(64)["Br"]))):
+        busy = np.minimum(blocks, sms) / sms
+        ax.plot(BHs, 100 * busy, marker="o", label=f"{impl}, {name} ({sms} SMs)")
+ax.set_xscale("log", base=2)
+ax.set_xlabel("batch · heads")
+ax.set_ylabel("SMs with a thread block (%)")
+ax.set_title(f"N = {N}, d = 64 (FA2 Br = {fa2.default_tiles(64)['Br']})")
+ax.legend(fontsize=7)
+savefig(fig, "05_busy_sms")
+for bh in (1, 8, 32):
+    print(f"batch·heads = {bh}: FA1 {bh} blocks, FA2 {bh * -(-N // 64)} blocks; "
+          f"H100 SMs busy FA1 {min(bh, 132)}/132, FA2 {min(bh * 32, 132)}/132")
+
+# %% [markdown]
+# ## Change 3 · split-K vs split-Q: shared-memory traffic and FMAs per shared read
+#
+# FA1 splits the key tile over 4 warps (split-K): every warp writes a partial $\tilde P V$, $m$, $\ell$ to
+# shared memory, the block synchronises and merges them. FA2 splits the query rows: no partial results,
+# and with register micro-tiles each shared read feeds several FMAs. Counted on the simulator with the same
+# tiles ($B_r = B_c = 16$, $d = 16$, $N = 64$):
+
+# %%
+q, k, v = (rng.standard_normal((1, 64, 16)) for _ in range(3))
+counted = {}
+for impl, opts in (("fa1", dict(Br=16, Bc=16)), ("fa2", dict(Br=16, Bc=16, warps=1))):
+    with traffic.count() as t:
+        flashnb.attention_forward(q, k, v, impl=impl, **opts)
+    counted[impl] = t.summary()
+fmas = 2 * 64 * 64 * 16       # QKᵀ and PV multiply-adds
+for impl, s in counted.items():
+    sr = sum(x["shared_reads"] for x in s)
+    sw = sum(x["shared_writes"] for x in s)
+    print(f"{impl}: shared reads {sr:7d}, shared writes {sw:6d}, FMAs per shared read (counted) {fmas / sr:.2f}")
+for d in (32, 64, 128):
+    t = fa2.default_tiles(d)
+    r = fa2.fmas_per_shared_read(t["Br"], t["Bc"], d, t["warps"])
+    print(f"FA2 default tiles d={d} {t}: inner loop FMAs/shared read: S {r['qk']:.2f}, PV {r['pv']:.1f}, "
+          f"tile {r['tile']:.2f}  (FA1's loops: S 0.50, PV 1.00)")
+
+# %% [markdown]
+# ### The warp layout
+#
+# Which warp and which lane own which element of the score tile (default tiles for $d = 64$:
+# $B_r = 64$, $B_c = 32$, 4 warps). Each lane holds a $4 \times 4$ register tile, strided by 4 rows and 8
+# columns so that neighbouring lanes read neighbouring shared-memory addresses.
+
+# %%
+def owner(Br, Bc, warps):
+    g = fa2.geometry(Br, Bc, 8, warps)
+    warp = np.zeros((Br, Bc), int)
+    lane = np.zeros((Br, Bc), int)
+    for w in range(warps):
+        for lr in range(fa2.LR):
+            for lc in range(fa2.LC):
+                for a in range(g["TM"]):
+                    for b in range(g["TN"]):
+                        r, c = w * g["TM"] * fa2.LR + lr + fa2.LR * a, lc + fa2.LC * b
+                        warp[r, c], lane[r, c] = w, lr * fa2.LC + lc
+    return warp, lane
+
+
+warp, lane = owner(64, 32, 4)
+fig, axes = plt.subplots(1, 2, figsize=(10, 5.2), gridspec_kw=dict(width_ratios=[1, 1.3]))
+axes[0].imshow(warp, cmap="tab10", vmin=0, vmax=9, aspect="auto")
+axes[0].set_title("S tile 64 x 32: warp that owns each score")
+axes[0].set_xlabel("key column j")
+axes[0].set_ylabel("query row i")
+sub = lane[:16, :32]
+axes[1].imshow(sub % 8, cmap="Pastel1", aspect="auto")
+for (r, c), value in np.ndenumerate(sub):
+    axes[1].text(c, r, str(value), ha="center", va="center", fontsize=5.5)
+axes[1].set_title("warp 0 (rows 0-15): lane id; colour = lane column lc")
+axes[1].set_xlabel("key column j")
+savefig(fig, "05_warp_layout")
+
+# %% [markdown]
+# ## Causal: skip the blocks above the diagonal
+#
+# Only tiles with at least one allowed (query, key) pair are visited; only those crossing the diagonal
+# are masked element by element.
+
+# %%
+def tile_map(Nq, Nk, Br, Bc):
+    diag = Nk - Nq
+    Tr, Tc = -(-Nq // Br), -(-Nk // Bc)
+    state = np.zeros((Tr, Tc), int)          # 0 skipped, 1 visited unmasked, 2 visited and masked
+    for i, j, _, _ in fa2.tiles_visited(Nq, Nk, Br, Bc, True):
+        crossing = (j + 1) * Bc > Nk or (j + 1) * Bc - 1 > i * Br + diag
+        state[i, j] = 2 if crossing else 1
+    return state
+
+
+fig, axes = plt.subplots(1, 2, figsize=(9, 4))
+for ax, (Nq, Nk) in zip(axes, ((256, 256), (128, 256))):
+    st = tile_map(Nq, Nk, 32, 32)
+    ax.imshow(st, cmap="Greys", vmin=0, vmax=2)
+    ax.set_title(f"Nq={Nq}, Nk={Nk}: {np.count_nonzero(st)}/{st.size} visited, {np.sum(st == 2)} masked")
+    ax.set_xlabel("K/V tile j")
+    ax.set_ylabel("Q tile i")
+savefig(fig, "05_causal_tiles")
+full = len(fa2.tiles_visited(256, 256, 32, 32, False))
+half = len(fa2.tiles_visited(256, 256, 32, 32, True))
+print(f"N = 256, 32 x 32 tiles: causal visits {half} of {full} tiles ({half / full:.0%})")
+
+q, k, v = (rng.standard_normal((1, 64, 16)) for _ in range(3))
+for causal in (False, True):
+    with traffic.count() as t:
+        flashnb.attention_forward(q, k, v, causal=causal, impl="fa2", Br=16, Bc=16, warps=1)
+    s = t.summary()[0]
+    print(f"counted, N = 64, causal={causal}: K reads {s['reads']['K']}, shared reads {s['shared_reads']}")
+
+# %% [markdown]
+# ## Traffic beside stages 1 and 3
+#
+# HBM traffic (element accesses, from the models that the tests check exactly against counts), one head,
+# $N = 256$, $d = 32$. With the same tiles, FA2 moves less than FA1: FA1 re-reads and re-writes $O_i$,
+# $\ell_i$, $m_i$ for every K/V tile ($\approx 3 T_c N d$), FA2 re-reads only $K, V$ per query block
+# ($2 T_r N d$). With each implementation's default tiles the ordering depends on the tile sizes: a larger
+# $B_r$ makes FA2's $T_r$ smaller, a larger $B_c$ makes FA1's $T_c$ smaller.
+
+# %%
+def total(model):
+    return sum(sum(x[key].values()) for x in model for key in ("reads", "writes", "atomics"))
+
+
+def shared(model):
+    return sum(x["shared_reads"] + x["shared_writes"] for x in model)
+
+
+N, d = 256, 32
+rows = {
+    "naive (stage 1)": naive.model_forward(1, N, N, d),
+    "FA1 32x32": fa1.model_forward(1, N, N, d, Br=32, Bc=32),
+    "FA2 32x32": fa2.model_forward(1, N, N, d, Br=32, Bc=32, warps=2),
+    f"FA1 default {fa1.tiles(d)['Br']}x{fa1.tiles(d)['Bc']}": fa1.model_forward(1, N, N, d),
+    f"FA2 default {fa2.default_tiles(d)['Br']}x{fa2.default_tiles(d)['Bc']}": fa2.model_forward(1, N, N, d),
+}
+for name, m in rows.items():
+    print(f"{name:22s} HBM elements {total(m):9d}   shared elements {shared(m):10d}")
+fig, ax = plt.subplots(figsize=(7, 3))
+ax.barh(list(rows), [4 * total(m) / 1e6 for m in rows.values()])
+ax.set_xlabel("HBM traffic (MB, float32), N = 256, d = 32, one head")
+savefig(fig, "05_traffic_stages")
+
+# %% [markdown]
+# ## Resources: registers and occupancy, FA1 vs FA2
+#
+# Compiled for sm_80 with NVVM and `ptxas` (no GPU needed), default tiles at $d = 64$:
+
+# %%
+from flashnb import inspect as finspect  # noqa: E402
+
+t1, t2 = fa1.tiles(64), fa2.default_tiles(64)
+jobs = [("fa1.forward", dict(Br=t1["Br"], Bc=t1["Bc"], d=64, W=t1["warps"], causal=False), (8, 0)),
+        ("fa2.forward", dict(**t2, d=64, causal=False), (8, 0))]
+for (name, cfg, cc), res in zip(jobs, finspect.resources_many(jobs)):
+    if res.registers is None:
+        print(name, "could not be compiled here:", res.error)
+        continue
+    occ = finspect.occupancy(res.registers, res.shared_bytes, finspect.KERNELS[name].threads_for(cfg), cc)
+    print(f"{name} {cfg}: {res.registers} registers, {res.shared_bytes} B shared, spills {res.spill_bytes} B, "
+          f"{occ.warps_per_sm} warps/SM ({occ.occupancy:.0%}, limited by {occ.limiter})")
+
+# %% [markdown]
+# ## Modelled speed, and measured TFLOP/s on a GPU
+#
+# A roofline estimate ($\max$(FLOPs / FP32 peak, bytes / HBM bandwidth)) from the traffic models, for
+# batch·heads = 16, $N = 2048$, $d = 64$ on an H100, scaled by the fraction of SMs that have work (change 2).
+# flashnb's kernels use FP32 FMAs, not tensor cores, so the compute roof is the FP32 peak.
+
+# %%
+BH, N, d = 16, 2048, 64
+flops = roofline.flops_forward(1, BH, N, N, d)
+gpu = roofline.get_gpu("H100 SXM")
+for name, m, blocks in (("naive", naive.model_forward(BH, N, N, d), None),
+                        ("FA1", fa1.model_forward(BH, N, N, d), BH),
+                        ("FA2", fa2.model_forward(BH, N, N, d), BH * -(-N // fa2.default_tiles(d)["Br"]))):
+    mt = roofline.modelled_time(flops, 4 * total(m), gpu)
+    busy = 1.0 if blocks is None else min(blocks, gpu.sm_count) / gpu.sm_count
+    print(f"{name:5s}: {4 * total(m) / 1e9:6.2f} GB, roofline {mt.seconds * 1e3:6.2f} ms ({mt.bound}-bound), "
+          f"with {busy:.0%} of SMs busy: {mt.seconds / busy * 1e3:6.2f} ms")
+
+if not flashnb.is_simulator():                   # a real GPU: CUDA-event timing of the public API
+    from flashnb import bench  # noqa: E402
+    x = [rng.standard_normal((BH, N, d)).astype(np.float32) for _ in range(3)]
+    for impl in ("fa1", "fa2"):
+        timing = bench.time_call(lambda: flashnb.attention_forward(*x, impl=impl), flops=flops)
+        print(impl, timing)
+else:
+    print("measured TFLOP/s needs a GPU: run `flashnb bench` there (this cell times fa1 and fa2 when it has one)")
+
+
+# %% [markdown]
+# ## Exercises
+#
+# 1. Change `fa2.LC` to 4 (and `LR` to 8) in a copy of the kernel: how do the FMAs per shared read and the
+#    number of shuffles per tile change? Check with `fa2.fmas_per_shared_read` and the traffic counter.
+# 2. Delayed rescaling keeps $\tilde O$ unnormalised: can it overflow in float32? Bound $|\tilde O|$ in terms
+#    of $B_c T_c$ and $\max|V|$.
+# 3. Draw the causal tile map for $N_q = 300$, $N_k = 200$ and predict which query rows get $L = -\infty$.
+# 4. Using `fa1.model_forward` and `fa2.model_forward`, find the tile sizes at which FA1's default
+#    configuration moves fewer HBM bytes than FA2's at $N = 4096$, $d = 64$ — and explain why.
+
+# %%
+print(f"notebook ran in {time.perf_counter() - T0:.1f} s")
