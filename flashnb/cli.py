@@ -49,11 +49,19 @@ def cmd_info(args) -> int:
     return 0
 
 
+TOUR_GPU = "H100 SXM"  # preset used for the modelled time in the tour
+
+
 def tour_rows(*, BH=2, Nq=40, Nk=56, d=16, causal=True, seed=0, progress=True):
-    """Run every registered impl on one small problem; return a list of result dicts."""
+    """Run every registered impl on one small problem; return a list of result dicts.
+
+    On the simulator each row carries counted HBM bytes and shared accesses, and a *modelled* time (roofline
+    of the counted bytes and the benchmark FLOP formula on the ``TOUR_GPU`` preset).  On a GPU it carries a
+    *measured* time (CUDA events) instead; counting needs the simulator.
+    """
     from tqdm.auto import tqdm
 
-    from . import api, reference
+    from . import api, reference, roofline
     from .registry import IMPLS
     from .runtime import MODE
 
@@ -64,7 +72,8 @@ def tour_rows(*, BH=2, Nq=40, Nk=56, d=16, causal=True, seed=0, progress=True):
     do = rng.standard_normal((BH, Nq, d))
     o_ref, lse_ref = reference.attention_forward(q, k, v, causal=causal)
     grads_ref = reference.attention_backward(q, k, v, do, causal=causal)
-    jobs = [(name, "forward") for name in IMPLS] + [(n, "backward") for n, e in IMPLS.items() if e.backward]
+    by_stage = sorted(IMPLS, key=lambda n: (IMPLS[n].stage, n))
+    jobs = [(n, "forward") for n in by_stage] + [(n, "backward") for n in by_stage if IMPLS[n].backward]
     rows = []
     for name, direction in tqdm(jobs, desc="flashnb tour", disable=not progress, file=sys.stderr):
         entry = IMPLS[name]
@@ -84,11 +93,30 @@ def tour_rows(*, BH=2, Nq=40, Nk=56, d=16, causal=True, seed=0, progress=True):
                 grads = api.attention_backward(q, k, v, o_ref, lse_ref, do, causal=causal, impl=name)
                 err = max(np.abs(g - r).max() for g, r in zip(grads, grads_ref))
         row["max_abs_err"] = float(err)
+        flops = (roofline.flops_forward if direction == "forward" else roofline.flops_backward)(
+            1, BH, Nq, Nk, d, causal)
         if counter is not None:
+            nbytes = counter.global_read_bytes + counter.global_write_bytes + 4 * counter.atomics
             row.update(read_bytes=counter.global_read_bytes, write_bytes=counter.global_write_bytes,
-                       shared=counter.shared_reads + counter.shared_writes)
+                       shared=counter.shared_reads + counter.shared_writes,
+                       modelled_ns=roofline.modelled_time(flops, nbytes, TOUR_GPU).seconds * 1e9)
+        else:
+            row["measured_us"] = _measure(entry, direction, q, k, v, o_ref, lse_ref, do, causal) * 1e3
         rows.append(row)
     return rows
+
+
+def _measure(entry, direction, q, k, v, o, lse, do, causal):
+    """Median CUDA-event time (ms) of the impl's device-level call on this problem (GPU only)."""
+    from . import bench, common
+
+    dev = [common.to_device(a) for a in (q, k, v)]
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    if direction == "forward":
+        return bench.time_call(lambda: entry.forward(*dev, causal=causal, scale=scale), repeats=5).median_ms
+    extra = [common.to_device(o), common.to_device(lse), common.to_device(do)]
+    return bench.time_call(lambda: entry.backward(*dev, extra[0], extra[1], extra[2], causal=causal, scale=scale),
+                           repeats=5).median_ms
 
 
 class _null:
@@ -108,17 +136,25 @@ def cmd_tour(args) -> int:
     rows = tour_rows(BH=args.bh, Nq=args.nq, Nk=args.nk, d=args.d, causal=args.causal, progress=not args.quiet)
     header = f"{'stage':>5}  {'impl':<10} {'pass':<9} {'max err':>9}"
     if MODE == "sim":
-        header += f" {'HBM read B':>11} {'HBM write B':>11} {'shared acc.':>11}"
+        header += f" {'HBM read B':>11} {'HBM write B':>11} {'shared acc.':>11} {'modelled ns':>11}"
+    else:
+        header += f" {'measured us':>11}"
     print(header)
     ok = True
     for r in rows:
         line = f"{r['stage']:>5}  {r['impl']:<10} {r['pass']:<9} {r['max_abs_err']:9.2e}"
         if "read_bytes" in r:
-            line += f" {r['read_bytes']:11,d} {r['write_bytes']:11,d} {r['shared']:11,d}"
+            line += f" {r['read_bytes']:11,d} {r['write_bytes']:11,d} {r['shared']:11,d} {r['modelled_ns']:11.1f}"
+        else:
+            line += f" {r['measured_us']:11.1f}"
         print(line)
         ok &= r["max_abs_err"] < 1e-3
     if MODE == "sim":
-        print("HBM bytes are counted on the simulator (program-level element accesses x 4 bytes), not measured.")
+        print("HBM bytes are counted on the simulator (program-level element accesses x 4 bytes, atomics included "
+              f"in the modelled time), not measured.\nModelled time = max(FLOPs / FP32 peak, bytes / bandwidth) on "
+              f"a {TOUR_GPU} preset: a model, not a measurement.")
+    else:
+        print("Measured: median of 5 CUDA-event timings after warm-up, at this tiny size (launch-bound).")
     print("all impls agree with the reference" if ok else "SOME IMPLS DISAGREE WITH THE REFERENCE")
     return 0 if ok else 1
 
@@ -134,7 +170,20 @@ def main(argv=None) -> int:
     tour.add_argument("--d", type=int, default=16)
     tour.add_argument("--no-causal", dest="causal", action="store_false")
     tour.add_argument("--quiet", action="store_true", help="no progress bar")
-    args, rest = parser.parse_known_args(argv)
+    sub.add_parser("inspect", help="registers, shared memory, spills and occupancy of every kernel (no GPU needed)",
+                   add_help=False)
+    sub.add_parser("bench", help="time every impl over N (and d) on a GPU; CSV + plot with provenance",
+                   add_help=False)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("inspect", "bench"):
+        if argv[0] == "inspect":
+            from .inspect import main_inspect
+
+            return main_inspect(argv[1:])
+        from .bench import main_bench
+
+        return main_bench(argv[1:])
+    args = parser.parse_args(argv)
     if args.command == "info":
         return cmd_info(args)
     if args.command == "tour":
