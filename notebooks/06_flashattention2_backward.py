@@ -1,0 +1,190 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 06 · FlashAttention-2, backward: recompute, column blocks, dQ by atomics
+#
+# The backward pass needs $dQ, dK, dV$ from $Q, K, V, O, dO$ and the saved $L = m + \log \ell$. Like FA1 it
+# never stores $S$ or $P$: it recomputes them tile by tile. FA2 **Algorithm 2**:
+#
+# | line | |
+# |---|---|
+# | 4 | (separate kernel) $D = \mathrm{rowsum}(dO \circ O)$ |
+# | 5 | one thread block per K/V column block $j$ (and batch·head) |
+# | 6–7 | load $K_j, V_j$ to SRAM; $dK_j = dV_j = 0$ on chip |
+# | 8–9 | for each query block $i$: load $Q_i, dO_i, L_i, D_i$ |
+# | 10–11 | $S_{ij} = \tau\,Q_i K_j^\top$, $P_{ij} = \exp(S_{ij} - L_i)$ (already normalised: no $m$, no $\ell$) |
+# | 12 | $dV_j \mathrel{+}= P_{ij}^\top dO_i$ |
+# | 13–14 | $dP_{ij} = dO_i V_j^\top$, $dS_{ij} = P_{ij} \circ (dP_{ij} - D_i)$ |
+# | 15 | $dQ_i \mathrel{+}= \tau\, dS_{ij} K_j$ — **atomic adds in HBM** |
+# | 16 | $dK_j \mathrel{+}= \tau\, dS_{ij}^\top Q_i$ |
+# | 18 | write $dK_j, dV_j$ once |
+
+# %%
+import time
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+import flashnb
+from flashnb import fa1, fa2, naive, reference, traffic
+from flashnb.notebook import savefig, show_source
+
+T0 = time.perf_counter()
+print("running on:", "the Numba CUDA simulator" if flashnb.is_simulator() else "a GPU")
+rng = np.random.default_rng(6)
+
+# %% [markdown]
+# ## Line 4: the preprocessing kernel $D = \mathrm{rowsum}(dO \circ O)$
+#
+# $D_i = \sum_j P_{ij}\, dP_{ij}$ is needed by every column block. Since $dP = dO\,V^\top$ and $O = P V$,
+# $\sum_j P_{ij} dP_{ij} = \sum_j P_{ij} \sum_c dO_{ic} V_{jc} = \sum_c dO_{ic} O_{ic}$: a dot product of two
+# rows we already have, computed once per row by its own small kernel (one warp per row, lanes over $d$,
+# reduced with `shfl_down_sync`). The same kernel zeroes the dQ accumulator.
+
+# %%
+show_source(fa2.make_preprocess)
+q, k, v, do = (rng.standard_normal((1, n, 16)) for n in (24, 24, 24, 24))
+o, lse = reference.attention_forward(q, k, v)
+P = np.exp(q @ k.transpose(0, 2, 1) / 4.0 - lse[..., None])
+print("max |rowsum(dO∘O) - rowsum(P∘dP)| =", np.abs((do * o).sum(-1) - (P * (do @ v.transpose(0, 2, 1))).sum(-1)).max())
+
+# %% [markdown]
+# ## The main kernel
+#
+# The warps split the $B_c$ *key* rows of the block (lane $(l_r, l_c)$ owns key rows $l_r + 4a$ of its
+# warp and query columns $l_c + 8b$ of $S^\top$), so $dK_j$ and $dV_j$ stay in registers, each row owned by
+# one row group of 8 lanes. $dQ_i$ needs a sum over *all* keys of the block, so $dS$ goes through shared
+# memory once per tile and every thread forms some elements of $dS\,K_j$ and adds them into HBM.
+
+# %%
+show_source(fa2.make_backward)
+
+# %% [markdown]
+# ## Why dQ needs atomics
+#
+# $dQ_i = \tau \sum_j dS_{ij} K_j$ sums over **column blocks**, and each column block is a different thread
+# block, running on different SMs at the same time. Several blocks add into the same $dQ_i$: a plain
+# read-modify-write would lose updates; `cuda.atomic.add` makes each addition indivisible. The price:
+# the additions happen in whatever order the blocks arrive, and float32 addition is not associative, so the
+# last bits of $dQ$ can differ from run to run. Below, the same sums in different orders (what different
+# block schedules do on a GPU; the simulator runs blocks one after another, so it always agrees with itself):
+
+# %%
+q, k, v, do = (rng.standard_normal((1, n, 16)) for n in (32, 64, 64, 32))
+o, lse = reference.attention_forward(q, k, v)
+grads = [flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", Br=16, Bc=16, warps=1) for _ in range(2)]
+print("two runs here, dQ bitwise equal:", np.array_equal(grads[0][0], grads[1][0]))
+
+Tc = 4                                     # the four column blocks' contributions to dQ, as the kernel forms them
+Kb = k[0].reshape(Tc, 16, 16)
+dS = rng.standard_normal((32, 64)).astype(np.float32)
+parts = [(0.25 * dS[:, j * 16:(j + 1) * 16] @ Kb[j]).astype(np.float32) for j in range(Tc)]
+orders = [(0, 1, 2, 3), (3, 2, 1, 0), (2, 0, 3, 1), (1, 3, 0, 2)]
+sums = []
+for order in orders:
+    acc = np.zeros((32, 16), np.float32)
+    for j in order:
+        acc += parts[j]                    # float32 adds, like the atomics
+    sums.append(acc)
+for order, s in zip(orders[1:], sums[1:]):
+    diff = s.view(np.int32) - sums[0].view(np.int32)
+    print(f"order {order}: {np.count_nonzero(diff)} of {diff.size} elements differ, "
+          f"by at most {np.abs(diff).max()} ulp, max |Δ| = {np.abs(s - sums[0]).max():.1e}")
+
+# %% [markdown]
+# ## A gradient check
+#
+# Against the float64 reference, and against finite differences of $f(q,k,v) = \sum O \circ dO$ (central
+# differences in float64 through the reference forward):
+
+# %%
+q, k, v, do = (rng.standard_normal((1, n, 8)) for n in (20, 28, 28, 20))
+o, lse = flashnb.attention_forward(q, k, v, causal=True, impl="fa2", Br=16, Bc=16, warps=1)
+dq, dk, dv = flashnb.attention_backward(q, k, v, o, lse, do, causal=True, impl="fa2", Br=16, Bc=16, warps=1)
+ref = reference.attention_backward(q, k, v, do, causal=True)
+for name, g, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref):
+    print(f"{name}: max |fa2 - reference| = {np.abs(g - r).max():.1e}")
+
+
+def f(q_, k_, v_):
+    return float((reference.attention_forward(q_, k_, v_, causal=True)[0] * do).sum())
+
+
+eps = 1e-6
+for name, x, g in (("q", q, dq), ("k", k, dk), ("v", v, dv)):
+    for idx in [(0, 3, 1), (0, 17, 5)]:
+        xp, xm = x.copy(), x.copy()
+        xp[idx] += eps
+        xm[idx] -= eps
+        args_p = dict(q=q, k=k, v=v)
+        args_m = dict(q=q, k=k, v=v)
+        args_p[name], args_m[name] = xp, xm
+        fd = (f(**{a + "_": b for a, b in args_p.items()}) - f(**{a + "_": b for a, b in args_m.items()})) / (2 * eps)
+        print(f"d{name}{idx}: finite difference {fd:+.6f}, kernel {g[idx]:+.6f}")
+
+# %% [markdown]
+# ## Traffic and memory against FA1's backward
+#
+# FA1's backward (stage 3) runs one thread block per head: its outer loop is over K/V blocks, and it reads
+# **and writes** $dQ_i$ (plus $Q_i, O_i, dO_i$) in HBM on every step of its inner loop. FA2 reads $Q_i, dO_i,
+# L_i, D_i$ per visited tile and *adds* into $dQ$ (one atomic per element per tile); $D$ replaces FA1's
+# per-tile recomputation of $\mathrm{rowsum}(dO_i \circ O_i)$ and $O$ is read only by the preprocessing.
+# Counted (simulator) and modelled, same tiles (16 × 16):
+
+# %%
+def total(model):
+    return {key: sum(sum(x[key].values()) for x in model) for key in ("reads", "writes", "atomics")}
+
+
+q, k, v, do = (rng.standard_normal((1, 64, 16)) for _ in range(4))
+o, lse = reference.attention_forward(q, k, v)
+for impl, opts in (("fa1", dict(Br=16, Bc=16)), ("fa2", dict(Br=16, Bc=16, warps=1))):
+    with traffic.count() as t:
+        flashnb.attention_backward(q, k, v, o, lse, do, impl=impl, **opts)
+    model = (fa1.model_backward if impl == "fa1" else fa2.model_backward)(1, 64, 64, 16, **opts)
+    print(f"{impl}: counted {total(t.summary())}, equals model: {t.summary() == model}")
+
+N, d = 1024, 64
+rows = {"naive": naive.model_backward(1, N, N, d), "FA1": fa1.model_backward(1, N, N, d, Br=16, Bc=16),
+        "FA2": fa2.model_backward(1, N, N, d, Br=16, Bc=16), "FA2 causal": fa2.model_backward(
+            1, N, N, d, Br=16, Bc=16, causal=True)}
+fig, ax = plt.subplots(figsize=(7, 3))
+for x, (name, m) in enumerate(rows.items()):
+    tot = total(m)
+    bottom = 0
+    for key, colour in (("reads", "C0"), ("writes", "C1"), ("atomics", "C3")):
+        ax.bar(x, 4 * tot[key] / 1e6, bottom=bottom, color=colour, label=key if x == 0 else None)
+        bottom += 4 * tot[key] / 1e6
+    print(f"{name:10s}: HBM {4 * sum(tot.values()) / 1e6:7.2f} MB  {tot}")
+ax.set_xticks(range(len(rows)), list(rows))
+ax.set_ylabel("MB (float32), N = 1024, d = 64")
+ax.legend()
+savefig(fig, "06_backward_traffic")
+extra = {"naive": "S, P, dP, dS: 4 N² floats", "FA1": "L (N floats)", "FA2": "L, D (2N floats)"}
+for name, what in extra.items():
+    print(f"extra memory besides inputs and gradients, {name}: {what}")
+
+# %% [markdown]
+# ## Exercises
+#
+# 1. Replace the atomics by a per-column-block `dQ` buffer of shape $(T_c, N_q, d)$ and a reduction kernel.
+#    Model its traffic and memory: when is it worth it (determinism vs HBM bytes)?
+# 2. The kernel stages $dS$ through shared memory so all warps can form $dQ_i$. Count those shared reads
+#    and writes with `flashnb.traffic.count()` and compare them with the $dK, dV$ updates.
+# 3. Why does $P = \exp(S - L)$ need neither $m$ nor $\ell$? What goes wrong for a row with $L = -\infty$,
+#    and how does the kernel avoid it?
+# 4. With the causal mask, which column blocks do the least work? Use `fa2.tiles_visited(..., "backward")`.
+
+# %%
+print(f"notebook ran in {time.perf_counter() - T0:.1f} s")
