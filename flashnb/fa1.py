@@ -144,7 +144,7 @@ def make_forward(Br, Bc, d, W, causal):
                     m_w[w, r] = mx
                     l_w[w, r] = ls
                 cuda.syncthreads()
-                for r in range(tid, Br, NT):                      # merge the warps, then the tile (line 11)
+                for r in range(tid, Br, NT):                      # merge the warps' partials, then the tile
                     mt = NEG_INF
                     for v in range(W):
                         mt = max(mt, m_w[v, r])                   # m̃_ij = max over warps
@@ -153,10 +153,10 @@ def make_forward(Br, Bc, d, W, causal):
                         lt += exp_diff(m_w[v, r], mt) * l_w[v, r]  # l̃_ij = Σ_w e^(m_w - m̃) l_w
                     mo = m_i[r]
                     lo = l_i[r]
-                    mn = max(mo, mt)                              # m_new = max(m_i, m̃_ij)
+                    mn = max(mo, mt)                              # line 11: m_new = max(m_i, m̃_ij)
                     eo = exp_diff(mo, mn)
                     et = exp_diff(mt, mn)
-                    ln = eo * lo + et * lt                        # l_new = e^(m_i-m_new) l_i + e^(m̃-m_new) l̃
+                    ln = eo * lo + et * lt                        # line 11: l_new = e^(m_i-m_new) l_i + ...
                     inv = float32(1.0) / ln if ln > float32(0.0) else float32(0.0)
                     a_i[r] = lo * eo * inv                        # line 12: weight of the old O_i
                     for v in range(W):                            # ... and of warp v's partial P̃ V_j
@@ -171,9 +171,9 @@ def make_forward(Br, Bc, d, W, causal):
                     for v in range(W):
                         acc += l_w[v, r] * O_w[v, r, x]
                     O_i[r, x] = acc
-                # lines 12-13: O_i, l_i, m_i -> HBM.  Each thread stores exactly the elements it wrote above
-                # and loads them again next iteration, so no barrier is needed before the next loads.
-                store_rows(O_i, O, z, i * Br, tid, NT)
+                # Each thread stores exactly the elements it wrote above and loads them again next
+                # iteration, so no barrier is needed before the next loads.
+                store_rows(O_i, O, z, i * Br, tid, NT)            # lines 12-13: O_i, l_i, m_i -> HBM
                 store_vec(l_i, l, z, i * Br, tid, NT)
                 store_vec(m_i, m, z, i * Br, tid, NT)
 
