@@ -21,7 +21,7 @@ from numba import cuda, float32  # noqa: E402
 
 __all__ = [
     "NEG_INF", "ZERO", "ONE", "cdiv", "causal_allowed", "load_tile", "load_rows", "store_rows",
-    "empty", "to_device", "launch", "current_label", "launch_hooks", "ShapeOnly", "dry_run",
+    "empty", "poisoning", "to_device", "launch", "current_label", "launch_hooks", "ShapeOnly", "dry_run",
 ]
 
 NEG_INF = float32(-math.inf)
@@ -108,10 +108,31 @@ def to_device(a: np.ndarray):
     return cuda.to_device(np.ascontiguousarray(a, dtype=np.float32))
 
 
-def empty(shape, *, poison: bool = True):
-    """A float32 device array; filled with NaN when ``poison`` so an unwritten element can't pass a test."""
-    host = np.full(shape, np.nan if poison else 0.0, dtype=np.float32)
-    return cuda.to_device(host)
+_poison = threading.local()
+
+
+@contextlib.contextmanager
+def poisoning(enabled: bool):
+    """Turn NaN-poisoning of new outputs on or off in this thread (benchmarks time kernels, not the fill)."""
+    previous = getattr(_poison, "enabled", True)
+    _poison.enabled = bool(enabled)
+    try:
+        yield
+    finally:
+        _poison.enabled = previous
+
+
+def empty(shape, *, poison: bool | None = None):
+    """A float32 device array for a kernel's output.
+
+    By default it is filled with NaN, so an element the kernel forgets to write cannot pass a test.  Inside
+    ``with poisoning(False):`` (and with ``poison=False``) it is a plain uninitialised device allocation.
+    """
+    if poison is None:
+        poison = getattr(_poison, "enabled", True)
+    if not poison:
+        return cuda.device_array(shape, dtype=np.float32)
+    return cuda.to_device(np.full(shape, np.nan, dtype=np.float32))
 
 
 _state = threading.local()

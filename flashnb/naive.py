@@ -33,7 +33,7 @@ _MATMUL_SIG = f"void({_A3}, {_A3}, {_A3}, float32, int32)"
 _ROW_SIG = f"void({_A3}, {_A3}, float32[:, ::1])"
 
 
-@kernel_factory("naive.matmul", stage="1", signature=_MATMUL_SIG,
+@kernel_factory("naive.matmul", stage="1", signature=_MATMUL_SIG, threads=lambda T, **_: T * T,
                 configs=[dict(T=TILE, trans_a=ta, trans_b=tb, causal=c)
                          for ta, tb, c in [(False, True, False), (False, True, True), (False, False, False),
                                            (True, False, False)]])
@@ -68,7 +68,7 @@ def make_matmul(T, trans_a, trans_b, causal):
     return matmul
 
 
-@kernel_factory("naive.softmax_rows", stage="1", signature=_ROW_SIG)
+@kernel_factory("naive.softmax_rows", stage="1", signature=_ROW_SIG, threads=ROWS_PER_BLOCK)
 def make_softmax_rows():
     @cuda.jit
     def softmax_rows(S, P, L):
@@ -93,7 +93,8 @@ def make_softmax_rows():
     return softmax_rows
 
 
-@kernel_factory("naive.p_from_lse", stage="1", signature=f"void({_A3}, float32[:, ::1], {_A3})")
+@kernel_factory("naive.p_from_lse", stage="1", signature=f"void({_A3}, float32[:, ::1], {_A3})",
+                threads=ROWS_PER_BLOCK)
 def make_p_from_lse():
     @cuda.jit
     def p_from_lse(S, L, P):
@@ -112,7 +113,8 @@ def make_p_from_lse():
     return p_from_lse
 
 
-@kernel_factory("naive.softmax_bwd_rows", stage="1", signature=f"void({_A3}, {_A3}, {_A3})")
+@kernel_factory("naive.softmax_bwd_rows", stage="1", signature=f"void({_A3}, {_A3}, {_A3})",
+                threads=ROWS_PER_BLOCK)
 def make_softmax_bwd_rows():
     @cuda.jit
     def softmax_bwd_rows(P, dP, dS):

@@ -12,6 +12,7 @@ Both are filled by decorators at import time of the stage modules.
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -58,7 +59,17 @@ def kernel_factory(name: str, *, stage: str, signature, configs=None, threads=No
     """
 
     def decorate(factory):
-        cached = functools.lru_cache(maxsize=None)(factory)
+        signature_of = inspect.signature(factory)
+        memo = functools.lru_cache(maxsize=None)(lambda items: factory(**dict(items)))
+
+        @functools.wraps(factory)
+        def cached(*args, **kwargs):
+            # canonical key: make_x(16, True) and make_x(T=16, trans=True) are one kernel, compiled once
+            bound = signature_of.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return memo(tuple(bound.arguments.items()))
+
+        cached.cache_info = memo.cache_info
         if name in KERNELS:
             raise ValueError(f"kernel {name!r} registered twice")
         KERNELS[name] = KernelSpec(name, stage, cached, signature, list(configs or [{}]), threads)
