@@ -16,6 +16,7 @@ import ctypes
 import ctypes.util
 import os
 import sys
+import warnings
 
 __all__ = ["MODE", "is_simulator", "select_mode", "driver_device_count", "RuntimeModeError"]
 
@@ -60,28 +61,39 @@ def _requested() -> str | None:
     return value
 
 
+_NAMES = {"sim": "simulator", "gpu": "GPU"}
+
+
+def _auto_mode() -> str:
+    """The mode chosen without FLASHNB_DEVICE: NUMBA_ENABLE_CUDASIM if set, else GPU iff the driver sees one."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
+        return "sim"
+    return "gpu" if driver_device_count() > 0 else "sim"
+
+
 def select_mode() -> str:
     """Decide the mode and set ``NUMBA_ENABLE_CUDASIM`` accordingly; return ``'gpu'`` or ``'sim'``."""
     requested = _requested()
     if "numba.cuda" in sys.modules:
-        # Too late to choose: report what numba.cuda is actually running.
+        # Too late to choose: report what numba.cuda is actually running, loudly if it is not what we'd pick.
         from numba.cuda.core import config
 
         actual = "sim" if config.ENABLE_CUDASIM else "gpu"
-        if requested is not None and requested != actual:
-            raise RuntimeModeError(
-                f"FLASHNB_DEVICE={requested} but numba.cuda was already imported in "
-                f"{'simulator' if actual == 'sim' else 'GPU'} mode. NUMBA_ENABLE_CUDASIM is read "
-                "only when numba.cuda is first imported: import flashnb (or set "
-                "NUMBA_ENABLE_CUDASIM) before anything imports numba.cuda, or restart the kernel."
+        wanted = requested or _auto_mode()
+        if wanted != actual:
+            message = (
+                f"numba.cuda was already imported in {_NAMES[actual]} mode, but flashnb "
+                f"{'was asked for' if requested else 'would choose'} {_NAMES[wanted]} mode"
+                f"{'' if requested else (' (no CUDA GPU found)' if wanted == 'sim' else ' (a CUDA GPU is present)')}. "
+                "NUMBA_ENABLE_CUDASIM is read only when numba.cuda is first imported: import flashnb before "
+                "anything imports numba.cuda (or set FLASHNB_DEVICE / NUMBA_ENABLE_CUDASIM before Python "
+                "starts) and restart the interpreter or notebook kernel."
             )
+            if requested is not None:
+                raise RuntimeModeError(f"FLASHNB_DEVICE={requested}: " + message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
         return actual
-    mode = requested
-    if mode is None:
-        if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
-            mode = "sim"
-        else:
-            mode = "gpu" if driver_device_count() > 0 else "sim"
+    mode = requested or _auto_mode()
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1" if mode == "sim" else "0"
     return mode
 

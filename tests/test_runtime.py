@@ -42,6 +42,16 @@ def test_numba_cuda_already_imported_in_other_mode():
     assert "already imported in simulator mode" in r.stderr
 
 
+def test_numba_cuda_imported_first_without_gpu_warns():
+    from flashnb.runtime import driver_device_count
+
+    if driver_device_count() > 0:
+        pytest.skip("this machine has a GPU")
+    r = run("import warnings; warnings.simplefilter('error')\nimport numba.cuda\nimport flashnb")
+    assert r.returncode != 0
+    assert "already imported in GPU mode" in r.stderr and "no CUDA GPU found" in r.stderr
+
+
 def test_numba_cuda_already_imported_same_mode_is_fine():
     r = run("import numba.cuda; import flashnb; print(flashnb.MODE)", NUMBA_ENABLE_CUDASIM="1")
     assert r.returncode == 0 and r.stdout.strip() == "sim", r.stderr
