@@ -445,9 +445,10 @@ def _launch(name, reads, writes, shared_reads=0, shared_writes=0):
                 shared_reads=shared_reads, shared_writes=shared_writes)
 
 
-def model_forward(BH, Nq, Nk, d, *, M=None, Br=None, Bc=None, warps=None, check_fit=True):
-    """Exact element accesses of :func:`forward`, one dict per launch (any causal flag: the mask changes
-    values, never which elements are touched).  Per (batch, head), with ``Tr = ⌈Nq/Br⌉``, ``Tc = ⌈Nk/Bc⌉``:
+def model_forward(BH, Nq, Nk, d, *, causal=False, M=None, Br=None, Bc=None, warps=None, check_fit=True):
+    """Exact element accesses of :func:`forward`, one dict per launch.  ``causal`` is accepted and changes
+    nothing: this kernel visits every tile and masks, so the mask changes values, never which elements are
+    touched.  Per (batch, head), with ``Tr = ⌈Nq/Br⌉``, ``Tc = ⌈Nk/Bc⌉``:
 
     * global: K, V read once (``Nk·d`` each); Q and O read ``Tc·Nq·d``, O written ``Tc·Nq·d``; l and m read
       and written ``Tc·Nq`` each; plus the init (``Nq·d + 2Nq`` writes) and ``L = m + log l``
@@ -478,7 +479,7 @@ def model_forward(BH, Nq, Nk, d, *, M=None, Br=None, Bc=None, warps=None, check_
     ]
 
 
-def model_backward(BH, Nq, Nk, d, *, M=None, Br=None, Bc=None, warps=None, check_fit=True):
+def model_backward(BH, Nq, Nk, d, *, causal=False, M=None, Br=None, Bc=None, warps=None, check_fit=True):
     """Exact element accesses of :func:`backward`, one dict per launch (any causal flag).  Per (batch,
     head): K, V read once and dK, dV written once (``Nk·d`` each); Q, O, dO, dQ read ``Tc·Nq·d`` each and
     dQ written ``Tc·Nq·d``; L read ``Tc·Nq``; plus the ``dQ = 0`` init (``Nq·d`` writes)."""
