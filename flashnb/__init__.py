@@ -13,6 +13,7 @@ from . import naive  # noqa: E402,F401  (stage 1 registers impl="naive")
 from . import fa1  # noqa: E402,F401  (stage 3 registers impl="fa1")
 from . import softmax  # noqa: E402,F401  (stage 2 registers impl="onepass")
 from . import fa2  # noqa: E402,F401  (stage 4 registers impl="fa2")
+from . import block_sparse  # noqa: E402,F401  (stage 5 registers impl="fa2-sparse"; fa2 takes block_mask=)
 from . import reference, traffic  # noqa: E402,F401
 
 __version__ = "0.1.0"

@@ -38,7 +38,7 @@ from .common import NEG_INF, ONE, ZERO, cdiv, empty, launch
 from .registry import kernel_factory, register_impl
 
 __all__ = ["make_forward", "make_preprocess", "make_backward", "forward", "backward", "model_forward",
-           "model_backward", "default_tiles", "geometry", "tiles_visited", "LR", "LC", "FULL_MASK",
+           "model_backward", "default_tiles", "block_tiles", "geometry", "tiles_visited", "LR", "LC", "FULL_MASK",
            "fmas_per_shared_read", "shared_bytes"]
 
 LR = 4                 # lanes of a warp along the rows it owns
@@ -48,9 +48,10 @@ PRE_WARPS = 4          # preprocessing kernel: one warp per query row, 4 rows pe
 
 _A3 = "float32[:, :, ::1]"
 _A2 = "float32[:, ::1]"
-_FWD_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, float32, int32)"
+_MASK = "uint8[:, :, ::1]"   # block mask M (BH, Tr, Tc) at the kernel's tiles; a 1x1x1 dummy when dense
+_FWD_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, float32, int32, {_MASK})"
 _PRE_SIG = f"void({_A3}, {_A3}, {_A2}, {_A3})"
-_BWD_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, {_A2}, {_A3}, {_A3}, {_A3}, float32, int32)"
+_BWD_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, {_A2}, {_A3}, {_A3}, {_A3}, float32, int32, {_MASK})"
 
 # Default tiles per head dim, chosen with the resource report (registers, spills, static shared memory
 # <= 48 KiB on sm_80/sm_90): see notebooks/05 and the module's ``default_tiles``.
@@ -74,9 +75,11 @@ def default_tiles(d: int, direction: str = "forward") -> dict:
 
 def _configs(direction):
     """What the PTX guard compiles: the default tiles of every head-dim class (causal on and off), plus
-    one-warp tiles with an odd head dim (padded to the lanes)."""
+    one-warp tiles with an odd head dim (padded to the lanes); the block-sparse variant (FA1 Alg. 5, see
+    :mod:`flashnb.block_sparse`) with causal off and on, smallest and largest head dim."""
     return ([dict(**default_tiles(d, direction), d=d, causal=c) for d, c in ((32, False), (64, True), (128, True))]
-            + [dict(Br=16, Bc=16, d=20, warps=1, causal=False)])
+            + [dict(Br=16, Bc=16, d=20, warps=1, causal=False)]
+            + [dict(**default_tiles(d, direction), d=d, causal=c, sparse=True) for d, c in ((32, False), (128, True))])
 
 
 def geometry(rows: int, cols: int, d: int, warps: int) -> dict:
@@ -101,8 +104,12 @@ def cdiv_dev(a, b):
 
 @kernel_factory("fa2.forward", stage="4", signature=_FWD_SIG, configs=_configs("forward"),
                 threads=lambda warps, **_: 32 * warps)
-def make_forward(Br, Bc, d, warps, causal):
-    """FA2 Alg. 1 for one (Br, Bc, d, warps, causal); grid ``(Tr, BH)``, block ``32·warps`` threads."""
+def make_forward(Br, Bc, d, warps, causal, sparse=False):
+    """FA2 Alg. 1 for one (Br, Bc, d, warps, causal); grid ``(Tr, BH)``, block ``32·warps`` threads.
+
+    ``sparse``: block-sparse FlashAttention (FA1 Alg. 5 = Alg. 2 with ``if M_ij != 0``): a K/V tile whose
+    block-mask entry ``M[z, i, j]`` is 0 is skipped -- never loaded, never computed.  Dense kernels never
+    read ``M`` (the launcher passes a 1×1×1 dummy)."""
     g = geometry(Br, Bc, d, warps)
     TM, TN, DN, Dp, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["threads"]
 
@@ -162,7 +169,7 @@ def make_forward(Br, Bc, d, warps, causal):
                         Oi[a, c] += p[a] * vj
 
     @cuda.jit
-    def fa2_forward(Q, K, V, O, L, scale, diag):
+    def fa2_forward(Q, K, V, O, L, scale, diag, M):
         QsT = cuda.shared.array((d, Br), float32)    # Q_i (transposed: lanes read consecutive rows)
         KsT = cuda.shared.array((d, Bc), float32)    # K_j (transposed)
         Vs = cuda.shared.array((Bc, Dp), float32)    # V_j (head dim padded to Dp with zeros)
@@ -196,6 +203,8 @@ def make_forward(Br, Bc, d, warps, causal):
             last = min(i0 + Br, Nq) - 1 + diag       # last key any row of this block may see
             n_tiles = min(n_tiles, last // Bc + 1) if last >= 0 else 0
         for jt in range(n_tiles):                    # line 6
+            if sparse and M[z, cuda.blockIdx.x, jt] == 0:
+                continue                             # FA1 Alg. 5: block M_ij = 0 is skipped (block-uniform)
             j0 = jt * Bc
             cuda.syncthreads()                       # every warp is done with K_{j-1}, V_{j-1}
             for e in range(tid, Bc * d, NT):         # line 7: load K_j, V_j
@@ -256,10 +265,11 @@ def make_preprocess():
 
 @kernel_factory("fa2.backward", stage="4", signature=_BWD_SIG, configs=_configs("backward"),
                 threads=lambda warps, **_: 32 * warps)
-def make_backward(Br, Bc, d, warps, causal):
+def make_backward(Br, Bc, d, warps, causal, sparse=False):
     """FA2 Alg. 2 for one configuration; grid ``(Tc, BH)``.  The warps split the Bc *key* rows (each lane
     owns ``TM`` key rows × ``TN`` query columns of Sᵀ and ``TM × DN`` of dK_j, dV_j); dS goes through
-    shared memory once per tile so that all threads can form dQ_i = dS K_j and add it into HBM."""
+    shared memory once per tile so that all threads can form dQ_i = dS K_j and add it into HBM.
+    ``sparse``: Q tiles whose block-mask entry ``M[z, i, j]`` is 0 are skipped (FA1 Alg. 5's backward)."""
     g = geometry(Bc, Br, d, warps)
     TM, TN, DN, Dp, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["threads"]
 
@@ -310,7 +320,7 @@ def make_backward(Br, Bc, d, warps, causal):
                 dSs[c0 + LR * a, lc + LC * b] = dP[a, b]
 
     @cuda.jit
-    def fa2_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag):
+    def fa2_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M):
         KsT = cuda.shared.array((d, Bc), float32)    # K_j, V_j: loaded once
         VsT = cuda.shared.array((d, Bc), float32)
         QsT = cuda.shared.array((Dp, Br), float32)   # Q_i, dO_i: one tile per inner step
@@ -350,6 +360,8 @@ def make_backward(Br, Bc, d, warps, causal):
             first = j0 - diag                        # first query row that may see key j0
             i_first = first // Br if first > 0 else 0
         for it in range(i_first, cdiv_dev(Nq, Br)):  # line 8
+            if sparse and M[z, it, cuda.blockIdx.x] == 0:
+                continue                             # FA1 Alg. 5: block M_ij = 0 is skipped (block-uniform)
             i0 = it * Br
             cuda.syncthreads()
             for e in range(tid, Br * Dp, NT):        # line 9: load Q_i, dO_i, L_i, D_i
@@ -408,47 +420,100 @@ def _tiles(d, direction, Br, Bc, warps):
     return t
 
 
-def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None):
-    """Device arrays in, ``(O, L)`` out (FA2 Alg. 1); ``Br, Bc, warps`` default to :func:`default_tiles`."""
+def block_tiles(d, direction, Br, Bc, warps, block_mask, BH, Nq, Nk):
+    """``(tiles, M)``: the tiles a launch uses and its block mask at those tiles (``None`` when dense).
+
+    How a block mask maps onto tiles (both directions): the mask was built for tiles ``(mBr, mBc)`` -- a
+    :class:`~flashnb.block_sparse.BlockMask` carries them; a plain boolean array is read at the tiles of the
+    *forward* launch (the ``Br``/``Bc`` options, else ``default_tiles(d)``), so one array serves forward and
+    backward alike.  The kernel's tiles ``(Br, Bc)`` are the options when given, else this direction's default
+    tiles when they divide ``(mBr, mBc)``, else the mask's own.  They must divide the mask's tiles: every
+    kernel tile then lies inside one mask block, and ``M`` at the kernel's tiles is the mask with each entry
+    repeated ``(mBr/Br) × (mBc/Bc)`` times (so the backward's smaller default tiles skip exactly the same
+    elements as the forward's).  ``M`` is uint8 ``(BH, ceil(Nq/Br), ceil(Nk/Bc))``."""
+    if block_mask is None:
+        return _tiles(d, direction, Br, Bc, warps), None
+    from .block_sparse import BlockMask
+
+    fwd = default_tiles(d, "forward")
+    if isinstance(block_mask, BlockMask):
+        bm = block_mask
+    else:
+        bm = BlockMask(block_mask, Br=fwd["Br"] if Br is None else Br, Bc=fwd["Bc"] if Bc is None else Bc)
+    bm.check(Nq, Nk, BH=BH)
+    dflt = default_tiles(d, direction)
+    br = Br if Br is not None else (dflt["Br"] if bm.Br % dflt["Br"] == 0 else bm.Br)
+    bc = Bc if Bc is not None else (dflt["Bc"] if bm.Bc % dflt["Bc"] == 0 else bm.Bc)
+    if warps is None:                                # fewer warps when the mask's tiles are small
+        split = br if direction == "forward" else bc
+        warps = max([w for w in range(1, dflt["warps"] + 1) if split % (LR * w) == 0] or [1])
+    t = _tiles(d, direction, br, bc, warps)
+    if bm.Br % t["Br"] or bm.Bc % t["Bc"]:
+        raise ValueError(f"block_mask was built for tiles Br={bm.Br}, Bc={bm.Bc} (shape (..., "
+                         f"{cdiv(Nq, bm.Br)}, {cdiv(Nk, bm.Bc)}) for Nq={Nq}, Nk={Nk}); the fa2 {direction} tiles "
+                         f"Br={t['Br']}, Bc={t['Bc']} must divide them: build the mask for these tiles or pass "
+                         f"Br, Bc that divide {bm.Br}, {bm.Bc}")
+    return t, bm.at_tiles(t["Br"], t["Bc"], Nq, Nk, BH)
+
+
+_NO_MASK = []   # the dense kernels' dummy M, made on first use (never read)
+
+
+def _mask_device(M):
+    if M is None:
+        if not _NO_MASK:
+            _NO_MASK.append(cuda.to_device(np.zeros((1, 1, 1), dtype=np.uint8)))
+        return _NO_MASK[0]
+    return cuda.to_device(np.ascontiguousarray(M, dtype=np.uint8))
+
+
+def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block_mask=None):
+    """Device arrays in, ``(O, L)`` out (FA2 Alg. 1); ``Br, Bc, warps`` default to :func:`default_tiles`.
+
+    ``block_mask`` (a :class:`~flashnb.block_sparse.BlockMask` or a boolean array ``(..., ceil(Nq/Br),
+    ceil(Nk/Bc))``): block-sparse FlashAttention, tiles with ``M = 0`` are never loaded; see
+    :func:`block_tiles` for how the mask maps onto the kernel's tiles."""
     BH, Nq, d = q.shape
     Nk = k.shape[1]
-    t = _tiles(d, "forward", Br, Bc, warps)
+    t, M = block_tiles(d, "forward", Br, Bc, warps, block_mask, BH, Nq, Nk)
     O = empty((BH, Nq, d))
     L = empty((BH, Nq))
-    kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal))
-    launch(kernel, (cdiv(Nq, t["Br"]), BH), 32 * t["warps"], q, k, v, O, L, scale, Nk - Nq,
+    kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal), M is not None)
+    launch(kernel, (cdiv(Nq, t["Br"]), BH), 32 * t["warps"], q, k, v, O, L, scale, Nk - Nq, _mask_device(M),
            label="FA2 forward")
     return O, L
 
 
-def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warps=None):
-    """FA2 Alg. 2: the D preprocessing launch, then one thread block per K/V column block."""
+def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warps=None, block_mask=None):
+    """FA2 Alg. 2: the D preprocessing launch, then one thread block per K/V column block.  ``block_mask``
+    as in :func:`forward` (Q tiles with ``M = 0`` are skipped)."""
     BH, Nq, d = q.shape
     Nk = k.shape[1]
-    t = _tiles(d, "backward", Br, Bc, warps)
+    t, M = block_tiles(d, "backward", Br, Bc, warps, block_mask, BH, Nq, Nk)
     D = empty((BH, Nq))
     dQ = empty((BH, Nq, d))
     launch(make_preprocess(), (cdiv(Nq, PRE_WARPS), BH), 32 * PRE_WARPS, o, do, D, dQ,
            label="D = rowsum(dO∘O)")
     dK = empty((BH, Nk, d))
     dV = empty((BH, Nk, d))
-    kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], bool(causal))
+    kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], bool(causal), M is not None)
     launch(kernel, (cdiv(Nk, t["Bc"]), BH), 32 * t["warps"], q, k, v, do, lse, D, dQ, dK, dV, scale, Nk - Nq,
-           label="FA2 backward")
+           _mask_device(M), label="FA2 backward")
     return dQ, dK, dV
 
 
 register_impl("fa2", stage="4",
               description="FlashAttention-2: Q-block grid, split-Q warps, delayed rescaling; dQ by atomics",
-              forward=forward, backward=backward, options=("Br", "Bc", "warps"))
+              forward=forward, backward=backward, options=("Br", "Bc", "warps", "block_mask"))
 
 
 # --------------------------------------------------------------------------- analytic model
 
 
-def tiles_visited(Nq, Nk, Br, Bc, causal, direction="forward"):
+def tiles_visited(Nq, Nk, Br, Bc, causal, direction="forward", block_mask=None):
     """``[(outer, inner, rows, cols), ...]`` -- the (Q tile, K/V tile) pairs a launch computes, with their
-    valid row/column counts.  Forward: outer = Q block i, inner = K/V block j; backward the reverse."""
+    valid row/column counts.  Forward: outer = Q block i, inner = K/V block j; backward the reverse.
+    ``block_mask``: a boolean ``(ceil(Nq/Br), ceil(Nk/Bc))`` array at these tiles; pairs with 0 are left out."""
     diag = Nk - Nq
     out = []
     if direction == "forward":
@@ -463,6 +528,9 @@ def tiles_visited(Nq, Nk, Br, Bc, causal, direction="forward"):
             first = j * Bc - diag
             i_first = first // Br if (causal and first > 0) else 0
             out += [(j, i, min(Br, Nq - i * Br), min(Bc, Nk - j * Bc)) for i in range(i_first, cdiv(Nq, Br))]
+    if block_mask is not None:
+        ij = (lambda o, n: (o, n)) if direction == "forward" else (lambda o, n: (n, o))
+        out = [tile for tile in out if block_mask[ij(tile[0], tile[1])]]
     return out
 
 
@@ -492,41 +560,54 @@ def _launch(name, reads, writes, atomics=None, shared_reads=0, shared_writes=0):
                 shared_reads=int(shared_reads), shared_writes=int(shared_writes))
 
 
-def model_forward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None):
+def _visited_per_head(Nq, Nk, t, causal, direction, M, BH):
+    """The visited tiles of each of the BH heads (one list for all when dense), and the tiles whose mask
+    entry each thread reads (the causal-limited set: every thread of the block reads ``M`` once per tile)."""
+    checked = tiles_visited(Nq, Nk, t["Br"], t["Bc"], causal, direction)
+    if M is None:
+        return [checked] * BH, 0
+    return ([tiles_visited(Nq, Nk, t["Br"], t["Bc"], causal, direction, M[z].astype(bool)) for z in range(BH)],
+            len(checked))
+
+
+def model_forward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None, block_mask=None):
     """Element accesses of :func:`forward` (one launch): Q, O, L once; K_j, V_j once per visited tile.
 
     Shared: Q_i written once per block (``Br·d``), K_j and V_j per tile (``Bc·d + Bc·Dp``); per tile each of
-    the ``32·warps`` threads reads ``d·(TM + TN)`` (S) and ``Bc·DN`` (V) elements."""
-    t = _tiles(d, "forward", Br, Bc, warps)
+    the ``32·warps`` threads reads ``d·(TM + TN)`` (S) and ``Bc·DN`` (V) elements.
+    Block-sparse (``block_mask``): visited tiles = those with ``M_ij = 1``, and each thread reads ``M_ij``
+    (one byte) once per tile the causal limit lets it reach."""
+    t, M = block_tiles(d, "forward", Br, Bc, warps, block_mask, BH, Nq, Nk)
     g = geometry(t["Br"], t["Bc"], d, t["warps"])
-    visited = tiles_visited(Nq, Nk, t["Br"], t["Bc"], causal)
-    kv = sum(cols for _, _, _, cols in visited) * d
-    n = len(visited)
+    per_head, checked = _visited_per_head(Nq, Nk, t, causal, "forward", M, BH)
+    kv = sum(cols for visited in per_head for _, _, _, cols in visited) * d
+    n = sum(len(visited) for visited in per_head)
     per_tile_reads = g["threads"] * (d * (g["TM"] + g["TN"]) + t["Bc"] * g["DN"])
-    return [_launch("FA2 forward", {"Q": BH * Nq * d, "K": BH * kv, "V": BH * kv},
+    return [_launch("FA2 forward", {"Q": BH * Nq * d, "K": kv, "V": kv, "M": BH * checked * g["threads"]},
                     {"O": BH * Nq * d, "L": BH * Nq},
-                    shared_reads=BH * n * per_tile_reads,
-                    shared_writes=BH * (cdiv(Nq, t["Br"]) * t["Br"] * d + n * t["Bc"] * (d + g["Dp"])))]
+                    shared_reads=n * per_tile_reads,
+                    shared_writes=BH * cdiv(Nq, t["Br"]) * t["Br"] * d + n * t["Bc"] * (d + g["Dp"]))]
 
 
-def model_backward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None):
+def model_backward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None, block_mask=None):
     """Element accesses of :func:`backward`: the preprocessing launch (O, dO read, D and dQ = 0 written),
     then the main launch -- K_j, V_j once per column block; Q_i, dO_i, L_i, D_i once per visited tile;
-    ``rows·d`` atomic adds into dQ per visited tile; dK, dV written once."""
-    t = _tiles(d, "backward", Br, Bc, warps)
+    ``rows·d`` atomic adds into dQ per visited tile; dK, dV written once.  Block-sparse: as in
+    :func:`model_forward` (visited = ``M_ij = 1``, plus the threads' one-byte reads of ``M``)."""
+    t, M = block_tiles(d, "backward", Br, Bc, warps, block_mask, BH, Nq, Nk)
     Br_, Bc_ = t["Br"], t["Bc"]
     g = geometry(Bc_, Br_, d, t["warps"])
-    visited = tiles_visited(Nq, Nk, Br_, Bc_, causal, "backward")
-    q_rows = sum(rows for _, _, rows, _ in visited)
-    n = len(visited)
+    per_head, checked = _visited_per_head(Nq, Nk, t, causal, "backward", M, BH)
+    q_rows = sum(rows for visited in per_head for _, _, rows, _ in visited)
+    n = sum(len(visited) for visited in per_head)
     pre = _launch("D = rowsum(dO∘O)", {"O": BH * Nq * d, "dO": BH * Nq * d}, {"D": BH * Nq, "dQ": BH * Nq * d})
     per_tile_reads = (g["threads"] * (2 * d * (g["TM"] + g["TN"]) + 2 * g["TN"] + 2 * Br_ * g["DN"])
                       + 2 * Br_ * d * Bc_)
     per_tile_writes = 2 * g["Dp"] * Br_ + 2 * Br_ + Bc_ * Br_
     main = _launch("FA2 backward",
-                   {"Q": BH * q_rows * d, "K": BH * Nk * d, "V": BH * Nk * d, "dO": BH * q_rows * d,
-                    "L": BH * q_rows, "D": BH * q_rows},
-                   {"dK": BH * Nk * d, "dV": BH * Nk * d}, {"dQ": BH * q_rows * d},
-                   shared_reads=BH * n * per_tile_reads,
-                   shared_writes=BH * (cdiv(Nk, Bc_) * 2 * d * Bc_ + n * per_tile_writes))
+                   {"Q": q_rows * d, "K": BH * Nk * d, "V": BH * Nk * d, "dO": q_rows * d,
+                    "L": q_rows, "D": q_rows, "M": BH * checked * g["threads"]},
+                   {"dK": BH * Nk * d, "dV": BH * Nk * d}, {"dQ": q_rows * d},
+                   shared_reads=n * per_tile_reads,
+                   shared_writes=BH * cdiv(Nk, Bc_) * 2 * d * Bc_ + n * per_tile_writes)
     return [pre, main]

@@ -1,0 +1,258 @@
+"""Block-sparse FlashAttention (FA1 paper, Algorithm 5 and Proposition 4) on the FA2 kernels.
+
+A *block mask* ``M`` of shape ``(ceil(Nq/Br), ceil(Nk/Bc))`` says which ``(Q block i, K/V block j)`` pairs are
+computed: Algorithm 5 is Algorithm 2 with ``if M_ij != 0`` around the body of the inner loop, so a block
+with ``M_ij = 0`` is never loaded and never computed, and the attention is restricted to the allowed blocks:
+``S_ij = -inf`` wherever ``M = 0``.  Its HBM traffic is Θ(Nd + N²d²s/M) (Proposition 4), ``s`` the fraction
+of nonzero blocks: the tile term shrinks with ``s``, the ``Nd`` term (Q read, O written once) does not.
+
+There is no second kernel here: :mod:`flashnb.fa2`'s kernel factories take a compile-time ``sparse`` flag
+(``if sparse and M[z, i, j] == 0: continue``), and ``impl="fa2"`` takes ``block_mask=`` -- a
+:class:`BlockMask` (the boolean array *and* the tiles it was built for) or a plain boolean array read at the
+forward's tiles.  :func:`flashnb.fa2.block_tiles` explains how the mask maps onto the forward's and the
+backward's (smaller) tiles.
+
+Patterns (each returns a :class:`BlockMask`; on the *block* grid, aligned like the causal mask to the
+bottom-right corner: the rows of query block ``I`` have their diagonal keys in key blocks
+``J_lo(I) .. J_hi(I)``, one block when ``Br <= Bc`` and the block grid is aligned):
+
+* :func:`causal` -- the blocks the causal mask needs (exactly the tiles fa2's causal skipping visits);
+* :func:`local` -- a sliding window of ``window`` key blocks ending at the diagonal (or around it);
+* :func:`strided`, :func:`fixed` -- the two factorised patterns of Sparse Transformers (Child et al. 2019),
+  at block granularity: strided = local window of ``stride`` blocks + every ``stride``-th block behind;
+  fixed = the blocks of the query's own chunk of ``stride`` blocks + the last ``c`` blocks of every chunk;
+* :func:`butterfly` -- the flat block butterfly the FA1 paper uses: block ``(I, J)`` when ``J`` and the
+  diagonal block differ in at most one bit;
+* :func:`random` -- exactly ``round(density · Tr · Tc)`` blocks, seeded.
+
+A query row whose blocks are all zero has no key: ``O = 0``, ``LSE = -inf``, zero gradients (not NaN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .common import cdiv
+from .registry import register_impl
+
+__all__ = ["BlockMask", "causal", "local", "strided", "fixed", "butterfly", "random", "dense", "PATTERNS",
+           "forward", "backward"]
+
+
+def _positive_int(name, n):
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive int, got {n!r}")
+    if n < 1:
+        raise ValueError(f"{name} must be a positive int, got {n!r}")
+    return int(n)
+
+
+@dataclass(frozen=True, eq=False)
+class BlockMask:
+    """A boolean block mask ``(..., Tr, Tc)`` (True = compute the block) and the tiles ``Br × Bc`` it was
+    built for.  Leading axes, if any, are the problem's leading (batch, head) axes, flattened or not."""
+
+    mask: np.ndarray
+    Br: int
+    Bc: int
+
+    def __post_init__(self):
+        a = np.asarray(self.mask)
+        if a.dtype != np.bool_:
+            raise TypeError(f"block_mask must be a boolean array (True = compute the block), got dtype {a.dtype}")
+        if a.ndim < 2:
+            raise ValueError(f"block_mask must have shape (..., ceil(Nq/Br), ceil(Nk/Bc)), got {a.shape}")
+        object.__setattr__(self, "mask", a)
+        object.__setattr__(self, "Br", _positive_int("Br", self.Br))
+        object.__setattr__(self, "Bc", _positive_int("Bc", self.Bc))
+
+    @property
+    def shape(self) -> tuple:
+        return self.mask.shape
+
+    @property
+    def density(self) -> float:
+        """``s``: the fraction of nonzero blocks."""
+        return float(self.mask.mean())
+
+    def check(self, Nq: int, Nk: int, BH: int | None = None) -> None:
+        """ValueError naming ``block_mask`` unless the shape is ``(..., ceil(Nq/Br), ceil(Nk/Bc))`` with leading
+        axes of ``BH`` (or 1) problems."""
+        Tr, Tc = cdiv(Nq, self.Br), cdiv(Nk, self.Bc)
+        lead = int(np.prod(self.mask.shape[:-2], dtype=np.int64))
+        if self.mask.shape[-2:] != (Tr, Tc) or (BH is not None and lead not in (1, BH)):
+            heads = "" if BH is None else f" (leading axes: none, or batch·heads = {BH} in all)"
+            raise ValueError(f"block_mask must have shape (..., {Tr}, {Tc}) = (..., ceil(Nq/Br), ceil(Nk/Bc)) for "
+                             f"Nq={Nq}, Nk={Nk} and the tiles Br={self.Br}, Bc={self.Bc} it is read at{heads}; "
+                             f"got {self.mask.shape}")
+
+    def at_tiles(self, Br: int, Bc: int, Nq: int, Nk: int, BH: int) -> np.ndarray:
+        """The mask at finer tiles ``Br × Bc`` (dividing this mask's): uint8 ``(BH, ceil(Nq/Br), ceil(Nk/Bc))``,
+        each entry repeated over the tiles inside its block."""
+        self.check(Nq, Nk, BH)
+        if self.Br % Br or self.Bc % Bc:
+            raise ValueError(f"block_mask built for Br={self.Br}, Bc={self.Bc} cannot be read at tiles Br={Br}, Bc={Bc}")
+        m = self.mask.reshape((-1,) + self.mask.shape[-2:])
+        m = np.repeat(np.repeat(m, self.Br // Br, axis=1), self.Bc // Bc, axis=2)[:, :cdiv(Nq, Br), :cdiv(Nk, Bc)]
+        return np.ascontiguousarray(np.broadcast_to(m, (BH,) + m.shape[1:]), dtype=np.uint8)
+
+    def expand(self, Nq: int, Nk: int) -> np.ndarray:
+        """The element mask ``(..., Nq, Nk)`` (for :mod:`flashnb.reference`'s ``mask=``)."""
+        from .reference import expand_block_mask
+
+        self.check(Nq, Nk)
+        return expand_block_mask(self.mask, Nq, Nk, self.Br, self.Bc)
+
+    def __and__(self, other: "BlockMask") -> "BlockMask":
+        return self._combine(other, np.logical_and)
+
+    def __or__(self, other: "BlockMask") -> "BlockMask":
+        return self._combine(other, np.logical_or)
+
+    def _combine(self, other, op):
+        if not isinstance(other, BlockMask) or (other.Br, other.Bc) != (self.Br, self.Bc):
+            raise ValueError("block masks combine only with block masks built for the same tiles")
+        return BlockMask(op(self.mask, other.mask), self.Br, self.Bc)
+
+    def __repr__(self):
+        return f"BlockMask({self.mask.shape[-2]}x{self.mask.shape[-1]} blocks of {self.Br}x{self.Bc}, s={self.density:.3f})"
+
+
+# --------------------------------------------------------------------------- patterns
+
+
+def _grid(Nq, Nk, Br, Bc):
+    """Block indices ``I`` (column) and ``J`` (row), and the key blocks ``J_lo(I) .. J_hi(I)`` holding the
+    diagonal keys ``i + Nk - Nq`` of block I's first and last rows (negative: before the first key)."""
+    for name, n in (("Nq", Nq), ("Nk", Nk), ("Br", Br), ("Bc", Bc)):
+        _positive_int(name, n)
+    Tr, Tc = cdiv(Nq, Br), cdiv(Nk, Bc)
+    I = np.arange(Tr)[:, None]
+    J = np.arange(Tc)[None, :]
+    diag = Nk - Nq
+    lo = np.floor_divide(I * Br + diag, Bc)
+    hi = np.floor_divide(np.minimum((I + 1) * Br, Nq) - 1 + diag, Bc)
+    return I, J, lo, hi
+
+
+def _make(allowed, Br, Bc):
+    return BlockMask(np.ascontiguousarray(allowed, dtype=bool), Br, Bc)
+
+
+def dense(Nq, Nk, Br, Bc) -> BlockMask:
+    """Every block (s = 1): dense attention through the block-sparse kernels."""
+    return _make(np.ones((cdiv(Nq, Br), cdiv(Nk, Bc)), dtype=bool), Br, Bc)
+
+
+def causal(Nq, Nk, Br, Bc) -> BlockMask:
+    """The blocks holding at least one key ``j <= i + Nk - Nq`` (bottom-right causal): with ``causal=True``
+    exact causal attention; alone, the diagonal blocks are computed in full."""
+    I, J, lo, hi = _grid(Nq, Nk, Br, Bc)
+    return _make(J <= hi, Br, Bc)
+
+
+def local(Nq, Nk, Br, Bc, window: int = 2, *, causal: bool = True) -> BlockMask:
+    """Sliding window: ``window`` key blocks ending at the diagonal block (``causal``), or ``window - 1``
+    blocks on each side of the diagonal blocks (not causal).  ``window = 1``: the diagonal blocks only."""
+    window = _positive_int("window", window)
+    I, J, lo, hi = _grid(Nq, Nk, Br, Bc)
+    if causal:
+        return _make((J > lo - window) & (J <= hi), Br, Bc)
+    return _make((J > lo - window) & (J < hi + window), Br, Bc)
+
+
+def strided(Nq, Nk, Br, Bc, stride: int = 2, *, causal: bool = True) -> BlockMask:
+    """Sparse Transformers' strided pattern in blocks: the local window of ``stride`` blocks, and every
+    ``stride``-th key block counted back from the diagonal block."""
+    stride = _positive_int("stride", stride)
+    I, J, lo, hi = _grid(Nq, Nk, Br, Bc)
+    every = (lo - J) % stride == 0
+    if causal:
+        every &= J <= hi
+    return _make(every | local(Nq, Nk, Br, Bc, stride, causal=causal).mask, Br, Bc)
+
+
+def fixed(Nq, Nk, Br, Bc, stride: int = 4, c: int = 1, *, causal: bool = True) -> BlockMask:
+    """Sparse Transformers' fixed pattern in blocks: the key blocks of the query's own chunk of ``stride``
+    blocks, and the last ``c`` blocks of every chunk ("summary" blocks)."""
+    stride = _positive_int("stride", stride)
+    c = _positive_int("c", c)
+    if c > stride:
+        raise ValueError(f"c must be <= stride, got c={c}, stride={stride}")
+    I, J, lo, hi = _grid(Nq, Nk, Br, Bc)
+    own = (J // stride >= np.maximum(lo, 0) // stride) & (J // stride <= np.maximum(hi, 0) // stride)
+    summary = np.broadcast_to(J % stride >= stride - c, own.shape)
+    allowed = own | summary
+    if causal:
+        allowed &= J <= hi
+    return _make(allowed, Br, Bc)
+
+
+def butterfly(Nq, Nk, Br, Bc, *, causal: bool = False) -> BlockMask:
+    """Flat block butterfly: block ``(I, J)`` when ``J`` and a diagonal block ``J_lo(I) .. J_hi(I)`` differ in
+    at most one bit (``J xor J_diag`` is 0 or a power of two): ``~log2(Tc) + 1`` blocks per block row."""
+    I, J, lo, hi = _grid(Nq, Nk, Br, Bc)
+    allowed = np.zeros(np.broadcast_shapes(I.shape, J.shape), dtype=bool)
+    for r in range(allowed.shape[0]):
+        for jd in range(max(lo[r, 0], 0), max(hi[r, 0], 0) + 1):
+            x = J[0] ^ jd
+            allowed[r] |= (x & (x - 1)) == 0
+    if causal:
+        allowed &= J <= hi
+    return _make(allowed, Br, Bc)
+
+
+def random(Nq, Nk, Br, Bc, density: float = 0.5, *, seed: int = 0, lead: tuple = ()) -> BlockMask:
+    """Exactly ``round(density · Tr · Tc)`` nonzero blocks (per leading problem), chosen uniformly; seeded."""
+    if isinstance(density, (bool, np.bool_)) or not isinstance(density, (int, float, np.integer, np.floating)) \
+            or not 0 <= density <= 1:
+        raise ValueError(f"density must be a number in [0, 1], got {density!r}")
+    Tr, Tc = cdiv(Nq, Br), cdiv(Nk, Bc)
+    rng = np.random.default_rng(seed)
+    n = int(round(density * Tr * Tc))
+    out = np.zeros((int(np.prod(lead, dtype=np.int64)), Tr * Tc), dtype=bool)
+    for row in out:
+        row[rng.choice(Tr * Tc, size=n, replace=False)] = True
+    return _make(out.reshape(tuple(lead) + (Tr, Tc)), Br, Bc)
+
+
+PATTERNS = {"causal": causal, "local": local, "strided": strided, "fixed": fixed, "butterfly": butterfly,
+            "random": random}
+
+
+# --------------------------------------------------------------------------- impl="fa2-sparse"
+
+
+def _window_mask(q, k, causal_, window, Br, Bc):
+    from . import fa2
+
+    t = fa2.default_tiles(q.shape[2], "forward")
+    Br = t["Br"] if Br is None else Br
+    Bc = t["Bc"] if Bc is None else Bc
+    return local(q.shape[1], k.shape[1], Br, Bc, window, causal=causal_)
+
+
+def forward(q, k, v, *, causal=False, scale, window=4, Br=None, Bc=None, warps=None):
+    """``impl="fa2-sparse"``: fa2 with a sliding-window block mask of ``window`` key blocks (:func:`local`)
+    built at the forward tiles (``Br``/``Bc``, else fa2's defaults).  Pass ``block_mask=`` to ``impl="fa2"``
+    for any other pattern."""
+    from . import fa2
+
+    bm = _window_mask(q, k, causal, window, Br, Bc)
+    return fa2.forward(q, k, v, causal=causal, scale=scale, Br=Br, Bc=Bc, warps=warps, block_mask=bm)
+
+
+def backward(q, k, v, o, lse, do, *, causal=False, scale, window=4, Br=None, Bc=None, warps=None):
+    """The backward of :func:`forward`: the same window mask, skipped on the backward's tiles."""
+    from . import fa2
+
+    bm = _window_mask(q, k, causal, window, Br, Bc)
+    return fa2.backward(q, k, v, o, lse, do, causal=causal, scale=scale, Br=Br, Bc=Bc, warps=warps, block_mask=bm)
+
+
+register_impl("fa2-sparse", stage="5",
+              description="block-sparse FA2 (FA1 Alg. 5): K/V tiles outside a sliding window of 4 key blocks "
+                          "are never loaded (exact when every allowed key is inside the window)",
+              forward=forward, backward=backward, options=("window", "Br", "Bc", "warps"))
