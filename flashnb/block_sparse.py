@@ -93,7 +93,8 @@ class BlockMask:
         each entry repeated over the tiles inside its block."""
         self.check(Nq, Nk, BH)
         if self.Br % Br or self.Bc % Bc:
-            raise ValueError(f"block_mask built for Br={self.Br}, Bc={self.Bc} cannot be read at tiles Br={Br}, Bc={Bc}")
+            raise ValueError(f"block_mask built for Br={self.Br}, Bc={self.Bc} cannot be read at tiles "
+                             f"Br={Br}, Bc={Bc} (they must divide {self.Br}, {self.Bc})")
         m = self.mask.reshape((-1,) + self.mask.shape[-2:])
         m = np.repeat(np.repeat(m, self.Br // Br, axis=1), self.Bc // Bc, axis=2)[:, :cdiv(Nq, Br), :cdiv(Nk, Bc)]
         return np.ascontiguousarray(np.broadcast_to(m, (BH,) + m.shape[1:]), dtype=np.uint8)
@@ -117,7 +118,8 @@ class BlockMask:
         return BlockMask(op(self.mask, other.mask), self.Br, self.Bc)
 
     def __repr__(self):
-        return f"BlockMask({self.mask.shape[-2]}x{self.mask.shape[-1]} blocks of {self.Br}x{self.Bc}, s={self.density:.3f})"
+        Tr, Tc = self.mask.shape[-2:]
+        return f"BlockMask({Tr}x{Tc} blocks of {self.Br}x{self.Bc}, s={self.density:.3f})"
 
 
 # --------------------------------------------------------------------------- patterns
