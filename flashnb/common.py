@@ -20,7 +20,8 @@ from . import runtime  # noqa: F401  (selects GPU or simulator before numba.cuda
 from numba import cuda, float32  # noqa: E402
 
 __all__ = [
-    "NEG_INF", "ZERO", "ONE", "cdiv", "causal_allowed", "load_tile", "load_rows", "store_rows",
+    "NEG_INF", "ZERO", "ONE", "cdiv", "causal_allowed", "load_tile", "load_rows", "store_rows", "load_vec",
+    "store_vec",
     "empty", "poisoning", "to_device", "launch", "current_label", "launch_hooks", "ShapeOnly", "dry_run",
 ]
 
@@ -98,6 +99,24 @@ def store_rows(tile, dst, z, r0, tid, nthreads):
         c = e - r * C
         if r0 + r < nrows:
             dst[z, r0 + r, c] = tile[r, c]
+
+
+@cuda.jit(device=True, inline="always")
+def load_vec(src, z, r0, vec, tid, nthreads):
+    """``vec[r] = src[z, r0 + r]`` (zero past the end), element ``r`` copied by thread ``r mod nthreads``."""
+    for r in range(tid, vec.shape[0], nthreads):
+        value = float32(0.0)
+        if r0 + r < src.shape[1]:
+            value = src[z, r0 + r]
+        vec[r] = value
+
+
+@cuda.jit(device=True, inline="always")
+def store_vec(vec, dst, z, r0, tid, nthreads):
+    """``dst[z, r0 + r] = vec[r]`` for rows inside ``dst``, with :func:`load_vec`'s thread mapping."""
+    for r in range(tid, vec.shape[0], nthreads):
+        if r0 + r < dst.shape[1]:
+            dst[z, r0 + r] = vec[r]
 
 
 # --------------------------------------------------------------------------- host helpers

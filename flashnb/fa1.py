@@ -28,7 +28,7 @@ import math
 
 from numba import cuda, float32
 
-from .common import NEG_INF, ZERO, causal_allowed, cdiv, empty, launch, load_rows, store_rows
+from .common import NEG_INF, ZERO, causal_allowed, cdiv, empty, launch, load_rows, load_vec, store_rows, store_vec
 from .registry import kernel_factory, register_impl
 
 __all__ = ["make_forward", "make_backward", "make_init_forward", "make_zero_rows", "make_lse", "tiles",
@@ -52,24 +52,6 @@ def _configs(**extra):
     return [dict(Br=Br, Bc=Bc, d=d, W=W, causal=c, **extra)
             for Br, Bc, d, W, c in [(16, 64, 16, 4, False), (16, 64, 16, 4, True), (8, 8, 128, 4, True),
                                     (1, 1024, 1, 4, False), (11, 12, 96, 2, False)]]
-
-
-@cuda.jit(device=True, inline="always")
-def load_vec(src, z, r0, vec, tid, nthreads):
-    """``vec[r] = src[z, r0 + r]`` (zero past the end), element ``r`` copied by thread ``r mod nthreads``."""
-    for r in range(tid, vec.shape[0], nthreads):
-        value = float32(0.0)
-        if r0 + r < src.shape[1]:
-            value = src[z, r0 + r]
-        vec[r] = value
-
-
-@cuda.jit(device=True, inline="always")
-def store_vec(vec, dst, z, r0, tid, nthreads):
-    """``dst[z, r0 + r] = vec[r]`` for rows inside ``dst``, with :func:`load_vec`'s thread mapping."""
-    for r in range(tid, vec.shape[0], nthreads):
-        if r0 + r < dst.shape[1]:
-            dst[z, r0 + r] = vec[r]
 
 
 @cuda.jit(device=True, inline="always")
