@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, int32
 
 from .common import NEG_INF, ONE, ZERO, cdiv, empty, launch
 from .registry import kernel_factory, register_impl
@@ -203,8 +203,9 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False):
             last = min(i0 + Br, Nq) - 1 + diag       # last key any row of this block may see
             n_tiles = min(n_tiles, last // Bc + 1) if last >= 0 else 0
         for jt in range(n_tiles):                    # line 6
-            if sparse and M[z, cuda.blockIdx.x, jt] == 0:
-                continue                             # FA1 Alg. 5: block M_ij = 0 is skipped (block-uniform)
+            if sparse:                               # FA1 Alg. 5: if M_ij != 0 (lane 0 reads, the warp shares)
+                if cuda.shfl_sync(FULL_MASK, int32(M[z, cuda.blockIdx.x, jt]) if lane == 0 else int32(0), 0) == 0:
+                    continue                         # block-uniform: K_j, V_j never loaded
             j0 = jt * Bc
             cuda.syncthreads()                       # every warp is done with K_{j-1}, V_{j-1}
             for e in range(tid, Bc * d, NT):         # line 7: load K_j, V_j
@@ -360,8 +361,9 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False):
             first = j0 - diag                        # first query row that may see key j0
             i_first = first // Br if first > 0 else 0
         for it in range(i_first, cdiv_dev(Nq, Br)):  # line 8
-            if sparse and M[z, it, cuda.blockIdx.x] == 0:
-                continue                             # FA1 Alg. 5: block M_ij = 0 is skipped (block-uniform)
+            if sparse:                               # FA1 Alg. 5: if M_ij != 0 (lane 0 reads, the warp shares)
+                if cuda.shfl_sync(FULL_MASK, int32(M[z, it, cuda.blockIdx.x]) if lane == 0 else int32(0), 0) == 0:
+                    continue                         # block-uniform: Q_i, dO_i, L_i, D_i never loaded
             i0 = it * Br
             cuda.syncthreads()
             for e in range(tid, Br * Dp, NT):        # line 9: load Q_i, dO_i, L_i, D_i
@@ -562,12 +564,16 @@ def _launch(name, reads, writes, atomics=None, shared_reads=0, shared_writes=0):
 
 def _visited_per_head(Nq, Nk, t, causal, direction, M, BH):
     """The visited tiles of each of the BH heads (one list for all when dense), and the tiles whose mask
-    entry each thread reads (the causal-limited set: every thread of the block reads ``M`` once per tile)."""
+    entry each thread reads (the causal-limited set: lane 0 of every warp reads ``M`` once per tile)."""
     checked = tiles_visited(Nq, Nk, t["Br"], t["Bc"], causal, direction)
     if M is None:
         return [checked] * BH, 0
-    return ([tiles_visited(Nq, Nk, t["Br"], t["Bc"], causal, direction, M[z].astype(bool)) for z in range(BH)],
-            len(checked))
+    memo = {}                                        # heads sharing one mask share one list
+    for z in range(BH):
+        key = M[z].tobytes()
+        if key not in memo:
+            memo[key] = tiles_visited(Nq, Nk, t["Br"], t["Bc"], causal, direction, M[z].astype(bool))
+    return [memo[M[z].tobytes()] for z in range(BH)], len(checked)
 
 
 def model_forward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None, block_mask=None):
@@ -575,15 +581,15 @@ def model_forward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None, 
 
     Shared: Q_i written once per block (``Br·d``), K_j and V_j per tile (``Bc·d + Bc·Dp``); per tile each of
     the ``32·warps`` threads reads ``d·(TM + TN)`` (S) and ``Bc·DN`` (V) elements.
-    Block-sparse (``block_mask``): visited tiles = those with ``M_ij = 1``, and each thread reads ``M_ij``
-    (one byte) once per tile the causal limit lets it reach."""
+    Block-sparse (``block_mask``): visited tiles = those with ``M_ij = 1``, and lane 0 of each warp reads
+    ``M_ij`` (one byte, shuffled to the other lanes) once per tile the causal limit lets it reach."""
     t, M = block_tiles(d, "forward", Br, Bc, warps, block_mask, BH, Nq, Nk)
     g = geometry(t["Br"], t["Bc"], d, t["warps"])
     per_head, checked = _visited_per_head(Nq, Nk, t, causal, "forward", M, BH)
     kv = sum(cols for visited in per_head for _, _, _, cols in visited) * d
     n = sum(len(visited) for visited in per_head)
     per_tile_reads = g["threads"] * (d * (g["TM"] + g["TN"]) + t["Bc"] * g["DN"])
-    return [_launch("FA2 forward", {"Q": BH * Nq * d, "K": kv, "V": kv, "M": BH * checked * g["threads"]},
+    return [_launch("FA2 forward", {"Q": BH * Nq * d, "K": kv, "V": kv, "M": BH * checked * t["warps"]},
                     {"O": BH * Nq * d, "L": BH * Nq},
                     shared_reads=n * per_tile_reads,
                     shared_writes=BH * cdiv(Nq, t["Br"]) * t["Br"] * d + n * t["Bc"] * (d + g["Dp"]))]
@@ -593,7 +599,7 @@ def model_backward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None,
     """Element accesses of :func:`backward`: the preprocessing launch (O, dO read, D and dQ = 0 written),
     then the main launch -- K_j, V_j once per column block; Q_i, dO_i, L_i, D_i once per visited tile;
     ``rows·d`` atomic adds into dQ per visited tile; dK, dV written once.  Block-sparse: as in
-    :func:`model_forward` (visited = ``M_ij = 1``, plus the threads' one-byte reads of ``M``)."""
+    :func:`model_forward` (visited = ``M_ij = 1``, plus one one-byte read of ``M`` per warp per tile)."""
     t, M = block_tiles(d, "backward", Br, Bc, warps, block_mask, BH, Nq, Nk)
     Br_, Bc_ = t["Br"], t["Bc"]
     g = geometry(Bc_, Br_, d, t["warps"])
@@ -606,7 +612,7 @@ def model_backward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None,
     per_tile_writes = 2 * g["Dp"] * Br_ + 2 * Br_ + Bc_ * Br_
     main = _launch("FA2 backward",
                    {"Q": q_rows * d, "K": BH * Nk * d, "V": BH * Nk * d, "dO": q_rows * d,
-                    "L": q_rows, "D": q_rows, "M": BH * checked * g["threads"]},
+                    "L": q_rows, "D": q_rows, "M": BH * checked * t["warps"]},
                    {"dK": BH * Nk * d, "dV": BH * Nk * d}, {"dQ": q_rows * d},
                    shared_reads=n * per_tile_reads,
                    shared_writes=BH * cdiv(Nk, Bc_) * 2 * d * Bc_ + n * per_tile_writes)
