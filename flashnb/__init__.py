@@ -10,13 +10,14 @@ from .runtime import MODE, is_simulator
 from . import registry, common  # noqa: E402
 from .api import attention, attention_forward, attention_backward  # noqa: E402
 from . import naive  # noqa: E402,F401  (stage 1 registers impl="naive")
-from . import fa1  # noqa: E402,F401  (stage 3 registers impl="fa1")
 from . import softmax  # noqa: E402,F401  (stage 2 registers impl="onepass")
+from . import fa1  # noqa: E402,F401  (stage 3 registers impl="fa1")
 from . import fa2  # noqa: E402,F401  (stage 4 registers impl="fa2")
 from . import block_sparse  # noqa: E402,F401  (stage 5 registers impl="fa2-sparse"; fa2 takes block_mask=)
-from . import reference, traffic  # noqa: E402,F401
+from . import reference, traffic, roofline, bench, inspect  # noqa: E402,F401  (reference and measurement)
 
 __version__ = "0.1.0"
 
-__all__ = ["MODE", "is_simulator", "attention", "attention_forward", "attention_backward", "registry",
-           "common", "runtime", "reference", "traffic", "__version__"]
+__all__ = ["MODE", "is_simulator", "attention", "attention_forward", "attention_backward", "registry", "common",
+           "runtime", "sim", "naive", "softmax", "fa1", "fa2", "block_sparse", "reference", "traffic", "roofline",
+           "bench", "inspect", "__version__"]

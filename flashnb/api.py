@@ -88,8 +88,19 @@ def _to3(a: np.ndarray) -> np.ndarray:
 
 
 def _check_finite(name: str, a: np.ndarray):
+    """Finite *after* conversion to float32 (a finite float64 beyond ±3.4e38 would become inf)."""
     if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a)):
         raise ValueError(f"{name} contains NaN or inf; inputs must be finite")
+    big = np.finfo(np.float32).max
+    if np.issubdtype(a.dtype, np.number) and a.size and np.abs(a).max() > big:
+        raise ValueError(f"{name} has values beyond the float32 range (|x| > {big:.3g}); "
+                         "the kernels compute in float32")
+
+
+def _check_causal(causal) -> bool:
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    return bool(causal)
 
 
 def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = "naive", **options):
@@ -118,7 +129,7 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
     if unknown:
         raise TypeError(f"impl {impl!r} got unexpected option(s) {sorted(unknown)}; it accepts {list(entry.options)}")
     qd, kd, vd = (common.to_device(_to3(a)) for a in (q, k, v))
-    o, lse = entry.forward(qd, kd, vd, causal=bool(causal), scale=s, **options)
+    o, lse = entry.forward(qd, kd, vd, causal=_check_causal(causal), scale=s, **options)
     return o.copy_to_host().reshape(q.shape), lse.copy_to_host().reshape(q.shape[:-1])
 
 
@@ -155,5 +166,5 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale=None,
     dev = [common.to_device(_to3(a)) for a in (q, k, v, o)]
     lse_d = common.to_device(np.ascontiguousarray(lse.reshape(-1, q.shape[-2]), dtype=np.float32))
     do_d = common.to_device(_to3(do))
-    dq, dk, dv = entry.backward(*dev, lse_d, do_d, causal=bool(causal), scale=s, **options)
+    dq, dk, dv = entry.backward(*dev, lse_d, do_d, causal=_check_causal(causal), scale=s, **options)
     return dq.copy_to_host().reshape(q.shape), dk.copy_to_host().reshape(k.shape), dv.copy_to_host().reshape(v.shape)

@@ -173,6 +173,22 @@ def _scalar(x):
     return x
 
 
+def _check_array_arg(kernel, position, a):
+    """Float arrays must be float32 and C-contiguous: anything else would make Numba compile (on a GPU) a
+    specialisation the PTX guard never checked -- float64 code, or strided loads."""
+    dtype = getattr(a, "dtype", None)
+    if dtype is None or not hasattr(a, "shape"):
+        return
+    name = getattr(getattr(kernel, "py_func", kernel), "__name__", "kernel")
+    if np.dtype(dtype).kind == "f" and np.dtype(dtype) != np.float32:
+        raise TypeError(f"{name}: array argument {position} has dtype {dtype}; flashnb kernels take float32 "
+                        "(use common.to_device / common.empty)")
+    flags = getattr(a, "flags", None)
+    contiguous = flags["C_CONTIGUOUS"] if flags is not None else getattr(a, "is_c_contiguous", lambda: True)()
+    if not contiguous:
+        raise TypeError(f"{name}: array argument {position} is not C-contiguous (use common.to_device)")
+
+
 def launch(kernel, grid, block, *args, label: str | None = None):
     """Launch ``kernel[grid, block](*args)``.
 
@@ -181,6 +197,8 @@ def launch(kernel, grid, block, *args, label: str | None = None):
     launch (e.g. ``"S = QK^T"``) in traffic counts and benchmarks.
     """
     args = tuple(_scalar(a) for a in args)
+    for position, a in enumerate(args):
+        _check_array_arg(kernel, position, a)
     grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))
     block = tuple(int(b) for b in (block if isinstance(block, tuple) else (block,)))
     if any(g <= 0 for g in grid):

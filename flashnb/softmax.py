@@ -303,7 +303,10 @@ def make_softmax_online(TPB, reduce):
 @kernel_factory("softmax.online_partials", stage="2", signature=f"void({_X2}, {_X2}, {_X2})",
                 configs=[dict(TPB=32), dict(TPB=256)], threads=lambda TPB: TPB)
 def make_online_partials(TPB):
-    """[m, d] of every chunk of C = X.shape[1] / M.shape[1] elements of a row; one block per chunk."""
+    """[m, d] of every chunk of C = ⌈X.shape[1] / M.shape[1]⌉ elements of a row; one block per chunk.
+
+    With many chunks the last ones can be empty; an empty chunk has the neutral state [-inf, 0].
+    """
 
     @cuda.jit
     def online_partials(X, M, D):
@@ -485,7 +488,8 @@ def softmax(x, method: str = "online", *, reduce: str = "block", threads: int = 
     ``method``: ``"unsafe"`` (Σ e^x), ``"safe"`` (three passes) or ``"online"`` (two passes).
     ``reduce``: ``"block"`` (tree in shared memory) or ``"warp"`` (shuffles, then across warps).
     ``threads``: threads per row block (a power of two; a multiple of 32 for ``reduce="warp"``).
-    ``-inf`` entries get probability 0; a row of only ``-inf`` gives zeros (the reference's convention).
+    ``-inf`` entries get probability 0.  A row of only ``-inf`` gives zeros with ``safe`` and ``online`` (the
+    reference's convention); ``unsafe`` divides 0 by 0 there and returns NaN -- one more way it is unsafe.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")

@@ -37,7 +37,7 @@
 # | HBM (global memory) | 40–80 GB | 1.5–2.0 TB/s |
 # | SRAM (shared memory / L1, per SM) | 192 KB × 108 SMs | ~19 TB/s |
 #
-# SRAM is an order of magnitude faster but about five orders of magnitude smaller. In CUDA, SRAM is what
+# SRAM is an order of magnitude faster but about three orders of magnitude smaller in total (five per SM). In CUDA, SRAM is what
 # `cuda.shared.array` allocates: a tile that the threads of one block share. Every stage of flashnb is about
 # which data lives where.
 #
@@ -200,7 +200,8 @@ for n in (1024, 2048, 4096, 8192, 16384):
           f" {2 * elems * 2 / 2**30:8.1f} GiB in float16")
 
 # %% [markdown]
-# At $N = 4096$ that is more than the 80 GB of an A100 holds, before counting the backward's $dP$ and $dS$.
+# At $N = 4096$, in float32, that is more than the 80 GB of an A100 holds — before counting the backward's
+# $dP$ and $dS$.
 #
 # ## Modelled speed
 #

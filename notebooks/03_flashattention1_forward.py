@@ -81,7 +81,7 @@ print(f"head dims whose default tiles fit in 48 KiB: {fits[0]}..{fits[-1]} ({len
 # The table shows the ratio: the forward holds a small multiple of what the formula budgets, the backward
 # more. So the budget $M$ that the formula is fed must be a *fraction* of the shared memory (here 16 KiB of
 # the 48 KiB static limit); the asymptotics $\Theta(N^2 d^2/M)$ are unchanged because the ratio is a constant
-# (it depends on $W$, not on $N$). And the 48 KiB is itself a choice: a GPU offers 164 KiB (A100) or 227 KiB
+# (it depends on $W$, not on $N$). And the 48 KiB is itself a choice: a GPU offers 163 KiB (A100) or 227 KiB
 # (H100) of *dynamic* shared memory per block, which would allow tiles 3-4× larger.
 
 # %% [markdown]

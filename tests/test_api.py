@@ -109,3 +109,26 @@ def test_backward_validates_o_lse_do(rng):
         flashnb.attention_backward(q, k, v, o[..., :2], lse, do)
     with pytest.raises(ValueError, match="lse"):
         flashnb.attention_backward(q, k, v, o, np.full_like(lse, np.nan), do)
+
+
+def test_values_beyond_float32_and_non_bool_causal(rng):
+    q, k, v = _good(rng)
+    with pytest.raises(ValueError, match="float32 range"):
+        flashnb.attention(q * 1e39, k, v)          # finite in float64, inf in float32
+    with pytest.raises(TypeError, match="causal"):
+        flashnb.attention(q, k, v, causal="no")
+
+
+def test_launch_refuses_arrays_the_guard_never_compiled(rng):
+    """A float64 or strided device array would make numba compile an unguarded specialisation."""
+    from numba import cuda
+
+    from flashnb import common, naive
+
+    q64 = cuda.to_device(rng.standard_normal((1, 4, 4)))
+    with pytest.raises(TypeError, match="float32"):
+        naive.forward(q64, q64, q64, causal=False, scale=1.0)
+    strided = cuda.to_device(rng.standard_normal((1, 4, 8)).astype(np.float32))[:, :, ::2]  # a device view
+    ok = common.to_device(rng.standard_normal((1, 4, 4)))
+    with pytest.raises(TypeError, match="C-contiguous"):
+        naive.forward(strided, ok, ok, causal=False, scale=1.0)

@@ -24,6 +24,7 @@ SHAPES = [
     ((1,), 40, 56, 32, {}),
     ((1,), 21, 30, 16, dict(Br=5, Bc=7, warps=1)),
     ((1,), 9, 12, 128, {}),
+    ((1,), 45, 37, 4, dict(Br=40, Bc=8, warps=1)),   # Br > 32 threads: the row loops wrap
 ]
 
 

@@ -57,6 +57,15 @@ def test_causal_rows_without_keys_give_zero_and_minus_inf(rng):
         assert_close(g, r, **BWD, what=name)
 
 
+def test_forward_then_backward_end_to_end(rng):
+    """The backward fed with the naive forward's own (o, lse), causal with Nq < Nk, scale != 1/sqrt(d)."""
+    q, k, v, do = qkv(rng, (2, 13, 6), 21, do=True)
+    o, lse = flashnb.attention_forward(q, k, v, causal=True, scale=0.6, impl="naive")
+    grads = flashnb.attention_backward(q, k, v, o, lse, do, causal=True, scale=0.6, impl="naive")
+    for name, g, r in zip(("dq", "dk", "dv"), grads, reference.attention_backward(q, k, v, do, causal=True, scale=0.6)):
+        assert_close(g, r, **BWD, what=name)
+
+
 def test_every_output_is_written(rng):
     """The device outputs start as NaN (common.empty); after the launches none may remain."""
     q, k, v = (flashnb.common.to_device(a) for a in qkv(rng, (1, 17, 3), 18))

@@ -45,9 +45,10 @@ def rows(rng, r, n, scale=1.0):
 
 @pytest.mark.parametrize("method", S.METHODS)
 @pytest.mark.parametrize("reduce", ["block", pytest.param("warp", marks=needs_warp)])
-def test_random_rows_longer_than_block(rng, method, reduce):
-    x = rows(rng, 3, 77, scale=3.0)                  # 77 > 32 threads: each thread loops
-    assert_close(S.softmax(x, method, reduce=reduce, threads=32), ref_softmax(x), **SOFTMAX_TOL, what=method)
+@pytest.mark.parametrize("threads", [32, 64])       # 64: the warp reduction's cross-warp step runs
+def test_random_rows_longer_than_block(rng, method, reduce, threads):
+    x = rows(rng, 3, 77 + threads, scale=3.0)        # longer than the block: each thread loops
+    assert_close(S.softmax(x, method, reduce=reduce, threads=threads), ref_softmax(x), **SOFTMAX_TOL, what=method)
 
 
 @pytest.mark.parametrize("method", S.METHODS)
@@ -189,8 +190,9 @@ def test_block_partials_merge_to_the_row_state(rng):
 
 @pytest.mark.parametrize("tile", [None, 8])
 @pytest.mark.parametrize("causal", [False, True])
-def test_attention_rows_match_reference(rng, tile, causal):
-    q = rng.standard_normal((6, 16))
+@pytest.mark.parametrize("Nq", [6, 40])                # 40: several (ragged) query blocks
+def test_attention_rows_match_reference(rng, tile, causal, Nq):
+    q = rng.standard_normal((Nq, 16))
     K = rng.standard_normal((21, 16))                  # 21 keys: a ragged last tile
     V = rng.standard_normal((21, 16))
     o, lse = S.attention_rows(q, K, V, tile=tile, causal=causal, return_lse=True)
