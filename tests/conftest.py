@@ -42,3 +42,23 @@ def assert_close(actual, expected, *, atol, rtol, what):
         f"{what}: max abs error {err.max():.3e} "
         f"(worst element err {err.flat[worst]:.3e} > bound {bound.flat[worst]:.3e})"
     )
+
+
+# Stage markers, so a course (or a learner) can run one stage's tests: `pytest -m stage3`.
+STAGE_OF_MODULE = {
+    "test_runtime": "stage0", "test_api": "stage0", "test_reference": "stage0", "test_packaging": "stage0",
+    "test_traffic": "stage0", "test_sim_fastbarrier": "stage0", "test_sim_warp": "stage0",
+    "test_sim_warp_ptx": "stage0", "test_inspect": "stage0", "test_roofline": "stage0", "test_bench": "stage0",
+    "test_ptx_guard": "stage0", "test_cli": "stage0", "test_notebooks": "stage0",
+    "test_naive": "stage1", "test_softmax": "stage2", "test_fa1": "stage3", "test_fa2": "stage4",
+    "test_block_sparse": "stage5",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
+        if module.startswith("test_") and module not in STAGE_OF_MODULE:
+            raise pytest.UsageError(f"{module}.py has no stage: add it to STAGE_OF_MODULE in tests/conftest.py")
+        if module in STAGE_OF_MODULE:
+            item.add_marker(getattr(pytest.mark, STAGE_OF_MODULE[module]))
