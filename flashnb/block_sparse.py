@@ -227,26 +227,35 @@ PATTERNS = {"causal": causal, "local": local, "strided": strided, "fixed": fixed
 # --------------------------------------------------------------------------- impl="fa2-sparse"
 
 
+WINDOW = 1   # fa2-sparse's default: each query block sees only its diagonal key block(s)
+BLOCK = 16   # fa2-sparse's default mask blocks (Br = Bc): small, so the sparsity shows at tour sizes
+
+
+def _window_block_mask(Nq, Nk, d, causal_, window, Br, Bc):
+    return local(Nq, Nk, BLOCK if Br is None else Br, BLOCK if Bc is None else Bc, window, causal=causal_)
+
+
 def _window_mask(q, k, causal_, window, Br, Bc):
-    from . import fa2
-
-    t = fa2.default_tiles(q.shape[2], "forward")
-    Br = t["Br"] if Br is None else Br
-    Bc = t["Bc"] if Bc is None else Bc
-    return local(q.shape[1], k.shape[1], Br, Bc, window, causal=causal_)
+    return _window_block_mask(q.shape[1], k.shape[1], q.shape[2], causal_, window, Br, Bc)
 
 
-def forward(q, k, v, *, causal=False, scale, window=4, Br=None, Bc=None, warps=None):
-    """``impl="fa2-sparse"``: fa2 with a sliding-window block mask of ``window`` key blocks (:func:`local`)
-    built at the forward tiles (``Br``/``Bc``, else fa2's defaults).  Pass ``block_mask=`` to ``impl="fa2"``
-    for any other pattern."""
+def reference_mask(Nq, Nk, d, causal, *, window=WINDOW, Br=None, Bc=None, warps=None):
+    """The element mask ``impl="fa2-sparse"`` applies (for ``reference.attention_forward(..., mask=)``)."""
+    return _window_block_mask(Nq, Nk, d, causal, window, Br, Bc).expand(Nq, Nk)
+
+
+def forward(q, k, v, *, causal=False, scale, window=WINDOW, Br=None, Bc=None, warps=None):
+    """``impl="fa2-sparse"``: local attention -- fa2 with a sliding-window block mask of ``window`` key blocks
+    (:func:`local`) of ``Br x Bc`` elements (default ``BLOCK x BLOCK``).  It is *not* dense attention: check
+    it against the reference with :func:`reference_mask`.  Pass ``block_mask=`` to ``impl="fa2"`` for any
+    other pattern."""
     from . import fa2
 
     bm = _window_mask(q, k, causal, window, Br, Bc)
     return fa2.forward(q, k, v, causal=causal, scale=scale, Br=Br, Bc=Bc, warps=warps, block_mask=bm)
 
 
-def backward(q, k, v, o, lse, do, *, causal=False, scale, window=4, Br=None, Bc=None, warps=None):
+def backward(q, k, v, o, lse, do, *, causal=False, scale, window=WINDOW, Br=None, Bc=None, warps=None):
     """The backward of :func:`forward`: the same window mask, skipped on the backward's tiles."""
     from . import fa2
 
@@ -255,6 +264,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, window=4, Br=None, Bc=
 
 
 register_impl("fa2-sparse", stage="5",
-              description="block-sparse FA2 (FA1 Alg. 5): K/V tiles outside a sliding window of 4 key blocks "
-                          "are never loaded (exact when every allowed key is inside the window)",
-              forward=forward, backward=backward, options=("window", "Br", "Bc", "warps"))
+              description="block-sparse FA2 (FA1 Alg. 5): local attention, K/V tiles outside a sliding window "
+                          f"of `window` (default {WINDOW}) key blocks are never loaded",
+              forward=forward, backward=backward, options=("window", "Br", "Bc", "warps"),
+              reference_mask=reference_mask)

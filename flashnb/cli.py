@@ -70,8 +70,17 @@ def tour_rows(*, BH=2, Nq=40, Nk=56, d=16, causal=True, seed=0, progress=True):
     k = rng.standard_normal((BH, Nk, d))
     v = rng.standard_normal((BH, Nk, d))
     do = rng.standard_normal((BH, Nq, d))
-    o_ref, lse_ref = reference.attention_forward(q, k, v, causal=causal)
-    grads_ref = reference.attention_backward(q, k, v, do, causal=causal)
+    refs = {}
+
+    def ref_for(entry):
+        """Float64 reference for this impl: dense, or with the impl's own mask (block-sparse impls)."""
+        mask = entry.mask_for(Nq, Nk, d, causal)
+        key = None if mask is None else mask.tobytes()
+        if key not in refs:
+            o, lse = reference.attention_forward(q, k, v, causal=causal, mask=mask)
+            refs[key] = (o, lse, reference.attention_backward(q, k, v, do, causal=causal, mask=mask))
+        return refs[key]
+
     by_stage = sorted(IMPLS, key=lambda n: (IMPLS[n].stage, n))
     jobs = [(n, "forward") for n in by_stage] + [(n, "backward") for n in by_stage if IMPLS[n].backward]
     rows = []
@@ -83,11 +92,14 @@ def tour_rows(*, BH=2, Nq=40, Nk=56, d=16, causal=True, seed=0, progress=True):
 
             counter = traffic.count()
         row = {"impl": name, "stage": entry.stage, "pass": direction}
+        o_ref, lse_ref, grads_ref = ref_for(entry)
         with counter if counter is not None else _null():
             if direction == "forward":
                 o, lse = api.attention_forward(q, k, v, causal=causal, impl=name)
                 finite = np.isfinite(lse_ref)
-                err = max(np.abs(o - o_ref).max(), np.abs(lse[finite] - lse_ref[finite]).max())
+                err = max(np.abs(o - o_ref).max(), np.abs(lse[finite] - lse_ref[finite]).max(initial=0.0))
+                if not np.array_equal(lse[~finite], lse_ref[~finite]):
+                    err = float("inf")  # a row with no key must give lse = -inf exactly
             else:
                 # the backward is checked on its own: it gets the reference's O and LSE
                 grads = api.attention_backward(q, k, v, o_ref, lse_ref, do, causal=causal, impl=name)

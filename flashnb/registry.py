@@ -93,14 +93,25 @@ class Impl:
     forward: Callable[..., Any]
     backward: Callable[..., Any] | None = None
     options: tuple[str, ...] = ()
+    reference_mask: Callable[..., Any] | None = None
+
+    def mask_for(self, Nq: int, Nk: int, d: int, causal: bool, **options):
+        """The boolean (Nq, Nk) mask this impl applies beyond ``causal`` (None: dense attention), so it can
+        be checked against ``flashnb.reference.attention_forward(..., mask=...)``."""
+        return None if self.reference_mask is None else self.reference_mask(Nq, Nk, d, causal, **options)
 
 
 IMPLS: dict[str, Impl] = {}
 
 
-def register_impl(name: str, *, stage: str, description: str, forward, backward=None, options=()):
-    """Make ``impl=name`` available in the public API, the tour and the benchmarks."""
+def register_impl(name: str, *, stage: str, description: str, forward, backward=None, options=(),
+                  reference_mask=None):
+    """Make ``impl=name`` available in the public API, the tour and the benchmarks.
+
+    ``reference_mask(Nq, Nk, d, causal, **options)`` is for impls that do not compute dense attention
+    (block-sparse ones): it returns the element mask they apply, for checking against the reference.
+    """
     if name in IMPLS:
         raise ValueError(f"impl {name!r} registered twice")
-    IMPLS[name] = Impl(name, stage, description, forward, backward, tuple(options))
+    IMPLS[name] = Impl(name, stage, description, forward, backward, tuple(options), reference_mask)
     return IMPLS[name]

@@ -215,3 +215,20 @@ def test_bad_block_mask_backward(rng):
         flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", block_mask=bs.dense(40, 56, 16, 16), Bc=32)
     with pytest.raises(ValueError, match=r"block_mask must have shape \(\.\.\., 3, 4\)"):
         flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", block_mask=np.ones((2, 2), bool), Br=16, Bc=16)
+
+
+def test_fa2_sparse_impl_is_local_attention_checked_against_its_own_mask(rng):
+    """impl="fa2-sparse" is not dense attention: it matches the reference with the impl's own mask, and
+    differs from dense attention once some keys fall outside the window."""
+    from flashnb.registry import IMPLS
+
+    q, k, v = (rng.standard_normal((1, n, 8)) for n in (40, 56, 56))
+    entry = IMPLS["fa2-sparse"]
+    mask = entry.mask_for(40, 56, 8, True)
+    assert mask.shape == (40, 56) and 0 < mask.mean() < 1
+    o, lse = flashnb.attention_forward(q, k, v, causal=True, impl="fa2-sparse")
+    o_ref, lse_ref = reference.attention_forward(q, k, v, causal=True, mask=mask)
+    # float32 kernel vs float64 reference over <= 16 keys per row: ~1e-7; 1e-5 leaves margin
+    assert np.abs(o - o_ref).max() < 1e-5 and np.abs(lse - lse_ref).max() < 1e-5
+    o_dense, _ = reference.attention_forward(q, k, v, causal=True)
+    assert np.abs(o - o_dense).max() > 1e-2
