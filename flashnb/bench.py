@@ -30,7 +30,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from . import runtime
-from .roofline import GPU, flops_backward, flops_forward, get_gpu, modelled_time
+from .roofline import GPU, get_gpu, modelled_time
 
 __all__ = ["SimulatorTimingError", "Timing", "FP32_LANES_PER_SM", "fp32_lanes_per_sm", "device_fp32_peak",
            "device_info", "provenance", "time_call", "modelled_bytes", "sweep", "write_csv", "plot_sweep",
@@ -278,7 +278,7 @@ def sweep(impls=None, Ns=(1024, 2048, 4096), ds=(64, 128), causal=(False, True),
     rows = []
     cached_inputs = {}
     for name, N, d, c, direction in bar:
-        flops = (flops_forward if direction == "fwd" else flops_backward)(B, H, N, N, d, c)
+        flops = IMPLS[name].flops(B, H, N, N, d, c, direction)   # masked impls: only the pairs they compute
         nbytes = modelled_bytes(name, B, H, N, d, c, direction)
         row = dict(impl=name, direction=direction, B=B, H=H, N=N, d=d, causal=c, flops=flops,
                    modelled_bytes=nbytes, modelled_gpu=model_gpu.name, **prov)

@@ -30,6 +30,7 @@ A query row whose blocks are all zero has no key: ``O = 0``, ``LSE = -inf``, zer
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -235,13 +236,34 @@ def _window_block_mask(Nq, Nk, d, causal_, window, Br, Bc):
     return local(Nq, Nk, BLOCK if Br is None else Br, BLOCK if Bc is None else Bc, window, causal=causal_)
 
 
-def _window_mask(q, k, causal_, window, Br, Bc):
-    return _window_block_mask(q.shape[1], k.shape[1], q.shape[2], causal_, window, Br, Bc)
-
-
 def reference_mask(Nq, Nk, d, causal, *, window=WINDOW, Br=None, Bc=None, warps=None):
     """The element mask ``impl="fa2-sparse"`` applies (for ``reference.attention_forward(..., mask=)``)."""
     return _window_block_mask(Nq, Nk, d, causal, window, Br, Bc).expand(Nq, Nk)
+
+
+@functools.lru_cache(maxsize=64)
+def _prepared(direction, BH, Nq, Nk, d, causal_, window, Br, Bc, warps):
+    """The window mask mapped onto the launch's tiles and copied to the device, once per problem shape."""
+    from . import fa2
+
+    bm = _window_block_mask(Nq, Nk, d, causal_, window, Br, Bc)
+    return fa2.prepare_block_mask(bm, direction=direction, BH=BH, Nq=Nq, Nk=Nk, d=d, Br=Br, Bc=Bc, warps=warps)
+
+
+def model_forward(BH, Nq, Nk, d, *, causal=False, window=WINDOW, Br=None, Bc=None, warps=None):
+    """Element accesses of ``impl="fa2-sparse"``'s forward: fa2's model with the window mask."""
+    from . import fa2
+
+    bm = _window_block_mask(Nq, Nk, d, causal, window, Br, Bc)
+    return fa2.model_forward(BH, Nq, Nk, d, causal=causal, Br=Br, Bc=Bc, warps=warps, block_mask=bm)
+
+
+def model_backward(BH, Nq, Nk, d, *, causal=False, window=WINDOW, Br=None, Bc=None, warps=None):
+    """Element accesses of ``impl="fa2-sparse"``'s backward: fa2's model with the window mask."""
+    from . import fa2
+
+    bm = _window_block_mask(Nq, Nk, d, causal, window, Br, Bc)
+    return fa2.model_backward(BH, Nq, Nk, d, causal=causal, Br=Br, Bc=Bc, warps=warps, block_mask=bm)
 
 
 def forward(q, k, v, *, causal=False, scale, window=WINDOW, Br=None, Bc=None, warps=None):
@@ -251,16 +273,16 @@ def forward(q, k, v, *, causal=False, scale, window=WINDOW, Br=None, Bc=None, wa
     other pattern."""
     from . import fa2
 
-    bm = _window_mask(q, k, causal, window, Br, Bc)
-    return fa2.forward(q, k, v, causal=causal, scale=scale, Br=Br, Bc=Bc, warps=warps, block_mask=bm)
+    pm = _prepared("forward", q.shape[0], q.shape[1], k.shape[1], q.shape[2], bool(causal), window, Br, Bc, warps)
+    return fa2.forward(q, k, v, causal=causal, scale=scale, block_mask=pm)
 
 
 def backward(q, k, v, o, lse, do, *, causal=False, scale, window=WINDOW, Br=None, Bc=None, warps=None):
     """The backward of :func:`forward`: the same window mask, skipped on the backward's tiles."""
     from . import fa2
 
-    bm = _window_mask(q, k, causal, window, Br, Bc)
-    return fa2.backward(q, k, v, o, lse, do, causal=causal, scale=scale, Br=Br, Bc=Bc, warps=warps, block_mask=bm)
+    pm = _prepared("backward", q.shape[0], q.shape[1], k.shape[1], q.shape[2], bool(causal), window, Br, Bc, warps)
+    return fa2.backward(q, k, v, o, lse, do, causal=causal, scale=scale, block_mask=pm)
 
 
 register_impl("fa2-sparse", stage="5",

@@ -105,8 +105,7 @@ def tour_rows(*, BH=2, Nq=40, Nk=56, d=16, causal=True, seed=0, progress=True):
                 grads = api.attention_backward(q, k, v, o_ref, lse_ref, do, causal=causal, impl=name)
                 err = max(np.abs(g - r).max() for g, r in zip(grads, grads_ref))
         row["max_abs_err"] = float(err)
-        flops = (roofline.flops_forward if direction == "forward" else roofline.flops_backward)(
-            1, BH, Nq, Nk, d, causal)
+        flops = entry.flops(1, BH, Nq, Nk, d, causal, direction)
         if counter is not None:
             nbytes = counter.global_read_bytes + counter.global_write_bytes + 4 * counter.atomics
             row.update(read_bytes=counter.global_read_bytes, write_bytes=counter.global_write_bytes,

@@ -30,6 +30,7 @@ Kernels (arrays float32, C-contiguous, ``(BH, N, d)``; ``L``/``D`` are ``(BH, N)
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 from numba import cuda, float32, int32
@@ -37,7 +38,8 @@ from numba import cuda, float32, int32
 from .common import NEG_INF, ONE, ZERO, cdiv, empty, launch
 from .registry import kernel_factory, register_impl
 
-__all__ = ["make_forward", "make_preprocess", "make_backward", "forward", "backward", "model_forward",
+__all__ = ["PreparedMask", "prepare_block_mask",
+           "make_forward", "make_preprocess", "make_backward", "forward", "backward", "model_forward",
            "model_backward", "default_tiles", "block_tiles", "geometry", "tiles_visited", "LR", "LC", "FULL_MASK",
            "fmas_per_shared_read", "shared_bytes"]
 
@@ -54,10 +56,8 @@ _PRE_SIG = f"void({_A3}, {_A3}, {_A2}, {_A3})"
 _BWD_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, {_A2}, {_A3}, {_A3}, {_A3}, float32, int32, {_MASK})"
 
 # Default tiles per head dim, chosen with the resource report (registers, spills, static shared memory
-# <= 48 KiB on sm_80/sm_90): see notebooks/05 and the module's ``default_tiles``.
-# sm_80 registers/thread -> resident warps per SM (forward): d=32 64x32x4w 153 -> 12 (64x64x4w: 194 -> 8);
-# d=64 64x32x4w 213 -> 8; d=128 32x32x4w 204 -> 8 (32x32x2w: 226 -> 6).  Backward: d=32 32x32x4w 178 -> 8
-# (2 warps: 227); d=64 32x32x4w 238 -> 8; d=128 16x16x4w 168 -> 12 (2 warps: 128 -> 8).
+# <= 48 KiB on sm_80/sm_90, occupancy): `flashnb inspect --kernel fa2.forward` prints today's numbers, and
+# notebook 05 compares them with FA1's.
 _FWD_DEFAULTS = {32: dict(Br=64, Bc=32, warps=4), 64: dict(Br=64, Bc=32, warps=4),
                  128: dict(Br=32, Bc=32, warps=4)}
 _BWD_DEFAULTS = {32: dict(Br=32, Bc=32, warps=4), 64: dict(Br=32, Bc=32, warps=4),
@@ -273,6 +273,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False):
     ``sparse``: Q tiles whose block-mask entry ``M[z, i, j]`` is 0 are skipped (FA1 Alg. 5's backward)."""
     g = geometry(Bc, Br, d, warps)
     TM, TN, DN, Dp, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["threads"]
+    BrP, BcP = Br + 1, Bc + 1   # padded leading dimensions of the transposed shared tiles
 
     @cuda.jit(device=True, inline="always")
     def fa2_bwd_tile(QsT, KsT, VsT, dOsT, Ls, Ds, dSs, S, dP, dKj, dVj, kv, vv, qv, ov,
@@ -322,13 +323,15 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False):
 
     @cuda.jit
     def fa2_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M):
-        KsT = cuda.shared.array((d, Bc), float32)    # K_j, V_j: loaded once
-        VsT = cuda.shared.array((d, Bc), float32)
-        QsT = cuda.shared.array((Dp, Br), float32)   # Q_i, dO_i: one tile per inner step
-        dOsT = cuda.shared.array((Dp, Br), float32)
+        # Transposed tiles get one padding column (BcP = Bc + 1, BrP = Br + 1): lanes that walk down a column
+        # then hit 32 different banks instead of one (no shared-memory bank conflicts; never read).
+        KsT = cuda.shared.array((d, BcP), float32)   # K_j, V_j: loaded once
+        VsT = cuda.shared.array((d, BcP), float32)
+        QsT = cuda.shared.array((Dp, BrP), float32)  # Q_i, dO_i: one tile per inner step
+        dOsT = cuda.shared.array((Dp, BrP), float32)
         Ls = cuda.shared.array(Br, float32)
         Ds = cuda.shared.array(Br, float32)
-        dSs = cuda.shared.array((Bc, Br), float32)   # dS_ijᵀ, for dQ_i (the one inter-warp exchange)
+        dSs = cuda.shared.array((Bc, BrP), float32)  # dS_ijᵀ, for dQ_i (the one inter-warp exchange)
         S = cuda.local.array((TM, TN), float32)      # Sᵀ, then Pᵀ
         dP = cuda.local.array((TM, TN), float32)     # dPᵀ, then dSᵀ
         dKj = cuda.local.array((TM, DN), float32)
@@ -458,15 +461,41 @@ def block_tiles(d, direction, Br, Bc, warps, block_mask, BH, Nq, Nk):
     return t, bm.at_tiles(t["Br"], t["Bc"], Nq, Nk, BH)
 
 
-_NO_MASK = []   # the dense kernels' dummy M, made on first use (never read)
-
-
 def _mask_device(M):
+    """M on the device; the dense kernels get a 1x1x1 placeholder they never read."""
     if M is None:
-        if not _NO_MASK:
-            _NO_MASK.append(cuda.to_device(np.zeros((1, 1, 1), dtype=np.uint8)))
-        return _NO_MASK[0]
+        return cuda.device_array((1, 1, 1), dtype=np.uint8)
     return cuda.to_device(np.ascontiguousarray(M, dtype=np.uint8))
+
+
+@dataclass(frozen=True)
+class PreparedMask:
+    """A block mask already mapped onto one launch's tiles and copied to the device (see
+    :func:`prepare_block_mask`): pass it as ``block_mask=`` to reuse it without host work per call."""
+
+    direction: str
+    tiles: dict = field(hash=False)
+    M: object = field(hash=False, repr=False)
+    shape: tuple = ()   # (BH, Nq, Nk, d) it was prepared for
+
+
+def prepare_block_mask(block_mask, *, direction, BH, Nq, Nk, d, Br=None, Bc=None, warps=None) -> PreparedMask:
+    """:func:`block_tiles` plus the copy of ``M`` to the device, done once (e.g. outside a timed loop)."""
+    t, M = block_tiles(d, direction, Br, Bc, warps, block_mask, BH, Nq, Nk)
+    if M is None:
+        raise ValueError("block_mask is required")
+    return PreparedMask(direction, t, _mask_device(M), (BH, Nq, Nk, d))
+
+
+def _tiles_and_mask(direction, Br, Bc, warps, block_mask, BH, Nq, Nk, d):
+    """``(tiles, device M or None)`` for a launch, from nothing, a mask, or a :class:`PreparedMask`."""
+    if isinstance(block_mask, PreparedMask):
+        if block_mask.direction != direction or block_mask.shape != (BH, Nq, Nk, d):
+            raise ValueError(f"block_mask was prepared for the {block_mask.direction} of (BH, Nq, Nk, d) = "
+                             f"{block_mask.shape}, not the {direction} of {(BH, Nq, Nk, d)}")
+        return block_mask.tiles, block_mask.M
+    t, M = block_tiles(d, direction, Br, Bc, warps, block_mask, BH, Nq, Nk)
+    return t, (None if M is None else _mask_device(M))
 
 
 def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block_mask=None):
@@ -477,12 +506,12 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block
     :func:`block_tiles` for how the mask maps onto the kernel's tiles."""
     BH, Nq, d = q.shape
     Nk = k.shape[1]
-    t, M = block_tiles(d, "forward", Br, Bc, warps, block_mask, BH, Nq, Nk)
+    t, M = _tiles_and_mask("forward", Br, Bc, warps, block_mask, BH, Nq, Nk, d)
     O = empty((BH, Nq, d))
     L = empty((BH, Nq))
     kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal), M is not None)
-    launch(kernel, (cdiv(Nq, t["Br"]), BH), 32 * t["warps"], q, k, v, O, L, scale, Nk - Nq, _mask_device(M),
-           label="FA2 forward")
+    launch(kernel, (cdiv(Nq, t["Br"]), BH), 32 * t["warps"], q, k, v, O, L, scale, Nk - Nq,
+           _mask_device(None) if M is None else M, label="FA2 forward")
     return O, L
 
 
@@ -491,7 +520,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     as in :func:`forward` (Q tiles with ``M = 0`` are skipped)."""
     BH, Nq, d = q.shape
     Nk = k.shape[1]
-    t, M = block_tiles(d, "backward", Br, Bc, warps, block_mask, BH, Nq, Nk)
+    t, M = _tiles_and_mask("backward", Br, Bc, warps, block_mask, BH, Nq, Nk, d)
     D = empty((BH, Nq))
     dQ = empty((BH, Nq, d))
     launch(make_preprocess(), (cdiv(Nq, PRE_WARPS), BH), 32 * PRE_WARPS, o, do, D, dQ,
@@ -500,7 +529,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     dV = empty((BH, Nk, d))
     kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], bool(causal), M is not None)
     launch(kernel, (cdiv(Nk, t["Bc"]), BH), 32 * t["warps"], q, k, v, do, lse, D, dQ, dK, dV, scale, Nk - Nq,
-           _mask_device(M), label="FA2 backward")
+           _mask_device(None) if M is None else M, label="FA2 backward")
     return dQ, dK, dV
 
 
@@ -542,7 +571,7 @@ def shared_bytes(Br, Bc, d, warps, direction="forward"):
         g = geometry(Br, Bc, d, warps)
         return 4 * (d * Br + d * Bc + Bc * g["Dp"])
     g = geometry(Bc, Br, d, warps)
-    return 4 * (2 * d * Bc + 2 * g["Dp"] * Br + 2 * Br + Bc * Br)
+    return 4 * (2 * d * (Bc + 1) + 2 * g["Dp"] * (Br + 1) + 2 * Br + Bc * (Br + 1))
 
 
 def fmas_per_shared_read(Br, Bc, d, warps):

@@ -16,6 +16,8 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 __all__ = ["KernelSpec", "Impl", "KERNELS", "IMPLS", "kernel_factory", "register_impl"]
 
 
@@ -99,6 +101,21 @@ class Impl:
         """The boolean (Nq, Nk) mask this impl applies beyond ``causal`` (None: dense attention), so it can
         be checked against ``flashnb.reference.attention_forward(..., mask=...)``."""
         return None if self.reference_mask is None else self.reference_mask(Nq, Nk, d, causal, **options)
+
+    def flops(self, B: int, H: int, Nq: int, Nk: int, d: int, causal: bool, direction: str = "forward") -> float:
+        """FLOPs by the FlashAttention benchmark formula (forward ``4·B·H·Nq·Nk·d``, halved when causal;
+        backward 2.5x).  For an impl with a :meth:`mask_for` mask, the pairs it skips are not counted:
+        ``4·B·H·d·(allowed pairs)``."""
+        from . import roofline
+
+        fn = roofline.flops_forward if direction in ("forward", "fwd") else roofline.flops_backward
+        mask = self.mask_for(Nq, Nk, d, causal)
+        if mask is None:
+            return fn(B, H, Nq, Nk, d, causal)
+        if causal:
+            i = np.arange(Nq)[:, None]
+            mask = mask & (np.arange(Nk)[None, :] <= i + (Nk - Nq))
+        return fn(B, H, Nq, Nk, d, False) * float(np.count_nonzero(mask)) / (Nq * Nk)
 
 
 IMPLS: dict[str, Impl] = {}

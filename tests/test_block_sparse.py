@@ -232,3 +232,29 @@ def test_fa2_sparse_impl_is_local_attention_checked_against_its_own_mask(rng):
     assert np.abs(o - o_ref).max() < 1e-5 and np.abs(lse - lse_ref).max() < 1e-5
     o_dense, _ = reference.attention_forward(q, k, v, causal=True)
     assert np.abs(o - o_dense).max() > 1e-2
+
+
+def test_prepared_mask_is_reused_and_checked(rng):
+    """fa2.prepare_block_mask maps a mask onto a launch's tiles once (outside timed loops); reusing it gives the
+    same result as passing the BlockMask, and using it for another direction or shape is an error."""
+    BH, Nq, Nk, d = 1, 40, 48, 8
+    bm = bs.local(Nq, Nk, 16, 16, 2, causal=False)
+    q, k, v = (common.to_device(a) for a in qkv(rng, (BH, Nq, d), Nk))
+    pm = fa2.prepare_block_mask(bm, direction="forward", BH=BH, Nq=Nq, Nk=Nk, d=d)
+    o1, l1 = fa2.forward(q, k, v, scale=0.5, block_mask=bm)
+    o2, l2 = fa2.forward(q, k, v, scale=0.5, block_mask=pm)
+    assert np.array_equal(o1.copy_to_host(), o2.copy_to_host()) and np.array_equal(l1.copy_to_host(), l2.copy_to_host())
+    with pytest.raises(ValueError, match="prepared for the forward"):
+        fa2.backward(q, k, v, o1, l1, q, scale=0.5, block_mask=pm)
+    with pytest.raises(ValueError, match="prepared for"):
+        fa2.forward(q, q, q, scale=0.5, block_mask=pm)   # Nk = 40, not 48
+
+
+def test_sparse_flops_count_only_computed_pairs():
+    from flashnb.registry import IMPLS
+
+    dense, sparse = IMPLS["fa2"], IMPLS["fa2-sparse"]
+    assert dense.flops(1, 1, 64, 64, 16, False) == 4 * 64 * 64 * 16
+    # window 1 on 16 x 16 blocks, not causal: the 4 diagonal blocks of 16 x 16 out of a 4 x 4 grid
+    assert sparse.flops(1, 1, 64, 64, 16, False) == 4 * 16 * (4 * 16 * 16)
+    assert sparse.flops(1, 1, 64, 64, 16, False, "backward") == 2.5 * 4 * 16 * (4 * 16 * 16)

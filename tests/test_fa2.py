@@ -210,3 +210,17 @@ def test_bad_backward_tiles(rng):
         flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", Br=12, Bc=16, warps=1)
     with pytest.raises(ValueError, match="Bc=10"):   # ... and warps the Bc key rows
         flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", Br=16, Bc=10, warps=1)
+
+
+@pytest.mark.parametrize("d", [100, 128])
+def test_large_head_dims_with_default_tiles(rng, d):
+    """d = 128's default tiles (forward 32 x 32, backward 16 x 16, 4 warps, 16 head-dim columns per lane) and a
+    padded d = 100 run, not only compile: forward and backward, causal, ragged."""
+    q, k, v, do = qkv(rng, (1, 37, d), 29, do=True)
+    o, lse = flashnb.attention_forward(q, k, v, causal=True, impl="fa2")
+    o_ref, lse_ref = reference.attention_forward(q, k, v, causal=True)
+    assert_close(o, o_ref, **FWD, what="o")
+    assert_close(lse, lse_ref, **FWD, what="lse")
+    grads = flashnb.attention_backward(q, k, v, o, lse, do, causal=True, impl="fa2")
+    for name, g, r in zip(("dq", "dk", "dv"), grads, reference.attention_backward(q, k, v, do, causal=True)):
+        assert_close(g, r, **BWD, what=name)
