@@ -37,7 +37,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import flashnb
-from flashnb import fa1, fa2, naive, reference, traffic
+from flashnb import common, fa1, fa2, naive, reference, traffic
 from flashnb.notebook import savefig, show_source
 
 T0 = time.perf_counter()
@@ -57,7 +57,9 @@ show_source(fa2.make_preprocess)
 q, k, v, do = (rng.standard_normal((1, n, 16)) for n in (24, 24, 24, 24))
 o, lse = reference.attention_forward(q, k, v)
 P = np.exp(q @ k.transpose(0, 2, 1) / 4.0 - lse[..., None])
-print("max |rowsum(dO∘O) - rowsum(P∘dP)| =", np.abs((do * o).sum(-1) - (P * (do @ v.transpose(0, 2, 1))).sum(-1)).max())
+gap = np.abs((do * o).sum(-1) - (P * (do @ v.transpose(0, 2, 1))).sum(-1)).max()
+print("max |rowsum(dO∘O) - rowsum(P∘dP)| =", gap)
+assert gap < 1e-12                                # an identity: float64 rounding only
 
 # %% [markdown]
 # ## The main kernel
@@ -85,6 +87,8 @@ q, k, v, do = (rng.standard_normal((1, n, 16)) for n in (32, 64, 64, 32))
 o, lse = reference.attention_forward(q, k, v)
 grads = [flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", Br=16, Bc=16, warps=1) for _ in range(2)]
 print("two runs here, dQ bitwise equal:", np.array_equal(grads[0][0], grads[1][0]))
+if flashnb.is_simulator():                 # blocks run one after another here: same order, same bits
+    assert np.array_equal(grads[0][0], grads[1][0])
 
 Tc = 4                                     # the four column blocks' contributions to dQ, as the kernel forms them
 Kb = k[0].reshape(Tc, 16, 16)
@@ -115,6 +119,7 @@ dq, dk, dv = flashnb.attention_backward(q, k, v, o, lse, do, causal=True, impl="
 ref = reference.attention_backward(q, k, v, do, causal=True)
 for name, g, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref):
     print(f"{name}: max |fa2 - reference| = {np.abs(g - r).max():.1e}")
+    np.testing.assert_allclose(g, r, atol=1e-5)   # float32 kernel vs float64, d = 8, 28 keys: far below 1e-5
 
 
 def f(q_, k_, v_):
@@ -132,6 +137,7 @@ for name, x, g in (("q", q, dq), ("k", k, dk), ("v", v, dv)):
         args_p[name], args_m[name] = xp, xm
         fd = (f(**{a + "_": b for a, b in args_p.items()}) - f(**{a + "_": b for a, b in args_m.items()})) / (2 * eps)
         print(f"d{name}{idx}: finite difference {fd:+.6f}, kernel {g[idx]:+.6f}")
+        assert abs(fd - g[idx]) < 1e-4        # O(eps²) truncation + float32 kernel rounding
 
 # %% [markdown]
 # ## Traffic and memory against FA1's backward
@@ -140,7 +146,9 @@ for name, x, g in (("q", q, dq), ("k", k, dk), ("v", v, dv)):
 # **and writes** $dQ_i$ (plus $Q_i, O_i, dO_i$) in HBM on every step of its inner loop. FA2 reads $Q_i, dO_i,
 # L_i, D_i$ per visited tile and *adds* into $dQ$ (one atomic per element per tile); $D$ replaces FA1's
 # per-tile recomputation of $\mathrm{rowsum}(dO_i \circ O_i)$ and $O$ is read only by the preprocessing.
-# Counted (simulator) and modelled, same tiles (16 × 16):
+# Counted (simulator) and modelled, same tiles (16 × 16); the last lines list each implementation's own
+# extra allocations besides its outputs, taken from its host launchers with `common.dry_run` (as notebook 04
+# does for FA1): only the naive ones grow with $N^2$.
 
 # %%
 def total(model):
@@ -154,6 +162,7 @@ for impl, opts in (("fa1", dict(Br=16, Bc=16)), ("fa2", dict(Br=16, Bc=16, warps
         flashnb.attention_backward(q, k, v, o, lse, do, impl=impl, **opts)
     model = (fa1.model_backward if impl == "fa1" else fa2.model_backward)(1, 64, 64, 16, **opts)
     print(f"{impl}: counted {total(t.summary())}, equals model: {t.summary() == model}")
+    assert t.summary() == model
 
 N, d = 1024, 64
 rows = {"naive": naive.model_backward(1, N, N, d), "FA1": fa1.model_backward(1, N, N, d, Br=16, Bc=16),
@@ -171,9 +180,27 @@ ax.set_xticks(range(len(rows)), list(rows))
 ax.set_ylabel("MB (float32), N = 1024, d = 64")
 ax.legend()
 savefig(fig, "06_backward_traffic")
-extra = {"naive": "S, P, dP, dS: 4 N² floats", "FA1": "L (N floats)", "FA2": "L, D (2N floats)"}
-for name, what in extra.items():
-    print(f"extra memory besides inputs and gradients, {name}: {what}")
+
+
+def in_n(arrays, N):
+    """Total float32 elements of per-head arrays, written as a·N² + b·N (+ c·N·d)."""
+    sizes = [a.size for a in arrays]
+    n2, nd_, n1 = (sum(x for x in sizes if x == v) // v for v in (N * N, N * d, N))
+    assert n2 * N * N + nd_ * N * d + n1 * N == sum(sizes), sizes
+    terms = [f"{c}·{u}" for c, u in ((n2, "N²"), (nd_, "N·d"), (n1, "N")) if c]
+    return " + ".join(terms) or "0"
+
+
+S_ = common.ShapeOnly
+x, xl = S_((1, N, d)), S_((1, N))
+print(f"own allocations, one head, N = {N}, d = {d} (common.dry_run; outputs O, dQ, dK, dV are N·d each):")
+for name, mod in (("naive", naive), ("FA1", fa1), ("FA2", fa2)):
+    fwd = common.dry_run(mod.forward, x, x, x, causal=False, scale=0.125)
+    bwd = common.dry_run(mod.backward, x, x, x, x, xl, x, causal=False, scale=0.125)
+    extra_f = [a for a in fwd if a.shape != x.shape]            # everything besides O
+    extra_b = [a for a in bwd if a.shape != x.shape]            # everything besides dQ, dK, dV
+    print(f"  {name:5s} forward besides O: {in_n(extra_f, N):12s} ({sum(a.nbytes for a in extra_f) / 2**10:7.1f} KiB)"
+          f"   backward besides dQ, dK, dV: {in_n(extra_b, N):8s} ({sum(a.nbytes for a in extra_b) / 2**10:7.1f} KiB)")
 
 # %% [markdown]
 # ## Exercises
