@@ -48,7 +48,7 @@ __all__ = [
     "make_softmax_unsafe", "make_softmax_safe", "make_softmax_online", "make_online_partials",
     "make_attention_rows", "make_attention_tiles", "merge_state", "block_reduce_sum", "block_reduce_max",
     "block_reduce_state", "warp_reduce_sum", "warp_reduce_max", "warp_reduce_state",
-    "softmax", "online_partials", "merge", "merge_all", "attention_rows", "forward",
+    "softmax", "softmax_device", "online_partials", "merge", "merge_all", "attention_rows", "forward",
     "model_softmax", "model_online_partials", "model_attention_rows", "model_forward",
     "METHODS", "REDUCTIONS", "THREADS", "TILE", "FLOAT32_EXP_OVERFLOW", "FLOAT16_EXP_OVERFLOW",
     "SIM_EXP_OVERFLOW",
@@ -504,11 +504,16 @@ def softmax(x, method: str = "online", *, reduce: str = "block", threads: int = 
             "OverflowError there, where a GPU's expf returns inf (and the softmax becomes inf/inf = NaN). "
             f"Any x >= {FLOAT32_EXP_OVERFLOW:.2f} already shows the float32 overflow on the simulator too."
         )
-    rows = a2.shape[0]
     X = to_device(a2)
     Y = empty(a2.shape)
-    launch(_FACTORIES[method](threads, reduce), rows, threads, X, Y, label=f"softmax ({method})")
+    softmax_device(X, Y, method, reduce=reduce, threads=threads)
     return Y.copy_to_host().reshape(a.shape)
+
+
+def softmax_device(X, Y, method: str = "online", *, reduce: str = "block", threads: int = THREADS):
+    """``Y = softmax(X)`` row-wise on float32 device arrays ``(rows, n)``: one launch, one block per row (what
+    a GPU benchmark times; :func:`softmax` is the NumPy-in, NumPy-out wrapper with the argument checks)."""
+    launch(_FACTORIES[method](threads, reduce), X.shape[0], threads, X, Y, label=f"softmax ({method})")
 
 
 def online_partials(x, chunks: int, *, threads: int = THREADS):

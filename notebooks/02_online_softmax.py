@@ -301,9 +301,25 @@ for method in S.METHODS:
 print(f"online vs safe: modelled speed-up {times['safe'] / times['online']:.2f}x (= 4/3 accesses per element)")
 
 # %% [markdown]
-# Real speed needs a GPU: there, `flashnb bench` times the kernels with CUDA events. Milakov & Gimelshein
-# measured about 1.3× for online over safe softmax on a V100 — close to the 4/3 the access count predicts.
-# The simulator's wall-clock time says nothing about GPU speed.
+# Real speed needs a GPU. Milakov & Gimelshein measured about 1.3× for online over safe softmax on a V100
+# (arXiv 1805.02867, their V100 benchmarks) — close to the 4/3 the access count predicts. On a GPU this cell times the
+# three kernels with CUDA events; the simulator's wall-clock time says nothing about GPU speed.
+
+# %%
+if not flashnb.is_simulator():
+    from flashnb import bench, common  # noqa: E402
+
+    rows_big = np.random.default_rng(1).standard_normal((4096, 4096)).astype(np.float32)
+    X = common.to_device(rows_big)
+    Y = common.empty(rows_big.shape, poison=False)
+    for method in S.METHODS:
+        t = bench.time_call(lambda: S.softmax_device(X, Y, method, threads=256))
+        m = S.model_softmax(*rows_big.shape, method, threads=256)[0]
+        nbytes = 4 * (sum(m["reads"].values()) + sum(m["writes"].values()))
+        print(f"{method:>7}: measured {t.median_ms:.3f} ms (IQR {t.q1_ms:.3f}-{t.q3_ms:.3f}), "
+              f"{nbytes / t.median_ms / 1e6:.0f} GB/s of counted traffic")
+else:
+    print("simulator: no measured time (run this notebook on a GPU)")
 #
 # ## 8 · One-pass attention for a query row
 #
