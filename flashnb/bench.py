@@ -52,6 +52,7 @@ FP32_LANES_PER_SM: dict[tuple[int, int], int] = {
 
 
 def fp32_lanes_per_sm(cc) -> int:
+    """FP32 CUDA-core lanes per SM for compute capability ``cc`` (64 on sm_80, 128 on sm_86..sm_90)."""
     cc = tuple(cc)
     if cc not in FP32_LANES_PER_SM:
         raise ValueError(f"FP32 lanes per SM unknown for compute capability {cc}; known: {sorted(FP32_LANES_PER_SM)}")

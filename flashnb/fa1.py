@@ -164,6 +164,8 @@ def make_forward(Br, Bc, d, W, causal):
 
 @kernel_factory("fa1.init_forward", stage="3", signature=f"void({_A3}, {_A2}, {_A2})", threads=ROWS_PER_BLOCK)
 def make_init_forward():
+    """Kernel factory: FA1 Alg. 1 line 2 -- O = 0, l = 0, m = -inf in HBM, one thread per row."""
+
     @cuda.jit
     def init_forward(O, l, m):
         """Alg. 1 line 2: O = 0, l = 0, m = -inf in HBM; one thread per row."""
@@ -181,6 +183,8 @@ def make_init_forward():
 
 @kernel_factory("fa1.lse", stage="3", signature=f"void({_A2}, {_A2}, {_A2})", threads=ROWS_PER_BLOCK)
 def make_lse():
+    """Kernel factory: L = m + log l (the single statistic the API carries), one thread per row."""
+
     @cuda.jit
     def lse(l, m, L):
         """L = m + log l (-inf for a row with no allowed key): the one statistic the backward needs."""
@@ -295,6 +299,8 @@ def make_backward(Br, Bc, d, W, causal):
 
 @kernel_factory("fa1.zero_rows", stage="3", signature=f"void({_A3})", threads=ROWS_PER_BLOCK)
 def make_zero_rows():
+    """Kernel factory: X = 0 (the backward's dQ before Alg. 4 accumulates into it), one thread per row."""
+
     @cuda.jit
     def zero_rows(X):
         """Alg. 4 line 5: dQ = 0 in HBM; one thread per row."""

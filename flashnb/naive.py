@@ -70,6 +70,8 @@ def make_matmul(T, trans_a, trans_b, causal):
 
 @kernel_factory("naive.softmax_rows", stage="1", signature=_ROW_SIG, threads=ROWS_PER_BLOCK)
 def make_softmax_rows():
+    """Kernel factory (no constants to bake): row softmax of S with the log-sum-exp L; grid (⌈Nq/32⌉, BH)."""
+
     @cuda.jit
     def softmax_rows(S, P, L):
         """Alg. 0 line 2: P = softmax(S), one thread per row, three passes over S (max, sum, normalise)."""
@@ -96,6 +98,8 @@ def make_softmax_rows():
 @kernel_factory("naive.p_from_lse", stage="1", signature=f"void({_A3}, float32[:, ::1], {_A3})",
                 threads=ROWS_PER_BLOCK)
 def make_p_from_lse():
+    """Kernel factory: P = exp(S - L), the backward's rebuild of P; grid (⌈Nq/32⌉, BH)."""
+
     @cuda.jit
     def p_from_lse(S, L, P):
         """P = exp(S - L): the probabilities rebuilt from the saved log-sum-exp (0 where L = -inf)."""
@@ -116,6 +120,8 @@ def make_p_from_lse():
 @kernel_factory("naive.softmax_bwd_rows", stage="1", signature=f"void({_A3}, {_A3}, {_A3})",
                 threads=ROWS_PER_BLOCK)
 def make_softmax_bwd_rows():
+    """Kernel factory: dS = P ∘ (dP - rowsum(P ∘ dP)) row by row; grid (⌈Nq/32⌉, BH)."""
+
     @cuda.jit
     def softmax_bwd_rows(P, dP, dS):
         """Alg. 3 line 4: dS = P ∘ (dP - rowsum(P ∘ dP)), one thread per row, two passes."""

@@ -53,6 +53,7 @@ class GPU:
 
     @property
     def fp32_peak_from_clock(self) -> float:
+        """SMs x FP32 lanes per SM x 2 (an FMA is two FLOPs) x boost clock: checks the datasheet peak."""
         return self.sm_count * self.fp32_lanes_per_sm * 2 * self.boost_clock_hz
 
 
@@ -65,6 +66,7 @@ GPUS: dict[str, GPU] = {
 
 
 def get_gpu(gpu: str | GPU) -> GPU:
+    """A :class:`GPU` preset by name (a key of :data:`GPUS`), or the GPU itself; ValueError otherwise."""
     if isinstance(gpu, GPU):
         return gpu
     if isinstance(gpu, str) and gpu in GPUS:
