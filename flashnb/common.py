@@ -22,7 +22,8 @@ from numba import cuda, float32  # noqa: E402
 __all__ = [
     "NEG_INF", "ZERO", "ONE", "cdiv", "causal_allowed", "load_tile", "load_rows", "store_rows", "load_vec",
     "store_vec",
-    "empty", "poisoning", "to_device", "launch", "current_label", "launch_hooks", "ShapeOnly", "dry_run",
+    "empty", "poisoning", "to_device", "launch", "launch_rows", "row_index", "ROWS_PER_BLOCK", "current_label",
+    "launch_hooks", "ShapeOnly", "dry_run",
 ]
 
 NEG_INF = float32(-math.inf)
@@ -36,6 +37,12 @@ def cdiv(a: int, b: int) -> int:
 
 
 # --------------------------------------------------------------------------- device functions
+
+
+@cuda.jit(device=True, inline="always")
+def row_index():
+    """``(z, i)`` of a one-thread-per-row kernel launched by :func:`launch_rows`: head ``z``, row ``i``."""
+    return cuda.blockIdx.y, cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
 
 
 @cuda.jit(device=True, inline="always")
@@ -189,6 +196,14 @@ def _check_array_arg(kernel, position, a):
         raise TypeError(f"{name}: array argument {position} is not C-contiguous (use common.to_device)")
 
 
+ROWS_PER_BLOCK = 32  # one-thread-per-row kernels: 32 rows (one warp) per thread block
+
+
+def launch_rows(kernel, BH: int, rows: int, *args, label: str | None = None):
+    """Launch a one-thread-per-row kernel over ``rows`` rows of ``BH`` heads (grid ``(⌈rows/32⌉, BH)``)."""
+    launch(kernel, (cdiv(rows, ROWS_PER_BLOCK), BH), ROWS_PER_BLOCK, *args, label=label)
+
+
 def launch(kernel, grid, block, *args, label: str | None = None):
     """Launch ``kernel[grid, block](*args)``.
 
@@ -253,13 +268,14 @@ def dry_run(fn, *args, **kwargs) -> list:
         allocated.append(a)
         return a
 
-    saved = {name: g[name] for name in ("empty", "launch") if name in g}
+    names = ("empty", "launch", "launch_rows")
+    saved = {name: g[name] for name in names if name in g}
     g["empty"] = fake_empty
-    g["launch"] = lambda *a, **k: None
+    g["launch"] = g["launch_rows"] = lambda *a, **k: None
     try:
         fn(*args, **kwargs)
     finally:
-        for name in ("empty", "launch"):
+        for name in names:
             if name in saved:
                 g[name] = saved[name]
             else:

@@ -28,7 +28,21 @@ import math
 
 from numba import cuda, float32
 
-from .common import NEG_INF, ZERO, causal_allowed, cdiv, empty, launch, load_rows, load_vec, store_rows, store_vec
+from .common import (
+    NEG_INF,
+    ROWS_PER_BLOCK,
+    ZERO,
+    causal_allowed,
+    cdiv,
+    empty,
+    launch,
+    launch_rows,
+    load_rows,
+    load_vec,
+    row_index,
+    store_rows,
+    store_vec,
+)
 from .registry import kernel_factory, register_impl
 
 __all__ = ["make_forward", "make_backward", "make_init_forward", "make_zero_rows", "make_lse", "tiles",
@@ -40,7 +54,6 @@ WARP = 32                 # threads per warp
 WARPS = 4                 # W: warps per thread block (FA1 split the key tile over 4 warps)
 DEFAULT_M = 4096          # SRAM budget M in float32 elements (16 KiB) fed to the paper's tile formula
 SHARED_LIMIT_BYTES = 48 * 1024   # static shared memory per block
-ROWS_PER_BLOCK = 32       # small row kernels (init, L = m + log l): one thread per row
 
 _A3 = "float32[:, :, ::1]"
 _A2 = "float32[:, ::1]"
@@ -169,8 +182,7 @@ def make_init_forward():
     @cuda.jit
     def init_forward(O, l, m):
         """Alg. 1 line 2: O = 0, l = 0, m = -inf in HBM; one thread per row."""
-        z = cuda.blockIdx.y
-        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        z, i = row_index()
         if i >= O.shape[1]:
             return
         for x in range(O.shape[2]):
@@ -188,8 +200,7 @@ def make_lse():
     @cuda.jit
     def lse(l, m, L):
         """L = m + log l (-inf for a row with no allowed key): the one statistic the backward needs."""
-        z = cuda.blockIdx.y
-        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        z, i = row_index()
         if i >= l.shape[1]:
             return
         li = l[z, i]
@@ -304,8 +315,7 @@ def make_zero_rows():
     @cuda.jit
     def zero_rows(X):
         """Alg. 4 line 5: dQ = 0 in HBM; one thread per row."""
-        z = cuda.blockIdx.y
-        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        z, i = row_index()
         if i >= X.shape[1]:
             return
         for x in range(X.shape[2]):
@@ -387,8 +397,7 @@ def forward_stats(q, k, v, *, causal, scale, M=None, Br=None, Bc=None, warps=Non
     O = empty((BH, Nq, d))
     l = empty((BH, Nq))
     m = empty((BH, Nq))
-    launch(make_init_forward(), (cdiv(Nq, ROWS_PER_BLOCK), BH), ROWS_PER_BLOCK, O, l, m,
-           label="init O, l, m")
+    launch_rows(make_init_forward(), BH, Nq, O, l, m, label="init O, l, m")
     kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal))
     launch(kernel, (BH,), (WARP, t["warps"]), q, k, v, O, l, m, scale, Nk - Nq, label="FA1 forward")
     return O, l, m, t
@@ -399,7 +408,7 @@ def forward(q, k, v, *, causal, scale, M=None, Br=None, Bc=None, warps=None):
     O, l, m, _ = forward_stats(q, k, v, causal=causal, scale=scale, M=M, Br=Br, Bc=Bc, warps=warps)
     BH, Nq = l.shape
     L = empty((BH, Nq))
-    launch(make_lse(), (cdiv(Nq, ROWS_PER_BLOCK), BH), ROWS_PER_BLOCK, l, m, L, label="L = m + log l")
+    launch_rows(make_lse(), BH, Nq, l, m, L, label="L = m + log l")
     return O, L
 
 
@@ -411,7 +420,7 @@ def backward(q, k, v, o, lse, do, *, causal, scale, M=None, Br=None, Bc=None, wa
     dQ = empty((BH, Nq, d))
     dK = empty((BH, Nk, d))   # no zero-fill needed: every row of dK, dV is written exactly once (line 24)
     dV = empty((BH, Nk, d))
-    launch(make_zero_rows(), (cdiv(Nq, ROWS_PER_BLOCK), BH), ROWS_PER_BLOCK, dQ, label="dQ = 0")
+    launch_rows(make_zero_rows(), BH, Nq, dQ, label="dQ = 0")
     kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], bool(causal))
     launch(kernel, (BH,), (WARP, t["warps"]), q, k, v, o, lse, do, dQ, dK, dV, scale, Nk - Nq,
            label="FA1 backward")

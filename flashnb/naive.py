@@ -19,14 +19,13 @@ import math
 
 from numba import cuda, float32
 
-from .common import NEG_INF, causal_allowed, cdiv, empty, launch, load_tile
+from .common import NEG_INF, ROWS_PER_BLOCK, causal_allowed, cdiv, empty, launch, launch_rows, load_tile, row_index
 from .registry import kernel_factory, register_impl
 
 __all__ = ["make_matmul", "make_softmax_rows", "make_p_from_lse", "make_softmax_bwd_rows",
            "forward", "backward", "model_forward", "model_backward", "TILE", "ROWS_PER_BLOCK"]
 
 TILE = 16            # T: the matmul's output tile is T x T, one thread per output element
-ROWS_PER_BLOCK = 32  # row kernels: one thread per row, 32 rows per thread block
 
 _A3 = "float32[:, :, ::1]"
 _MATMUL_SIG = f"void({_A3}, {_A3}, {_A3}, float32, int32)"
@@ -75,8 +74,7 @@ def make_softmax_rows():
     @cuda.jit
     def softmax_rows(S, P, L):
         """Alg. 0 line 2: P = softmax(S), one thread per row, three passes over S (max, sum, normalise)."""
-        z = cuda.blockIdx.y
-        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        z, i = row_index()
         if i >= S.shape[1]:
             return
         n = S.shape[2]
@@ -103,8 +101,7 @@ def make_p_from_lse():
     @cuda.jit
     def p_from_lse(S, L, P):
         """P = exp(S - L): the probabilities rebuilt from the saved log-sum-exp (0 where L = -inf)."""
-        z = cuda.blockIdx.y
-        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        z, i = row_index()
         if i >= S.shape[1]:
             return
         lse = L[z, i]
@@ -125,8 +122,7 @@ def make_softmax_bwd_rows():
     @cuda.jit
     def softmax_bwd_rows(P, dP, dS):
         """Alg. 3 line 4: dS = P ∘ (dP - rowsum(P ∘ dP)), one thread per row, two passes."""
-        z = cuda.blockIdx.y
-        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        z, i = row_index()
         if i >= P.shape[1]:
             return
         n = P.shape[2]
@@ -148,10 +144,6 @@ def _matmul(A, B, C, alpha, *, trans_a=False, trans_b=False, causal=False, diag=
     launch(kernel, (cdiv(cols, TILE), cdiv(rows, TILE), BH), (TILE, TILE), A, B, C, alpha, diag, label=label)
 
 
-def _rows(kernel, BH, rows, *args, label):
-    launch(kernel, (cdiv(rows, ROWS_PER_BLOCK), BH), ROWS_PER_BLOCK, *args, label=label)
-
-
 def _scores(q, k, *, causal, scale):
     BH, Nq, _ = q.shape
     Nk = k.shape[1]
@@ -167,7 +159,7 @@ def forward(q, k, v, *, causal, scale):
     S = _scores(q, k, causal=causal, scale=scale)
     P = empty((BH, Nq, Nk))
     L = empty((BH, Nq))
-    _rows(make_softmax_rows(), BH, Nq, S, P, L, label="P = softmax(S)")
+    launch_rows(make_softmax_rows(), BH, Nq, S, P, L, label="P = softmax(S)")
     O = empty((BH, Nq, d))
     _matmul(P, v, O, 1.0, label="O = PV")
     return O, L
@@ -179,13 +171,13 @@ def backward(q, k, v, o, lse, do, *, causal, scale):
     Nk = k.shape[1]
     S = _scores(q, k, causal=causal, scale=scale)
     P = empty((BH, Nq, Nk))
-    _rows(make_p_from_lse(), BH, Nq, S, lse, P, label="P = exp(S - L)")
+    launch_rows(make_p_from_lse(), BH, Nq, S, lse, P, label="P = exp(S - L)")
     dV = empty((BH, Nk, d))
     _matmul(P, do, dV, 1.0, trans_a=True, label="dV = PᵀdO")               # Alg. 3 line 2
     dP = empty((BH, Nq, Nk))
     _matmul(do, v, dP, 1.0, trans_b=True, label="dP = dO Vᵀ")              # Alg. 3 line 3
     dS = empty((BH, Nq, Nk))
-    _rows(make_softmax_bwd_rows(), BH, Nq, P, dP, dS, label="dS = P∘(dP - rowsum(P∘dP))")  # line 4
+    launch_rows(make_softmax_bwd_rows(), BH, Nq, P, dP, dS, label="dS = P∘(dP - rowsum(P∘dP))")  # line 4
     dQ = empty((BH, Nq, d))
     _matmul(dS, k, dQ, scale, label="dQ = scale·dS K")                     # Alg. 3 line 5
     dK = empty((BH, Nk, d))

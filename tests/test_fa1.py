@@ -185,3 +185,16 @@ def test_larger_shapes_default_tiles(rng, causal):
         grads = flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, impl="fa1")
         for name, g, r in zip(("dq", "dk", "dv"), grads, reference.attention_backward(q, k, v, do, causal=causal)):
             assert_close(g, r, **BWD, what=name)
+
+
+def test_dry_run_lists_allocations_without_launching():
+    """common.dry_run (used by notebooks 04 and 06 for the Table 21 memory comparison) records each array a
+    launcher allocates, with no device work -- even at sizes the simulator could never run."""
+    from flashnb import common, naive
+
+    S = common.ShapeOnly
+    q = S((16 * 8, 4096, 64))
+    assert [a.shape for a in common.dry_run(fa1.forward, q, q, q, causal=False, scale=0.125)] == [
+        (128, 4096, 64), (128, 4096), (128, 4096), (128, 4096)]      # O, l, m, L
+    assert [a.shape for a in common.dry_run(naive.forward, q, q, q, causal=False, scale=0.125)] == [
+        (128, 4096, 4096), (128, 4096, 4096), (128, 4096), (128, 4096, 64)]   # S, P, L, O
