@@ -6,10 +6,15 @@
   ``MULTIPROCESSOR_COUNT x FP32 lanes per SM x 2 (FMA) x CLOCK_RATE`` (lanes per SM by compute capability).
 * :func:`sweep` / :func:`main_bench` -- every registered implementation's device-level forward and backward
   over sizes; a CSV with provenance columns and a plot.
+* :func:`measure_impls` (and ``softmax.measure_gpu``, ``block_sparse.measure_gpu``) -- the measurements the
+  notebooks show; :func:`on_gpu` runs one in a separate process on the GPU, because a notebook's own
+  process runs the simulator (only it can count traffic) and a process's mode is fixed at import.
 
 On the simulator a Python thread runs each CUDA thread, so wall time says nothing about a GPU:
 :func:`time_call` raises :class:`SimulatorTimingError`, and :func:`sweep` writes only *modelled* rows
 (roofline estimates from :mod:`flashnb.roofline`, labelled ``mode=modelled``) with the timing columns empty.
+:mod:`flashnb.rehearsal` runs all of this on the simulator with a pretend device (``mode=rehearsal``) so the
+code is exercised before a GPU is lent; those numbers are not measurements.
 """
 
 from __future__ import annotations
@@ -29,12 +34,12 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from . import runtime
+from . import rehearsal, runtime
 from .roofline import GPU, get_gpu, modelled_time
 
-__all__ = ["SimulatorTimingError", "Timing", "FP32_LANES_PER_SM", "fp32_lanes_per_sm", "device_fp32_peak",
-           "device_info", "provenance", "time_call", "modelled_bytes", "sweep", "write_csv", "plot_sweep",
-           "main_bench", "CSV_COLUMNS", "PROVENANCE_COLUMNS"]
+__all__ = ["SimulatorTimingError", "Timing", "measure_impls", "on_gpu", "gpu_available", "table", "FP32_LANES_PER_SM",
+           "fp32_lanes_per_sm", "device_fp32_peak", "device_info", "provenance", "time_call", "modelled_bytes",
+           "sweep", "write_csv", "plot_sweep", "main_bench", "CSV_COLUMNS", "PROVENANCE_COLUMNS"]
 
 
 class SimulatorTimingError(RuntimeError):
@@ -73,36 +78,84 @@ def _versions() -> dict:
         except _md.PackageNotFoundError:
             return ""
 
-    return dict(numba_version=v("numba"), numba_cuda_version=v("numba-cuda"), flashnb_version=flashnb.__version__)
+    return dict(numba_version=v("numba"), numba_cuda_version=v("numba-cuda"), cuda_bindings_version=v("cuda-bindings"),
+                python_version=sys.version.split()[0], flashnb_version=flashnb.__version__)
+
+
+def _device_attr(dev, name: str):
+    """One ``CU_DEVICE_ATTRIBUTE_<name>`` of ``dev``, or None when this driver/binding does not offer it."""
+    try:
+        return getattr(dev, name)
+    except Exception:  # an attribute retired by a newer CUDA, or a binding without it
+        return None
+
+
+def _driver_release() -> str:
+    """The NVIDIA driver release (e.g. ``580.159.03``) from NVML or nvidia-smi; "" when neither answers."""
+    try:
+        import pynvml  # nvidia-ml-py
+
+        pynvml.nvmlInit()
+        try:
+            v = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+        return v.decode() if isinstance(v, bytes) else str(v)
+    except Exception:
+        pass
+    try:
+        import subprocess
+
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+    except Exception:
+        return ""
+
+
+def _driver_api_version() -> str:
+    """The CUDA version the driver implements (cuDriverGetVersion, e.g. ``13.0``); "" when unknown."""
+    try:
+        from numba.cuda.cudadrv import driver as _drv
+
+        return ".".join(str(x) for x in _drv.driver.get_version())
+    except Exception:
+        return ""
 
 
 def device_info() -> dict:
-    """Name, cc, SM count, clock, bandwidth and FP32 peak of the current GPU (raises in simulator mode)."""
+    """Name, cc, SM count, clock, bandwidth and FP32 peak of the current GPU (raises in simulator mode).
+
+    Read from the device's own attributes (``MULTIPROCESSOR_COUNT``, ``CLOCK_RATE`` in kHz,
+    ``MEMORY_CLOCK_RATE`` in kHz, ``GLOBAL_MEMORY_BUS_WIDTH`` in bits).  An attribute the driver does not
+    offer gives NaN (and no % of peak) rather than an error: a timing is still worth having.
+    ``driver_version`` is the NVIDIA driver release; ``cuda_driver_api`` the CUDA version it implements.
+    """
     if runtime.is_simulator():
         raise SimulatorTimingError("no GPU: flashnb runs on the Numba CUDA simulator (device info is fake)")
     from numba import cuda
 
     dev = cuda.get_current_device()
     name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
-    cc = tuple(dev.compute_capability)
-    sms = int(dev.MULTIPROCESSOR_COUNT)
-    clock_hz = float(dev.CLOCK_RATE) * 1e3                      # CLOCK_RATE is in kHz
-    mem_clock_hz = float(dev.MEMORY_CLOCK_RATE) * 1e3
-    bus_bits = int(dev.GLOBAL_MEMORY_BUS_WIDTH)
-    try:
-        from numba.cuda.cudadrv import driver as _drv
+    cc = tuple(int(x) for x in dev.compute_capability)
+    nan = float("nan")
+    sms = _device_attr(dev, "MULTIPROCESSOR_COUNT")
+    clock_khz = _device_attr(dev, "CLOCK_RATE")
+    mem_clock_khz = _device_attr(dev, "MEMORY_CLOCK_RATE")
+    bus_bits = _device_attr(dev, "GLOBAL_MEMORY_BUS_WIDTH")
+    clock_hz = float(clock_khz) * 1e3 if clock_khz else nan
+    api = _driver_api_version()
+    peak = device_fp32_peak(cc, int(sms), clock_hz) if sms and cc in FP32_LANES_PER_SM else nan
+    # DDR: two transfers per memory clock; the bus width in bits / 8 gives bytes per transfer.
+    bandwidth = 2 * float(mem_clock_khz) * 1e3 * int(bus_bits) / 8 if mem_clock_khz and bus_bits else nan
+    return dict(gpu_name=name, cc=f"{cc[0]}.{cc[1]}", sm_count=int(sms) if sms else "",
+                clock_mhz=clock_hz / 1e6, fp32_peak_tflops=peak / 1e12, hbm_bandwidth_gbs=bandwidth / 1e9,
+                driver_version=_driver_release(), cuda_driver_api=api)
 
-        drv = ".".join(str(x) for x in _drv.driver.get_version())
-    except Exception:  # pragma: no cover
-        drv = ""
-    peak = device_fp32_peak(cc, sms, clock_hz) if cc in FP32_LANES_PER_SM else float("nan")
-    return dict(gpu_name=name, cc=f"{cc[0]}.{cc[1]}", sm_count=sms, clock_mhz=clock_hz / 1e6,
-                fp32_peak_tflops=peak / 1e12, hbm_bandwidth_gbs=2 * mem_clock_hz * bus_bits / 8 / 1e9,
-                driver_version=drv)
 
-
-PROVENANCE_COLUMNS = ["gpu_name", "cc", "sm_count", "clock_mhz", "driver_version", "numba_version",
-                      "numba_cuda_version", "flashnb_version", "date", "mode"]
+PROVENANCE_COLUMNS = ["gpu_name", "cc", "sm_count", "clock_mhz", "driver_version", "cuda_driver_api",
+                      "numba_version", "numba_cuda_version", "cuda_bindings_version", "python_version",
+                      "flashnb_version", "date", "mode"]
 
 
 def provenance(mode: str | None = None, info: dict | None = None) -> dict:
@@ -110,10 +163,11 @@ def provenance(mode: str | None = None, info: dict | None = None) -> dict:
     (``measured`` on a GPU, ``modelled`` on the simulator)."""
     if info is None:
         info = {} if runtime.is_simulator() else device_info()
-    mode = mode or ("modelled" if runtime.is_simulator() else "measured")
+    mode = mode or ("modelled" if runtime.is_simulator() else "rehearsal" if rehearsal.active() else "measured")
     row = dict(gpu_name=info.get("gpu_name", "none (simulator)" if runtime.is_simulator() else ""),
                cc=info.get("cc", ""), sm_count=info.get("sm_count", ""), clock_mhz=info.get("clock_mhz", ""),
-               driver_version=info.get("driver_version", ""), **_versions(),
+               driver_version=info.get("driver_version", ""), cuda_driver_api=info.get("cuda_driver_api", ""),
+               **_versions(),
                date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), mode=mode)
     return {k: row[k] for k in PROVENANCE_COLUMNS}
 
@@ -184,7 +238,112 @@ def time_call(fn: Callable[[], object], *, repeats: int = 20, warmup: int = 3, f
         tflops = flops / (med * 1e-3) / 1e12
         peak = info.get("fp32_peak_tflops")
         pct = 100.0 * tflops / peak if peak and math.isfinite(peak) else None
-    return Timing(med, min(times), max(times), q1, q3, repeats, warmup, flops, tflops, pct, info.get("gpu_name", ""))
+    return Timing(med, min(times), max(times), q1, q3, repeats, warmup, flops, tflops, pct, info.get("gpu_name", ""),
+                  "rehearsal" if rehearsal.active() else "measured")
+
+
+# --------------------------------------------------------------------------- measurements the notebooks ask for
+
+
+def measure_impls(impls=("fa2",), BH: int = 8, N: int = 1024, d: int = 64, causal: bool = False,
+                  directions=("fwd",), repeats: int = 10, warmup: int = 2, seed: int = 0) -> list[dict]:
+    """CUDA-event timings of registered implementations' device-level calls on one problem (GPU only).
+
+    Inputs (seeded normal, float32) are copied to the device before timing; the backward gets the
+    implementation's own ``o``, ``lse``.  One row per (impl, direction) with the :class:`Timing` fields,
+    FLOPs from :meth:`flashnb.registry.Impl.flops`, and ``gpu_name`` / ``mode`` (``measured``).
+    """
+    from .common import to_device
+    from .registry import IMPLS
+
+    names = [impls] if isinstance(impls, str) else list(impls)
+    for n in names:
+        if n not in IMPLS:
+            raise ValueError(f"impls must name registered implementations {sorted(IMPLS)}, got {n!r}")
+    for dname in directions:
+        if dname not in ("fwd", "bwd"):
+            raise ValueError(f"directions must be 'fwd' and/or 'bwd', got {dname!r}")
+    info = device_info()
+    rng = np.random.default_rng(seed)
+    q, k, v, do = (to_device(rng.standard_normal((BH, N, d), dtype=np.float32)) for _ in range(4))
+    scale = 1.0 / math.sqrt(d)
+    rows = []
+    for name in names:
+        entry = IMPLS[name]
+        for direction in directions:
+            if direction == "bwd" and entry.backward is None:
+                continue
+            if direction == "fwd":
+                fn = lambda: entry.forward(q, k, v, causal=causal, scale=scale)  # noqa: E731
+            else:
+                o, lse = entry.forward(q, k, v, causal=causal, scale=scale)
+                fn = lambda: entry.backward(q, k, v, o, lse, do, causal=causal, scale=scale)  # noqa: E731
+            with poisoning(False):  # time the kernels, not the NaN fill of fresh outputs
+                t = time_call(fn, repeats=repeats, warmup=warmup, info=info,
+                              flops=entry.flops(1, BH, N, N, d, causal, direction))
+            rows.append(dict(impl=name, direction=direction, BH=BH, N=N, d=d, causal=causal, **t.as_dict(),
+                             gpu_name=info["gpu_name"], mode=t.kind))
+    return rows
+
+
+CHILD_MARKER = "FLASHNB-GPU-ROWS "
+
+
+def gpu_available() -> bool:
+    """True when this process runs on a GPU, or a CUDA driver here reports one a child process can use."""
+    return not runtime.is_simulator() or runtime.driver_device_count() > 0
+
+
+def on_gpu(target: str, *, timeout: float = 600, **kwargs) -> list[dict] | None:
+    """Run the measurement ``target`` (``"flashnb.module:function"``, returning a list of dicts) on a GPU.
+
+    * This process runs on a GPU: called here.
+    * This process runs on the simulator (a notebook that counts traffic) but the machine has a GPU: called
+      in a child process started with ``FLASHNB_DEVICE=gpu`` (the mode is fixed per process); its rows come
+      back as JSON.
+    * No GPU: prints why and returns None -- nothing is timed, nothing is invented.
+    """
+    module, _, func = target.partition(":")
+    if not module.startswith("flashnb.") or not func.isidentifier():
+        raise ValueError(f"target must look like 'flashnb.<module>:<function>', got {target!r}")
+    if not runtime.is_simulator():
+        return getattr(importlib.import_module(module), func)(**kwargs)
+    if runtime.driver_device_count() == 0:
+        print(f"no CUDA GPU on this machine: {target} was not run, nothing is measured "
+              "(the numbers above are counted on the simulator or modelled).")
+        return None
+    import os
+
+    return _run_child(target, kwargs, dict(os.environ, FLASHNB_DEVICE="gpu", NUMBA_ENABLE_CUDASIM="0"), timeout)
+
+
+def _run_child(target: str, kwargs: dict, env: dict, timeout: float) -> list[dict]:
+    """``python -m flashnb._gpu_child TARGET JSON`` and the rows it prints after :data:`CHILD_MARKER`."""
+    import json
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "flashnb._gpu_child", target, json.dumps(kwargs)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(CHILD_MARKER)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"the GPU process for {target} failed (exit {proc.returncode}):\n"
+                           f"{(proc.stderr or proc.stdout)[-2000:]}")
+    return json.loads(lines[-1][len(CHILD_MARKER):])
+
+
+def table(rows: list[dict] | None, columns) -> str:
+    """A plain-text table of ``rows`` (floats to 4 significant digits); "" when there are none."""
+    if not rows:
+        return ""
+
+    def fmt(x):
+        return f"{x:.4g}" if isinstance(x, float) else "" if x is None else str(x)
+
+    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- sweep
@@ -229,9 +388,13 @@ def write_csv(rows: Iterable[dict], path) -> Path:
     return path
 
 
-def _device_gpu(info: dict) -> GPU:
-    """A roofline GPU built from the device's own attributes (for the modelled columns on a GPU)."""
+def _device_gpu(info: dict, fallback: str) -> GPU:
+    """A roofline GPU built from the device's own attributes (for the modelled columns on a GPU); the preset
+    ``fallback`` when the driver did not report SM count, clock or memory bandwidth."""
     cc = tuple(int(x) for x in info["cc"].split("."))
+    numbers = (info.get("sm_count"), info.get("hbm_bandwidth_gbs"), info.get("fp32_peak_tflops"))
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in numbers):
+        return get_gpu(fallback)
     return GPU(info["gpu_name"], cc, info["sm_count"], info["hbm_bandwidth_gbs"] * 1e9,
                info["fp32_peak_tflops"] * 1e12, float("nan"), info["clock_mhz"] * 1e6, 0,
                FP32_LANES_PER_SM.get(cc, 0))
@@ -268,7 +431,7 @@ def sweep(impls=None, Ns=(1024, 2048, 4096), ds=(64, 128), causal=(False, True),
     sim = runtime.is_simulator()
     info = None if sim else device_info()
     prov = provenance(info=info or {})
-    model_gpu = get_gpu(gpu) if sim else _device_gpu(info)
+    model_gpu = get_gpu(gpu) if sim else _device_gpu(info, gpu)
     jobs = [(n, N, d, c, direction) for n in names for N in Ns for d in ds for c in causals
             for direction in (("fwd", "bwd") if backward and IMPLS[n].backward is not None else ("fwd",))]
     try:

@@ -39,7 +39,7 @@ from .common import cdiv
 from .registry import register_impl
 
 __all__ = ["BlockMask", "causal", "local", "strided", "fixed", "butterfly", "random", "dense", "PATTERNS",
-           "forward", "backward"]
+           "forward", "backward", "measure_gpu"]
 
 
 def _positive_int(name, n):
@@ -283,6 +283,32 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, window=WINDOW, Br=None
 
     pm = _prepared("backward", q.shape[0], q.shape[1], k.shape[1], q.shape[2], bool(causal), window, Br, Bc, warps)
     return fa2.backward(q, k, v, o, lse, do, causal=causal, scale=scale, block_mask=pm)
+
+
+def measure_gpu(BH: int = 16, N: int = 4096, d: int = 64, densities=(1.0, 0.5, 0.25, 0.125), *, repeats: int = 10,
+                warmup: int = 3, seed: int = 0) -> list[dict]:
+    """CUDA-event time of fa2's block-sparse forward at several densities of a random block mask (GPU only;
+    for notebook 07).  Masks are built at fa2's default forward tiles and copied to the device untimed; FLOPs
+    count only the computed blocks (dense FLOPs x density)."""
+    from . import bench, fa2
+    from .common import poisoning, to_device
+    from .roofline import flops_forward
+
+    info = bench.device_info()
+    rng = np.random.default_rng(seed)
+    q, k, v = (to_device(rng.standard_normal((BH, N, d), dtype=np.float32)) for _ in range(3))
+    t = fa2.default_tiles(d)
+    out = []
+    for s in densities:
+        bm = random(N, N, t["Br"], t["Bc"], s, seed=seed)
+        pm = fa2.prepare_block_mask(bm, direction="forward", BH=BH, Nq=N, Nk=N, d=d)
+        flops = flops_forward(1, BH, N, N, d) * bm.density
+        with poisoning(False):  # time the kernels, not the NaN fill of fresh outputs
+            timing = bench.time_call(lambda: fa2.forward(q, k, v, causal=False, scale=d ** -0.5, block_mask=pm),
+                                     repeats=repeats, warmup=warmup, info=info, flops=flops)
+        out.append(dict(density=bm.density, BH=BH, N=N, d=d, **timing.as_dict(), gpu_name=info["gpu_name"],
+                        mode=timing.kind))
+    return out
 
 
 register_impl("fa2-sparse", stage="5",

@@ -48,7 +48,7 @@ __all__ = [
     "make_softmax_unsafe", "make_softmax_safe", "make_softmax_online", "make_online_partials",
     "make_attention_rows", "make_attention_tiles", "merge_state", "block_reduce_sum", "block_reduce_max",
     "block_reduce_state", "warp_reduce_sum", "warp_reduce_max", "warp_reduce_state",
-    "softmax", "softmax_device", "online_partials", "merge", "merge_all", "attention_rows", "forward",
+    "softmax", "softmax_device", "measure_gpu", "online_partials", "merge", "merge_all", "attention_rows", "forward",
     "model_softmax", "model_online_partials", "model_attention_rows", "model_forward",
     "METHODS", "REDUCTIONS", "THREADS", "TILE", "FLOAT32_EXP_OVERFLOW", "FLOAT16_EXP_OVERFLOW",
     "SIM_EXP_OVERFLOW",
@@ -514,6 +514,29 @@ def softmax_device(X, Y, method: str = "online", *, reduce: str = "block", threa
     """``Y = softmax(X)`` row-wise on float32 device arrays ``(rows, n)``: one launch, one block per row (what
     a GPU benchmark times; :func:`softmax` is the NumPy-in, NumPy-out wrapper with the argument checks)."""
     launch(_FACTORIES[method](threads, reduce), X.shape[0], threads, X, Y, label=f"softmax ({method})")
+
+
+def measure_gpu(rows: int = 4096, n: int = 4096, *, threads: int = 256, repeats: int = 20, warmup: int = 3,
+                seed: int = 1) -> list[dict]:
+    """CUDA-event time of each softmax method on a ``rows x n`` float32 matrix (GPU only; for notebook 02).
+
+    One row per method: the :class:`flashnb.bench.Timing` fields plus the modelled HBM bytes
+    (:func:`model_softmax`) and the bandwidth they imply, ``model_bytes / median``.
+    """
+    from . import bench
+
+    info = bench.device_info()
+    X = to_device(np.random.default_rng(seed).standard_normal((rows, n), dtype=np.float32))
+    Y = empty((rows, n), poison=False)
+    out = []
+    for method in METHODS:
+        t = bench.time_call(lambda: softmax_device(X, Y, method, threads=threads), repeats=repeats, warmup=warmup,
+                            info=info)
+        m = model_softmax(rows, n, method, threads=threads)[0]
+        nbytes = 4 * (sum(m["reads"].values()) + sum(m["writes"].values()))
+        out.append(dict(method=method, rows=rows, n=n, threads=threads, **t.as_dict(), model_bytes=nbytes,
+                        gb_per_s=nbytes / (t.median_ms * 1e-3) / 1e9, gpu_name=info["gpu_name"], mode=t.kind))
+    return out
 
 
 def online_partials(x, chunks: int, *, threads: int = THREADS):
