@@ -3,9 +3,10 @@
 
 1. Correctness of every registered implementation (``flashnb.registry.IMPLS``) at realistic sizes
    (default B=2, H=4, N=1024, d=64, causal and not) against the float64 ``flashnb.reference``.
-2. The benchmark sweep (``flashnb.bench.sweep``): CUDA-event timings with provenance columns.
-3. Where ``ncu`` (Nsight Compute) is on PATH: DRAM bytes per kernel launch (``dram__bytes_read.sum``,
+2. Where ``ncu`` (Nsight Compute) is on PATH: DRAM bytes per kernel launch (``dram__bytes_read.sum``,
    ``dram__bytes_write.sum``) beside the analytic (modelled) traffic of the same call.
+3. The notebooks' GPU measurements (softmax methods, block-sparse densities).
+4. The benchmark sweep (``flashnb.bench.sweep``): CUDA-event timings with provenance columns, until the budget.
 
 Everything measured goes under the output directory: ``--out``, else ``$OUT``, else ``results/gpu/``.
 On the simulator it refuses (exit status 2): nothing it measures would mean anything there.
@@ -179,9 +180,11 @@ def parse_ncu_csv(text: str) -> list[dict]:
         except ValueError:
             continue
         unit = (r.get("Metric Unit") or "").strip()
-        factor = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}.get(unit, 1)
+        # normalise to bytes and nanoseconds whatever scaling ncu chose (--print-units base asks for none)
+        factor = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9,
+                  "nsecond": 1, "usecond": 1e3, "msecond": 1e6, "second": 1e9}.get(unit, 1)
         out.append(dict(id=r.get("ID"), kernel=r.get("Kernel Name", ""), metric=r.get("Metric Name"),
-                        value=value * factor if "bytes" in (r.get("Metric Name") or "") else value, unit=unit))
+                        value=value * factor, unit=unit))
     return out
 
 
@@ -195,17 +198,22 @@ def measure_dram(args, deadline: float) -> list[dict]:
     rows = []
     N, d = args.N, args.d
     for name in _impls(args):
-        if time.monotonic() > deadline - 30:
+        if time.monotonic() > deadline:
             rows.append(dict(impl=name, error="skipped: time budget"))
             continue
-        cmd = [ncu, "--csv", "--metrics", NCU_METRICS, "--target-processes", "all", sys.executable,
+        # --print-units base: bytes and ns, never auto-scaled (KB/MB); --clock-control none: the GPU keeps its
+        # own clocks (the mode seen to work on the lent H200s; DRAM bytes do not depend on the clock anyway).
+        cmd = [ncu, "--csv", "--metrics", NCU_METRICS, "--target-processes", "all", "--print-units", "base",
+               "--clock-control", "none", sys.executable,
                str(Path(__file__).resolve()), "--ncu-child", name, str(N), str(d), "0"]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(10, deadline - time.monotonic()))
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(30, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             rows.append(dict(impl=name, error="ncu timed out"))
             continue
-        (args.out / f"ncu_{name}.txt").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+        with (args.out / "ncu_log.txt").open("a") as log:   # one file: the device tool returns at most 8
+            log.write(f"=== {name}: {' '.join(cmd)} (exit {proc.returncode})\n{proc.stdout}\n--- stderr ---\n"
+                      f"{proc.stderr}\n")
         parsed = parse_ncu_csv(proc.stdout)
         if not parsed:
             rows.append(dict(impl=name, error=f"ncu gave no metrics (rc {proc.returncode}): "
@@ -228,7 +236,35 @@ def measure_dram(args, deadline: float) -> list[dict]:
     return rows
 
 
+def measurements(args, deadline: float) -> list[dict]:
+    """The notebooks' own GPU measurements (what notebooks 02 and 07 run through ``bench.on_gpu``), at sizes
+    scaled from ``--N``/``--d`` (4096 x 4096 softmax and N = 4096 block-sparse at the defaults)."""
+    from flashnb import block_sparse, softmax
+
+    n = 4 * args.N
+    jobs = [("softmax.measure_gpu", lambda: softmax.measure_gpu(rows=n, n=n, threads=256 if n >= 256 else 32,
+                                                               repeats=args.repeats, warmup=1)),
+            ("block_sparse.measure_gpu", lambda: block_sparse.measure_gpu(BH=args.B * args.H, N=n, d=args.d,
+                                                                          repeats=args.repeats, warmup=1))]
+    rows = []
+    for name, job in jobs:
+        if time.monotonic() > deadline:
+            rows.append(dict(measurement=name, error="skipped: time budget"))
+            continue
+        try:
+            got = job()
+            rows += [dict(measurement=name, **r) for r in got]
+            print(f"{name}: " + ", ".join(f"{r.get('method', r.get('density'))} {r['median_ms']:.3f} ms" for r in got),
+                  flush=True)
+        except Exception as exc:
+            rows.append(dict(measurement=name, error=f"{type(exc).__name__}: {exc}"[:300]))
+            traceback.print_exc()
+    return rows
+
+
 def main(argv=None) -> int:
+    """Correctness, then ncu DRAM bytes, then the notebooks' measurements, then the sweep (which stops at the
+    budget). Writes at most 7 files under ``--out`` (the device tool brings back 8)."""
     args = parse_args(argv)
     if args.ncu_child:
         impl, N, d, causal = args.ncu_child
@@ -252,15 +288,18 @@ def main(argv=None) -> int:
     write_rows(args.out / "correctness.csv", correct, prov)
     if not all(r.get("ok") for r in correct if r.get("error") != "skipped: time budget"):
         status = 1
+    # ncu gets at most a third of what is left, so the timings below always get their share
+    dram = measure_dram(args, time.monotonic() + (deadline - time.monotonic()) / 3)
+    if dram:
+        write_rows(args.out / "dram.csv", dram, prov)
+    meas = measurements(args, deadline - 30)
+    write_rows(args.out / "measurements.csv", meas, prov)
     rows = bench.sweep(args.impl, tuple(args.bench_N), tuple(args.bench_d), (False, True), B=args.B, H=args.H,
                        repeats=args.repeats, warmup=2, out_dir=args.out, figures_dir=args.out,
-                       deadline=deadline - 45, progress=True)
+                       deadline=deadline - 10, progress=True)
     for r in rows:
         print(f"bench {r['impl']:>10} {r['direction']} N={r['N']} d={r['d']} causal={r['causal']} "
               f"{r.get('median_ms') or r.get('error')} ms  {r.get('tflops') or ''} TFLOP/s", flush=True)
-    dram = measure_dram(args, deadline)
-    if dram:
-        write_rows(args.out / "dram.csv", dram, prov)
     print(f"gpu_check done in {time.monotonic() - t0:.0f} s; results in {args.out}", flush=True)
     return status
 
