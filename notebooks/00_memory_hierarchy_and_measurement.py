@@ -30,7 +30,12 @@
 # (only on a GPU).
 
 # %%
-import flashnb  # first: importing flashnb chooses GPU or simulator, before numba.cuda is imported
+import os
+
+# Importing flashnb chooses GPU or simulator, once per process, before numba.cuda is imported. The notebooks
+# count traffic, which only the simulator can do, so they ask for it; GPU timings run in a separate process.
+os.environ["FLASHNB_DEVICE"] = "sim"
+import flashnb
 
 MODE = flashnb.MODE
 
@@ -46,7 +51,8 @@ from flashnb.notebook import savefig, show_source
 from flashnb.registry import KERNELS
 
 T0 = time.perf_counter()
-print("running on:", "the Numba CUDA simulator" if flashnb.is_simulator() else "a GPU", f"(flashnb.MODE = {MODE!r})")
+print("kernels run on:", "the Numba CUDA simulator" if flashnb.is_simulator() else "a GPU", f"(flashnb.MODE = {MODE!r});",
+      "GPU timings:", "on this machine's GPU, in a separate process" if bench.gpu_available() else "none (no GPU here)")
 
 # %% [markdown]
 # ## 1 · The memory hierarchy
@@ -375,8 +381,15 @@ except bench.SimulatorTimingError as exc:
 #   driver, versions, date). On the simulator the same sweep writes only *modelled* rows;
 # * `scripts/gpu_check.py` checks correctness at realistic sizes, runs the sweep and, where Nsight Compute
 #   (`ncu`) is installed, reads **DRAM bytes** per kernel (`dram__bytes_read.sum`, `dram__bytes_write.sum`) and
-#   sets them beside the counted/modelled bytes — the place to see the cache and sector effects of section 3.
-#
+#   sets them beside the counted/modelled bytes — the place to see the cache and sector effects of section 3;
+# * inside a notebook (a simulator process, so it can count), `bench.on_gpu("flashnb.<module>:<function>", ...)`
+#   runs a measurement in a separate Python process on the GPU when the machine has one, and returns its rows.
+#   Without a GPU it measures nothing and says so:
+
+# %%
+print(bench.on_gpu("flashnb.bench:measure_impls", impls=["naive", "fa2"], BH=16, N=1024, d=64))
+
+# %% [markdown]
 # What the sweep writes here, without a GPU — the modelled bytes and time of the standard and fused forward
 # at a larger size:
 

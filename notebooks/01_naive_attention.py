@@ -45,17 +45,20 @@
 # Numba CUDA simulator and compares the count with an analytic model.
 
 # %%
+import os
 import time
 
 import matplotlib.pyplot as plt
 import numpy as np
 
+os.environ["FLASHNB_DEVICE"] = "sim"  # counting traffic needs the simulator; GPU timings run in a process of their own
 import flashnb
 from flashnb import naive, reference, traffic
 from flashnb.notebook import savefig, show_source
 
 T0 = time.perf_counter()
-print("running on:", "the Numba CUDA simulator" if flashnb.is_simulator() else "a GPU")
+print("kernels run on the Numba CUDA simulator; GPU timings:",
+      "on this machine's GPU, in a separate process" if flashnb.bench.gpu_available() else "none (no GPU here)")
 
 # %% [markdown]
 # ## The kernels
@@ -241,20 +244,19 @@ plt.show()
 # **What a GPU run adds.** With a GPU, `flashnb bench` times each implementation with CUDA events and
 # `scripts/gpu_check.py` reads DRAM bytes from Nsight Compute, to set beside these counted and modelled
 # numbers. The simulator's wall-clock time says nothing about GPU speed and flashnb never reports it as such.
+#
+# This notebook always runs its kernels on the simulator (the first cell sets `FLASHNB_DEVICE=sim`): only
+# the simulator can count element accesses. A process's mode is fixed when `numba.cuda` is first imported,
+# so `bench.on_gpu` runs the measurement below in a *separate* Python process on the GPU, when this machine
+# has one, and returns its rows.
 
 # %%
-if not flashnb.is_simulator():   # measured, on a GPU only: CUDA events, warm-up excluded
-    from flashnb import bench, common
+from flashnb import bench  # noqa: E402
 
-    BH, N, d = 16, 1024, 64
-    dev = [common.to_device(rng.standard_normal((BH, N, d))) for _ in range(3)]
-    with common.poisoning(False):
-        timing = bench.time_call(lambda: naive.forward(*dev, causal=False, scale=d**-0.5),
-                                 flops=roofline.flops_forward(1, BH, N, N, d))
-    print(f"measured on {timing.device}: {timing.median_ms:.3f} ms median (IQR {timing.q1_ms:.3f}-{timing.q3_ms:.3f}),"
-          f" {timing.tflops:.2f} TFLOP/s = {timing.pct_fp32_peak:.0f}% of FP32 peak")
-else:
-    print("simulator: no measured time (its wall-clock time says nothing about a GPU)")
+# Measured on a GPU only, in a process of its own (this one runs the simulator): CUDA events, JIT warm-up
+# excluded, median of repeats and its spread. Without a GPU it says so and measures nothing.
+gpu_rows = bench.on_gpu("flashnb.bench:measure_impls", impls=["naive"], BH=16, N=1024, d=64, directions=["fwd", "bwd"])
+print(bench.table(gpu_rows, ["impl", "direction", "median_ms", "q1_ms", "q3_ms", "tflops", "pct_fp32_peak", "gpu_name"]))
 
 # %%
 print(f"notebook ran in {time.perf_counter() - T0:.1f} s")

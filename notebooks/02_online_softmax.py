@@ -32,12 +32,14 @@
 # accesses are **counted** by `flashnb.traffic` and compared with an analytic model.
 
 # %%
+import os
 import time
 import warnings
 
 import matplotlib.pyplot as plt
 import numpy as np
 
+os.environ["FLASHNB_DEVICE"] = "sim"  # counting traffic needs the simulator; GPU timings run in a process of their own
 import flashnb
 from flashnb import reference, traffic
 from flashnb import softmax as S
@@ -45,7 +47,8 @@ from flashnb.notebook import savefig, show_source
 
 T0 = time.perf_counter()
 rng = np.random.default_rng(2)
-print("running on:", "the Numba CUDA simulator" if flashnb.is_simulator() else "a GPU")
+print("kernels run on the Numba CUDA simulator; GPU timings:",
+      "on this machine's GPU, in a separate process" if flashnb.bench.gpu_available() else "none (no GPU here)")
 
 # %% [markdown]
 # ## 1 · Unsafe softmax overflows
@@ -302,24 +305,16 @@ print(f"online vs safe: modelled speed-up {times['safe'] / times['online']:.2f}x
 
 # %% [markdown]
 # Real speed needs a GPU. Milakov & Gimelshein measured about 1.3× for online over safe softmax on a V100
-# (arXiv 1805.02867, their V100 benchmarks) — close to the 4/3 the access count predicts. On a GPU this cell times the
-# three kernels with CUDA events; the simulator's wall-clock time says nothing about GPU speed.
+# (arXiv 1805.02867, their V100 benchmarks) — close to the 4/3 the access count predicts. When this machine has a GPU, the
+# cell below times the three kernels there with CUDA events (in a separate process, as in notebook 01); the
+# simulator's wall-clock time says nothing about GPU speed.
 
 # %%
-if not flashnb.is_simulator():
-    from flashnb import bench, common  # noqa: E402
+from flashnb import bench  # noqa: E402
 
-    rows_big = np.random.default_rng(1).standard_normal((4096, 4096)).astype(np.float32)
-    X = common.to_device(rows_big)
-    Y = common.empty(rows_big.shape, poison=False)
-    for method in S.METHODS:
-        t = bench.time_call(lambda: S.softmax_device(X, Y, method, threads=256))
-        m = S.model_softmax(*rows_big.shape, method, threads=256)[0]
-        nbytes = 4 * (sum(m["reads"].values()) + sum(m["writes"].values()))
-        print(f"{method:>7}: measured {t.median_ms:.3f} ms (IQR {t.q1_ms:.3f}-{t.q3_ms:.3f}), "
-              f"{nbytes / t.median_ms / 1e6:.0f} GB/s of counted traffic")
-else:
-    print("simulator: no measured time (run this notebook on a GPU)")
+# on a GPU only, in a process of its own (this one runs the simulator); gb_per_s = modelled bytes / median time
+gpu_rows = bench.on_gpu("flashnb.softmax:measure_gpu", rows=4096, n=4096, threads=256)
+print(bench.table(gpu_rows, ["method", "median_ms", "q1_ms", "q3_ms", "model_bytes", "gb_per_s", "gpu_name"]))
 #
 # ## 8 · One-pass attention for a query row
 #

@@ -33,19 +33,22 @@
 
 # %%
 import inspect
+import os
 import re
 import time
 
 import matplotlib.pyplot as plt
 import numpy as np
 
+os.environ["FLASHNB_DEVICE"] = "sim"  # counting traffic needs the simulator; GPU timings run in a process of their own
 import flashnb
 from flashnb import common, fa1, naive, reference, roofline, traffic
 from flashnb.notebook import savefig, show_source
 
 T0 = time.perf_counter()
 rng = np.random.default_rng(3)
-print("running on:", "the Numba CUDA simulator" if flashnb.is_simulator() else "a GPU")
+print("kernels run on the Numba CUDA simulator; GPU timings:",
+      "on this machine's GPU, in a separate process" if flashnb.bench.gpu_available() else "none (no GPU here)")
 
 # %% [markdown]
 # ## 1 · Block sizes from the SRAM budget
@@ -379,18 +382,13 @@ for name, el, paper in table:
 #
 # On the simulator every CUDA thread is a Python thread, so wall time says nothing about a GPU. The
 # numbers above are modelled. On a machine with a GPU, `flashnb bench` times every implementation with
-# CUDA events; this cell does a tiny version of that when a GPU is present:
+# CUDA events; this cell does a tiny version of that when a GPU is present (in a separate process):
 
 # %%
-if flashnb.is_simulator():
-    print("simulator: no measured speed (run this notebook on a GPU, or `flashnb bench`)")
-else:
-    from flashnb import bench
-    qg, kg, vg = (common.to_device(rng.standard_normal((8, 1024, 64))) for _ in range(3))
-    for impl in ("naive", "fa1"):
-        fwd = flashnb.registry.IMPLS[impl].forward
-        with common.poisoning(False):            # time the kernels, not the NaN fill of fresh outputs
-            print(impl, bench.time_call(lambda: fwd(qg, kg, vg, causal=False, scale=0.125), repeats=5))
+from flashnb import bench  # noqa: E402
+
+gpu_rows = bench.on_gpu("flashnb.bench:measure_impls", impls=["naive", "fa1"], BH=8, N=1024, d=64)
+print(bench.table(gpu_rows, ["impl", "direction", "median_ms", "q1_ms", "q3_ms", "tflops", "pct_fp32_peak", "gpu_name"]))
 
 # %%
 print(f"notebook ran in {time.perf_counter() - T0:.1f} s")

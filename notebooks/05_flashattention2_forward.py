@@ -39,17 +39,20 @@
 # | 12–14 | $O_i = \mathrm{diag}(\ell_i)^{-1}\tilde O_i$, $L_i = m_i + \log \ell_i$; write $O_i$, $L_i$ |
 
 # %%
+import os
 import time
 
 import matplotlib.pyplot as plt
 import numpy as np
 
+os.environ["FLASHNB_DEVICE"] = "sim"  # counting traffic needs the simulator; GPU timings run in a process of their own
 import flashnb
 from flashnb import fa1, fa2, naive, reference, roofline, traffic
 from flashnb.notebook import savefig, show_source
 
 T0 = time.perf_counter()
-print("running on:", "the Numba CUDA simulator" if flashnb.is_simulator() else "a GPU")
+print("kernels run on the Numba CUDA simulator; GPU timings:",
+      "on this machine's GPU, in a separate process" if flashnb.bench.gpu_available() else "none (no GPU here)")
 rng = np.random.default_rng(5)
 
 # %% [markdown]
@@ -366,16 +369,11 @@ for name, m, blocks in (("naive", naive.model_forward(BH, N, N, d), None),
     print(f"{name:5s}: {4 * total(m) / 1e9:6.2f} GB, roofline {mt.seconds * 1e3:6.2f} ms ({mt.bound}-bound), "
           f"with {busy:.0%} of SMs busy: {mt.seconds / busy * 1e3:6.2f} ms")
 
-if not flashnb.is_simulator():                   # a real GPU: CUDA-event timing of the kernels
-    from flashnb import bench, common  # noqa: E402
-    x = [common.to_device(rng.standard_normal((BH, N, d))) for _ in range(3)]   # on the device, untimed
-    for impl in ("fa1", "fa2"):
-        fwd = flashnb.registry.IMPLS[impl].forward
-        with common.poisoning(False):            # time the kernels, not the NaN fill of fresh outputs
-            timing = bench.time_call(lambda: fwd(*x, causal=False, scale=d**-0.5), flops=flops)
-        print(impl, timing)
-else:
-    print("measured TFLOP/s needs a GPU: run `flashnb bench` there (this cell times fa1 and fa2 when it has one)")
+# measured TFLOP/s: on a GPU only, in a process of its own (this one runs the simulator)
+from flashnb import bench  # noqa: E402
+
+gpu_rows = bench.on_gpu("flashnb.bench:measure_impls", impls=["fa1", "fa2"], BH=BH, N=N, d=d)
+print(bench.table(gpu_rows, ["impl", "direction", "median_ms", "q1_ms", "q3_ms", "tflops", "pct_fp32_peak", "gpu_name"]))
 
 
 # %% [markdown]

@@ -31,17 +31,20 @@
 # | 18 | write $dK_j, dV_j$ once |
 
 # %%
+import os
 import time
 
 import matplotlib.pyplot as plt
 import numpy as np
 
+os.environ["FLASHNB_DEVICE"] = "sim"  # counting traffic needs the simulator; GPU timings run in a process of their own
 import flashnb
 from flashnb import common, fa1, fa2, naive, reference, traffic
 from flashnb.notebook import savefig, show_source
 
 T0 = time.perf_counter()
-print("running on:", "the Numba CUDA simulator" if flashnb.is_simulator() else "a GPU")
+print("kernels run on the Numba CUDA simulator; GPU timings:",
+      "on this machine's GPU, in a separate process" if flashnb.bench.gpu_available() else "none (no GPU here)")
 rng = np.random.default_rng(6)
 
 # %% [markdown]

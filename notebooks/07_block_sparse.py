@@ -34,18 +34,21 @@
 
 # %%
 import inspect
+import os
 import time
 
 import matplotlib.pyplot as plt
 import numpy as np
 
+os.environ["FLASHNB_DEVICE"] = "sim"  # counting traffic needs the simulator; GPU timings run in a process of their own
 import flashnb
 from flashnb import block_sparse as bs
 from flashnb import common, fa2, reference, roofline, traffic
 from flashnb.notebook import savefig, show_source
 
 T0 = time.perf_counter()
-print("running on:", "the Numba CUDA simulator" if flashnb.is_simulator() else "a GPU")
+print("kernels run on the Numba CUDA simulator; GPU timings:",
+      "on this machine's GPU, in a separate process" if flashnb.bench.gpu_available() else "none (no GPU here)")
 rng = np.random.default_rng(7)
 
 # %% [markdown]
@@ -253,23 +256,16 @@ plt.show()
 # reports block-sparse FlashAttention 2–4× faster than dense FlashAttention (Dao et al. 2022,
 # *FlashAttention*, Section 4.3 and Figure 3, right).
 #
-# Measured times need a GPU: `flashnb bench` there, or this cell, which times the forward at two
-# densities when it runs on one.
+# Measured times need a GPU: `flashnb bench` there, or this cell, which times the forward at four
+# densities in a separate process when this machine has a GPU.
 
 # %%
-if not flashnb.is_simulator():
-    from flashnb import bench, common  # noqa: E402
+from flashnb import bench  # noqa: E402
 
-    x = [common.to_device(rng.standard_normal((BH, N, d))) for _ in range(3)]   # on the device, untimed
-    for s in (1.0, 0.25):
-        bm = bs.random(N, N, t["Br"], t["Bc"], s, seed=0)
-        pm = fa2.prepare_block_mask(bm, direction="forward", BH=BH, Nq=N, Nk=N, d=d)   # M on the device, untimed
-        with common.poisoning(False):            # time the kernels, not the NaN fill of fresh outputs
-            timing = bench.time_call(lambda: fa2.forward(*x, causal=False, scale=d**-0.5, block_mask=pm),
-                                     flops=roofline.flops_forward(1, BH, N, N, d) * bm.density)
-        print(f"s = {bm.density:.2f}: measured {timing}")
-else:
-    print("measured times need a GPU: run `flashnb bench` (or this notebook) on one")
+# on a GPU only, in a process of its own (this one runs the simulator): bs.measure_gpu's source is below
+gpu_rows = bench.on_gpu("flashnb.block_sparse:measure_gpu", BH=BH, N=N, d=d, densities=[1.0, 0.5, 0.25, 0.125])
+print(bench.table(gpu_rows, ["density", "median_ms", "q1_ms", "q3_ms", "tflops", "pct_fp32_peak", "gpu_name"]))
+show_source(bs.measure_gpu)
 
 # %% [markdown]
 # ## When block sparsity changes the answer
