@@ -76,7 +76,10 @@ def select_mode() -> str:
     requested = _requested()
     if "numba.cuda" in sys.modules:
         # Too late to choose: report what numba.cuda is actually running, loudly if it is not what we'd pick.
-        from numba.cuda.core import config
+        try:
+            from numba.cuda.core import config  # numba-cuda >= 0.2x keeps its own config
+        except ImportError:  # pragma: no cover - older numba-cuda reads numba's
+            from numba.core import config
 
         actual = "sim" if config.ENABLE_CUDASIM else "gpu"
         wanted = requested or _auto_mode()

@@ -387,7 +387,8 @@ except bench.SimulatorTimingError as exc:
 #   Without a GPU it measures nothing and says so:
 
 # %%
-print(bench.on_gpu("flashnb.bench:measure_impls", impls=["naive", "fa2"], BH=16, N=1024, d=64))
+gpu_rows = bench.on_gpu("flashnb.bench:measure_impls", impls=["naive", "fa2"], BH=16, N=1024, d=64)
+print(bench.table(gpu_rows, ["impl", "direction", "median_ms", "q1_ms", "q3_ms", "tflops", "pct_fp32_peak", "gpu_name"]))
 
 # %% [markdown]
 # What the sweep writes here, without a GPU — the modelled bytes and time of the standard and fused forward

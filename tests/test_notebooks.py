@@ -31,3 +31,15 @@ def test_ipynb_matches_py(py):
 def test_notebook_ends_with_exercises(py):
     text = py.read_text()
     assert "## Exercises" in text, f"{py.name} has no Exercises section"
+
+
+@pytest.mark.parametrize("py", PAIRS, ids=lambda p: p.stem)
+def test_notebook_counts_on_the_simulator_and_measures_in_a_gpu_process(py):
+    # On a machine with a GPU, importing flashnb would pick GPU mode and traffic.count() would refuse; so every
+    # notebook asks for the simulator before its first flashnb import, and times kernels only via bench.on_gpu.
+    lines = py.read_text().splitlines()
+    first_import = next(i for i, ln in enumerate(lines) if ln.startswith(("import flashnb", "from flashnb")))
+    assert any(ln.startswith('os.environ["FLASHNB_DEVICE"] = "sim"') for ln in lines[:first_import]), py.name
+    code = "\n".join(ln for ln in lines if not ln.lstrip().startswith("#"))
+    assert "if not flashnb.is_simulator()" not in code, f"{py.name}: measure with bench.on_gpu, not a GPU branch"
+    assert code.count("bench.time_call(") <= code.count("except bench.SimulatorTimingError"), py.name
