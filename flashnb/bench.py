@@ -33,8 +33,10 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
+from numba import cuda, uint32
 
 from . import rehearsal, runtime
+from .registry import kernel_factory
 from .roofline import GPU, get_gpu, modelled_time
 
 __all__ = ["SimulatorTimingError", "Timing", "measure_impls", "on_gpu", "gpu_available", "table", "FP32_LANES_PER_SM",
@@ -133,8 +135,6 @@ def device_info() -> dict:
     """
     if runtime.is_simulator():
         raise SimulatorTimingError("no GPU: flashnb runs on the Numba CUDA simulator (device info is fake)")
-    from numba import cuda
-
     dev = cuda.get_current_device()
     name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
     cc = tuple(int(x) for x in dev.compute_capability)
@@ -188,6 +188,7 @@ class Timing:
     pct_fp32_peak: float | None = None
     device: str = ""
     kind: str = "measured"
+    host_ms: float | None = None     # host time of one (warm) call: Python work not counted in the GPU time
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -201,13 +202,49 @@ def _quartiles(xs):
     return q[0], q[2]
 
 
+@kernel_factory("bench.spin", stage="0", signature="void(int32)", threads=1)
+def make_spin():
+    """One thread that sleeps ``n`` times ~1 µs: launched just before a timed call, it keeps the GPU busy while
+    the host enqueues that call, so the start event fires when the call's kernels are already queued behind
+    it and the host's Python work (argument checks, allocations, launches) is not counted as GPU time."""
+
+    @cuda.jit
+    def spin(n):
+        for _ in range(n):
+            cuda.nanosleep(uint32(1000))
+
+    return spin
+
+
+def _spin_length(spin, host_s: float) -> int:
+    """How many ~1 µs sleeps outlast ``host_s`` seconds of host work (with a margin), checked with events:
+    ``nanosleep(t)`` may sleep anywhere in [0, 2t], so the count is measured, not assumed."""
+
+    target_ms = 2e3 * host_s + 0.2
+    n = int(min(1_000_000, max(200, target_ms * 1e3)))
+    for _ in range(4):
+        start, end = cuda.event(timing=True), cuda.event(timing=True)
+        start.record()
+        spin[1, 1](np.int32(n))
+        end.record()
+        end.synchronize()
+        got = cuda.event_elapsed_time(start, end)
+        if got >= target_ms or n >= 1_000_000:
+            break
+        n = int(min(1_000_000, n * (max(2.0, 1.5 * target_ms / got) if got > 0 else 4.0)))
+    return n
+
+
 def time_call(fn: Callable[[], object], *, repeats: int = 20, warmup: int = 3, flops: float | None = None,
               info: dict | None = None) -> Timing:
     """Median CUDA-event time of ``fn()`` over ``repeats`` calls after ``warmup`` untimed calls.
 
-    Each timed call is bracketed by two events on the default stream and synchronised, so the time is the
-    GPU time of everything ``fn`` enqueued (JIT compilation happens in the warm-up).  With ``flops`` the
-    result carries TFLOP/s and the percentage of this device's own FP32 peak.
+    Each timed call is bracketed by two events on the default stream (where numba launches) and
+    synchronised, so the time is the GPU time of everything ``fn`` enqueued; JIT compilation happens in the
+    warm-up.  A sleeping kernel (:func:`make_spin`) is queued before each start event so that host overhead
+    is not timed (``host_ms`` reports it: the median host time of a warm-up call).  A ``fn`` that
+    synchronises inside (e.g. copies to the host) still counts the GPU's idle time after that point.
+    With ``flops`` the result carries TFLOP/s and the percentage of this device's own FP32 peak.
     Raises :class:`SimulatorTimingError` on the simulator: its wall time is not GPU speed.
     """
     if runtime.is_simulator():
@@ -217,14 +254,20 @@ def time_call(fn: Callable[[], object], *, repeats: int = 20, warmup: int = 3, f
     for name, value in (("repeats", repeats), ("warmup", warmup)):
         if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "repeats" else 0):
             raise ValueError(f"{name} must be an int >= {1 if name == 'repeats' else 0}, got {value!r}")
-    from numba import cuda
-
+    host = []
     for _ in range(warmup):
+        t0 = time.perf_counter()
         fn()
-    cuda.synchronize()
+        host.append(time.perf_counter() - t0)
+        cuda.synchronize()
+    host_s = statistics.median(host[1:] or host) if host else 1e-3   # the first warm-up call compiles
+    spin = make_spin()
+    # (rehearsing, the simulator runs the kernels inside the host call itself: there is no overhead to hide)
+    n_spin = np.int32(_spin_length(spin, 0.0 if rehearsal.active() else host_s))
     times = []
     for _ in range(repeats):
         start, end = cuda.event(timing=True), cuda.event(timing=True)
+        spin[1, 1](n_spin)
         start.record()
         fn()
         end.record()
@@ -239,7 +282,7 @@ def time_call(fn: Callable[[], object], *, repeats: int = 20, warmup: int = 3, f
         peak = info.get("fp32_peak_tflops")
         pct = 100.0 * tflops / peak if peak and math.isfinite(peak) else None
     return Timing(med, min(times), max(times), q1, q3, repeats, warmup, flops, tflops, pct, info.get("gpu_name", ""),
-                  "rehearsal" if rehearsal.active() else "measured")
+                  "rehearsal" if rehearsal.active() else "measured", host_s * 1e3)
 
 
 # --------------------------------------------------------------------------- measurements the notebooks ask for
@@ -372,8 +415,8 @@ def modelled_bytes(impl: str, B: int, H: int, N: int, d: int, causal: bool, dire
 
 
 CSV_COLUMNS = ["impl", "direction", "B", "H", "N", "d", "causal", "median_ms", "min_ms", "max_ms", "q1_ms", "q3_ms",
-               "repeats", "flops", "tflops", "pct_fp32_peak", "modelled_bytes", "modelled_ms", "modelled_bound",
-               "modelled_gpu", "error"] + PROVENANCE_COLUMNS
+               "repeats", "host_ms", "flops", "tflops", "pct_fp32_peak", "modelled_bytes", "modelled_ms",
+               "modelled_bound", "modelled_gpu", "error"] + PROVENANCE_COLUMNS
 
 
 def write_csv(rows: Iterable[dict], path) -> Path:
@@ -418,8 +461,10 @@ def sweep(impls=None, Ns=(1024, 2048, 4096), ds=(64, 128), causal=(False, True),
     On a GPU each row is a CUDA-event measurement of the device-level ``forward`` (inputs allocated outside
     the timed region) and ``backward`` (its ``o``, ``lse`` computed beforehand).  On the simulator rows are
     roofline estimates for ``gpu`` only (``mode=modelled``, timing columns empty).  Writes
-    ``out_dir/bench[_tag].csv`` and ``figures_dir/bench[_tag].png``; returns the rows.  ``deadline`` (a
-    ``time.monotonic()`` value) skips the remaining sizes once passed.
+    ``out_dir/bench[_tag].csv`` (rewritten after every row, so a run cut short keeps what it measured) and
+    ``figures_dir/bench[_tag].png``; returns the rows.  Sizes go smallest first, every impl at each size.
+    ``deadline`` (a ``time.monotonic()`` value): a job whose projected time (one warm call, synchronised, x
+    the calls it would make) would end past it is skipped, and so is everything once it has passed.
     """
     from .registry import IMPLS
 
@@ -432,8 +477,9 @@ def sweep(impls=None, Ns=(1024, 2048, 4096), ds=(64, 128), causal=(False, True),
     info = None if sim else device_info()
     prov = provenance(info=info or {})
     model_gpu = get_gpu(gpu) if sim else _device_gpu(info, gpu)
-    jobs = [(n, N, d, c, direction) for n in names for N in Ns for d in ds for c in causals
+    jobs = [(n, N, d, c, direction) for N in Ns for d in ds for c in causals for n in names
             for direction in (("fwd", "bwd") if backward and IMPLS[n].backward is not None else ("fwd",))]
+    suffix = f"_{tag}" if tag else ""
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover
@@ -467,13 +513,25 @@ def sweep(impls=None, Ns=(1024, 2048, 4096), ds=(64, 128), causal=(False, True),
                         o, lse = entry.forward(q, k, v, causal=c, scale=scale)
                         fn = lambda: entry.backward(q, k, v, o, lse, do, causal=c, scale=scale)
                     with poisoning(False):  # time the kernels, not the NaN fill of fresh outputs
-                        t = time_call(fn, repeats=repeats, warmup=warmup, flops=flops, info=info)
-                    row.update(median_ms=t.median_ms, min_ms=t.min_ms, max_ms=t.max_ms, q1_ms=t.q1_ms,
-                               q3_ms=t.q3_ms, repeats=t.repeats, tflops=t.tflops, pct_fp32_peak=t.pct_fp32_peak)
+                        fn()                                  # compiles (untimed)
+                        cuda.synchronize()
+                        t0 = time.perf_counter()
+                        fn()
+                        cuda.synchronize()
+                        one = time.perf_counter() - t0
+                        projected = one * (max(1, warmup - 2) + repeats) * 1.5   # 1.5: spins and events
+                        if deadline is not None and time.monotonic() + projected > deadline:
+                            row["error"] = f"skipped: would take ~{projected:.0f} s, past the time budget"
+                        else:   # the two calls above were warm-up already
+                            t = time_call(fn, repeats=repeats, warmup=max(1, warmup - 2), flops=flops, info=info)
+                            row.update(median_ms=t.median_ms, min_ms=t.min_ms, max_ms=t.max_ms, q1_ms=t.q1_ms,
+                                       q3_ms=t.q3_ms, repeats=t.repeats, tflops=t.tflops,
+                                       pct_fp32_peak=t.pct_fp32_peak, host_ms=t.host_ms)
                 except Exception as exc:  # one failing size must not lose the rest of the sweep
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         rows.append(row)
-    suffix = f"_{tag}" if tag else ""
+        if out_dir is not None:
+            write_csv(rows, Path(out_dir) / f"bench{suffix}.csv")
     if out_dir is not None:
         write_csv(rows, Path(out_dir) / f"bench{suffix}.csv")
     if figures_dir is not None and rows:

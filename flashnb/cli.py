@@ -84,6 +84,7 @@ def tour_rows(*, BH=2, Nq=40, Nk=56, d=16, causal=True, seed=0, progress=True):
     by_stage = sorted(IMPLS, key=lambda n: (IMPLS[n].stage, n))
     jobs = [(n, "forward") for n in by_stage] + [(n, "backward") for n in by_stage if IMPLS[n].backward]
     rows = []
+    info = None  # the GPU's device_info, read at the first measurement
     for name, direction in tqdm(jobs, desc="flashnb tour", disable=not progress, file=sys.stderr):
         entry = IMPLS[name]
         counter = None
@@ -112,27 +113,32 @@ def tour_rows(*, BH=2, Nq=40, Nk=56, d=16, causal=True, seed=0, progress=True):
                        shared=counter.shared_reads + counter.shared_writes,
                        modelled_ns=roofline.modelled_time(flops, nbytes, TOUR_GPU).seconds * 1e9)
         else:
-            row["measured_us"] = _measure(entry, direction, q, k, v, o_ref, lse_ref, do, causal) * 1e3
+            if info is None:   # read the device once (driver release via NVML or nvidia-smi), not per impl
+                from . import bench
+
+                info = bench.device_info()
+            row["measured_us"] = _measure(entry, direction, q, k, v, o_ref, lse_ref, do, causal, info) * 1e3
         rows.append(row)
     return rows
 
 
-def _measure(entry, direction, q, k, v, o, lse, do, causal):
+def _measure(entry, direction, q, k, v, o, lse, do, causal, info):
     """Median CUDA-event time (ms) of the impl's device-level call on this problem (GPU only)."""
     from . import bench, common
 
     with common.poisoning(False):  # time the kernels, not the NaN fill of fresh outputs
-        return _measure_unpoisoned(bench, common, entry, direction, q, k, v, o, lse, do, causal)
+        return _measure_unpoisoned(bench, common, entry, direction, q, k, v, o, lse, do, causal, info)
 
 
-def _measure_unpoisoned(bench, common, entry, direction, q, k, v, o, lse, do, causal):
+def _measure_unpoisoned(bench, common, entry, direction, q, k, v, o, lse, do, causal, info):
     dev = [common.to_device(a) for a in (q, k, v)]
     scale = 1.0 / np.sqrt(q.shape[-1])
     if direction == "forward":
-        return bench.time_call(lambda: entry.forward(*dev, causal=causal, scale=scale), repeats=5).median_ms
+        return bench.time_call(lambda: entry.forward(*dev, causal=causal, scale=scale), repeats=5,
+                               info=info).median_ms
     extra = [common.to_device(o), common.to_device(lse), common.to_device(do)]
     return bench.time_call(lambda: entry.backward(*dev, extra[0], extra[1], extra[2], causal=causal, scale=scale),
-                           repeats=5).median_ms
+                           repeats=5, info=info).median_ms
 
 
 class _null:

@@ -55,15 +55,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--d", type=int, default=64, help="head dim of the correctness check")
     p.add_argument("--bench-N", type=int, action="append", default=None, help="sweep sizes (default 1024 2048 4096)")
     p.add_argument("--bench-d", type=int, action="append", default=None, help="sweep head dims (default 64 128)")
+    p.add_argument("--measure-n", type=int, default=4096,
+                   help="size of the notebooks' measurements (n x n softmax, N of block-sparse; default 4096)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--budget", type=float, default=270.0, help="seconds before remaining work is skipped")
     p.add_argument("--quick", action="store_true", help="small sweep (N 1024, d 64) and short repeats")
     p.add_argument("--no-ncu", action="store_true", help="skip the Nsight Compute DRAM measurement")
     p.add_argument("--ncu-child", nargs=4, metavar=("IMPL", "N", "D", "CAUSAL"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for name in ("B", "H", "N", "d", "repeats"):
+    for name in ("B", "H", "N", "d", "repeats", "measure_n"):
         if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.budget <= 0:
         p.error(f"--budget must be > 0, got {args.budget}")
     args.out = args.out if args.out is not None else default_out()
@@ -114,9 +116,18 @@ def check_correctness(args, deadline: float) -> list[dict]:
     q, k, v, do = (rng.standard_normal(shape) for _ in range(4))
     scale = 1.0 / math.sqrt(d)
     rows = []
+    refs = {}
+
+    def reference_for(entry, causal):
+        """Dense attention, or the impl's own mask for impls that are not dense (block-sparse)."""
+        mask = entry.mask_for(N, N, d, causal)
+        key = (causal, None if mask is None else mask.tobytes())
+        if key not in refs:
+            refs[key] = (*reference.attention_forward(q, k, v, causal=causal, scale=scale, mask=mask),
+                         reference.attention_backward(q, k, v, do, causal=causal, scale=scale, mask=mask))
+        return refs[key]
+
     for causal in (False, True):
-        o_ref, lse_ref = reference.attention_forward(q, k, v, causal=causal, scale=scale)
-        grads_ref = reference.attention_backward(q, k, v, do, causal=causal, scale=scale)
         dev = [to_device(x.reshape(B * H, N, d)) for x in (q, k, v, do)]
         for name in _impls(args):
             row = dict(impl=name, B=B, H=H, N=N, d=d, causal=causal, atol=ATOL, rtol=RTOL)
@@ -125,6 +136,7 @@ def check_correctness(args, deadline: float) -> list[dict]:
                 continue
             entry = IMPLS[name]
             try:
+                o_ref, lse_ref, grads_ref = reference_for(entry, causal)
                 o, lse = entry.forward(*dev[:3], causal=causal, scale=scale)
                 got = dict(o=o.copy_to_host().reshape(shape), lse=lse.copy_to_host().reshape(B, H, N))
                 want = dict(o=o_ref, lse=lse_ref)
@@ -237,11 +249,11 @@ def measure_dram(args, deadline: float) -> list[dict]:
 
 
 def measurements(args, deadline: float) -> list[dict]:
-    """The notebooks' own GPU measurements (what notebooks 02 and 07 run through ``bench.on_gpu``), at sizes
-    scaled from ``--N``/``--d`` (4096 x 4096 softmax and N = 4096 block-sparse at the defaults)."""
+    """The notebooks' own GPU measurements (what notebooks 02 and 07 run through ``bench.on_gpu``), at
+    ``--measure-n`` (4096 x 4096 softmax and N = 4096 block-sparse by default)."""
     from flashnb import block_sparse, softmax
 
-    n = 4 * args.N
+    n = args.measure_n
     jobs = [("softmax.measure_gpu", lambda: softmax.measure_gpu(rows=n, n=n, threads=256 if n >= 256 else 32,
                                                                repeats=args.repeats, warmup=1)),
             ("block_sparse.measure_gpu", lambda: block_sparse.measure_gpu(BH=args.B * args.H, N=n, d=args.d,

@@ -83,6 +83,42 @@ def test_time_call_statistics_on_a_manual_clock():
     assert t.kind == "rehearsal" and t.device == rehearsal.DEVICE_NAME
 
 
+def test_spin_length_is_measured_not_assumed(monkeypatch):
+    clock = ManualClock()
+
+    class HalfSpeedSpin:   # a GPU whose nanosleep(1000) sleeps only 0.5 µs (PTX allows anything in [0, 2 µs])
+        def __getitem__(self, launch_config):
+            return lambda n: clock.advance(int(n) * 0.5e-3)
+
+    with pretend_gpu(clock):
+        n = bench._spin_length(HalfSpeedSpin(), host_s=1e-3)
+    # target 2 x 1 ms + 0.2 ms = 2.2 ms; 2200 sleeps give 1.1 ms, too short, so x max(2, 1.5 x 2.2 / 1.1) = 3:
+    # 6600 sleeps = 3.3 ms >= 2.2 ms
+    assert n == 6600
+
+
+def test_timed_calls_queue_behind_a_spin_kernel(monkeypatch):
+    order = []
+    real_event = PretendEvent.record
+    monkeypatch.setattr(PretendEvent, "record", lambda self, stream=0: (order.append("event"), real_event(self)))
+    spin = bench.make_spin()
+    monkeypatch.setattr(bench, "make_spin", lambda: _Recording(spin, order))
+    monkeypatch.setattr(bench, "_spin_length", lambda spin, host_s: 200)   # calibration is tested above
+    with pretend_gpu():
+        bench.time_call(lambda: order.append("fn"), repeats=2, warmup=1)
+    # warm-up call, then each timed call: the spin kernel first, so the start event waits behind it
+    assert order == ["fn"] + ["spin", "event", "fn", "event"] * 2
+
+
+class _Recording:
+    def __init__(self, kernel, order):
+        self.kernel, self.order = kernel, order
+
+    def __getitem__(self, config):
+        launch = self.kernel[config]
+        return lambda *args: (self.order.append("spin"), launch(*args))
+
+
 def test_device_info_and_provenance_say_rehearsal():
     with pretend_gpu():
         info = bench.device_info()
@@ -148,6 +184,22 @@ def test_gpu_child_process_rehearsal():
         bench._run_child("flashnb.bench:measure_impls", dict(impls=["fa2"]), env, timeout=300)
 
 
+def test_softmax_rows_come_back_from_the_child_process():
+    env = dict(os.environ, FLASHNB_DEVICE="sim", NUMBA_ENABLE_CUDASIM="1", **{rehearsal.ENV: "1"})
+    rows = bench._run_child("flashnb.softmax:measure_gpu", dict(rows=2, n=32, threads=32, repeats=1, warmup=1),
+                            env, timeout=300)
+    assert [r["method"] for r in rows] == ["unsafe", "safe", "online"] and all(r["gb_per_s"] > 0 for r in rows)
+
+
+def test_sweep_skips_a_job_projected_past_the_deadline(tmp_path):
+    import time
+
+    with pretend_gpu():
+        rows = bench.sweep(["onepass"], Ns=(16,), ds=(16,), causal=(False,), B=1, H=1, repeats=10_000, warmup=2,
+                           out_dir=tmp_path, figures_dir=None, progress=False, deadline=time.monotonic() + 30)
+    assert rows[0]["error"].startswith("skipped: would take") and rows[0].get("median_ms") is None
+
+
 def test_sweep_rehearsal(tmp_path):
     with pretend_gpu():
         rows = bench.sweep(["fa2", "onepass"], Ns=(16,), ds=(16,), causal=(True,), B=1, H=1, repeats=1, warmup=0,
@@ -210,23 +262,26 @@ def test_gpu_check_rehearsal(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHNB_DEVICE", "sim")   # the profiled child runs on the simulator too
     out = tmp_path / "out"
     with pretend_gpu():
-        status = gc.main(["--out", str(out), "--impl", "fa2", "--impl", "onepass", "--B", "1", "--H", "1",
-                          "--N", "16", "--d", "16", "--bench-N", "16", "--bench-d", "16", "--repeats", "1"])
+        status = gc.main(["--out", str(out), "--impl", "fa2", "--impl", "fa2-sparse", "--B", "1", "--H", "1",
+                          "--N", "32", "--d", "16", "--bench-N", "16", "--bench-d", "16", "--repeats", "1",
+                          "--measure-n", "32"])
     assert status == 0
     with open(out / "correctness.csv") as f:
         correct = list(csv.DictReader(f))
+    # fa2-sparse (local attention, 16 x 16 blocks, window 1: not dense at N = 32) is checked against its own mask
     assert [(r["impl"], r["causal"], r["ok"]) for r in correct] == [
-        ("fa2", "False", "True"), ("onepass", "False", "True"), ("fa2", "True", "True"), ("onepass", "True", "True")]
+        ("fa2", "False", "True"), ("fa2-sparse", "False", "True"), ("fa2", "True", "True"),
+        ("fa2-sparse", "True", "True")]
     assert all(r["mode"] == "rehearsal" for r in correct)
     with open(out / "bench.csv") as f:
         assert all(r["median_ms"] and r["mode"] == "rehearsal" for r in csv.DictReader(f))
     with open(out / "dram.csv") as f:
         dram = list(csv.DictReader(f))
     totals = [r for r in dram if r["launch"] == "total"]
-    assert [r["impl"] for r in totals] == ["fa2", "onepass"]
+    assert [r["impl"] for r in totals] == ["fa2", "fa2-sparse"]
     for r in totals:   # two stand-in launches of 1000 + 500 bytes each, beside the model of the same call
         assert float(r["dram_bytes_total"]) == 3000.0
-        model = bench.modelled_bytes(r["impl"], 1, 8, 16, 16, False, "fwd")
+        model = bench.modelled_bytes(r["impl"], 1, 8, 32, 16, False, "fwd")
         assert float(r["modelled_bytes"]) == model and float(r["measured_over_modelled"]) == pytest.approx(3000 / model)
     assert (out / "ncu_log.txt").exists() and (out / "device.json").exists()
     assert len(list(out.iterdir())) <= 8     # the device tool brings back at most 8 files

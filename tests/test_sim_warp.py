@@ -348,3 +348,18 @@ def test_next_launch_works_after_an_error():
     barrier_after_shuffle[2, 40](x, out)
     np.testing.assert_array_equal(out[:32], x[np.arange(32) ^ 1])
     np.testing.assert_array_equal(out[32:], x[32 + (np.arange(8) ^ 1)])
+
+
+@cuda.jit
+def sleep_then_write(out, ns):
+    cuda.nanosleep(ns)
+    out[cuda.threadIdx.x] = float32(cuda.threadIdx.x)
+
+
+def test_nanosleep_runs_and_checks_its_argument():
+    # PTX: nanosleep suspends for some time in [0, 2 ns]; the simulator takes 0 and only checks the uint32 type
+    out = np.full(4, np.nan, np.float32)
+    sleep_then_write[1, 4](out, np.uint32(1000))
+    assert out.tolist() == [0.0, 1.0, 2.0, 3.0]
+    with pytest.raises(TypeError, match="uint32"):
+        sleep_then_write[1, 1](out, 1.5)

@@ -1,9 +1,10 @@
 """Warp-level intrinsics for the Numba CUDA simulator, with the signatures ``numba.cuda`` gives them on a GPU.
 
 The stock simulator has no ``cuda.syncwarp``, ``cuda.shfl_*_sync``, ``cuda.ballot_sync``, ``cuda.all_sync``,
-``cuda.any_sync``, ``cuda.eq_sync``, ``cuda.match_any_sync``, ``cuda.match_all_sync``, ``cuda.activemask``
-or ``cuda.lanemask_lt``; :func:`install` adds them to the simulator's ``FakeCUDAModule`` (the object that
-stands in for ``cuda`` while a kernel runs), so a kernel that uses them runs unchanged on both.
+``cuda.any_sync``, ``cuda.eq_sync``, ``cuda.match_any_sync``, ``cuda.match_all_sync``, ``cuda.activemask``,
+``cuda.lanemask_lt`` or ``cuda.nanosleep`` (0 ns here, which PTX allows); :func:`install` adds them to the
+simulator's ``FakeCUDAModule`` (the object that stands in for ``cuda`` while a kernel runs), so a kernel that
+uses them runs unchanged on both.
 
 Semantics (CUDA C++ Programming Guide, "Warp Shuffle/Vote Functions"; PTX ISA ``shfl.sync``):
 
@@ -187,6 +188,13 @@ def lanemask_lt(self):
     return (1 << (t.thread_id & 31)) - 1
 
 
+def nanosleep(self, ns):
+    """``cuda.nanosleep(ns)``: PTX lets ``nanosleep`` suspend for any time in [0, 2·ns]; here it is 0 (the
+    simulator has no clock a kernel could be waiting on).  Checked like the GPU's: a uint32 duration."""
+    if isinstance(ns, bool) or not isinstance(ns, (int, np.integer)) or not 0 <= int(ns) < 2 ** 32:
+        raise TypeError(f"cuda.nanosleep takes a uint32 number of nanoseconds, got {ns!r}")
+
+
 INTRINSICS = {
     "syncwarp": syncwarp,
     "shfl_sync": _shuffle("shfl_sync", "idx"),
@@ -201,6 +209,7 @@ INTRINSICS = {
     "match_all_sync": _match("match_all_sync", _match_all),
     "activemask": activemask,
     "lanemask_lt": lanemask_lt,
+    "nanosleep": nanosleep,
 }
 
 
