@@ -60,6 +60,9 @@ class TrafficError(RuntimeError):
 
 _stack: list["Traffic"] = []     # active counters, outermost first: every launch is recorded in all of them
 _current: "_Recorder | None" = None  # the launch being counted (the simulator runs one launch at a time)
+# observer_factory(label, kernel_name) -> an object with access(kind, proxy, idx) and finish(); set by
+# flashnb.sim.racecheck: while it is set, every element access of a counted launch is also shown to it
+observer_factory = None
 _install_lock = threading.Lock()
 _installed = False
 
@@ -73,6 +76,7 @@ class _Recorder:
         self.lock = threading.Lock()
         self.itemsize: dict[str, int] = {}
         self.shared_names: dict[tuple, str] = {}
+        self.observer = None
 
     def new_thread(self) -> dict:
         c: dict = {}
@@ -129,7 +133,7 @@ class _Counted:
         self.dtype = a.dtype
 
     def _view(self, sub):
-        return _Counted(sub, self._rec, (self._kr, self._kw, self._ka), self._fake_shape)
+        return type(self)(sub, self._rec, (self._kr, self._kw, self._ka), self._fake_shape)
 
     def __getitem__(self, idx):
         r = self._a[idx]
@@ -145,7 +149,7 @@ class _Counted:
 
     def __setitem__(self, idx, value):
         a = self._a
-        if type(value) is _Counted:  # copying from another counted array: the whole right side is read
+        if isinstance(value, _Counted):  # copying from another counted array: the whole right side is read
             _bump(value._rec, value._kr, value._a.size)
             value = value._a
         a[idx] = value
@@ -175,6 +179,26 @@ class _Counted:
 
     def __repr__(self):
         return f"<counted {self._kr[1]!r} {self.dtype}{tuple(self.shape)}>"
+
+
+class _Observed(_Counted):
+    """A :class:`_Counted` that also shows every element access to the launch's observer (racecheck)."""
+
+    __slots__ = ()
+
+    def __getitem__(self, idx):
+        r = _Counted.__getitem__(self, idx)
+        if type(r) is not _Observed:  # an element, not a view
+            self._rec.observer.access("r", self, idx)
+        return r
+
+    def __setitem__(self, idx, value):
+        _Counted.__setitem__(self, idx, value)
+        self._rec.observer.access("w", self, idx)
+
+
+def _proxy(a, rec, keys, fake_shape):
+    return (_Counted if rec.observer is None else _Observed)(a, rec, keys, fake_shape)
 
 
 def _shared_var_name(filename: str, lineno: int) -> str:
@@ -215,7 +239,7 @@ class _ArgExtension:
             a = val._ary
             self.rec.itemsize[name] = a.dtype.itemsize
             keys = (("r", name), ("w", name), ("a", name))
-            return ty, _Counted(a, self.rec, keys, fake_shape=True)
+            return ty, _proxy(a, self.rec, keys, fake_shape=True)
         return ty, val
 
 
@@ -254,6 +278,9 @@ def _install() -> None:
             if self._device or sim_kernel._kernel_context is not None or not _stack or _current is not None:
                 return call(self, *args)
             rec = _Recorder()
+            label = current_label() or self.fn.__name__
+            if observer_factory is not None:
+                rec.observer = observer_factory(label, self.fn.__name__)
             ext = _ArgExtension(rec, _param_names(self.fn))
             self.extensions.append(ext)
             _current = rec
@@ -262,8 +289,10 @@ def _install() -> None:
             finally:
                 _current = None
                 self.extensions.remove(ext)
+            if rec.observer is not None:
+                rec.observer.finish()
             record = LaunchTraffic._from_recorder(
-                rec, label=current_label() or self.fn.__name__, kernel=self.fn.__name__,
+                rec, label=label, kernel=self.fn.__name__,
                 grid=tuple(self.grid_dim), block=tuple(self.block_dim))
             for t in list(_stack):
                 t.launches.append(record)
@@ -294,15 +323,17 @@ def _install() -> None:
                 return res
             name = rec.shared_name((frame.f_code.co_filename, frame.f_lineno))
             keys = (("sr", name), ("sw", name), ("sa", name))
-            return _Counted(res, rec, keys, fake_shape=False)
+            return _proxy(res, rec, keys, fake_shape=False)
 
         array.__wrapped__ = shared_array
         kernelapi.FakeCUDAShared.array = array
 
         def wrap_atomic(fn):
             def atomic(self, array, *args):
-                if type(array) is _Counted:
+                if isinstance(array, _Counted):
                     _bump(array._rec, array._ka, 1)
+                    if array._rec.observer is not None:
+                        array._rec.observer.access("a", array, args[0])
                     array = array._a  # the simulator's read-modify-write on the raw array: not counted
                 return fn(self, array, *args)
 

@@ -22,7 +22,7 @@
 # 2. the **roofline**: compute-bound vs memory-bound, and the arithmetic intensity of each attention step;
 # 3. how flashnb **counts traffic** on the simulator, and what that count is *not*;
 # 4. how to read the **resource report** (registers per thread → occupancy), obtained without a GPU;
-# 5. a short tour of the **warp operations** flashnb adds to the simulator;
+# 5. a short tour of the **warp operations** flashnb adds to the simulator, and of its **race checker**;
 # 6. what a **real GPU** adds: measured time and measured DRAM bytes.
 #
 # Three kinds of number appear in flashnb, and each is always labelled: **counted** (element accesses observed
@@ -285,7 +285,7 @@ savefig(fig, "00_occupancy_vs_registers")
 plt.show()
 
 # %% [markdown]
-# ## 5 · Warp operations on the simulator
+# ## 5 · Warp operations and data races on the simulator
 #
 # A **warp** is 32 threads that execute together; lanes of a warp can exchange registers directly with
 # *shuffles*, without shared memory or a barrier. FlashAttention-2 uses them for row maxima and sums. The stock
@@ -360,6 +360,42 @@ print("lane 31 after shfl_down:", down[[31, 63]], "= 32 x", xs[[31, 63]])
 show_source(fa2.make_forward)
 
 # %% [markdown]
+# ### The bug the simulator hides: a missing barrier
+#
+# Threads of a block that share a tile must wait at `cuda.syncthreads()` between writing it and reading what
+# *other* threads wrote. Leave the barrier out and a GPU may read stale values; the simulator, which runs the
+# threads of a block in turn, often happens to read the right ones and the mistake goes unseen.
+# `flashnb.sim.racecheck.check()` finds it anyway: it remembers, for every element, which thread last wrote it
+# and how many barriers that thread had passed, and reports two accesses by different threads, at least one a
+# write, that no barrier (or, within a warp, no `syncwarp`) separates. Here each thread writes its slot and
+# reads its neighbour's:
+
+# %%
+from flashnb.sim import racecheck
+
+
+@cuda.jit
+def rotate(x, out, barrier):
+    sh = cuda.shared.array(64, float32)
+    t = cuda.threadIdx.x
+    sh[t] = x[t]
+    if barrier:
+        cuda.syncthreads()
+    out[t] = sh[(t + 1) % cuda.blockDim.x]
+
+
+x64, out64 = np.arange(64, dtype=np.float32), np.zeros(64, np.float32)
+for barrier in (False, True):
+    with racecheck.check(raise_on_race=False) as report:
+        rotate[1, 64](x64, out64, barrier)
+    print(f"barrier={barrier}: output right: {np.array_equal(out64, np.roll(x64, -1))};", report)
+
+# %% [markdown]
+# Without the barrier, whether the output comes out right depends on the order the threads happen to run in
+# (the line above says what it was this time), on the simulator as on a GPU; racecheck reports the race either
+# way and names the two lines (in a notebook, a cell's "file" is a number). Every flashnb kernel, forward and backward, is run under racecheck by the tests
+# (`tests/test_sim_racecheck.py`), with tiles small enough that every loop reloads its shared tiles.
+#
 # ## 6 · What a GPU adds
 #
 # Everything above is counted or modelled. The simulator runs each CUDA thread as a Python thread, so its
@@ -419,3 +455,7 @@ print(f"notebook ran in {runtime_s:.1f} s (simulator wall time: says nothing abo
 #    could use on sm_90 before dropping from its current number of blocks per SM to one fewer.
 # 5. Write a warp *inclusive scan* with `shfl_up_sync` (lane $i$ ends with the sum of lanes $0..i$) and check it
 #    against `np.cumsum`. What must a lane do when `lane - offset` is negative?
+# 6. Copy `fa2.make_forward`, delete the `cuda.syncthreads()` marked "every warp is done with K_{j-1}, V_{j-1}",
+#    and run the copy under `racecheck.check()` with two warps and several key tiles. Which shared arrays does
+#    it report, and which two lines? Does the output still match the reference on the simulator, and why is
+#    that no evidence about a GPU?

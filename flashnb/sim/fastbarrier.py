@@ -65,7 +65,12 @@ class WarpRound:
 
 class FastBlockThread(_sim_kernel.BlockThread):
     """A simulated CUDA thread whose barrier blocks on its own lock (its *gate*) until released: no polling,
-    and no contended re-acquire of the manager's lock on wake-up."""
+    and no contended re-acquire of the manager's lock on wake-up.  ``phase`` counts the block barriers this
+    thread has passed and ``warp_phase`` its ``syncwarp`` calls (:mod:`flashnb.sim.racecheck` orders accesses
+    by them)."""
+
+    phase = 0
+    warp_phase = 0
 
     def _block(self):
         """Wait at the gate; the manager's lock must *not* be held (it was released by the caller)."""
@@ -93,6 +98,7 @@ class FastBlockThread(_sim_kernel.BlockThread):
         self._block()
         if self.abort:
             raise RuntimeError("abort flag set on syncthreads clear")
+        self.phase += 1
 
     def warp_collective(self, kind, mask, value, operand, compute):
         """Wait until every participating lane of this (warp, mask) has called ``kind``; return this lane's
@@ -122,6 +128,8 @@ class FastBlockThread(_sim_kernel.BlockThread):
         self._block()
         if not rnd.done:
             raise RuntimeError(f"abort flag set on {kind} clear")
+        if kind == "syncwarp":
+            self.warp_phase += 1
         return rnd.results[lane]
 
 
