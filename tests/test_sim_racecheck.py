@@ -126,3 +126,21 @@ def test_launch_through_common_launch_is_watched():
     with racecheck.check(raise_on_race=False) as report:
         launch(rotate, 1, 64, x, out, False, label="rotate (no barrier)")
     assert report.races and report.races[0].launch == "rotate (no barrier)"
+
+
+def test_softmax_kernels_are_race_free():
+    # the stage-2 kernels that no impl launches: the three softmaxes with block and warp reductions (two
+    # warps, so the warp partials meet in shared memory), the chunked online partials, one-pass attention
+    # rows (key by key, and tiled with several key tiles)
+    from flashnb import softmax
+
+    x = np.random.default_rng(3).standard_normal((3, 100))
+    q, k, v = (np.random.default_rng(4).standard_normal(s) for s in ((5, 8), (37, 8), (37, 8)))
+    with racecheck.check() as report:
+        for method in softmax.METHODS:
+            for reduce in softmax.REDUCTIONS:
+                softmax.softmax(x, method, reduce=reduce, threads=64)
+        softmax.online_partials(x, 3, threads=32)
+        softmax.attention_rows(q, k, v, causal=True, tile=None)   # key by key from global memory
+        softmax.attention_rows(q, k, v, causal=True, tile=4)      # K, V tiles through shared memory
+    assert report.launches == 9 and not report.races
