@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, int32
 
 FULL = 0xFFFFFFFF
 NT = 40  # threads per block: not a multiple of 32, so the second warp is partial
@@ -17,9 +17,10 @@ def _barrier_kernel(out, votes, rounds):
     s[tid] = float32(tid + 100 * bid)
     cuda.syncthreads()
     out[bid, tid] = s[(tid + 1) % NT]  # a neighbour's value: only right after the barrier
-    c = cuda.syncthreads_count(tid % 3 == 0)
-    a = cuda.syncthreads_and(tid < NT)
-    o = cuda.syncthreads_or(tid == 7)
+    # numba types these barriers' predicate as int32 (a bool does not compile for a GPU)
+    c = cuda.syncthreads_count(int32(1) if tid % 3 == 0 else int32(0))
+    a = cuda.syncthreads_and(int32(1) if tid < NT else int32(0))
+    o = cuda.syncthreads_or(int32(1) if tid == 7 else int32(0))
     votes[bid, tid, 0] = c
     votes[bid, tid, 1] = a
     votes[bid, tid, 2] = o
