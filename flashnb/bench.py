@@ -193,6 +193,11 @@ class Timing:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def row(self, **fields) -> dict:
+        """``fields`` + this timing + ``gpu_name`` and ``mode`` (``measured`` or ``rehearsal``): one row of a
+        measurement function's result."""
+        return {**fields, **self.as_dict(), "gpu_name": self.device, "mode": self.kind}
+
 
 def _quartiles(xs):
     s = sorted(xs)
@@ -324,8 +329,7 @@ def measure_impls(impls=("fa2",), BH: int = 8, N: int = 1024, d: int = 64, causa
             with poisoning(False):  # time the kernels, not the NaN fill of fresh outputs
                 t = time_call(fn, repeats=repeats, warmup=warmup, info=info,
                               flops=entry.flops(1, BH, N, N, d, causal, direction))
-            rows.append(dict(impl=name, direction=direction, BH=BH, N=N, d=d, causal=causal, **t.as_dict(),
-                             gpu_name=info["gpu_name"], mode=t.kind))
+            rows.append(t.row(impl=name, direction=direction, BH=BH, N=N, d=d, causal=causal))
     return rows
 
 

@@ -306,8 +306,7 @@ def measure_gpu(BH: int = 16, N: int = 4096, d: int = 64, densities=(1.0, 0.5, 0
         with poisoning(False):  # time the kernels, not the NaN fill of fresh outputs
             timing = bench.time_call(lambda: fa2.forward(q, k, v, causal=False, scale=d ** -0.5, block_mask=pm),
                                      repeats=repeats, warmup=warmup, info=info, flops=flops)
-        out.append(dict(density=bm.density, BH=BH, N=N, d=d, **timing.as_dict(), gpu_name=info["gpu_name"],
-                        mode=timing.kind))
+        out.append(timing.row(density=bm.density, BH=BH, N=N, d=d))
     return out
 
 

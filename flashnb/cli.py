@@ -70,16 +70,7 @@ def tour_rows(*, BH=2, Nq=40, Nk=56, d=16, causal=True, seed=0, progress=True):
     k = rng.standard_normal((BH, Nk, d))
     v = rng.standard_normal((BH, Nk, d))
     do = rng.standard_normal((BH, Nq, d))
-    refs = {}
-
-    def ref_for(entry):
-        """Float64 reference for this impl: dense, or with the impl's own mask (block-sparse impls)."""
-        mask = entry.mask_for(Nq, Nk, d, causal)
-        key = None if mask is None else mask.tobytes()
-        if key not in refs:
-            o, lse = reference.attention_forward(q, k, v, causal=causal, mask=mask)
-            refs[key] = (o, lse, reference.attention_backward(q, k, v, do, causal=causal, mask=mask))
-        return refs[key]
+    refs = reference.ReferenceCache(q, k, v, do)   # dense, or each impl's own mask (block-sparse)
 
     by_stage = sorted(IMPLS, key=lambda n: (IMPLS[n].stage, n))
     jobs = [(n, "forward") for n in by_stage] + [(n, "backward") for n in by_stage if IMPLS[n].backward]
@@ -93,7 +84,7 @@ def tour_rows(*, BH=2, Nq=40, Nk=56, d=16, causal=True, seed=0, progress=True):
 
             counter = traffic.count()
         row = {"impl": name, "stage": entry.stage, "pass": direction}
-        o_ref, lse_ref, grads_ref = ref_for(entry)
+        o_ref, lse_ref, grads_ref = refs.for_impl(entry, causal)
         with counter if counter is not None else _null():
             if direction == "forward":
                 o, lse = api.attention_forward(q, k, v, causal=causal, impl=name)

@@ -22,7 +22,7 @@ import numpy as np
 
 from .api import _check_scale
 
-__all__ = ["attention_forward", "attention_backward", "attention", "expand_block_mask"]
+__all__ = ["attention_forward", "attention_backward", "attention", "expand_block_mask", "ReferenceCache"]
 
 
 def _check_inputs(q, k, v, arrays=()):
@@ -134,3 +134,22 @@ def expand_block_mask(block_mask, Nq, Nk, Br, Bc):
                          f"Nq={Nq}, Nk={Nk}, Br={Br}, Bc={Bc}; got {block_mask.shape}")
     mask = np.repeat(np.repeat(block_mask, Br, axis=-2), Bc, axis=-1)
     return np.ascontiguousarray(mask[..., :Nq, :Nk])
+
+
+class ReferenceCache:
+    """The float64 reference ``(o, lse, (dq, dk, dv))`` for each registered impl on one problem: dense
+    attention, or with the impl's own mask (``Impl.mask_for``, e.g. block-sparse); computed once per mask."""
+
+    def __init__(self, q, k, v, do, *, scale=None):
+        self.q, self.k, self.v, self.do, self.scale = q, k, v, do, scale
+        self._cache: dict = {}
+
+    def for_impl(self, entry, causal: bool):
+        Nq, Nk, d = self.q.shape[-2], self.k.shape[-2], self.q.shape[-1]
+        mask = entry.mask_for(Nq, Nk, d, causal)
+        key = (bool(causal), None if mask is None else mask.tobytes())
+        if key not in self._cache:
+            args = dict(causal=causal, scale=self.scale, mask=mask)
+            self._cache[key] = (*attention_forward(self.q, self.k, self.v, **args),
+                                attention_backward(self.q, self.k, self.v, self.do, **args))
+        return self._cache[key]

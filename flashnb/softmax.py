@@ -534,8 +534,8 @@ def measure_gpu(rows: int = 4096, n: int = 4096, *, threads: int = 256, repeats:
                             info=info)
         m = model_softmax(rows, n, method, threads=threads)[0]
         nbytes = 4 * (sum(m["reads"].values()) + sum(m["writes"].values()))
-        out.append(dict(method=method, rows=rows, n=n, threads=threads, **t.as_dict(), model_bytes=nbytes,
-                        gb_per_s=nbytes / (t.median_ms * 1e-3) / 1e9, gpu_name=info["gpu_name"], mode=t.kind))
+        out.append(t.row(method=method, rows=rows, n=n, threads=threads, model_bytes=nbytes,
+                         gb_per_s=nbytes / (t.median_ms * 1e-3) / 1e9))
     return out
 
 

@@ -116,16 +116,7 @@ def check_correctness(args, deadline: float) -> list[dict]:
     q, k, v, do = (rng.standard_normal(shape) for _ in range(4))
     scale = 1.0 / math.sqrt(d)
     rows = []
-    refs = {}
-
-    def reference_for(entry, causal):
-        """Dense attention, or the impl's own mask for impls that are not dense (block-sparse)."""
-        mask = entry.mask_for(N, N, d, causal)
-        key = (causal, None if mask is None else mask.tobytes())
-        if key not in refs:
-            refs[key] = (*reference.attention_forward(q, k, v, causal=causal, scale=scale, mask=mask),
-                         reference.attention_backward(q, k, v, do, causal=causal, scale=scale, mask=mask))
-        return refs[key]
+    refs = reference.ReferenceCache(q, k, v, do, scale=scale)   # dense, or each impl's own mask (block-sparse)
 
     for causal in (False, True):
         dev = [to_device(x.reshape(B * H, N, d)) for x in (q, k, v, do)]
@@ -136,7 +127,7 @@ def check_correctness(args, deadline: float) -> list[dict]:
                 continue
             entry = IMPLS[name]
             try:
-                o_ref, lse_ref, grads_ref = reference_for(entry, causal)
+                o_ref, lse_ref, grads_ref = refs.for_impl(entry, causal)
                 o, lse = entry.forward(*dev[:3], causal=causal, scale=scale)
                 got = dict(o=o.copy_to_host().reshape(shape), lse=lse.copy_to_host().reshape(B, H, N))
                 want = dict(o=o_ref, lse=lse_ref)
