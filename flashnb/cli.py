@@ -1,4 +1,4 @@
-"""``flashnb`` command line: ``info``, ``tour``, ``inspect``, ``bench``."""
+"""``flashnb`` command line: ``info``, ``tour``, ``inspect``, ``bench``, ``sanitize``, ``profile``."""
 
 from __future__ import annotations
 
@@ -172,6 +172,117 @@ def cmd_tour(args) -> int:
     return 0 if ok else 1
 
 
+def _problem(args, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((args.bh, n, args.d)) for n in (args.nq, args.nk, args.nk, args.nq)]
+
+
+def _simulator_only(what: str) -> int | None:
+    from .runtime import MODE
+
+    if MODE != "sim":
+        print(f"flashnb {what} runs kernels on the simulator (it watches every access); this process is in GPU "
+              "mode. Run it with FLASHNB_DEVICE=sim.", file=sys.stderr)
+        return 2
+    return None
+
+
+def cmd_sanitize(args) -> int:
+    """Run impls (forward and backward) or a Python script under the sanitizer; exit 1 when it finds errors."""
+    import os
+    import runpy
+
+    from . import api, sim
+    from .registry import IMPLS
+
+    if (code := _simulator_only("sanitize")) is not None:
+        return code
+    tools = tuple(args.tool) if args.tool else sim.sanitizer.TOOLS
+    targets = list(IMPLS) if args.target == ["all"] else args.target
+    found = False
+    for target in targets:
+        with sim.sanitize(tools=tools, raise_on_error=False) as report:
+            if target in IMPLS:
+                q, k, v, do = _problem(args)
+                o, lse = api.attention_forward(q, k, v, causal=args.causal, impl=target)
+                if IMPLS[target].backward is not None:
+                    api.attention_backward(q, k, v, o, lse, do, causal=args.causal, impl=target)
+            elif os.path.isfile(target):
+                runpy.run_path(target, run_name="__main__")
+            else:
+                print(f"flashnb sanitize: {target!r} is neither an impl ({', '.join(IMPLS)}) nor a Python file",
+                      file=sys.stderr)
+                return 2
+        print(f"{target}: {report}")
+        found |= bool(report)
+    return 1 if found else 0
+
+
+def profile_rows(impls, *, BH=1, Nq=64, Nk=64, d=32, causal=False, seed=0):
+    """Every impl in ``impls`` (forward, and backward where it has one) under :func:`flashnb.sim.profile`:
+    one dict per (impl, pass) with the global sectors and shared wavefronts per request, their ideals, the
+    bank conflicts, and the :class:`~flashnb.sim.memprofile.MemoryProfile` itself (``"profile"``)."""
+    from types import SimpleNamespace
+
+    from . import api, sim
+    from .registry import IMPLS
+
+    q, k, v, do = _problem(SimpleNamespace(bh=BH, nq=Nq, nk=Nk, d=d), seed)
+    rows = []
+    for name in impls:
+        for direction in ("forward", "backward"):
+            if direction == "backward" and IMPLS[name].backward is None:
+                continue
+            if direction == "forward":
+                with sim.profile() as prof:
+                    api.attention_forward(q, k, v, causal=causal, impl=name)
+            else:
+                o, lse = api.attention_forward(q, k, v, causal=causal, impl=name)
+                with sim.profile() as prof:
+                    api.attention_backward(q, k, v, o, lse, do, causal=causal, impl=name)
+            row = {"impl": name, "pass": direction, "profile": prof}
+            for memory, op in (("global", "ld"), ("global", "st"), ("shared", "ld"), ("shared", "st")):
+                t = prof.total(memory=memory, op=op)
+                row[f"{memory}_{op}"] = t["cost"] / t["requests"] if t["requests"] else None
+                row[f"{memory}_{op}_ideal"] = t["ideal"] / t["requests"] if t["requests"] else None
+            row["bank_conflicts"] = prof.total(memory="shared")["bank_conflicts"]
+            rows.append(row)
+    return rows
+
+
+def cmd_profile(args) -> int:
+    from .registry import IMPLS
+
+    if (code := _simulator_only("profile")) is not None:
+        return code
+    impls = args.impl or sorted(IMPLS, key=lambda n: (IMPLS[n].stage, n))
+    unknown = [n for n in impls if n not in IMPLS]
+    if unknown:
+        print(f"flashnb profile: unknown impl(s) {unknown}; choose from {', '.join(IMPLS)}", file=sys.stderr)
+        return 2
+    print(f"flashnb profile on the simulator: BH={args.bh}, Nq={args.nq}, Nk={args.nk}, d={args.d}, "
+          f"causal={args.causal}; per warp request (ideal in brackets): global 32-byte sectors, shared wavefronts")
+    rows = profile_rows(impls, BH=args.bh, Nq=args.nq, Nk=args.nk, d=args.d, causal=args.causal)
+
+    def cell(r, key):
+        return "-" if r[key] is None else f"{r[key]:.2f} ({r[key + '_ideal']:.2f})"
+
+    print(f"{'impl':<10} {'pass':<9} {'global ld':>13} {'global st':>13} {'shared ld':>13} {'shared st':>13} "
+          f"{'bank confl.':>11}")
+    for r in rows:
+        print(f"{r['impl']:<10} {r['pass']:<9} {cell(r, 'global_ld'):>13} {cell(r, 'global_st'):>13} "
+              f"{cell(r, 'shared_ld'):>13} {cell(r, 'shared_st'):>13} {r['bank_conflicts']:>11,}")
+    if args.lines:
+        for r in rows:
+            worst = r["profile"].worst(args.lines)
+            if worst:
+                print(f"\n{r['impl']} {r['pass']}: the {len(worst)} line(s) that waste the most")
+                print(r["profile"].table(worst))
+    print("\nCounted on the simulator: program-level accesses grouped into warp requests (the k-th access of a "
+          "line by a warp's lanes); no cache modelling. Names and caveats: flashnb.sim.memprofile.")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="flashnb", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -187,6 +298,21 @@ def main(argv=None) -> int:
                    add_help=False)
     sub.add_parser("bench", help="time every impl over N (and d) on a GPU; CSV + plot with provenance",
                    add_help=False)
+    san = sub.add_parser("sanitize", help="run impls or a script under memcheck, racecheck, initcheck and synccheck "
+                         "(simulator)")
+    san.add_argument("target", nargs="+", help="impl name(s), 'all', or a Python script to run")
+    san.add_argument("--tool", action="append", choices=("memcheck", "racecheck", "initcheck", "synccheck"),
+                     help="a tool to run (repeat for several; default: all four)")
+    prof = sub.add_parser("profile", help="global sectors and shared-memory bank conflicts per warp request of "
+                          "every impl (simulator)")
+    prof.add_argument("impl", nargs="*", help="impl name(s); default: all")
+    prof.add_argument("--lines", type=int, default=3, help="show the N most wasteful source lines per pass")
+    for p, (nq, nk, d) in ((san, (24, 40, 8)), (prof, (64, 64, 32))):
+        p.add_argument("--bh", type=int, default=1, help="batch x heads")
+        p.add_argument("--nq", type=int, default=nq, help="query length")
+        p.add_argument("--nk", type=int, default=nk, help="key length")
+        p.add_argument("--d", type=int, default=d, help="head dimension")
+        p.add_argument("--no-causal", dest="causal", action="store_false", help="no causal mask")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("inspect", "bench"):
         if argv[0] == "inspect":
@@ -201,6 +327,10 @@ def main(argv=None) -> int:
         return cmd_info(args)
     if args.command == "tour":
         return cmd_tour(args)
+    if args.command == "sanitize":
+        return cmd_sanitize(args)
+    if args.command == "profile":
+        return cmd_profile(args)
     return 2
 
 

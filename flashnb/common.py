@@ -158,7 +158,13 @@ def empty(shape, *, poison: bool | None = None):
         poison = getattr(_poison, "enabled", True)
     if not poison:
         return cuda.device_array(shape, dtype=np.float32)
-    return cuda.to_device(np.full(shape, np.nan, dtype=np.float32))
+    out = cuda.to_device(np.full(shape, np.nan, dtype=np.float32))
+    for hook in poison_hooks:
+        hook(out)
+    return out
+
+
+poison_hooks: list = []  # callables(device array) told of every poisoned output; the sanitizer's initcheck uses it
 
 
 _state = threading.local()

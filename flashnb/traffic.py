@@ -60,8 +60,9 @@ class TrafficError(RuntimeError):
 
 _stack: list["Traffic"] = []     # active counters, outermost first: every launch is recorded in all of them
 _current: "_Recorder | None" = None  # the launch being counted (the simulator runs one launch at a time)
-# observer_factory(label, kernel_name) -> an object with access(kind, proxy, idx) and finish(); set by
-# flashnb.sim.racecheck: while it is set, every element access of a counted launch is also shown to it
+# observer_factory(label, kernel_name) -> an object with index(op, proxy, idx), access(op, proxy, idx), finish() and
+# an optional ``locals`` flag; set by flashnb.sim.racecheck, flashnb.sim.sanitize and flashnb.sim.profile: while
+# it is set, every access of a counted launch is also shown to it (local arrays too when ``locals`` is True)
 observer_factory = None
 _install_lock = threading.Lock()
 _installed = False
@@ -120,25 +121,27 @@ class _Counted:
     a sub-array returns a view proxy sharing the name (and so the counts).
     """
 
-    __slots__ = ("_a", "_rec", "_kr", "_kw", "_ka", "shape", "ndim", "size", "dtype", "_fake_shape")
+    __slots__ = ("_a", "_rec", "_kr", "_kw", "_ka", "shape", "ndim", "size", "dtype", "_fake_shape", "_pre")
 
-    def __init__(self, a: np.ndarray, rec: _Recorder, keys: tuple, fake_shape: bool):
+    def __init__(self, a: np.ndarray, rec: _Recorder, keys: tuple, fake_shape: bool, pre: tuple = ()):
         self._a = a
         self._rec = rec
         self._kr, self._kw, self._ka = keys
         self._fake_shape = fake_shape
+        self._pre = pre   # the index that made this view (A[z] -> (z,)), for messages
         self.shape = _FakeShape(a.shape) if fake_shape else a.shape
         self.ndim = a.ndim
         self.size = a.size
         self.dtype = a.dtype
 
-    def _view(self, sub):
-        return type(self)(sub, self._rec, (self._kr, self._kw, self._ka), self._fake_shape)
+    def _view(self, sub, idx=()):
+        pre = self._pre + (idx if type(idx) is tuple else (idx,))
+        return type(self)(sub, self._rec, (self._kr, self._kw, self._ka), self._fake_shape, pre)
 
     def __getitem__(self, idx):
         r = self._a[idx]
         if type(r) is np.ndarray:
-            return self._view(r)
+            return self._view(r, idx)
         try:
             c = self._rec.tls.c
         except AttributeError:
@@ -182,23 +185,35 @@ class _Counted:
 
 
 class _Observed(_Counted):
-    """A :class:`_Counted` that also shows every element access to the launch's observer (racecheck)."""
+    """A :class:`_Counted` that also shows every access to the launch's observer (the sanitizer tools and the
+    memory profiler of :mod:`flashnb.sim`): ``observer.index(op, proxy, idx)`` *before* any indexing (so a bounds
+    check runs before NumPy would wrap a negative index), ``observer.access(op, proxy, idx)`` after each element
+    read (``"r"``) or write (``"w"``)."""
 
     __slots__ = ()
 
     def __getitem__(self, idx):
+        obs = self._rec.observer
+        obs.index("r", self, idx)
         r = _Counted.__getitem__(self, idx)
         if type(r) is not _Observed:  # an element, not a view
-            self._rec.observer.access("r", self, idx)
+            obs.access("r", self, idx)
         return r
 
     def __setitem__(self, idx, value):
+        obs = self._rec.observer
+        obs.index("w", self, idx)
         _Counted.__setitem__(self, idx, value)
-        self._rec.observer.access("w", self, idx)
+        obs.access("w", self, idx)
 
 
 def _proxy(a, rec, keys, fake_shape):
     return (_Counted if rec.observer is None else _Observed)(a, rec, keys, fake_shape)
+
+
+def memory_of(proxy) -> str:
+    """``"global"``, ``"shared"`` or ``"local"``: where the array behind a counting proxy lives."""
+    return {"r": "global", "sr": "shared", "lr": "local"}[proxy._kr[0]]
 
 
 def _shared_var_name(filename: str, lineno: int) -> str:
@@ -328,12 +343,33 @@ def _install() -> None:
         array.__wrapped__ = shared_array
         kernelapi.FakeCUDAShared.array = array
 
+        local_array = kernelapi.FakeCUDALocal.array
+
+        def local(self, shape, dtype, alignment=None):
+            # Local arrays are per-thread registers/local memory: never counted, but an observer that asks for
+            # them (the sanitizer's memcheck and initcheck, ``observer.locals``) sees their accesses.
+            res = local_array(self, shape, dtype, alignment)
+            rec = _current
+            if rec is None or rec.observer is None or not getattr(rec.observer, "locals", False):
+                return res
+            frame = sys._getframe(1)
+            name = rec.shared_name((frame.f_code.co_filename, frame.f_lineno))
+            proxy = _Observed(res, rec, (("lr", name), ("lw", name), ("la", name)), False)
+            rec.observer.new_local(proxy)
+            return proxy
+
+        local.__wrapped__ = local_array
+        kernelapi.FakeCUDALocal.array = local
+
         def wrap_atomic(fn):
             def atomic(self, array, *args):
                 if isinstance(array, _Counted):
+                    obs = array._rec.observer
+                    if obs is not None:
+                        obs.index("a", array, args[0])
                     _bump(array._rec, array._ka, 1)
-                    if array._rec.observer is not None:
-                        array._rec.observer.access("a", array, args[0])
+                    if obs is not None:
+                        obs.access("a", array, args[0])
                     array = array._a  # the simulator's read-modify-write on the raw array: not counted
                 return fn(self, array, *args)
 
@@ -379,7 +415,7 @@ class LaunchTraffic:
         slot = dict(r=out.reads, w=out.writes, a=out.atomics, sr=out.shared_reads, sw=out.shared_writes,
                     sa=out.shared_atomics)
         for (kind, name), n in sorted(rec.totals().items()):
-            if n:
+            if n and kind in slot:   # local arrays (seen only by an observer) are not traffic
                 slot[kind][name] = n
         return out
 

@@ -1,5 +1,5 @@
 """flashnb.sim.racecheck: hand-made races are found (and their fixed versions are not), then every
-registered implementation runs race-free, forward and backward, causal and not, at sizes with several tiles."""
+registered implementation runs race-free (in tests/test_sim_sanitizer.py, as one of the four tools)."""
 
 import numpy as np
 import pytest
@@ -8,7 +8,6 @@ from numba import cuda, float32
 import flashnb
 from flashnb import sim
 from flashnb.common import launch, to_device
-from flashnb.registry import IMPLS
 from flashnb.sim import racecheck
 
 pytestmark = pytest.mark.skipif(flashnb.MODE != "sim", reason="simulator-only tool")
@@ -102,22 +101,8 @@ def test_racecheck_cannot_nest_and_needs_the_simulator_runtime():
                 pass
 
 
-# Small tiles so every loop runs several iterations with several warps: the races a missing barrier makes
-# are between one iteration's reads of a shared tile and the next iteration's reload of it.
-OPTIONS = {"fa1": dict(Br=8, Bc=16, warps=2), "fa2": dict(Br=16, Bc=16, warps=2)}
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("name", list(IMPLS))
-def test_every_impl_is_race_free(name, causal):
-    rng = np.random.default_rng(7)
-    q, k, v, do = (rng.standard_normal((1, n, 8)) for n in (24, 40, 40, 24))   # Nk not a multiple of a tile
-    entry, opts = IMPLS[name], OPTIONS.get(name, {})
-    with racecheck.check() as report:          # raises RaceError listing every race it finds
-        o, lse = flashnb.attention_forward(q, k, v, causal=causal, impl=name, **opts)
-        if entry.backward is not None:
-            flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, impl=name, **opts)
-    assert report.launches >= 1 and not report.races
+# Every registered impl (forward and backward, causal and not) and the stage-2 kernels run race-free under
+# racecheck as one of the sanitizer's tools: tests/test_sim_sanitizer.py (test_every_impl_passes_all_four_tools).
 
 
 def test_launch_through_common_launch_is_watched():
@@ -126,21 +111,3 @@ def test_launch_through_common_launch_is_watched():
     with racecheck.check(raise_on_race=False) as report:
         launch(rotate, 1, 64, x, out, False, label="rotate (no barrier)")
     assert report.races and report.races[0].launch == "rotate (no barrier)"
-
-
-def test_softmax_kernels_are_race_free():
-    # the stage-2 kernels that no impl launches: the three softmaxes with block and warp reductions (two
-    # warps, so the warp partials meet in shared memory), the chunked online partials, one-pass attention
-    # rows (key by key, and tiled with several key tiles)
-    from flashnb import softmax
-
-    x = np.random.default_rng(3).standard_normal((3, 100))
-    q, k, v = (np.random.default_rng(4).standard_normal(s) for s in ((5, 8), (37, 8), (37, 8)))
-    with racecheck.check() as report:
-        for method in softmax.METHODS:
-            for reduce in softmax.REDUCTIONS:
-                softmax.softmax(x, method, reduce=reduce, threads=64)
-        softmax.online_partials(x, 3, threads=32)
-        softmax.attention_rows(q, k, v, causal=True, tile=None)   # key by key from global memory
-        softmax.attention_rows(q, k, v, causal=True, tile=4)      # K, V tiles through shared memory
-    assert report.launches == 9 and not report.races

@@ -14,7 +14,9 @@ internals are the ones this code was written against (SHA-256 of their source); 
 stock simulator alone and warns once.
 
 API: :func:`install` (idempotent; returns True when the patch is active), :func:`uninstall`,
-:func:`is_installed`, :func:`self_test`.
+:func:`is_installed`, :func:`self_test`.  Tools built on it: :func:`sanitize` (compute-sanitizer's memcheck,
+racecheck, initcheck and synccheck; :mod:`flashnb.sim.sanitizer`), :mod:`flashnb.sim.racecheck`, and
+:func:`profile` (Nsight-Compute-style sectors per request and bank conflicts; :mod:`flashnb.sim.memprofile`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import warnings
 
 from .. import runtime
 
-__all__ = ["install", "uninstall", "is_installed", "self_test", "EXPECTED_SOURCE_SHA256", "SimulatorDeadlock"]
+__all__ = ["install", "uninstall", "is_installed", "self_test", "EXPECTED_SOURCE_SHA256", "SimulatorDeadlock",
+           "sanitize", "SanitizerError", "profile"]
 
 #: SHA-256 of ``inspect.getsource`` of every simulator internal the patch replaces or relies on (numba-cuda 0.30.4).
 EXPECTED_SOURCE_SHA256 = {
@@ -38,12 +41,25 @@ EXPECTED_SOURCE_SHA256 = {
 _state = {"installed": False, "warned": False, "stock_block_manager": None, "problem": None}
 
 
-def __getattr__(name):  # SimulatorDeadlock without importing the simulator at ``import flashnb.sim``
-    if name == "SimulatorDeadlock":
-        from .fastbarrier import SimulatorDeadlock
+_LAZY = {  # name -> (submodule, attribute or None for the module itself), imported on first use
+    "SimulatorDeadlock": ("fastbarrier", "SimulatorDeadlock"),
+    "racecheck": ("racecheck", None),
+    "sanitizer": ("sanitizer", None),
+    "memprofile": ("memprofile", None),
+    "sanitize": ("sanitizer", "sanitize"),
+    "SanitizerError": ("sanitizer", "SanitizerError"),
+    "profile": ("memprofile", "profile"),
+}
 
-        return SimulatorDeadlock
-    raise AttributeError(name)
+
+def __getattr__(name):  # tools without importing the simulator at ``import flashnb.sim``
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        mod = importlib.import_module(f"{__name__}.{module}")
+        return mod if attr is None else getattr(mod, attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _source_problem(kernel, kernelapi):

@@ -33,6 +33,31 @@ __all__ = ["FastBlockManager", "FastBlockThread", "SimulatorDeadlock", "WarpRoun
 #: full mask" bugs, which often work by accident on a GPU.
 STRICT_EXITED_LANES = False
 
+#: Set by the sanitizer's synccheck (:mod:`flashnb.sim.sanitize`): an object whose ``barrier(block, sites,
+#: exited)`` is told, each time a block barrier is released, where each waiting thread called it from
+#: (``{thread id: "file:line (function)"}``) and which threads of the block had already returned.
+sync_observer = None
+
+_SIM_FILES = None
+
+
+def _caller_site() -> str:
+    """file:line (function) of the kernel code that called ``cuda.syncthreads()`` (simulator frames skipped)."""
+    global _SIM_FILES
+    import os
+    import sys
+
+    if _SIM_FILES is None:
+        from numba.cuda.simulator import kernelapi
+
+        _SIM_FILES = {__file__, _sim_kernel.__file__, kernelapi.__file__}
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename in _SIM_FILES:
+        f = f.f_back
+    if f is None:  # pragma: no cover
+        return "?"
+    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} ({f.f_code.co_name})"
+
 
 class SimulatorDeadlock(RuntimeError):
     """Every live thread of a block waits for something that can no longer happen (a hang on a GPU)."""
@@ -41,11 +66,12 @@ class SimulatorDeadlock(RuntimeError):
 class _Generation:
     """One use of the block barrier (threads of the next use wait on a fresh generation)."""
 
-    __slots__ = ("waiters", "done")
+    __slots__ = ("waiters", "done", "sites")
 
     def __init__(self):
         self.waiters = []
         self.done = False
+        self.sites = {}   # thread id -> call site, recorded only while a synccheck observer is set
 
 
 class WarpRound:
@@ -84,6 +110,7 @@ class FastBlockThread(_sim_kernel.BlockThread):
 
     def syncthreads(self):
         m = self._manager
+        site = _caller_site() if sync_observer is not None else None
         with m.lock:
             if self.abort:
                 raise RuntimeError("abort flag set on syncthreads call")
@@ -93,6 +120,8 @@ class FastBlockThread(_sim_kernel.BlockThread):
             self.waiting_at = "syncthreads"
             self.gated = True
             gen.waiters.append(self)
+            if site is not None:
+                gen.sites[self.thread_id] = site
             if not m._release_barrier_if_complete():
                 m._check_deadlock()
         self._block()
@@ -219,6 +248,9 @@ class FastBlockManager(_sim_kernel.BlockManager):
             self.running += self.at_barrier
             self.at_barrier = 0
             gen.done = True
+            observer = sync_observer
+            if observer is not None and gen.sites:
+                observer.barrier(tuple(self.threads[0].blockIdx), gen.sites, sorted(self.exited))
             for t in gen.waiters:
                 self._wake(t)
             return True
