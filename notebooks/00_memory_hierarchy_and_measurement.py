@@ -190,22 +190,59 @@ print(f"x: {reads} element reads of {n} distinct elements ({reads / n:.2f} reads
 # close to one read per element. So measured DRAM bytes can be **lower** than the count wherever a cache
 # catches re-reads.
 #
-# They can also be **higher**. DRAM is read in 32-byte *sectors*; a warp's 32 loads are *coalesced* into as
-# few sectors as their addresses allow. The counter knows nothing of this. Two access patterns with the same
-# count, worked out from the addresses a warp would touch:
+# They can also be **higher**. DRAM is read in 32-byte *sectors*; the 32 lanes of a warp execute a load
+# together (one *request*), and the hardware serves it with as few sectors as the lanes' addresses allow
+# (*coalescing*). The element counter knows nothing of this; `flashnb.sim.profile()` does. It groups the
+# accesses of each warp into requests -- the k-th access of a source line by the lanes of one warp -- and counts
+# the distinct sectors each request touches, under Nsight Compute's metric names. Three copies of one row of
+# 32 floats, with the same element count:
 
 # %%
-SECTOR = 32   # bytes
-lanes = np.arange(32)
-for name, idx in (("contiguous x[lane]", lanes), ("strided   x[32*lane]", 32 * lanes)):
-    sectors = len(np.unique(idx * 4 // SECTOR))
-    print(f"{name}: counted {len(idx)} elements = {4 * len(idx)} B; DRAM sectors touched {sectors} "
-          f"= {sectors * SECTOR} B")
+from flashnb import sim
+
+
+@cuda.jit
+def copy_patterns(A, out):
+    lane = cuda.threadIdx.x
+    out[0, lane] = A[0, lane]      # lanes read consecutive floats: 128 bytes, 4 sectors
+    out[1, lane] = A[lane, 0]      # lanes read down a column: rows are 256 bytes apart, a sector each
+    out[2, lane] = A[0, 0]         # every lane reads the same float: one sector, broadcast
+
+
+A = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+out3 = np.zeros((3, 32), np.float32)
+with sim.profile() as prof:
+    copy_patterns[1, 32](A, out3)
+print(prof.table(prof.select(array="A")))
+assert [s.per_request for s in prof.select(array="A")] == [4, 32, 1]
+assert np.array_equal(out3, np.stack([A[0, :32], A[:32, 0], np.full(32, A[0, 0])]))
+print({k: v for k, v in prof.metrics()["copy_patterns"].items() if "global_op_ld" in k})
 
 # %% [markdown]
-# Same count, many times the bytes for the strided pattern (the ratio of the two sector counts printed above). flashnb's counts are therefore best read as
-# "how many times does the *algorithm* touch each array" — exactly the quantity of the FlashAttention papers'
-# IO-complexity theorems — and not as a DRAM meter.
+# Same element count, eight times the sectors for the column (32 per request against the ideal 4): measured
+# DRAM bytes can exceed the count wherever a warp's lanes are scattered. Shared memory has its own version of
+# this: 32 *banks* of 4-byte words, word $w$ in bank $w \bmod 32$; a request costs as many *wavefronts* as the
+# most distinct words any one bank must deliver (lanes reading the same word share it). The profiler counts
+# those too, and it finds the two known cases in flashnb's own kernels -- FlashAttention-2's forward stores its
+# $Q_i$ and $K_j$ tiles *transposed* (lane $k$ writes word $k \cdot B_r + r$: one bank for every lane), and
+# FlashAttention-1 gives each lane a row of $Q_i$ to read (stride $d$):
+
+# %%
+rng = np.random.default_rng(1)
+qp, kp, vp = (rng.standard_normal((1, 64, 32)) for _ in range(3))
+for impl in ("fa2", "fa1"):
+    with sim.profile() as prof:
+        flashnb.attention_forward(qp, kp, vp, impl=impl)
+    print(f"{impl}: the lines that waste the most")
+    print(prof.table(prof.worst(2)))
+    assert prof.worst(1)[0].per_request == 32
+
+# %% [markdown]
+# `flashnb profile` prints this for every implementation. These are still program-level counts (the compiler
+# may keep a value in a register instead of reloading it) with no cache modelling: `flashnb.sim.memprofile`
+# lists how they differ from what Nsight Compute measures. flashnb's counts are therefore best read as "how many
+# times does the *algorithm* touch each array" -- exactly the quantity of the FlashAttention papers'
+# IO-complexity theorems -- and the profiler as "how well would a GPU's memory system serve those touches".
 #
 # The counter works the same on flashnb's own kernels, and each stage has an analytic model in the same
 # format that the tests check for exact equality. FlashAttention-2's forward at a small size:
@@ -360,20 +397,18 @@ print("lane 31 after shfl_down:", down[[31, 63]], "= 32 x", xs[[31, 63]])
 show_source(fa2.make_forward)
 
 # %% [markdown]
-# ### The bug the simulator hides: a missing barrier
+# ### The bugs the simulator hides, and the sanitizer that finds them
 #
 # Threads of a block that share a tile must wait at `cuda.syncthreads()` between writing it and reading what
 # *other* threads wrote. Leave the barrier out and a GPU may read stale values; the simulator, which runs the
-# threads of a block in turn, often happens to read the right ones and the mistake goes unseen.
-# `flashnb.sim.racecheck.check()` finds it anyway: it remembers, for every element, which thread last wrote it
-# and how many barriers that thread had passed, and reports two accesses by different threads, at least one a
-# write, that no barrier (or, within a warp, no `syncwarp`) separates. Here each thread writes its slot and
-# reads its neighbour's:
+# threads of a block in turn, often happens to read the right ones and the mistake goes unseen. It hides
+# three more: NumPy quietly *wraps* a negative index (`x[-1]` is the last element; on a GPU it is whatever lies
+# before the array), the simulator's shared arrays start as whatever the previous block left there (an
+# uninitialised read looks plausible), and a `syncthreads()` that only some threads reach is undefined
+# behaviour in CUDA. `flashnb.sim.sanitize()` is compute-sanitizer's four tools on the simulator: **memcheck**,
+# **racecheck**, **initcheck** and **synccheck**. Here each thread writes its slot and reads its neighbour's:
 
 # %%
-from flashnb.sim import racecheck
-
-
 @cuda.jit
 def rotate(x, out, barrier):
     sh = cuda.shared.array(64, float32)
@@ -386,15 +421,33 @@ def rotate(x, out, barrier):
 
 x64, out64 = np.arange(64, dtype=np.float32), np.zeros(64, np.float32)
 for barrier in (False, True):
-    with racecheck.check(raise_on_race=False) as report:
+    with sim.sanitize(raise_on_error=False) as report:
         rotate[1, 64](x64, out64, barrier)
     print(f"barrier={barrier}: output right: {np.array_equal(out64, np.roll(x64, -1))};", report)
+    assert bool(report) != barrier
 
 # %% [markdown]
 # Without the barrier, whether the output comes out right depends on the order the threads happen to run in
 # (the line above says what it was this time), on the simulator as on a GPU; racecheck reports the race either
-# way and names the two lines (in a notebook, a cell's "file" is a number). Every flashnb kernel, forward and backward, is run under racecheck by the tests
-# (`tests/test_sim_racecheck.py`), with tiles small enough that every loop reloads its shared tiles.
+# way and names the two lines (in a notebook, a cell's "file" is a number), and initcheck adds the reads that ran
+# before the write they needed. And an off-by-one that NumPy would have wrapped:
+
+# %%
+@cuda.jit
+def shift_right(x, out):
+    t = cuda.threadIdx.x
+    out[t] = x[t - 1]          # thread 0 reads x[-1]
+
+
+with sim.sanitize(raise_on_error=False) as report:
+    shift_right[1, 32](x64, out64)
+print(report)
+assert report.findings[0].tool == "memcheck"
+
+# %% [markdown]
+# Every flashnb kernel, forward and backward, passes all four tools in the tests
+# (`tests/test_sim_sanitizer.py`), with tiles small enough that every loop reloads its shared tiles;
+# `flashnb sanitize my_script.py` runs a script of your own under them.
 #
 # ## 6 · What a GPU adds
 #
@@ -449,13 +502,13 @@ print(f"notebook ran in {runtime_s:.1f} s (simulator wall time: says nothing abo
 # 2. Rewrite `moving_average3` so each block first copies its slice of `x` (plus one element on each side) into
 #    a `cuda.shared.array`, then averages from shared memory. Count it: how do the global reads per element
 #    change, and where did the other reads go?
-# 3. Change the strided pattern of section 3 to stride 2 and stride 8. How many sectors does a warp touch? At
-#    which stride does the strided read stop getting any worse?
+# 3. Add lines to `copy_patterns` that read `A[0, 2 * lane]` and `A[0, 8 * lane]`, and profile them. How many
+#    sectors does a request touch? At which stride does the strided read stop getting any worse, and why?
 # 4. With `flashnb.inspect.occupancy`, find how many registers per thread `fa2.forward` (128 threads per block)
 #    could use on sm_90 before dropping from its current number of blocks per SM to one fewer.
 # 5. Write a warp *inclusive scan* with `shfl_up_sync` (lane $i$ ends with the sum of lanes $0..i$) and check it
 #    against `np.cumsum`. What must a lane do when `lane - offset` is negative?
 # 6. Copy `fa2.make_forward`, delete the `cuda.syncthreads()` marked "every warp is done with K_{j-1}, V_{j-1}",
-#    and run the copy under `racecheck.check()` with two warps and several key tiles. Which shared arrays does
+#    and run the copy under `sim.sanitize()` with two warps and several key tiles. Which shared arrays does
 #    it report, and which two lines? Does the output still match the reference on the simulator, and why is
 #    that no evidence about a GPU?

@@ -61,8 +61,13 @@ class Race:
     count: int = 1       # how many element pairs had this (kind, array, lines)
 
     def __str__(self):
-        return (f"{self.kind} race on {self.memory} {self.array}{list(self.index)} in launch {self.launch!r} "
-                f"({self.count}x): {self.first.op} by block {self.first.block} thread {self.first.thread} at "
+        return self.describe()
+
+    def describe(self, count: bool = True) -> str:
+        """One sentence: the element, the launch, the two accesses (and, with ``count``, how often)."""
+        times = f" ({self.count}x)" if count else ""
+        return (f"{self.kind} race on {self.memory} {self.array}{list(self.index)} in launch {self.launch!r}"
+                f"{times}: {self.first.op} by block {self.first.block} thread {self.first.thread} at "
                 f"{self.first.where}, {self.second.op} by block {self.second.block} thread "
                 f"{self.second.thread} at {self.second.where}")
 

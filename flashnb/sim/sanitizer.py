@@ -141,6 +141,7 @@ class _Session:
 
     # -- hooks
     def observer(self, label, kernel):
+        self.report.launches += 1       # counted when it starts: a launch memcheck aborts counts too
         self.launch = _LaunchObserver(self, label, kernel)
         return self.launch
 
@@ -293,7 +294,6 @@ class _LaunchObserver:
                    where, (name,))
 
     def finish(self):
-        self.s.report.launches += 1
         if self.race is not None:
             self.race.finish()
 
@@ -342,7 +342,8 @@ def sanitize(tools=TOOLS, raise_on_error: bool = True):
             common.poison_hooks.remove(session.poisoned_output)
         session.launch = None
     for race in session.races.races:
-        report.findings.append(Finding("racecheck", race.kind + " race", race.launch, race.launch, str(race),
+        report.findings.append(Finding("racecheck", race.kind + " race", race.launch, race.launch,
+                                       race.describe(count=False),
                                        f"{race.first.where} / {race.second.where}", race.count))
     if raise_on_error and report.findings:
         raise SanitizerError(str(report)) from aborted
