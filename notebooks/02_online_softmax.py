@@ -205,8 +205,8 @@ ax.set_xlim(0, TPB)
 ax.set_ylim(-len(levels) + 0.4, 0.6)
 ax.axis("off")
 ax.set_title("[m, d] ⊕ tree over 8 threads (top: each thread's strided scan; bottom: the row's state)")
-print("saved", savefig(fig, "02_merge_tree"))
-plt.close(fig)
+savefig(fig, "02_merge_tree")
+plt.show()
 
 # %% [markdown]
 # ## 5 · All variants against float64, on adversarial rows
@@ -267,8 +267,8 @@ ax.bar(names, [counts[m][1] for m in names], bottom=[counts[m][0] for m in names
 ax.set_ylabel("global accesses per element (counted)")
 ax.set_title("Softmax: counted HBM accesses per element")
 ax.legend()
-print("saved", savefig(fig, "02_accesses_per_element"))
-plt.close(fig)
+savefig(fig, "02_accesses_per_element")
+plt.show()
 
 # %% [markdown]
 # The online algorithm has the unsafe one's traffic and the safe one's robustness. The shared-memory traffic of
@@ -315,7 +315,8 @@ from flashnb import bench  # noqa: E402
 # on a GPU only, in a process of its own (this one runs the simulator); gb_per_s = modelled bytes / median time
 gpu_rows = bench.on_gpu("flashnb.softmax:measure_gpu", rows=4096, n=4096, threads=256)
 print(bench.table(gpu_rows, ["method", "median_ms", "q1_ms", "q3_ms", "model_bytes", "gb_per_s", "gpu_name"]))
-#
+
+# %% [markdown]
 # ## 8 · One-pass attention for a query row
 #
 # In attention a query row's scores are $x_j = \tau\, q \cdot k_j$ and the output is

@@ -237,7 +237,8 @@ ax1.set_ylabel("elements moved (reads up, writes down)")
 ax1.set_title(f"HBM traffic per step, N={N_s}, d={d_s}, Br={Br_s}, Bc={Bc_s}")
 ax1.legend(fontsize=8, loc="upper right")
 fig.tight_layout()
-print(savefig(fig, "03_fa1_tile_schedule"))
+savefig(fig, "03_fa1_tile_schedule")
+plt.show()
 
 # %% [markdown]
 # ## 5 · Counted global traffic against standard attention as N grows
@@ -282,7 +283,8 @@ ax.set_xlabel("sequence length N")
 ax.set_ylabel("global elements read + written (one head)")
 ax.set_title(f"forward, d = {d_c}")
 ax.legend(fontsize=8)
-print(savefig(fig, "03_fa1_traffic_vs_N"))
+savefig(fig, "03_fa1_traffic_vs_N")
+plt.show()
 print(f"at N = {Ns[-1]}: naive / FA1 = {naive_model[-1] / fa1_model[-1]:.1f}x fewer elements for FA1")
 
 # %% [markdown]
@@ -329,7 +331,8 @@ ax2.set_ylabel("modelled ms (not measured)")
 ax2.set_ylim(0, None)
 fig.legend(fontsize=8, loc="upper center", ncol=3, bbox_to_anchor=(0.5, 0.0))
 ax.set_title("GPT-2 medium fwd+bwd on A100 40GB: traffic and modelled runtime")
-print(savefig(fig, "03_fa1_block_size_sweep"))
+savefig(fig, "03_fa1_block_size_sweep")
+plt.show()
 
 # %% [markdown]
 # Traffic roughly halves with every doubling of $B_c$ (its leading term is $\propto T_c$). The modelled runtime

@@ -180,7 +180,8 @@ ax.set_xlabel("sequence length N")
 ax.set_ylabel("global elements read + written (one head)")
 ax.set_title(f"backward, d = {d_c}")
 ax.legend(fontsize=8)
-print(savefig(fig, "04_fa1_backward_traffic_vs_N"))
+savefig(fig, "04_fa1_backward_traffic_vs_N")
+plt.show()
 print(f"at N = {Ns[-1]}: naive / FA1 backward traffic = {naive_b[-1] / fa1_b[-1]:.1f}x")
 
 # %% [markdown]
@@ -246,7 +247,8 @@ ax.set_xlabel("sequence length N")
 ax.set_ylabel("MB (forward + backward)")
 ax.set_title("memory, batch 16, 8 heads, d = 64")
 ax.legend(fontsize=8)
-print(savefig(fig, "04_fa1_memory_vs_N"))
+savefig(fig, "04_fa1_memory_vs_N")
+plt.show()
 
 # %% [markdown]
 # The shapes agree with the paper: standard attention grows as $N^2$ (the backward holds $S$, $P$, $dP$, $dS$,

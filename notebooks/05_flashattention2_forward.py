@@ -171,6 +171,7 @@ ax.set_ylabel("SMs with a thread block (%)")
 ax.set_title(f"N = {N}, d = 64 (FA2 Br = {fa2.default_tiles(64)['Br']})")
 ax.legend(fontsize=7)
 savefig(fig, "05_busy_sms")
+plt.show()
 Tr = -(-N // fa2.default_tiles(64)["Br"])       # FA2's query blocks per head
 h100 = roofline.get_gpu("H100 SXM").sm_count
 for bh in (1, 8, 32):
@@ -255,6 +256,7 @@ for (r, c), value in np.ndenumerate(sub):
 axes[1].set_title(f"warp 0 (rows 0-{rows_w - 1}): lane id; colour = lane column lc")
 axes[1].set_xlabel("key column j")
 savefig(fig, "05_warp_layout")
+plt.show()
 
 # %% [markdown]
 # ## Causal: skip the blocks above the diagonal
@@ -281,6 +283,7 @@ for ax, (Nq, Nk) in zip(axes, ((256, 256), (128, 256))):
     ax.set_xlabel("K/V tile j")
     ax.set_ylabel("Q tile i")
 savefig(fig, "05_causal_tiles")
+plt.show()
 full = len(fa2.tiles_visited(256, 256, 32, 32, False))
 half = len(fa2.tiles_visited(256, 256, 32, 32, True))
 print(f"N = 256, 32 x 32 tiles: causal visits {half} of {full} tiles ({half / full:.0%})")
@@ -330,6 +333,7 @@ fig, ax = plt.subplots(figsize=(7, 3))
 ax.barh(list(rows), [4 * total(m) / 1e6 for m in rows.values()])
 ax.set_xlabel("HBM traffic (MB, float32), N = 256, d = 32, one head")
 savefig(fig, "05_traffic_stages")
+plt.show()
 
 # %% [markdown]
 # ## Resources: registers and occupancy, FA1 vs FA2

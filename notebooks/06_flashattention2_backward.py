@@ -183,6 +183,7 @@ ax.set_xticks(range(len(rows)), list(rows))
 ax.set_ylabel("MB (float32), N = 1024, d = 64")
 ax.legend()
 savefig(fig, "06_backward_traffic")
+plt.show()
 
 
 def in_n(arrays, N):

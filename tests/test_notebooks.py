@@ -1,5 +1,7 @@
 """Every notebook is a jupytext pair: the .py (reviewed in diffs) and the .ipynb (executed by CI) must agree."""
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -43,3 +45,24 @@ def test_notebook_counts_on_the_simulator_and_measures_in_a_gpu_process(py):
     code = "\n".join(ln for ln in lines if not ln.lstrip().startswith("#"))
     assert "if not flashnb.is_simulator()" not in code, f"{py.name}: measure with bench.on_gpu, not a GPU branch"
     assert code.count("bench.time_call(") <= code.count("except bench.SimulatorTimingError"), py.name
+
+
+FIGURE = re.compile(r"\bsavefig\(|\bplt\.(subplots|figure|show)\(")
+MACHINE_PATH = re.compile(r"(?<![\w.])/(home|tmp|work|root|Users|opt|usr|var|mnt)/")
+
+
+@pytest.mark.parametrize("py", PAIRS, ids=lambda p: p.stem)
+def test_committed_notebook_is_executed_shows_its_figures_and_no_machine_path(py):
+    # Committed notebooks are read as static pages (GitHub, nbviewer, Colab): every code cell has run, a cell
+    # that draws a figure shows it inline, and no output holds a path of the machine that ran it.
+    nb = json.loads(py.with_suffix(".ipynb").read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code" and "".join(c["source"]).strip()]
+    assert all(c.get("execution_count") for c in code), f"{py.stem}.ipynb has cells that never ran: execute it"
+    for c in code:
+        src = "".join(c["source"])
+        if FIGURE.search(src):
+            images = [o for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+            assert images, f"{py.stem}.ipynb: a cell draws a figure but shows none inline:\n{src[:300]}"
+        outputs = json.dumps(c.get("outputs", []))
+        m = MACHINE_PATH.search(outputs)
+        assert m is None, f"{py.stem}.ipynb: an output holds a machine path ({outputs[m.start():m.start() + 60]})"
