@@ -26,7 +26,7 @@
 # 3. **online** softmax in two passes (Milakov & Gimelshein, 2018): the max and the normaliser in one pass;
 # 4. the **merge** $[m, d] \oplus [m', d']$ that lets threads, and thread blocks, combine partial results exactly;
 # 5. the **one-pass attention row**: the online softmax fused with the weighted sum of $V$ — first key by key,
-#    then tile by tile, which is where FlashAttention-1 begins.
+#    then tile by tile: the computation at the heart of FlashAttention, in the loop order FlashAttention-2 uses.
 #
 # Every kernel runs on the Numba CUDA simulator here (each CUDA thread is a Python thread), and its memory
 # accesses are **counted** by `flashnb.traffic` and compared with an analytic model.
@@ -356,8 +356,12 @@ print(f"causal, through flashnb.attention(impl='onepass'): max |o - ref| = "
 # $$m_\text{new} = \max(m, \tilde m),\quad \ell_\text{new} = e^{m - m_\text{new}} \ell + e^{\tilde m - m_\text{new}} \tilde\ell,\quad
 # o \leftarrow \frac{\ell\, e^{m - m_\text{new}}\, o + e^{\tilde m - m_\text{new}}\, \tilde P V_j}{\ell_\text{new}}.$$
 #
-# That is the merge $\oplus$ of the running state with the tile's state, carried along with $o$ —
-# FlashAttention-1's Algorithm 1, lines 9–12, for one block of query rows:
+# That is the merge $\oplus$ of the running state with the tile's state, carried along with $o$ — the update of
+# FlashAttention-1's Algorithm 1, lines 9–12, for one block of query rows. The *loop order* here is
+# FlashAttention-2's, though: each query row stays put and walks over the key tiles (FA2 Alg. 1, lines 6–10).
+# FlashAttention-1 (notebook 03) turns it inside out -- key tiles outside, query blocks inside, with the running
+# $O, \ell, m$ parked in HBM between visits -- and FlashAttention-2 (notebook 05) turns it back, for reasons
+# notebook 05 measures:
 
 # %%
 show_source(S.make_attention_tiles)
@@ -377,9 +381,10 @@ for tile in (None, 8):
 
 # %% [markdown]
 # K and V are now read once per *block* of query rows ($T_r = \lceil N_q / B_r \rceil$ times) instead of once
-# per row, and nothing of size $N_q \times N_k$ ever reaches HBM. This is where **FlashAttention-1** begins:
-# notebook 03 runs this loop over all query blocks of all heads, keeps $O$, $\ell$, $m$ in HBM between the
-# K/V tiles (FA1 Alg. 1), chooses $B_r, B_c$ from the SRAM size, and adds the backward pass.
+# per row, and nothing of size $N_q \times N_k$ ever reaches HBM. Notebook 03 builds **FlashAttention-1** from
+# this update: it swaps the loops (K/V tiles outside, so each $K_j, V_j$ is loaded once), keeps $O$, $\ell$, $m$
+# in HBM between the K/V tiles (FA1 Alg. 1), chooses $B_r, B_c$ from the SRAM size, and adds the backward pass;
+# notebook 05's FlashAttention-2 returns to the loop order of this kernel.
 
 # %%
 print(f"notebook ran in {time.perf_counter() - T0:.1f} s")

@@ -27,8 +27,11 @@
 #   $O_i, \ell_i, m_i$ back to HBM.
 #
 # $S$ and $P$ never exist in HBM. The price is that $Q$ and $O$ cross HBM once **per key block**: $T_c = \lceil N/B_c\rceil$
-# times. That is the $\Theta(N^2 d^2 / M)$ of the paper's Theorem 2, and it is what FlashAttention-2 later
-# removes by swapping the loops. This notebook builds, counts and models exactly that kernel
+# times. That is the $\Theta(N^2 d^2 / M)$ of the paper's Theorem 2. FlashAttention-2 (notebook 05) swaps the
+# loops, so $Q_i$ is read and $O_i$ written only once -- but then $K$ and $V$ cross HBM once per *query* block,
+# $T_r$ times, and the bound is the same $\Theta(N^2 d^2 / M)$ (Proposition 3 of the FA1 paper: no exact
+# algorithm does asymptotically better for every $M$). What FA2 removes is the constant in front: the round
+# trips of $O_i, \ell_i, m_i$. This notebook builds, counts and models exactly that kernel
 # (`flashnb/fa1.py`, `impl="fa1"`), on the Numba CUDA simulator.
 
 # %%

@@ -12,7 +12,7 @@
 # ---
 
 # %% [markdown]
-# # 05 · FlashAttention-2, forward: three changes, each measured
+# # 05 · FlashAttention-2, forward: three changes, each counted
 #
 # FlashAttention-1 (stage 3) already keeps $S$ and $P$ on chip. It still reaches only 25–40 % of an A100's
 # theoretical maximum FLOPs/s, and the FlashAttention-2 paper makes **three changes** and gets about 2× the
@@ -25,6 +25,10 @@
 #    $T_r \times$ batch·heads instead of batch·heads;
 # 3. **split-Q instead of split-K** inside a thread block: each warp owns its own query rows, so warps never
 #    exchange partial results through shared memory.
+#
+# Each change gets a number below, *counted* or *modelled* without a GPU: non-matmul operations per tile
+# (counted in NumPy), busy SMs (from the grid each algorithm launches), and shared-memory traffic (counted on
+# the simulator). Their effect on speed is measured only where a GPU is present (the last section).
 #
 # FA2 **Algorithm 1** (one thread block per $(i, \text{batch·head})$):
 #

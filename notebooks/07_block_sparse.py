@@ -252,9 +252,9 @@ plt.show()
 # them at random, so some block rows get several and others none: the printed count of empty rows), and
 # the $Nd$ term is most of what is left, so no mask makes the forward cheaper than reading $Q$ and writing
 # $O$ once. Above the smallest densities fa2's FP32 FMAs are the roof (the printed bound), and the modelled
-# time is simply $\propto s$. On real hardware (with tensor cores, where memory matters more) the FA1 paper
-# reports block-sparse FlashAttention 2–4× faster than dense FlashAttention (Dao et al. 2022,
-# *FlashAttention*, Section 4.3 and Figure 3, right).
+# time is simply $\propto s$. The FA1 paper's claim for block-sparse FlashAttention is this IO complexity,
+# $\Theta(Nd + N^2 d^2 s / M)$ (Dao et al. 2022, *FlashAttention*, Section 3.3, Proposition 4); how much
+# faster that makes it on a real GPU is a measurement, and this notebook makes none without one.
 #
 # Measured times need a GPU: `flashnb bench` there, or this cell, which times the forward at four
 # densities in a separate process when this machine has a GPU.
