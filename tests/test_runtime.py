@@ -93,3 +93,11 @@ def test_cli_info():
                        env={**os.environ, "FLASHNB_DEVICE": "sim"})
     assert r.returncode == 0, r.stderr
     assert "mode: sim" in r.stdout and "simulator" in r.stdout and "numba-cuda: 0.30.4" in r.stdout
+
+
+def test_sim_submodules_reachable_after_import_flashnb():
+    # The README writes `flashnb.sim.racecheck.check()` after a bare `import flashnb` (was AttributeError).
+    r = run("import flashnb\nprint(callable(flashnb.sim.racecheck.check), flashnb.sim.selftest.__name__)\n"
+            "try:\n    flashnb.sim.nothing\nexcept AttributeError as e:\n    print(e)", FLASHNB_DEVICE="sim")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["True flashnb.sim.selftest", "module 'flashnb.sim' has no attribute 'nothing'"]

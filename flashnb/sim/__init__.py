@@ -38,12 +38,19 @@ EXPECTED_SOURCE_SHA256 = {
 _state = {"installed": False, "warned": False, "stock_block_manager": None, "problem": None}
 
 
+_SUBMODULES = ("racecheck", "selftest", "warp", "fastbarrier")
+
+
 def __getattr__(name):  # SimulatorDeadlock without importing the simulator at ``import flashnb.sim``
     if name == "SimulatorDeadlock":
         from .fastbarrier import SimulatorDeadlock
 
         return SimulatorDeadlock
-    raise AttributeError(name)
+    if name in _SUBMODULES:  # `flashnb.sim.racecheck.check()` after a bare `import flashnb`
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _source_problem(kernel, kernelapi):
