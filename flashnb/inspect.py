@@ -770,14 +770,26 @@ def format_report(rows: list[dict]) -> str:
     return "\n".join(lines + foot + (["", "problems:"] + ["  " + p for p in notes] if notes else []))
 
 
-def main_inspect(argv=None) -> int:
-    """``flashnb inspect``: print the resource/occupancy table of every registered kernel."""
-    p = argparse.ArgumentParser(prog="flashnb inspect", description=main_inspect.__doc__)
+def inspect_parser() -> argparse.ArgumentParser:
+    """The ``flashnb inspect`` argument parser."""
+    from .cli import int_in
+
+    p = argparse.ArgumentParser(prog="flashnb inspect",
+                                description="Print registers, static shared memory, stack, spills and occupancy of "
+                                            "every registered kernel on sm_80 / sm_90, compiled with ptxas (no GPU "
+                                            "needed).")
     p.add_argument("--cc", action="append", default=None, metavar="MAJOR.MINOR",
                    help="compute capability to compile for (repeatable; default 8.0 and 9.0)")
-    p.add_argument("--threads", type=int, default=None, help="threads per block for every kernel's occupancy")
+    p.add_argument("--threads", type=int_in(1, 1024), default=None,
+                   help="threads per block (1..1024) for every kernel's occupancy")
     p.add_argument("--kernel", action="append", default=None, help="only this registered kernel (repeatable)")
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    return p
+
+
+def main_inspect(argv=None) -> int:
+    """``flashnb inspect``: print the resource/occupancy table of every registered kernel."""
+    p = inspect_parser()
     args = p.parse_args(argv)
     try:
         ccs = [tuple(int(x) for x in s.split(".")) for s in args.cc] if args.cc else [(8, 0), (9, 0)]
