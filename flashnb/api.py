@@ -14,7 +14,7 @@ import numpy as np
 from . import common
 from .registry import IMPLS
 
-__all__ = ["attention", "attention_forward", "attention_backward", "MAX_HEAD_DIM"]
+__all__ = ["attention", "attention_forward", "attention_backward", "MAX_HEAD_DIM", "SCORE_LIMIT"]
 
 MAX_HEAD_DIM = 128
 
@@ -38,15 +38,50 @@ def _as_real_array(name: str, x: Any) -> np.ndarray:
     return a
 
 
+F32_MAX = float(np.finfo(np.float32).max)
+#: Largest |score| (``scale · q·k`` and every partial sum of ``q·k``) the float32 kernels accept: half the
+#: float32 range, so that differences of scores (``s - m``, ``s - L``) stay finite too.
+SCORE_LIMIT = F32_MAX / 2
+
+
 def _check_scale(scale, d: int) -> float:
+    """The softmax scale: ``1/sqrt(d)`` by default, else any finite real number float32 can hold.  Zero (uniform
+    attention over the allowed keys) and negative scales (the smallest score weighs most) are valid."""
     if scale is None:
         return 1.0 / math.sqrt(d)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
-        raise TypeError(f"scale must be a positive finite real number or None, got {scale!r}")
+        raise TypeError(f"scale must be a finite real number or None, got {scale!r}")
     s = float(scale)
-    if not math.isfinite(s) or s <= 0:
-        raise ValueError(f"scale must be a positive finite real number or None, got {scale!r}")
+    if not math.isfinite(s):
+        raise ValueError(f"scale must be a finite real number or None, got {scale!r}")
+    if abs(s) > F32_MAX:
+        raise ValueError(f"scale={scale!r} is beyond the float32 range (|scale| <= {F32_MAX:.4g}); the kernels "
+                         "compute in float32")
     return s
+
+
+def _check_score_range(q3: np.ndarray, k3: np.ndarray, scale: float) -> None:
+    """Refuse inputs whose scores float32 cannot hold: ``|Σ_l q_il k_jl|`` (every partial sum) and
+    ``|scale · q_i·k_j|`` must stay within :data:`SCORE_LIMIT` (else the kernels give inf, then NaN).
+
+    Cheap first (Cauchy-Schwarz: every partial sum is at most ``‖q_i‖·‖k_j‖``, O(N·d)); only when that bound
+    is over the limit the exact bound ``max (|q| |k|ᵀ)`` is computed (float64, one matmul per head)."""
+    q64 = q3.astype(np.float64)
+    k64 = k3.astype(np.float64)
+    qn = np.sqrt(np.einsum("bnd,bnd->bn", q64, q64)).max(axis=1)
+    kn = np.sqrt(np.einsum("bnd,bnd->bn", k64, k64)).max(axis=1)
+    bound = float((qn * kn).max())
+    if bound <= SCORE_LIMIT and abs(scale) * bound <= SCORE_LIMIT:
+        return
+    exact = max(float((np.abs(qb) @ np.abs(kb).T).max()) for qb, kb in zip(q64, k64))
+    if exact > SCORE_LIMIT:
+        raise ValueError(f"q and k: the dot products q·k reach {exact:.3g} in magnitude, beyond {SCORE_LIMIT:.3g} "
+                         "(half the float32 range), so the float32 kernels would give inf and NaN; scale q and k "
+                         "down (and the softmax scale up by the same factor squared)")
+    if abs(scale) * exact > SCORE_LIMIT:
+        raise ValueError(f"scale={scale!r}: the scores scale·q·k reach {abs(scale) * exact:.3g} in magnitude, beyond "
+                         f"{SCORE_LIMIT:.3g} (half the float32 range), so the float32 kernels would give inf and "
+                         "NaN; use a smaller scale")
 
 
 def _check_impl(impl: str, need_backward: bool = False):
@@ -111,7 +146,9 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
         k, v: keys and values, same leading axes as ``q`` and shape (..., N_k, d); ``1 <= d <= 128``.
         causal: mask keys after the query, aligned to the bottom-right corner when N_q != N_k
             (query ``i`` sees keys ``j <= i + N_k - N_q``, as FlashAttention >= 2.1).
-        scale: softmax scale, default ``1/sqrt(d)``; must be finite and positive.
+        scale: softmax scale, default ``1/sqrt(d)``; any finite real number (0: uniform weights over the
+            allowed keys; negative: the smallest score weighs most).  ``|scale · q·k|`` must stay within
+            :data:`SCORE_LIMIT` (half the float32 range), else ValueError.
         impl: a registered implementation (``flashnb.registry.IMPLS``), e.g. ``"naive"``.
         **options: implementation-specific options (tile sizes, ``block_mask``, ...).
 
@@ -128,8 +165,11 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
     unknown = set(options) - set(entry.options)
     if unknown:
         raise TypeError(f"impl {impl!r} got unexpected option(s) {sorted(unknown)}; it accepts {list(entry.options)}")
-    qd, kd, vd = (common.to_device(_to3(a)) for a in (q, k, v))
-    o, lse = entry.forward(qd, kd, vd, causal=_check_causal(causal), scale=s, **options)
+    causal = _check_causal(causal)
+    q3, k3, v3 = (_to3(a) for a in (q, k, v))
+    _check_score_range(q3, k3, s)
+    qd, kd, vd = (common.to_device(a) for a in (q3, k3, v3))
+    o, lse = entry.forward(qd, kd, vd, causal=causal, scale=s, **options)
     return o.copy_to_host().reshape(q.shape), lse.copy_to_host().reshape(q.shape[:-1])
 
 
@@ -138,10 +178,19 @@ def attention(q, k, v, *, causal: bool = False, scale=None, impl: str = "naive",
     return attention_forward(q, k, v, causal=causal, scale=scale, impl=impl, **options)[0]
 
 
-def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale=None, impl: str = "naive", **options):
+def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale=None, impl: str = "naive",
+                       check_forward: bool = True, **options):
     """Gradients ``(dq, dk, dv)`` of ``sum(o * do)`` with respect to q, k, v.
 
-    ``o`` and ``lse`` are what :func:`attention_forward` returned for the same inputs and options;
+    What the backward assumes: ``o`` and ``lse`` are what :func:`attention_forward` returned for the *same*
+    q, k, v, ``causal``, ``scale`` and mask-defining options (``block_mask``, ``window``, tiles of a block mask).
+    The kernels never recompute the forward: they rebuild ``P = exp(scale·q kᵀ - lse)`` from the given ``lse``
+    and use ``D = rowsum(do ∘ o)`` from the given ``o``, so a wrong ``o`` or ``lse`` gives wrong gradients
+    without any error.  ``check_forward=True`` (the default) guards against that: a few rows (the first, middle
+    and last query of the first and last batch·head) are recomputed in float64 -- O(N·d) work, negligible
+    next to the backward -- and a ValueError names the first row whose ``lse`` or ``o`` is off by more than
+    float32 rounding explains.  ``check_forward=False`` skips it (e.g. inside a timed loop).
+
     ``do`` has o's shape.  Shapes, dtypes and options as in :func:`attention_forward`.
     """
     entry = _check_impl(impl, need_backward=True)
@@ -160,11 +209,88 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale=None,
     if np.any(np.isnan(lse)) or np.any(lse == np.inf):
         raise ValueError("lse contains NaN or +inf; pass the lse returned by attention_forward")
     s = _check_scale(scale, q.shape[-1])
+    if not isinstance(check_forward, (bool, np.bool_)):
+        raise TypeError(f"check_forward must be True or False, got {check_forward!r}")
     unknown = set(options) - set(entry.options)
     if unknown:
         raise TypeError(f"impl {impl!r} got unexpected option(s) {sorted(unknown)}; it accepts {list(entry.options)}")
-    dev = [common.to_device(_to3(a)) for a in (q, k, v, o)]
-    lse_d = common.to_device(np.ascontiguousarray(lse.reshape(-1, q.shape[-2]), dtype=np.float32))
+    causal = _check_causal(causal)
+    q3, k3, v3, o3 = (_to3(a) for a in (q, k, v, o))
+    lse2 = np.ascontiguousarray(lse.reshape(-1, q.shape[-2]), dtype=np.float32)
+    _check_score_range(q3, k3, s)
+    if check_forward:
+        _check_forward_outputs(entry, q3, k3, v3, o3, lse2, causal, s, options)
+    dev = [common.to_device(a) for a in (q3, k3, v3, o3)]
+    lse_d = common.to_device(lse2)
     do_d = common.to_device(_to3(do))
-    dq, dk, dv = entry.backward(*dev, lse_d, do_d, causal=_check_causal(causal), scale=s, **options)
+    dq, dk, dv = entry.backward(*dev, lse_d, do_d, causal=causal, scale=s, **options)
     return dq.copy_to_host().reshape(q.shape), dk.copy_to_host().reshape(k.shape), dv.copy_to_host().reshape(v.shape)
+
+
+def _mask_rows(entry, options: dict, BH: int, Nq: int, Nk: int, d: int, causal: bool):
+    """A function ``(b, i) -> bool (Nk,)``: the keys query ``i`` of batch·head ``b`` may attend to, with the
+    causal rule (bottom-right aligned) and the impl's own mask (``Impl.mask_for``, or fa2's ``block_mask``)."""
+    full = entry.mask_for(Nq, Nk, d, causal, **options) if entry.reference_mask is not None else None
+    blocks = None
+    if full is None and options.get("block_mask") is not None:
+        from . import fa2
+        from .block_sparse import BlockMask
+
+        bm = options["block_mask"]
+        if isinstance(bm, fa2.PreparedMask):
+            blocks = (bm.M.copy_to_host().astype(bool), bm.tiles["Br"], bm.tiles["Bc"])
+        else:
+            if not isinstance(bm, BlockMask):   # a plain array is read at the forward's tiles (fa2.block_tiles)
+                fwd = fa2.default_tiles(d, "forward")
+                bm = BlockMask(np.asarray(bm), Br=options.get("Br") or fwd["Br"], Bc=options.get("Bc") or fwd["Bc"])
+            bm.check(Nq, Nk, BH=BH)
+            blocks = (bm.mask.reshape((-1,) + bm.mask.shape[-2:]), bm.Br, bm.Bc)
+    keys = np.arange(Nk)
+
+    def row(b: int, i: int) -> np.ndarray:
+        ok = keys <= i + (Nk - Nq) if causal else np.ones(Nk, dtype=bool)
+        if full is not None:
+            f = np.asarray(full).reshape(-1, Nq, Nk)
+            ok = ok & f[b if f.shape[0] > 1 else 0, i]
+        if blocks is not None:
+            M, Br, Bc = blocks
+            ok = ok & np.repeat(M[b if M.shape[0] > 1 else 0, i // Br], Bc)[:Nk]
+        return ok
+
+    return row
+
+
+def _check_forward_outputs(entry, q3, k3, v3, o3, lse2, causal, scale, options) -> None:
+    """Recompute a few rows of ``o`` and ``lse`` in float64 and refuse ones that are not the forward of these
+    inputs (see :func:`attention_backward`)."""
+    BH, Nq, d = q3.shape
+    Nk = k3.shape[1]
+    row_mask = _mask_rows(entry, options, BH, Nq, Nk, d, causal)
+    for b in sorted({0, BH - 1}):
+        K, V = k3[b].astype(np.float64), v3[b].astype(np.float64)
+        for i in sorted({0, Nq // 2, Nq - 1}):
+            qi = q3[b, i].astype(np.float64)
+            ok = row_mask(b, i)
+            given_lse, given_o = float(lse2[b, i]), o3[b, i].astype(np.float64)
+            where = f"row {i} of batch·head {b}"
+            if not ok.any():
+                want_lse, want_o, tol = -np.inf, np.zeros(d), 1e-6
+            else:
+                s = scale * (K[ok] @ qi)
+                m = s.max()
+                p = np.exp(s - m)
+                want_lse = m + math.log(p.sum())
+                want_o = (p / p.sum()) @ V[ok]
+                # float32 rounding of a score is at most ~d·eps·|scale|·Σ|q||k| (eps = 1.2e-7, d <= 128): this
+                # tolerance is that bound for d = 128 with a margin of ~60, yet far below what a wrong o / lse gives
+                tol = 1e-3 * (1.0 + abs(scale) * float((np.abs(K[ok]) @ np.abs(qi)).max()))
+            lse_bad = not (given_lse == want_lse if not np.isfinite(want_lse) else abs(given_lse - want_lse) <= tol)
+            vmax = float(np.abs(V[ok]).max()) if ok.any() else 0.0
+            o_err = float(np.abs(given_o - want_o).max())
+            if lse_bad or o_err > 2 * tol * vmax + 1e-6:
+                raise ValueError(
+                    f"o and lse are not the forward of these q, k, v (causal={causal}, scale={scale:.6g}"
+                    f"{', options ' + str(sorted(options)) if options else ''}): at {where} lse is {given_lse:.6g} "
+                    f"(recomputed: {want_lse:.6g}) and o differs by up to {o_err:.3g}; pass the o and lse that "
+                    "attention_forward returned for the same inputs and options (check_forward=False skips this "
+                    "check)")

@@ -573,40 +573,65 @@ def plot_sweep(rows: list[dict]):
     return fig
 
 
-def main_bench(argv=None) -> int:
-    """``flashnb bench``: sweep the registered implementations, write a CSV and a plot."""
+def bench_parser() -> argparse.ArgumentParser:
+    """The ``flashnb bench`` argument parser."""
+    from .api import MAX_HEAD_DIM
+    from .cli import int_in
     from .registry import IMPLS
+    from .roofline import GPUS
 
-    p = argparse.ArgumentParser(prog="flashnb bench", description=main_bench.__doc__)
-    p.add_argument("--impl", action="append", default=None, help=f"implementation (repeatable) of {sorted(IMPLS)}")
-    p.add_argument("--N", type=int, action="append", default=None, help="sequence length (repeatable)")
-    p.add_argument("--d", type=int, action="append", default=None, help="head dim (repeatable)")
-    p.add_argument("--causal", choices=["yes", "no", "both"], default="both")
-    p.add_argument("--B", type=int, default=2)
-    p.add_argument("--H", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--no-backward", action="store_true")
-    p.add_argument("--out", default="results", help="CSV directory (default results/)")
-    p.add_argument("--figures", default="figures", help="plot directory (default figures/)")
-    p.add_argument("--gpu", default="H100 SXM", help="roofline preset for modelled rows on the simulator")
-    args = p.parse_args(argv)
-    if args.impl:
-        for n in args.impl:
-            if n not in IMPLS:
-                p.error(f"--impl must be one of {sorted(IMPLS)}, got {n!r}")
-    if runtime.is_simulator():
+    p = argparse.ArgumentParser(
+        prog="flashnb bench",
+        description="Sweep the registered implementations over N and d. On a GPU: CUDA-event timings, written as "
+                    "a CSV with provenance (default results/bench.csv) and a plot (default figures/bench.png). On "
+                    "the simulator: modelled roofline rows only, printed; saved only where --out / --figures say.")
+    p.add_argument("--impl", action="append", default=None, choices=sorted(IMPLS), metavar="IMPL",
+                   help=f"implementation (repeatable; default all): {', '.join(sorted(IMPLS))}")
+    p.add_argument("--N", type=int_in(1), action="append", default=None,
+                   help="sequence length (repeatable; default 1024 2048 4096)")
+    p.add_argument("--d", type=int_in(1, MAX_HEAD_DIM), action="append", default=None,
+                   help=f"head dim, 1..{MAX_HEAD_DIM} (repeatable; default 64 128)")
+    p.add_argument("--causal", choices=["yes", "no", "both"], default="both",
+                   help="causal masking: yes, no or both (default both)")
+    p.add_argument("--B", type=int_in(1), default=2, help="batch size (default 2)")
+    p.add_argument("--H", type=int_in(1), default=8, help="heads (default 8)")
+    p.add_argument("--repeats", type=int_in(1), default=10, help="timed calls per row (default 10)")
+    p.add_argument("--warmup", type=int_in(0), default=2, help="untimed calls before timing (default 2)")
+    p.add_argument("--no-backward", action="store_true", help="forward passes only")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="directory for bench.csv (default: results/ on a GPU, none on the simulator)")
+    p.add_argument("--figures", default=None, metavar="DIR",
+                   help="directory for bench.png (default: figures/ on a GPU, none on the simulator)")
+    p.add_argument("--gpu", default="H100 SXM", choices=sorted(GPUS), metavar="PRESET",
+                   help=f"roofline preset for the modelled columns (default 'H100 SXM'): {', '.join(sorted(GPUS))}")
+    return p
+
+
+def main_bench(argv=None) -> int:
+    """flashnb bench: sweep the registered implementations, print the rows, and write a CSV and a plot where
+    asked (on a GPU: results/ and figures/ by default)."""
+    args = bench_parser().parse_args(argv)
+    sim = runtime.is_simulator()
+    out = args.out if args.out is not None or sim else "results"
+    figures = args.figures if args.figures is not None or sim else "figures"
+    if sim:
         print("flashnb bench: no GPU (simulator mode) -- writing MODELLED roofline estimates only; simulator "
               "wall time is never reported as GPU speed.", file=sys.stderr)
+    targets = [str(Path(d, f"bench.{ext}").resolve()) for d, ext in ((out, "csv"), (figures, "png")) if d is not None]
+    print(f"flashnb bench: writing {' and '.join(targets)}" if targets else
+          "flashnb bench: printing the rows only (--out DIR and --figures DIR save a CSV and a plot)", file=sys.stderr)
     causal = {"yes": (True,), "no": (False,), "both": (False, True)}[args.causal]
     rows = sweep(args.impl, tuple(args.N or (1024, 2048, 4096)), tuple(args.d or (64, 128)), causal, B=args.B,
                  H=args.H, repeats=args.repeats, warmup=args.warmup, backward=not args.no_backward,
-                 out_dir=args.out, figures_dir=args.figures, gpu=args.gpu)
-    key = "median_ms" if not runtime.is_simulator() else "modelled_ms"
+                 out_dir=out, figures_dir=figures, gpu=args.gpu)
+    key = "median_ms" if not sim else "modelled_ms"
     for r in rows:
         val = r.get(key)
         shown = f"{val:.3f} ms" if isinstance(val, float) else (r.get("error") or "-")
+        if isinstance(val, float) and val < 1:
+            shown = f"{val * 1e3:.3f} µs"
         print(f"{r['impl']:>10} {r['direction']} N={r['N']:<6} d={r['d']:<4} causal={r['causal']!s:<5} "
               f"{'modelled ' if key == 'modelled_ms' else ''}{shown}")
-    print(f"wrote {Path(args.out) / 'bench.csv'} and {Path(args.figures) / 'bench.png'}")
+    if targets:
+        print(f"wrote {' and '.join(targets)}")
     return 0

@@ -8,6 +8,9 @@ import sys
 
 import numpy as np
 
+DESCRIPTION = ("flashnb: FlashAttention built kernel by kernel in Numba CUDA, on a GPU or on the Numba CUDA "
+               "simulator. Run 'flashnb COMMAND --help' for a command's options.")
+
 
 def _versions() -> dict:
     import numba
@@ -283,16 +286,46 @@ def cmd_profile(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="flashnb", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="mode (GPU or simulator), device and versions")
-    tour = sub.add_parser("tour", help="run every registered stage on a small input and check it")
-    tour.add_argument("--bh", type=int, default=2)
-    tour.add_argument("--nq", type=int, default=40)
-    tour.add_argument("--nk", type=int, default=56)
-    tour.add_argument("--d", type=int, default=16)
-    tour.add_argument("--no-causal", dest="causal", action="store_false")
+def int_in(lo: int, hi: int | None = None):
+    """An argparse ``type``: an int in ``lo..hi`` (no upper bound when ``hi`` is None); out of range is an
+    argparse error (usage line, message, exit code 2), never a traceback."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            rule = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+            raise argparse.ArgumentTypeError(f"must be an integer {rule}, got {text!r}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``flashnb`` parser (``inspect`` and ``bench`` parse their own options: see their ``--help``)."""
+    from . import __version__
+    from .api import MAX_HEAD_DIM
+
+    parser = argparse.ArgumentParser(prog="flashnb", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"flashnb {__version__}",
+                        help="print the flashnb version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("info", help="mode (GPU or simulator), device and versions",
+                   description="Print the mode (GPU or simulator), the device and the versions.")
+    tour = sub.add_parser("tour", help="run every registered stage on a small input and check it",
+                          description="Run every registered implementation on one small problem: max error vs the "
+                                      "float64 reference, counted HBM bytes and modelled time (simulator) or "
+                                      "measured time (GPU).")
+    tour.add_argument("--bh", type=int_in(1), default=2, help="batch x heads (default 2)")
+    tour.add_argument("--nq", type=int_in(1), default=40, help="query sequence length Nq (default 40)")
+    tour.add_argument("--nk", type=int_in(1), default=56, help="key sequence length Nk (default 56)")
+    tour.add_argument("--d", type=int_in(1, MAX_HEAD_DIM), default=16,
+                      help=f"head dim d, 1..{MAX_HEAD_DIM} (default 16)")
+    tour.add_argument("--no-causal", dest="causal", action="store_false",
+                      help="dense attention (default: causal, aligned bottom-right)")
     tour.add_argument("--quiet", action="store_true", help="no progress bar")
     sub.add_parser("inspect", help="registers, shared memory, spills and occupancy of every kernel (no GPU needed)",
                    add_help=False)
@@ -306,13 +339,20 @@ def main(argv=None) -> int:
     prof = sub.add_parser("profile", help="global sectors and shared-memory bank conflicts per warp request of "
                           "every impl (simulator)")
     prof.add_argument("impl", nargs="*", help="impl name(s); default: all")
-    prof.add_argument("--lines", type=int, default=3, help="show the N most wasteful source lines per pass")
+    prof.add_argument("--lines", type=int_in(0), default=3, help="show the N most wasteful source lines per pass")
     for p, (nq, nk, d) in ((san, (24, 40, 8)), (prof, (64, 64, 32))):
-        p.add_argument("--bh", type=int, default=1, help="batch x heads")
-        p.add_argument("--nq", type=int, default=nq, help="query length")
-        p.add_argument("--nk", type=int, default=nk, help="key length")
-        p.add_argument("--d", type=int, default=d, help="head dimension")
-        p.add_argument("--no-causal", dest="causal", action="store_false", help="no causal mask")
+        p.add_argument("--bh", type=int_in(1), default=1, help="batch x heads (default 1)")
+        p.add_argument("--nq", type=int_in(1), default=nq, help=f"query sequence length Nq (default {nq})")
+        p.add_argument("--nk", type=int_in(1), default=nk, help=f"key sequence length Nk (default {nk})")
+        p.add_argument("--d", type=int_in(1, MAX_HEAD_DIM), default=d,
+                       help=f"head dim d, 1..{MAX_HEAD_DIM} (default {d})")
+        p.add_argument("--no-causal", dest="causal", action="store_false",
+                       help="dense attention (default: causal, aligned bottom-right)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("inspect", "bench"):
         if argv[0] == "inspect":

@@ -23,7 +23,7 @@ __all__ = [
     "NEG_INF", "ZERO", "ONE", "cdiv", "causal_allowed", "load_tile", "load_rows", "store_rows", "load_vec",
     "store_vec",
     "empty", "poisoning", "to_device", "launch", "launch_rows", "row_index", "ROWS_PER_BLOCK", "current_label",
-    "launch_hooks", "ShapeOnly", "dry_run",
+    "launch_hooks", "ShapeOnly", "dry_run", "SHARED_LIMIT_BYTES", "check_shared_fit",
 ]
 
 NEG_INF = float32(-math.inf)
@@ -34,6 +34,20 @@ ONE = float32(1.0)
 def cdiv(a: int, b: int) -> int:
     """Ceiling division: number of tiles of size ``b`` that cover ``a``."""
     return -(-a // b)
+
+
+#: Static shared memory one thread block may declare on every GPU flashnb targets (cc >= 2.0, sm_80, sm_90).
+SHARED_LIMIT_BYTES = 48 * 1024
+
+
+def check_shared_fit(impl: str, tiles: str, nbytes: int, hint: str = "choose smaller tiles") -> int:
+    """The one shared-memory check every impl's option validation calls: ValueError naming the impl, its tiles
+    and the bytes when a block would declare more than :data:`SHARED_LIMIT_BYTES` (48 KiB) -- a GPU refuses to
+    compile such a kernel, and the simulator would run it for minutes.  Returns ``nbytes``."""
+    if nbytes > SHARED_LIMIT_BYTES:
+        raise ValueError(f"{impl}: tiles {tiles} need {nbytes:,} B of static shared memory per block, over the "
+                         f"{SHARED_LIMIT_BYTES:,} B (48 KiB) a GPU thread block may declare; {hint}")
+    return nbytes
 
 
 # --------------------------------------------------------------------------- device functions

@@ -28,12 +28,14 @@ import math
 
 from numba import cuda, float32
 
+from . import common
 from .common import (
     NEG_INF,
     ROWS_PER_BLOCK,
     ZERO,
     causal_allowed,
     cdiv,
+    check_shared_fit,
     empty,
     launch,
     launch_rows,
@@ -53,7 +55,7 @@ __all__ = ["make_forward", "make_backward", "make_init_forward", "make_zero_rows
 WARP = 32                 # threads per warp
 WARPS = 4                 # W: warps per thread block (FA1 split the key tile over 4 warps)
 DEFAULT_M = 4096          # SRAM budget M in float32 elements (16 KiB) fed to the paper's tile formula
-SHARED_LIMIT_BYTES = 48 * 1024   # static shared memory per block
+SHARED_LIMIT_BYTES = common.SHARED_LIMIT_BYTES   # static shared memory per block (one check: common)
 
 _A3 = "float32[:, :, ::1]"
 _A2 = "float32[:, ::1]"
@@ -367,6 +369,10 @@ def tiles(d, *, M=None, Br=None, Bc=None, warps=None, check_fit=True):
         W = WARPS
     if W > 32:
         raise ValueError(f"warps must be at most 32 (1024 threads per block), got {W}")
+    if M is not None and M < 4 * d:
+        raise ValueError(f"M must be at least 4·d = {4 * d} float32 elements, got M={M}: M is the on-chip memory "
+                         "budget of FA1 Alg. 1 line 1 (Bc = ⌈M/4d⌉), and a smaller one cannot hold one row each of "
+                         "Q_i, K_j, V_j and O_i")
     budget = DEFAULT_M if M is None else M
     from_budget = Br is None or Bc is None
     base = cdiv(budget, 4 * d)
@@ -378,11 +384,10 @@ def tiles(d, *, M=None, Br=None, Bc=None, warps=None, check_fit=True):
         Br = min(base, d)
     fwd = 4 * shared_elements_forward(Br, Bc, d, W)
     bwd = 4 * shared_elements_backward(Br, Bc, d)
-    if check_fit and max(fwd, bwd) > SHARED_LIMIT_BYTES:
+    if check_fit:
         names = "M" if M is not None and from_budget else "Br/Bc"
-        raise ValueError(f"tiles Br={Br}, Bc={Bc} at d={d}, warps={W} need {fwd} B (forward) and {bwd} B "
-                         f"(backward) of shared memory, over the {SHARED_LIMIT_BYTES} B static limit; "
-                         f"choose a smaller {names}")
+        check_shared_fit("fa1", f"Br={Br}, Bc={Bc} at d={d}, warps={W} ({fwd:,} B forward, {bwd:,} B backward)",
+                         max(fwd, bwd), f"choose a smaller {names}")
     return dict(Br=Br, Bc=Bc, warps=W, M=budget, d=d, shared_bytes_forward=fwd, shared_bytes_backward=bwd)
 
 

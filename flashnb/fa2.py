@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import cuda, float32, int32
 
-from .common import NEG_INF, ONE, ZERO, cdiv, empty, launch
+from .common import NEG_INF, ONE, ZERO, cdiv, check_shared_fit, empty, launch
 from .registry import kernel_factory, register_impl
 
 __all__ = ["PreparedMask", "prepare_block_mask",
@@ -422,6 +422,8 @@ def _tiles(d, direction, Br, Bc, warps):
                          f"{LR * t['warps']} (each warp owns {split}/warps rows, {LR} lanes along them)")
     if t[lanes] % LC:
         raise ValueError(f"fa2 {direction}: {lanes}={t[lanes]} must be a multiple of {LC} (the lanes of a row group)")
+    check_shared_fit(f"fa2 {direction}", f"Br={t['Br']}, Bc={t['Bc']} at d={d}, warps={t['warps']}",
+                     shared_bytes(t["Br"], t["Bc"], d, t["warps"], direction), "choose smaller Br/Bc")
     return t
 
 

@@ -346,18 +346,20 @@ def _threads(spec: KernelSpec | None, config: dict) -> int | None:
 
 
 def _run_job(job: dict) -> Resources:
-    """Compile one job in this (GPU-mode) process.  A job names a registered kernel
-    (``name``, ``config``) or a module-level kernel (``path`` or ``module``, ``attr``, ``signature``)."""
+    """Compile one job in this (GPU-mode) process.  A job names a registered kernel (``name``, ``config``),
+    a kernel in an importable module (``module``, ``attr``, ``signature``), or carries a kernel's source
+    (``source``: see :func:`_describe_function`; ``signature``) -- a kernel written in ``__main__``, a notebook
+    cell or a user module, rebuilt here without importing or re-running the user's code."""
     cc = tuple(job["cc"])
+    if "source" in job:
+        try:
+            fn = _rebuild_function(job["source"])
+        except Exception as exc:
+            return Resources(job.get("name", "?"), job.get("config", {}), cc,
+                             error=f"{_REBUILD_ERROR}: {type(exc).__name__}: {exc}")
+        return _compile_here(fn, job["signature"], cc, job.get("name", "?"), job.get("config", {}))
     if "attr" in job:
-        if job.get("path"):
-            spec = importlib.util.spec_from_file_location(f"_flashnb_inspect_{abs(hash(job['path']))}", job["path"])
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = mod
-            spec.loader.exec_module(mod)
-        else:
-            mod = importlib.import_module(job["module"])
-        obj = mod
+        obj = importlib.import_module(job["module"])
         for part in job["attr"].split("."):
             obj = getattr(obj, part)
         return _compile_here(obj, job["signature"], cc, job.get("name", job["attr"]), job.get("config", {}))
@@ -366,6 +368,177 @@ def _run_job(job: dict) -> Resources:
     res = _compile_here(spec.factory(**config), spec.signature_for(config), cc, spec.name, config)
     res.threads = _threads(spec, config)
     return res
+
+
+# --------------------------------------------------------------------------- user kernels (source shipping)
+#
+# In simulator mode the compile runs in a child process, which cannot import a kernel defined in ``__main__``
+# (a script, a notebook cell) and must not re-run the user's script.  So the parent sends the kernel's source
+# text (``inspect.getsource``, which reads notebook cells from ``linecache``) and, for every global or closure
+# name the code loads, a description the child can rebuild: a module by name, a plain constant (int, float,
+# numpy scalar/array/dtype, numba type) by pickle, a device function by its own source (recursively), an
+# object of an importable non-user module by import path.  Numba treats globals and closure variables alike
+# (compile-time constants), so rebuilding closure values as globals compiles the same kernel.
+
+_REBUILD_ERROR = "could not rebuild the kernel from its source in the compile process"
+
+
+def _python_function(kernel):
+    """The Python function behind a ``@cuda.jit`` kernel (GPU dispatcher or simulator FakeCUDAKernel)."""
+    for attr in ("py_func", "fn"):
+        fn = getattr(kernel, attr, None)
+        if fn is not None and hasattr(fn, "__code__"):
+            return fn
+    if hasattr(kernel, "__code__"):
+        return kernel
+    raise TypeError(f"kernel must be a @cuda.jit kernel or a Python function, got {type(kernel).__name__}")
+
+
+def _is_flashnb_module(name: str | None) -> bool:
+    return bool(name) and (name == "flashnb" or name.startswith("flashnb."))
+
+
+def _loaded_names(code) -> set[str]:
+    """Global names the code (and the code nested in it: comprehensions, lambdas) loads."""
+    import dis
+
+    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+    for const in code.co_consts:
+        if hasattr(const, "co_code"):
+            names |= _loaded_names(const)
+    return names
+
+
+def _picklable_constant(value) -> bool:
+    import numpy as np
+    from numba.core import types as nb_types
+
+    if isinstance(value, (bool, int, float, complex, str, bytes, type(None), np.generic, np.ndarray, np.dtype,
+                          nb_types.Type)):
+        return True
+    if isinstance(value, type) and value.__module__ in ("numpy", "builtins"):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_picklable_constant(v) for v in value)
+    return False
+
+
+def _describe_value(owner: str, name: str, value, seen: set) -> dict:
+    import base64
+    import pickle
+    import types as py_types
+
+    if isinstance(value, py_types.ModuleType):
+        if value.__name__ == "__main__":
+            raise TypeError(f"{owner}: global {name!r} is the __main__ module, which the compile process "
+                            "cannot import")
+        return {"kind": "module", "module": value.__name__}
+    if _picklable_constant(value):
+        return {"kind": "pickle", "data": base64.b64encode(pickle.dumps(value)).decode()}
+    module = getattr(value, "__module__", None)
+    qualname = getattr(value, "__qualname__", None)
+    is_kernel = hasattr(value, "py_func") or (hasattr(value, "fn") and hasattr(value, "_device"))
+    if is_kernel and not _is_flashnb_module(module):
+        fn = _python_function(value)
+        device = bool(getattr(value, "_device", False) or getattr(value, "targetoptions", {}).get("device"))
+        return {"kind": "function", "function": _describe_function(fn, device=device, seen=seen)}
+    if module and qualname and module != "__main__" and "<" not in qualname and \
+            not module.startswith("numba.cuda.simulator") and module in sys.modules:
+        obj = sys.modules[module]
+        with contextlib.suppress(AttributeError):
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+            if obj is value:
+                return {"kind": "import", "module": module, "attr": qualname}
+    raise TypeError(
+        f"{owner}: global or closure variable {name!r} ({type(value).__name__}) cannot be sent to the process "
+        "that compiles the kernel (it can send modules, device functions, numbers, numpy values and numba "
+        "types); make it one of those, or define the kernel in an importable module and compile it there"
+    )
+
+
+def _describe_function(fn, *, device: bool = False, seen: set | None = None) -> dict:
+    """What the compile process needs to rebuild ``fn``: its source and every name its code loads."""
+    import inspect as std_inspect
+    import textwrap
+
+    seen = set() if seen is None else seen
+    owner = f"{fn.__module__}.{fn.__qualname__}"
+    if id(fn) in seen:
+        raise TypeError(f"{owner}: recursive device functions cannot be sent to the compile process")
+    seen.add(id(fn))
+    try:
+        lines, first = std_inspect.getsourcelines(fn)
+    except (OSError, TypeError) as exc:
+        raise TypeError(f"{owner}: its source is not available ({exc}); define the kernel in a file or a "
+                        "notebook cell so flashnb.inspect can read it") from None
+    env = {}
+    code = fn.__code__
+    for name in sorted(_loaded_names(code)):
+        if name in fn.__globals__:
+            env[name] = _describe_value(owner, name, fn.__globals__[name], seen)
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            raise TypeError(f"{owner}: closure variable {name!r} is not set yet") from None
+        env[name] = _describe_value(owner, name, value, seen)
+    seen.discard(id(fn))
+    return {"source": textwrap.dedent("".join(lines)), "filename": code.co_filename, "firstlineno": first,
+            "name": fn.__name__, "env": env, "device": device}
+
+
+def _rebuild_value(desc: dict):
+    import base64
+    import pickle
+
+    kind = desc["kind"]
+    if kind == "module":
+        return importlib.import_module(desc["module"])
+    if kind == "pickle":
+        return pickle.loads(base64.b64decode(desc["data"]))
+    if kind == "import":
+        obj = importlib.import_module(desc["module"])
+        for part in desc["attr"].split("."):
+            obj = getattr(obj, part)
+        return obj
+    if kind == "function":
+        return _rebuild_function(desc["function"])
+    raise ValueError(f"unknown kind {kind!r}")
+
+
+def _rebuild_function(desc: dict):
+    """Execute a function's source (decorators removed) in a fresh namespace holding the names it loads."""
+    import ast
+    import builtins
+
+    from numba import cuda
+
+    namespace = {"__builtins__": builtins, "__name__": "__flashnb_inspect_user__"}
+    namespace.update({name: _rebuild_value(d) for name, d in desc["env"].items()})
+    tree = ast.parse(desc["source"])
+    defs = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    if len(tree.body) != 1 or not defs:
+        raise ValueError(f"the source of {desc['name']} is not one function definition")
+    defs[0].decorator_list = []
+    ast.increment_lineno(tree, desc["firstlineno"] - 1)   # error messages point into the user's file / cell
+    exec(compile(tree, desc["filename"], "exec"), namespace)
+    fn = namespace[defs[0].name]
+    return cuda.jit(device=True)(fn) if desc["device"] else fn
+
+
+def _source_job(kernel, signature: str, cc, name: str, config: dict) -> dict:
+    return dict(source=_describe_function(_python_function(kernel)), signature=signature, cc=list(cc), name=name,
+                config=dict(config))
+
+
+def _job_for(name: str, config: dict, cc) -> dict:
+    """The child-process job for a registered kernel: by name for flashnb's own (the child imports flashnb),
+    by source for one registered from user code (the child never imports the user's module)."""
+    spec = KERNELS[name]
+    if _is_flashnb_module(getattr(spec.factory, "__module__", None)):
+        return dict(name=name, config=config, cc=list(cc))
+    return _source_job(spec.factory(**config), spec.signature_for(config), cc, name, config)
 
 
 def _worker() -> None:
@@ -420,15 +593,18 @@ def resources_many(jobs: Iterable[tuple[str, dict, tuple[int, int]]], *, keep_pt
     originals = {_key(*j): j for j in jobs}
     todo = [k for k in originals if k not in _CACHE or (keep_ptx and _CACHE[k].ptx is None)]
     if todo:
-        raw = [dict(name=originals[k][0], config=originals[k][1], cc=list(k[2])) for k in todo]
         if _can_compile_here():
+            raw = [dict(name=originals[k][0], config=originals[k][1], cc=list(k[2])) for k in todo]
             results = [_run_job(j) for j in raw]
             if not keep_ptx:
                 for r in results:
                     r.ptx = None
         else:
+            raw = [_job_for(originals[k][0], originals[k][1], k[2]) for k in todo]
             results = _in_subprocess(raw, keep_ptx=keep_ptx)
         for k, r in zip(todo, results):
+            if r.threads is None:  # a user-registered kernel compiled from source: block size known only here
+                r.threads = _threads(KERNELS[originals[k][0]], originals[k][1])
             _CACHE[k] = r
     return [_CACHE[_key(*j)] for j in jobs]
 
@@ -465,17 +641,38 @@ def _registered(kernel) -> tuple[str, dict] | None:
     return None
 
 
-def _signature_from_args(args) -> str:
+def _type_string(value) -> str:
+    """A numba signature string for one example argument (``array(float32, 2d, C)`` -> ``float32[:, ::1]``)."""
     from numba import typeof
+    from numba.core import types as nb_types
 
-    return "void(" + ", ".join(str(typeof(a)) for a in args) + ")"
+    try:
+        t = typeof(value)
+    except (ValueError, TypeError):
+        t = typeof(value.copy_to_host())  # a simulator device array
+    if isinstance(t, nb_types.Array):
+        dims = [":"] * t.ndim
+        if t.layout == "C" and t.ndim:
+            dims[-1] = "::1"
+        elif t.layout == "F" and t.ndim:
+            dims[0] = "::1"
+        return f"{t.dtype}[{', '.join(dims)}]"
+    return str(t)
+
+
+def _signature_from_args(args) -> str:
+    return "void(" + ", ".join(_type_string(a) for a in args) + ")"
 
 
 def resources(kernel, signature_or_example_args, cc=(9, 0), *, keep_ptx: bool = True) -> Resources:
     """Resources of any ``@cuda.jit`` kernel, given its signature string or example arguments.
 
-    A kernel made by a registered factory is compiled by registry name; any other kernel must be defined
-    at module level (so a child process can import it) when called in simulator mode.
+    Works wherever the kernel was written: in flashnb, in a module, in a script (``__main__``) or in a
+    notebook cell.  In simulator mode the compile runs in a child process; a kernel that is not flashnb's
+    is sent there as source text plus the names it uses (modules, device functions, numbers, numpy values,
+    numba types) -- the user's script or notebook is never re-run.  Raises TypeError when the kernel cannot
+    be sent (source unavailable, a global of another type) and RuntimeError when the child cannot rebuild
+    it; a kernel that does not compile gives a result whose ``error`` says why (a guard finding).
     """
     _limits(cc)
     sig = (signature_or_example_args if isinstance(signature_or_example_args, str)
@@ -483,22 +680,20 @@ def resources(kernel, signature_or_example_args, cc=(9, 0), *, keep_ptx: bool = 
     found = _registered(kernel)
     if found is not None and sig == KERNELS[found[0]].signature_for(found[1]):
         return resources_for(found[0], found[1], cc, keep_ptx=keep_ptx)
-    py_func = getattr(kernel, "py_func", kernel)
+    py_func = _python_function(kernel)
     name = f"{py_func.__module__}.{py_func.__qualname__}"
-    key = ("<kernel>" + name, sig, tuple(cc))
+    key = ("<kernel>" + name, sig, tuple(cc), py_func)  # the function itself: a re-run cell is a new kernel
     if key in _CACHE:
         return _CACHE[key]
     if _can_compile_here():
         res = _compile_here(kernel, sig, cc, name, {})
+    elif _is_flashnb_module(py_func.__module__) and "<locals>" not in py_func.__qualname__:
+        res = _in_subprocess([dict(module=py_func.__module__, attr=py_func.__qualname__, signature=sig,
+                                   cc=list(cc), name=name)], keep_ptx=keep_ptx)[0]
     else:
-        if "<locals>" in py_func.__qualname__:
-            raise TypeError(f"{name}: in simulator mode only registered or module-level kernels can be "
-                            "compiled (the compile runs in a child process that imports them)")
-        import inspect as _std_inspect
-
-        path = _std_inspect.getsourcefile(py_func)
-        res = _in_subprocess([dict(path=path, attr=py_func.__qualname__, signature=sig, cc=list(cc), name=name)],
-                             keep_ptx=keep_ptx)[0]
+        res = _in_subprocess([_source_job(kernel, sig, cc, name, {})], keep_ptx=keep_ptx)[0]
+        if res.error and res.error.startswith(_REBUILD_ERROR):
+            raise RuntimeError(f"{name}: {res.error}")
     _CACHE[key] = res
     return res
 
@@ -575,14 +770,26 @@ def format_report(rows: list[dict]) -> str:
     return "\n".join(lines + foot + (["", "problems:"] + ["  " + p for p in notes] if notes else []))
 
 
-def main_inspect(argv=None) -> int:
-    """``flashnb inspect``: print the resource/occupancy table of every registered kernel."""
-    p = argparse.ArgumentParser(prog="flashnb inspect", description=main_inspect.__doc__)
+def inspect_parser() -> argparse.ArgumentParser:
+    """The ``flashnb inspect`` argument parser."""
+    from .cli import int_in
+
+    p = argparse.ArgumentParser(prog="flashnb inspect",
+                                description="Print registers, static shared memory, stack, spills and occupancy of "
+                                            "every registered kernel on sm_80 / sm_90, compiled with ptxas (no GPU "
+                                            "needed).")
     p.add_argument("--cc", action="append", default=None, metavar="MAJOR.MINOR",
                    help="compute capability to compile for (repeatable; default 8.0 and 9.0)")
-    p.add_argument("--threads", type=int, default=None, help="threads per block for every kernel's occupancy")
+    p.add_argument("--threads", type=int_in(1, 1024), default=None,
+                   help="threads per block (1..1024) for every kernel's occupancy")
     p.add_argument("--kernel", action="append", default=None, help="only this registered kernel (repeatable)")
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    return p
+
+
+def main_inspect(argv=None) -> int:
+    """``flashnb inspect``: print the resource/occupancy table of every registered kernel."""
+    p = inspect_parser()
     args = p.parse_args(argv)
     try:
         ccs = [tuple(int(x) for x in s.split(".")) for s in args.cc] if args.cc else [(8, 0), (9, 0)]

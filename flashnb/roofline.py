@@ -98,8 +98,18 @@ class ModelledTime:
         return self.flops / self.seconds / 1e12 if self.seconds else math.inf
 
     def __str__(self) -> str:
-        return (f"modelled {self.seconds * 1e3:.3f} ms on {self.gpu} ({self.bound}-bound: compute "
-                f"{self.compute_seconds * 1e3:.3f} ms, memory {self.memory_seconds * 1e3:.3f} ms)")
+        scale, unit = _time_unit(self.seconds)
+        return (f"modelled {self.seconds * scale:.3f} {unit} on {self.gpu} ({self.bound}-bound: compute "
+                f"{self.compute_seconds * scale:.3f} {unit}, memory {self.memory_seconds * scale:.3f} {unit})")
+
+
+def _time_unit(seconds: float) -> tuple[float, str]:
+    """(factor, unit) that shows ``seconds`` with digits before the point: ms from 1 ms up, then µs, then ns."""
+    if seconds >= 1e-3:
+        return 1e3, "ms"
+    if seconds >= 1e-6:
+        return 1e6, "µs"
+    return 1e9, "ns"
 
 
 def modelled_time(flops: float, bytes: float, gpu: str | GPU = "H100 SXM") -> ModelledTime:

@@ -1,7 +1,10 @@
 """Choose between a real GPU and the Numba CUDA simulator, before ``numba.cuda`` is imported.
 
-Numba reads ``NUMBA_ENABLE_CUDASIM`` once, when ``numba.cuda`` is first imported, so the choice
-cannot be changed afterwards.  The rule:
+Numba reads ``NUMBA_ENABLE_CUDASIM`` into ``numba.core.config`` when numba is first imported, and
+``numba.cuda`` acts on it once, when it is first imported, so the choice cannot be changed afterwards.
+flashnb sets the variable and reloads numba's configuration (``from numba import float32`` before
+``import flashnb`` is fine); if ``numba.cuda`` itself was imported first in GPU mode on a machine without a
+GPU, ``import flashnb`` raises :class:`RuntimeModeError` saying what to do.  The rule:
 
 * ``FLASHNB_DEVICE=gpu`` or ``FLASHNB_DEVICE=sim`` forces a mode;
 * otherwise a real GPU is used when the CUDA driver library loads and reports at least one device,
@@ -83,6 +86,14 @@ def select_mode() -> str:
 
         actual = "sim" if config.ENABLE_CUDASIM else "gpu"
         wanted = requested or _auto_mode()
+        if wanted == "sim" and actual == "gpu" and requested is None:
+            # numba.cuda runs in GPU mode on a machine without a GPU: every launch would fail later with a
+            # driver traceback, so stop here with what to do instead.
+            raise RuntimeModeError(
+                "numba.cuda was imported before flashnb, in GPU mode, and this machine has no CUDA GPU: "
+                "put `import flashnb` before `from numba import cuda` (or set NUMBA_ENABLE_CUDASIM=1 before "
+                "Python starts) and restart the interpreter or notebook kernel."
+            )
         if wanted != actual:
             message = (
                 f"numba.cuda was already imported in {_NAMES[actual]} mode, but flashnb "
@@ -98,6 +109,10 @@ def select_mode() -> str:
         return actual
     mode = requested or _auto_mode()
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1" if mode == "sim" else "0"
+    if "numba.core.config" in sys.modules:
+        # Something imported numba (e.g. `from numba import float32`) without numba.cuda: numba's config has
+        # already read the environment, and numba.cuda reads ENABLE_CUDASIM from it, so make it read it again.
+        sys.modules["numba.core.config"].reload_config()
     return mode
 
 

@@ -41,7 +41,7 @@ import numpy as np
 from numba import cuda, float32
 
 from . import runtime
-from .common import NEG_INF, ONE, ZERO, causal_allowed, cdiv, empty, launch, load_rows, to_device
+from .common import NEG_INF, ONE, ZERO, causal_allowed, cdiv, check_shared_fit, empty, launch, load_rows, to_device
 from .registry import kernel_factory, register_impl
 
 __all__ = [
@@ -585,8 +585,7 @@ def _check_tile(tile, d):
     tile = int(tile)
     if not 1 <= tile <= 64:
         raise ValueError(f"tile must be in 1..64, got {tile}")
-    if 2 * tile * d * 4 > 48 * 1024:
-        raise ValueError(f"tile={tile} with d={d} needs {2 * tile * d * 4} B of shared memory (> 48 KiB)")
+    check_shared_fit("onepass", f"tile={tile} at d={d}", 2 * tile * d * 4, "choose a smaller tile")
     return tile
 
 

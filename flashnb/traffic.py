@@ -49,11 +49,25 @@ import numpy as np
 from . import runtime
 from .common import current_label
 
-__all__ = ["count", "Traffic", "LaunchTraffic", "TrafficError"]
+__all__ = ["count", "Traffic", "LaunchTraffic", "TrafficError", "ModelMismatch", "RECORD_FIELDS"]
 
 
 class TrafficError(RuntimeError):
     """Traffic counting is impossible here (GPU mode) or was misused (a counter entered twice)."""
+
+
+class ModelMismatch(AssertionError):
+    """Raised by :meth:`Traffic.check_model` when the counts differ from the model; ``differences`` lists
+    each one (which launch, kernel, array and count)."""
+
+    def __init__(self, message: str, differences: list[str]):
+        super().__init__(message)
+        self.differences = differences
+
+
+#: Columns of :meth:`Traffic.to_records` / :meth:`Traffic.to_csv` (one row per launch and array).
+RECORD_FIELDS = ("launch_index", "launch", "kernel", "grid", "block", "array", "kind", "itemsize", "reads",
+                 "writes", "atomics", "read_bytes", "write_bytes", "atomic_bytes")
 
 
 # --------------------------------------------------------------------------- per-launch recording
@@ -545,6 +559,121 @@ class Traffic:
             e["shared_writes"] += sum(lt.shared_writes.values())
         return out
 
+    @property
+    def global_bytes(self) -> int:
+        """Bytes to and from global memory: read + written + one element per atomic (as ``flashnb tour``'s
+        modelled time counts them)."""
+        return self.global_read_bytes + self.global_write_bytes + sum(
+            n * lt.itemsize.get(k, 4) for lt in self.launches for k, n in lt.atomics.items())
+
+    # -- comparing with a model
+    def check_model(self, model, *, budget: float | None = None, raise_on_mismatch: bool = True) -> list[str]:
+        """Compare these counts with a model in the format of CONTRIBUTING.md (a list with one dict per launch,
+        ``dict(launch=, reads={array: elements}, writes=, atomics=, shared_reads=, shared_writes=)``, or one
+        such dict for a single launch).
+
+        ``budget=None`` asks for equality; ``budget=0.1`` lets every count be within 10 % of the model's
+        (``|counted - model| <= budget * model``).  Returns the list of differences, each naming the launch,
+        its kernel, the array and both counts; raises :class:`ModelMismatch` with that list unless
+        ``raise_on_mismatch=False``.
+        """
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                                   or not budget >= 0):
+            raise ValueError(f"budget must be None (exact) or a fraction >= 0 (0.1 = within 10 %), got {budget!r}")
+        if isinstance(model, dict):
+            model = [model]
+        model = list(model)
+        for i, m in enumerate(model):
+            if not isinstance(m, dict) or "launch" not in m:
+                raise ValueError(f"model[{i}] must be a dict with a 'launch' label (model format of CONTRIBUTING.md),"
+                                 f" got {m!r}")
+
+        def off(counted, modelled) -> bool:
+            if budget is None:
+                return counted != modelled
+            return abs(counted - modelled) > budget * abs(modelled)
+
+        def pct(counted, modelled) -> str:
+            return f"{(counted - modelled) / modelled:+.1%}" if modelled else "model 0"
+
+        diffs = []
+        if len(model) != len(self.launches):
+            diffs.append(f"{len(self.launches)} launches counted {[lt.label for lt in self.launches]}, "
+                         f"{len(model)} in the model {[m['launch'] for m in model]}")
+        for i, (lt, m) in enumerate(zip(self.launches, model)):
+            where = f"launch {i} {lt.label!r} (kernel {lt.kernel})"
+            if lt.label != m["launch"]:
+                diffs.append(f"{where}: the model's launch {i} is {m['launch']!r}")
+            for what in ("reads", "writes", "atomics"):
+                counted, modelled = getattr(lt, what), m.get(what, {}) or {}
+                for array in dict.fromkeys([*counted, *modelled]):
+                    c, mo = counted.get(array, 0), modelled.get(array, 0)
+                    if off(c, mo):
+                        diffs.append(f"{where}: {what} of {array!r}: counted {c:,}, model {mo:,} ({pct(c, mo)})")
+            for what in ("shared_reads", "shared_writes"):
+                c, mo = sum(getattr(lt, what).values()), m.get(what, 0)
+                if off(c, mo):
+                    per = ", ".join(f"{k} {v:,}" for k, v in getattr(lt, what).items())
+                    diffs.append(f"{where}: {what}: counted {c:,} ({per or 'none'}), model {mo:,} ({pct(c, mo)})")
+        if diffs and raise_on_mismatch:
+            rule = "exactly" if budget is None else f"within {budget:.0%}"
+            raise ModelMismatch(f"counted traffic does not match the model {rule}:\n  " + "\n  ".join(diffs), diffs)
+        return diffs
+
+    # -- export
+    def to_records(self) -> list[dict]:
+        """One dict per (launch, array) with the fields of :data:`RECORD_FIELDS`: exact element counts and
+        bytes (bytes are None for shared arrays, whose counts are elements)."""
+        out = []
+        for i, lt in enumerate(self.launches):
+            for name, kind, r, w, a, rb, wb in lt.rows():
+                size = lt.itemsize.get(name, 4) if kind == "global" else None
+                out.append(dict(launch_index=i, launch=lt.label, kernel=lt.kernel, grid=_dim(lt.grid),
+                                block=_dim(lt.block), array=name, kind=kind, itemsize=size, reads=r, writes=w,
+                                atomics=a, read_bytes=rb, write_bytes=wb,
+                                atomic_bytes=None if size is None else a * size))
+        return out
+
+    def to_csv(self, path=None) -> str:
+        """The records as CSV text (header: :data:`RECORD_FIELDS`); also written to ``path`` when given."""
+        import csv
+        import io
+
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=RECORD_FIELDS, lineterminator="\n")
+        writer.writeheader()
+        for row in self.to_records():
+            writer.writerow({k: "" if v is None else v for k, v in row.items()})
+        text = buf.getvalue()
+        if path is not None:
+            with open(path, "w", newline="") as f:
+                f.write(text)
+        return text
+
+    def to_dataframe(self):
+        """The records as a pandas DataFrame (pandas is optional: ``pip install pandas``)."""
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ImportError("Traffic.to_dataframe() needs pandas (pip install pandas); to_records() and "
+                              "to_csv() give the same rows without it") from None
+        return pd.DataFrame(self.to_records(), columns=list(RECORD_FIELDS))
+
+    # -- roofline
+    def modelled_time(self, flops: float, gpu="H100 SXM"):
+        """Roofline time of these counted bytes (:attr:`global_bytes`) and ``flops`` on a GPU preset -- a
+        :class:`flashnb.roofline.ModelledTime`, modelled, not measured."""
+        from .roofline import modelled_time
+
+        return modelled_time(flops, self.global_bytes, gpu)
+
+    def roofline_point(self, flops: float, label: str = "counted") -> dict:
+        """``dict(label, flops, bytes)`` of this count, ready for :func:`flashnb.roofline.roofline_plot`
+        (its arithmetic intensity is ``flops / bytes``, bytes = :attr:`global_bytes`)."""
+        if isinstance(flops, bool) or not isinstance(flops, (int, float)) or not flops >= 0:
+            raise ValueError(f"flops must be a number >= 0, got {flops!r}")
+        return dict(label=label, flops=float(flops), bytes=float(self.global_bytes))
+
     # -- rendering
     _HEAD = ("launch", "kernel", "grid", "block", "array", "reads", "writes", "atomics", "read B", "written B")
 
@@ -557,7 +686,7 @@ class Traffic:
                 meta = (lt.label, lt.kernel, _dim(lt.grid), _dim(lt.block)) if first else ("", "", "", "")
                 first = False
                 rows.append((*meta, name if kind == "global" else f"{name} (shared)", f"{r:,}", f"{w:,}",
-                             f"{a:,}", "" if rb is None else _bytes(rb), "" if wb is None else _bytes(wb)))
+                             f"{a:,}", "" if rb is None else f"{rb:,}", "" if wb is None else f"{wb:,}"))
         return rows
 
     def _headline(self) -> str:
@@ -598,10 +727,11 @@ def _dim(t: tuple) -> str:
 
 
 def _bytes(n: int) -> str:
+    """Exact bytes, with a rounded binary unit beside them when that helps: ``1,664 B (1.6 KiB)``."""
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
+            return f"{n:,} B ({n / size:.1f} {unit})"
+    return f"{n:,} B"
 
 
 def _check_simulator() -> None:

@@ -136,7 +136,7 @@ def test_bad_inputs_through_the_public_api(rng):
     with pytest.raises(ValueError, match="q"):
         flashnb.attention_forward(np.full_like(q, np.nan), k, v, impl="fa1")
     with pytest.raises(ValueError, match="scale"):
-        flashnb.attention_forward(q, k, v, scale=-1.0, impl="fa1")
+        flashnb.attention_forward(q, k, v, scale=float("inf"), impl="fa1")
 
 
 # --------------------------------------------------------------------------- counted == model

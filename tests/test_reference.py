@@ -155,7 +155,7 @@ def test_inputs_are_promoted_to_float64():
     (dict(mask=np.ones((3, 6))), TypeError, "mask"),                       # not boolean
     (dict(mask=np.ones((4, 6), bool)), ValueError, "mask"),                # wrong shape
     (dict(mask=np.ones((2, 3, 5), bool)), ValueError, "mask"),             # adds a leading axis
-    (dict(scale=0.0), ValueError, "scale"),
+    (dict(scale=float("nan")), ValueError, "scale"),                      # 0 and negative scales are valid
 ])
 def test_bad_inputs_raise(bad, error, match):
     args = dict(q=np.ones((3, 4)), k=np.ones((5, 4)), v=np.ones((5, 4)))

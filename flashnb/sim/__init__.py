@@ -43,7 +43,10 @@ _state = {"installed": False, "warned": False, "stock_block_manager": None, "pro
 
 _LAZY = {  # name -> (submodule, attribute or None for the module itself), imported on first use
     "SimulatorDeadlock": ("fastbarrier", "SimulatorDeadlock"),
-    "racecheck": ("racecheck", None),
+    "racecheck": ("racecheck", None),   # `flashnb.sim.racecheck.check()` after a bare `import flashnb`
+    "selftest": ("selftest", None),
+    "warp": ("warp", None),
+    "fastbarrier": ("fastbarrier", None),
     "sanitizer": ("sanitizer", None),
     "memprofile": ("memprofile", None),
     "sanitize": ("sanitizer", "sanitize"),
