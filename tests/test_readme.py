@@ -11,7 +11,7 @@ def test_python_example_runs(capsys):
     # each block runs as a notebook cell does: its source registered in linecache under a cell name, in __main__
     # (the experimenting section's resource report reads its kernel's source from there)
     blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
-    assert len(blocks) == 2, "README's python examples: using the kernels, experimenting"
+    assert len(blocks) == 3, "README's python examples: using the kernels, experimenting, sanitizer and profiler"
     for n, block in enumerate(blocks):
         name = f"<ipython-input-{n}-readme>"
         linecache.cache[name] = (len(block), None, block.splitlines(True), name)
@@ -22,6 +22,9 @@ def test_python_example_runs(capsys):
     assert "0,scale_rows,scale_rows,(8),(64),X,global,4,512,0,0,2048,0,0" in out
     assert re.search(r"modelled \d+\.\d{3} ns on H100 SXM", out)
     assert re.search(r"\d+ registers, 256 B shared, \d+% occupancy", out)
+    # the sanitizer and profiler example
+    assert "no errors in 1 launch(es) (memcheck, racecheck, initcheck, synccheck)" in out
+    assert "QsT" in out and "wave" in out
 
 
 def test_ci_runs_the_readme_test_command():

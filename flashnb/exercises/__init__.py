@@ -1,0 +1,177 @@
+"""Exercises that check themselves: every notebook exercise has an id (``"03.2"``: notebook 03, exercise 2),
+a level and a time tag, a check the learner runs, and a worked answer kept out of the way.
+
+In a notebook::
+
+    answer = ...                               # your answer here (``...`` means "not attempted yet")
+    exercises.check("03.2", tiles_above=answer)
+    # -> "exercise 03.2: not attempted yet" / "✓ exercise 03.2 ..." / "✗ exercise 03.2: <what is wrong>"
+
+``exercises.hint("03.2")`` prints a hint, ``exercises.answer("03.2")`` the worked answer (prose and the code
+that solves it); ``exercises.catalogue()`` lists every exercise.  :func:`check` returns True/False and
+prints; ``strict=True`` raises :class:`Wrong` instead (for tests and graders).
+
+Checks are written against independent ground truth -- the float64 reference, the traffic counter, the
+race checker, numbers derived from the papers' formulas -- never against the learner's own output.  Each
+exercise also ships its solution as code (``Exercise.solution``), and ``tests/test_exercises.py`` checks
+that every solution passes its check and that typical wrong answers do not.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import textwrap
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = ["check", "hint", "answer", "catalogue", "exercise", "Wrong", "Exercise", "EXERCISES", "close",
+           "require"]
+
+LEVELS = {1: "★", 2: "★★", 3: "★★★"}
+NOTEBOOKS = ("00", "01", "02", "03", "04", "05", "06", "07")
+
+
+class Wrong(AssertionError):
+    """An answer that does not pass its exercise's check; the message says what to look at."""
+
+
+@dataclass
+class Exercise:
+    """One exercise: ``check(**answers)`` raises :class:`Wrong` when an answer is wrong."""
+
+    id: str
+    title: str
+    level: int
+    minutes: int
+    check: Callable[..., Any]
+    hint: str = ""
+    explain: str = ""
+    solution: Callable[[], dict] | None = None
+    wrong: list = field(default_factory=list)    # callables returning answers that must fail (for tests)
+
+    @property
+    def tag(self) -> str:
+        return f"{LEVELS[self.level]} ~{self.minutes} min"
+
+    def solves(self, fn):
+        """Decorator: ``fn()`` returns the answers (a dict of keyword arguments) that solve this exercise."""
+        self.solution = fn
+        return fn
+
+    def fails(self, fn):
+        """Decorator: ``fn()`` returns answers that are wrong in a typical way (tests check they fail)."""
+        self.wrong.append(fn)
+        return fn
+
+
+EXERCISES: dict[str, Exercise] = {}
+
+
+def exercise(id: str, title: str, *, level: int, minutes: int, hint: str = "", explain: str = ""):
+    """Register the decorated function as the check of exercise ``id``; returns the :class:`Exercise`."""
+    if level not in LEVELS:
+        raise ValueError(f"level must be 1, 2 or 3, got {level!r}")
+
+    def decorate(fn):
+        if id in EXERCISES:
+            raise ValueError(f"exercise {id!r} defined twice")
+        ex = Exercise(id, title, level, minutes, fn, textwrap.dedent(hint).strip(), textwrap.dedent(explain).strip())
+        EXERCISES[id] = ex
+        return ex
+
+    return decorate
+
+
+def _load(id: str) -> Exercise:
+    if not isinstance(id, str) or len(id.split(".")) != 2:
+        raise ValueError(f"id must look like '03.2' (notebook 03, exercise 2), got {id!r}")
+    nb = id.split(".")[0]
+    if nb in NOTEBOOKS:
+        importlib.import_module(f"{__name__}.nb{nb}")
+    if id not in EXERCISES:
+        known = ", ".join(sorted(EXERCISES)) or "none"
+        raise ValueError(f"no exercise {id!r} (loaded: {known})")
+    return EXERCISES[id]
+
+
+def _load_all():
+    for nb in NOTEBOOKS:
+        try:
+            importlib.import_module(f"{__name__}.nb{nb}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.nb{nb}":
+                raise
+
+
+def check(id: str, *, strict: bool = False, **answers) -> bool:
+    """Check the answers to exercise ``id`` (keyword arguments, as the notebook cell names them).
+
+    An answer left as ``...`` means "not attempted yet": nothing is checked.  Prints the verdict and returns
+    True when every answer is right; ``strict=True`` raises :class:`Wrong` instead of printing a failure.
+    """
+    ex = _load(id)
+    head = f"exercise {id} ({ex.title}, {ex.tag})"
+    if any(v is ... for v in answers.values()) or not answers:
+        missing = [k for k, v in answers.items() if v is ...]
+        print(f"{head}: not attempted yet -- fill in {', '.join(missing) or 'your answer'} and run this cell again")
+        return False
+    expected = list(inspect.signature(ex.check).parameters)
+    unknown = sorted(set(answers) - set(expected))
+    if unknown:
+        raise TypeError(f"exercise {id} takes {expected}, got unknown {unknown}")
+    try:
+        message = ex.check(**answers)
+    except Wrong as e:
+        if strict:
+            raise Wrong(f"{head}: {e}") from None
+        print(f"✗ {head}: {e}")
+        if ex.hint:
+            print(f"  hint: exercises.hint({id!r})")
+        return False
+    print(f"✓ {head}: right" + (f" -- {message}" if message else ""))
+    return True
+
+
+def hint(id: str) -> None:
+    """Print the hint of exercise ``id``."""
+    ex = _load(id)
+    print(ex.hint or f"exercise {id} has no hint; exercises.answer({id!r}) shows the worked answer")
+
+
+def answer(id: str) -> None:
+    """Print the worked answer of exercise ``id``: the explanation and the code that solves it."""
+    ex = _load(id)
+    print(f"exercise {id}: {ex.title} ({ex.tag})\n")
+    if ex.explain:
+        print(ex.explain + "\n")
+    if ex.solution is not None:
+        print(textwrap.dedent(inspect.getsource(ex.solution)))
+
+
+def catalogue() -> list[dict]:
+    """Every exercise: id, title, level tag, minutes."""
+    _load_all()
+    return [dict(id=e.id, title=e.title, level=LEVELS[e.level], minutes=e.minutes)
+            for e in sorted(EXERCISES.values(), key=lambda e: tuple(int(x) for x in e.id.split(".")))]
+
+
+# --------------------------------------------------------------------------- helpers for checks
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise :class:`Wrong` with ``message`` unless ``condition``."""
+    if not condition:
+        raise Wrong(message)
+
+
+def close(value, expected, *, rel: float = 0.0, abs: float = 0.0, what: str = "your answer") -> None:
+    """Raise :class:`Wrong` unless ``value`` is within ``rel``/``abs`` of ``expected`` (not revealing it)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise Wrong(f"{what} must be a number, got {value!r}") from None
+    if not math.isfinite(v) or not math.isclose(v, expected, rel_tol=rel, abs_tol=abs):
+        direction = "too large" if v > expected else "too small"
+        raise Wrong(f"{what} = {value!r} is {direction}")
