@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["KernelSpec", "Impl", "KERNELS", "IMPLS", "kernel_factory", "register_impl"]
+__all__ = ["KernelSpec", "Impl", "KERNELS", "IMPLS", "kernel_factory", "register_impl", "variant", "using"]
 
 
 @dataclass
@@ -50,6 +50,22 @@ class KernelSpec:
 KERNELS: dict[str, KernelSpec] = {}
 
 
+def _memoised(factory):
+    """``factory`` memoised on its bound arguments: make_x(16, True) and make_x(T=16, trans=True) are one
+    kernel, compiled once."""
+    signature_of = inspect.signature(factory)
+    memo = functools.lru_cache(maxsize=None)(lambda items: factory(**dict(items)))
+
+    @functools.wraps(factory)
+    def cached(*args, **kwargs):
+        bound = signature_of.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return memo(tuple(bound.arguments.items()))
+
+    cached.cache_info = memo.cache_info
+    return cached
+
+
 def kernel_factory(name: str, *, stage: str, signature, configs=None, threads=None):
     """Register a kernel factory; the factory is memoised so each configuration compiles once.
 
@@ -61,17 +77,7 @@ def kernel_factory(name: str, *, stage: str, signature, configs=None, threads=No
     """
 
     def decorate(factory):
-        signature_of = inspect.signature(factory)
-        memo = functools.lru_cache(maxsize=None)(lambda items: factory(**dict(items)))
-
-        @functools.wraps(factory)
-        def cached(*args, **kwargs):
-            # canonical key: make_x(16, True) and make_x(T=16, trans=True) are one kernel, compiled once
-            bound = signature_of.bind(*args, **kwargs)
-            bound.apply_defaults()
-            return memo(tuple(bound.arguments.items()))
-
-        cached.cache_info = memo.cache_info
+        cached = _memoised(factory)
         if name in KERNELS:
             raise ValueError(f"kernel {name!r} registered twice")
         KERNELS[name] = KernelSpec(name, stage, cached, signature, list(configs or [{}]), threads)
@@ -132,3 +138,93 @@ def register_impl(name: str, *, stage: str, description: str, forward, backward=
         raise ValueError(f"impl {name!r} registered twice")
     IMPLS[name] = Impl(name, stage, description, forward, backward, tuple(options), reference_mask)
     return IMPLS[name]
+
+
+# --------------------------------------------------------------------------- variants (for experiments)
+
+
+def _spec_of(factory) -> KernelSpec | None:
+    return next((spec for spec in KERNELS.values() if spec.factory is factory), None)
+
+
+def variant(factory, *, replace=(), source: str | None = None):
+    """A modified copy of a registered kernel factory, for experiments and exercises.
+
+    ``replace`` is a pair ``(old, new)`` or a list of pairs: each ``old`` must occur exactly once in the
+    factory's source (what :func:`flashnb.notebook.show_source` prints), and is replaced by ``new``.
+    ``source`` instead gives the whole edited ``def`` of the factory.  The result is compiled in the namespace
+    of the factory's module (so ``NEG_INF``, ``load_tile``, ... resolve as in the original), memoised like
+    the original, and registered nowhere: the original keeps its registration and the PTX guard its
+    coverage.  Its source is kept in ``linecache`` under ``<variant of module.name>``, so tracebacks, the traffic
+    counter's shared-array names, the sanitizer's line numbers and ``inspect.getsource`` work on it.  Use it
+    with the library's own launchers through :func:`using`::
+
+        no_barrier = registry.variant(fa2.make_forward, replace=("cuda.syncthreads()  # every warp", "# (removed)"))
+        with registry.using(fa2.make_forward, no_barrier):
+            flashnb.attention(q, k, v, impl="fa2", Br=16, Bc=16, warps=2)
+    """
+    import ast
+    import linecache
+    import sys
+    import textwrap
+
+    original = getattr(factory, "__wrapped__", factory)
+    if not callable(original) or not hasattr(original, "__code__"):
+        raise TypeError(f"factory must be a kernel factory function (e.g. fa2.make_forward), got {factory!r}")
+    if source is None:
+        text = textwrap.dedent(inspect.getsource(original))
+        pairs = [replace] if replace and isinstance(replace[0], str) else list(replace)
+        for pair in pairs:
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+                raise TypeError(f"replace must be a pair (old, new) of strings or a list of them, got {pair!r}")
+            old, new = pair
+            n = text.count(old)
+            if n != 1:
+                raise ValueError(f"replace: {old!r} occurs {n} times in {original.__name__}'s source; it must "
+                                 "occur exactly once (copy it from show_source, with enough context)")
+            text = text.replace(old, new)
+    elif replace:
+        raise TypeError("pass either replace= or source=, not both")
+    else:
+        text = textwrap.dedent(source)
+    tree = ast.parse(text)
+    defs = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    if len(defs) != 1:
+        raise ValueError(f"source must hold exactly one function definition (the factory), found {len(defs)}")
+    defs[0].decorator_list = []      # drop @kernel_factory(...): a variant is registered nowhere
+    module = sys.modules[original.__module__]
+    filename = f"<variant of {original.__module__}.{original.__name__}>"
+    lines = text.splitlines(keepends=True)
+    linecache.cache[filename] = (len(text), None, lines, filename)
+    namespace = dict(vars(module))
+    exec(compile(tree, filename, "exec"), namespace)
+    made = _memoised(namespace[defs[0].name])
+    made.variant_of = factory
+    made.variant_source = text
+    return made
+
+
+class using:
+    """``with using(fa2.make_forward, my_variant):`` -- the library's launchers build their kernels with
+    ``my_variant`` instead of the registered factory inside the block (the module attribute is swapped and
+    restored on exit).  ``my_variant`` must take the same arguments (see :func:`variant`)."""
+
+    def __init__(self, factory, replacement):
+        import sys
+
+        self.module = sys.modules[getattr(factory, "__module__", "")] if hasattr(factory, "__module__") else None
+        name = getattr(factory, "__name__", None)
+        if self.module is None or getattr(self.module, name, None) is not factory:
+            raise ValueError(f"factory must be a kernel factory reachable as a module attribute (e.g. "
+                             f"fa2.make_forward), got {factory!r}")
+        if not callable(replacement):
+            raise TypeError(f"replacement must be a callable kernel factory, got {replacement!r}")
+        self.name, self.factory, self.replacement = name, factory, replacement
+
+    def __enter__(self):
+        setattr(self.module, self.name, self.replacement)
+        return self.replacement
+
+    def __exit__(self, *exc):
+        setattr(self.module, self.name, self.factory)
+        return False

@@ -497,18 +497,72 @@ print(f"notebook ran in {runtime_s:.1f} s (simulator wall time: says nothing abo
 # %% [markdown]
 # ## Exercises
 #
-# 1. Using the presets, find the sequence length $N$ (at $d = 64$) above which the FA2 forward's modelled time
-#    on an H100 becomes compute-bound. Does the same $N$ work for the A100? Why do they differ?
-# 2. Rewrite `moving_average3` so each block first copies its slice of `x` (plus one element on each side) into
-#    a `cuda.shared.array`, then averages from shared memory. Count it: how do the global reads per element
-#    change, and where did the other reads go?
-# 3. Add lines to `copy_patterns` that read `A[0, 2 * lane]` and `A[0, 8 * lane]`, and profile them. How many
-#    sectors does a request touch? At which stride does the strided read stop getting any worse, and why?
-# 4. With `flashnb.inspect.occupancy`, find how many registers per thread `fa2.forward` (128 threads per block)
-#    could use on sm_90 before dropping from its current number of blocks per SM to one fewer.
-# 5. Write a warp *inclusive scan* with `shfl_up_sync` (lane $i$ ends with the sum of lanes $0..i$) and check it
-#    against `np.cumsum`. What must a lane do when `lane - offset` is negative?
-# 6. Copy `fa2.make_forward`, delete the `cuda.syncthreads()` marked "every warp is done with K_{j-1}, V_{j-1}",
-#    and run the copy under `sim.sanitize()` with two warps and several key tiles. Which shared arrays does
-#    it report, and which two lines? Does the output still match the reference on the simulator, and why is
-#    that no evidence about a GPU?
+# Each exercise has a check: fill in the `...` and run its cell (`...` means "not attempted yet"). Stuck?
+# `exercises.hint("00.1")` gives a hint and `exercises.answer("00.1")` the worked answer -- try first.
+# Levels: ★ a few lines, ★★ a small kernel or experiment, ★★★ a real change to a kernel.
+
+# %%
+from flashnb import exercises, registry
+
+# %% [markdown]
+# **00.1 · When does FA2's forward become compute-bound?** (★, ~10 min) Using the presets, find the smallest
+# sequence length $N$ (a multiple of 64, $d = 64$, one head) at which the FA2 forward's modelled time on an H100
+# is compute-bound, and the same on an A100 (80 GB). Why do they differ?
+
+# %%
+N_h100 = ...
+N_a100 = ...
+exercises.check("00.1", N_h100=N_h100, N_a100=N_a100)
+
+# %% [markdown]
+# **00.2 · A moving average through shared memory** (★★, ~20 min) Rewrite `moving_average3` so each block
+# first copies its slice of `x` (plus one element on each side) into a `cuda.shared.array`, then averages from
+# shared memory. The check runs it as `kernel[n // 64, 64](x, y)` under the sanitizer and counts it: how do the
+# global reads per element change, and where did the other reads go?
+
+# %%
+moving_average3_shared = ...   # your @cuda.jit kernel (x, y)
+exercises.check("00.2", kernel=moving_average3_shared)
+
+# %% [markdown]
+# **00.3 · Strided reads** (★, ~10 min) Add lines to `copy_patterns` that read `A[0, 2 * lane]` and
+# `A[0, 8 * lane]` (make `A` wide enough) and profile them. How many sectors does a request touch at stride 2
+# and at stride 8? From which stride on does the strided read get no worse, and why?
+
+# %%
+sectors_stride2 = ...
+sectors_stride8 = ...
+worst_from_stride = ...
+exercises.check("00.3", sectors_stride2=sectors_stride2, sectors_stride8=sectors_stride8,
+                worst_from_stride=worst_from_stride)
+
+# %% [markdown]
+# **00.4 · Registers to spare** (★★, ~15 min) With `flashnb.inspect.occupancy` and the resource report of
+# section 4, find how many registers per thread `fa2.forward` (its first configuration, 128 threads per block)
+# could use on sm_90 and still keep its current number of resident blocks per SM.
+
+# %%
+max_registers = ...
+exercises.check("00.4", max_registers=max_registers)
+
+# %% [markdown]
+# **00.5 · A warp scan** (★★, ~20 min) Write a warp *inclusive scan* with `shfl_up_sync`: in each warp, lane $i$
+# ends with the sum of lanes $0..i$. The check launches it as `kernel[1, 64](x, out)` and compares each warp with
+# `np.cumsum`. What must a lane do when `lane - offset` is negative?
+
+# %%
+warp_scan = ...   # your @cuda.jit kernel (x, out)
+exercises.check("00.5", kernel=warp_scan)
+
+# %% [markdown]
+# **00.6 · The race a missing barrier makes** (★★, ~15 min) Make a variant of `fa2.make_forward` without the
+# `cuda.syncthreads()` marked "every warp is done with K_{j-1}, V_{j-1}" -- `registry.variant(fa2.make_forward,
+# replace=(old_text, new_text))` edits a copy of the factory without touching the library -- and run it through
+# the library's launcher (`with registry.using(fa2.make_forward, variant):`) under `sim.sanitize()`, with two
+# warps and several key tiles (`Br=16, Bc=16, warps=2`, $N = 48$). Which shared arrays does racecheck report,
+# and at which lines? Does the output still match the reference on the simulator, and why is that no evidence
+# about a GPU?
+
+# %%
+race_arrays = ...   # a set of shared-array names
+exercises.check("00.6", race_arrays=race_arrays)

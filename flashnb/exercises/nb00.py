@@ -1,0 +1,301 @@
+"""Exercises of notebook 00 (the memory hierarchy, and how flashnb measures things)."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float32   # module globals: the simulator swaps `cuda` in a kernel's globals only
+
+from . import close, exercise, require
+
+
+def _crossing(gpu: str, d: int = 64) -> int:
+    """Smallest N (a multiple of 64) at which the modelled FA2 forward (B = H = 1) is compute-bound on ``gpu``."""
+    from .. import bench, roofline
+
+    for N in range(64, 1 << 20, 64):
+        t = roofline.modelled_time(roofline.flops_forward(1, 1, N, N, d), bench.modelled_bytes("fa2", 1, 1, N, d, False),
+                                   gpu)
+        if t.bound == "compute":
+            return N
+    raise AssertionError(f"never compute-bound on {gpu}")  # pragma: no cover
+
+
+@exercise("00.1", "when does FA2's forward become compute-bound?", level=1, minutes=10,
+          hint="""Loop N over multiples of 64 at d = 64 (B = H = 1): flops = roofline.flops_forward(1, 1, N, N, 64),
+          bytes = bench.modelled_bytes("fa2", 1, 1, N, 64, False); roofline.modelled_time(flops, bytes, gpu).bound
+          says which roof binds. The presets are listed by roofline.GPUS.""",
+          explain="""FA2 reads K and V once per block of Br query rows, so its bytes grow like N²d/Br while its FLOPs grow
+          like N²d: the arithmetic intensity approaches Br/2 FLOP per byte (32 at d = 64, Br = 64) from below. The
+          kernel becomes compute-bound once the intensity passes the GPU's ridge point (FP32 peak / HBM bandwidth).
+          The A100's ridge is lower than the H100's (its FP32 peak is lower relative to its bandwidth), so it
+          crosses at a smaller N.""")
+def check_00_1(N_h100, N_a100):
+    """N_h100, N_a100: the smallest N (multiple of 64) at which the modelled FA2 forward is compute-bound."""
+    close(N_h100, _crossing("H100 SXM"), abs=64, what="N_h100")
+    close(N_a100, _crossing("A100 80GB SXM"), abs=64, what="N_a100")
+    require(N_a100 < N_h100, "which GPU's ridge point is lower?")
+
+
+@check_00_1.solves
+def _():
+    from flashnb import bench, roofline
+
+    def first_compute_bound(gpu, d=64):
+        for N in range(64, 1 << 20, 64):
+            flops = roofline.flops_forward(1, 1, N, N, d)
+            if roofline.modelled_time(flops, bench.modelled_bytes("fa2", 1, 1, N, d, False), gpu).bound == "compute":
+                return N
+
+    return dict(N_h100=first_compute_bound("H100 SXM"), N_a100=first_compute_bound("A100 80GB SXM"))
+
+
+@check_00_1.fails
+def _():
+    return dict(N_h100=64, N_a100=64)
+
+
+def _moving_average_case(kernel, n=256, threads=64, seed=0):
+    from .. import traffic
+
+    x = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+    y = np.zeros(n, np.float32)
+    with traffic.count() as t:
+        kernel[n // threads, threads](x, y)
+    return x, y, t
+
+
+@exercise("00.2", "moving average through shared memory", level=2, minutes=20,
+          hint="""Each block of T threads needs x[start-1 .. start+T]: T + 2 values. Let every thread copy x[i] into
+          s[t + 1]; threads 0 and T-1 also copy the halo elements x[start-1] and x[start+T] (when they exist).
+          Then cuda.syncthreads(), then average s[t], s[t+1], s[t+2]. Launch: [n // 64, 64].""",
+          explain="""Global reads fall from about 3 per element to about 1 (each element once, plus two halo elements
+          per block); the other reads moved to shared memory, which is where the re-reads belong: 3 shared reads
+          per output. The barrier is what makes the halo written by a neighbouring thread visible.""")
+def check_00_2(kernel):
+    """kernel: a cuda.jit kernel (x, y) launched as kernel[n // 64, 64] that writes y[i] for 1 <= i < n - 1."""
+    from .. import sim
+
+    n, threads = 256, 64
+    with sim.sanitize(raise_on_error=False) as report:
+        x, y, _ = _moving_average_case(kernel, n, threads)
+    require(not report, f"the sanitizer found errors:\n{report}")
+    want = (x[:-2].astype(np.float64) + x[1:-1] + x[2:]) / 3
+    err = np.abs(y[1:-1] - want)
+    bad = np.flatnonzero(err > 1e-5)   # float32 sum of three O(1) values: a few ulps
+    require(bad.size == 0, f"wrong output at i = {list(bad[:5] + 1)} (first few)")
+    _, _, t = _moving_average_case(kernel, n, threads)
+    reads = t.summary()[0]["reads"].get("x", 0)
+    require(reads <= n + 2 * (n // threads), f"x is read {reads} times from global memory for n = {n}: each "
+            "element should come from global memory about once (plus a halo of 2 per block)")
+    require(t.shared_reads >= 3 * (n - 2), "the three values of each average should come from shared memory")
+    return f"x read {reads} times from global memory ({reads / n:.2f} per element), {t.shared_reads} shared reads"
+
+
+@check_00_2.solves
+def _():
+    @cuda.jit
+    def moving_average3_shared(x, y):
+        s = cuda.shared.array(66, float32)          # 64 threads + one halo element on each side
+        t = cuda.threadIdx.x
+        i = cuda.grid(1)
+        n = x.shape[0]
+        s[t + 1] = x[i]
+        if t == 0:
+            s[0] = x[i - 1] if i > 0 else float32(0)
+        if t == cuda.blockDim.x - 1:
+            s[t + 2] = x[i + 1] if i + 1 < n else float32(0)
+        cuda.syncthreads()
+        if 1 <= i < n - 1:
+            y[i] = (s[t] + s[t + 1] + s[t + 2]) / float32(3)
+
+    return dict(kernel=moving_average3_shared)
+
+
+@check_00_2.fails
+def _():
+    @cuda.jit
+    def moving_average3(x, y):                      # the global-memory version: 3 reads per element
+        i = cuda.grid(1)
+        if 1 <= i < x.shape[0] - 1:
+            y[i] = (x[i - 1] + x[i] + x[i + 1]) / float32(3)
+
+    return dict(kernel=moving_average3)
+
+
+@exercise("00.3", "sectors per request of strided reads", level=1, minutes=10,
+          hint="""Profile a kernel with the lines `out[lane] = A[0, 2 * lane]` and `out[lane] = A[0, 8 * lane]` (A of
+          shape (1, 256) float32) and read the sectors per request from prof.select(...). Or work it out: which
+          32-byte sectors do the 32 addresses 4·stride·lane fall into?""",
+          explain="""Lane l reads byte 4·s·l. With stride 2 the warp spans 256 bytes: 8 sectors. With stride 8 the
+          lanes are 32 bytes apart: every lane in its own sector, 32 sectors -- the most a 32-lane request of
+          4-byte loads can touch, so any stride >= 8 is equally bad (the bytes moved per useful byte stop growing).""")
+def check_00_3(sectors_stride2, sectors_stride8, worst_from_stride):
+    """Sectors one 32-lane request of float32 loads touches at stride 2 and 8, and the smallest stride from
+    which it gets no worse."""
+    from ..sim.memprofile import request_cost
+
+    def sectors(stride):
+        return request_cost("global", [(4 * stride * lane, 4) for lane in range(32)])[0]
+
+    close(sectors_stride2, sectors(2), what="sectors_stride2")
+    close(sectors_stride8, sectors(8), what="sectors_stride8")
+    first = next(s for s in range(1, 64) if sectors(s) == 32)
+    close(worst_from_stride, first, what="worst_from_stride")
+
+
+@check_00_3.solves
+def _():
+    import numpy as np
+
+    def sectors(stride):
+        return len(np.unique(4 * stride * np.arange(32) // 32))
+
+    return dict(sectors_stride2=sectors(2), sectors_stride8=sectors(8),
+                worst_from_stride=next(s for s in range(1, 64) if sectors(s) == 32))
+
+
+@check_00_3.fails
+def _():
+    return dict(sectors_stride2=4, sectors_stride8=8, worst_from_stride=32)
+
+
+def _fa2_forward_resources():
+    from .. import inspect as fi
+    from ..registry import KERNELS
+
+    return fi.resources_for("fa2.forward", KERNELS["fa2.forward"].configs[0], (9, 0))
+
+
+@exercise("00.4", "registers to spare before occupancy drops", level=2, minutes=15,
+          hint="""Take fa2.forward's registers and static shared memory on sm_90 from the resource report (its first
+          registered config, as section 4 compiles it). fi.occupancy(R, shared_bytes, 128, (9, 0)).blocks_per_sm is
+          the number of resident blocks with R registers per thread: find the largest R that keeps today's number.""",
+          explain="""Registers are allocated per warp in units of 256 (8 per thread), from four sub-partitions of
+          16,384 each; the number of warps per sub-partition only changes when R crosses 16384 / (32 · warps)
+          rounded to the allocation unit. So a kernel can often grow by several registers "for free" -- and
+          adding one more past the step costs a whole block per SM.""")
+def check_00_4(max_registers):
+    """max_registers: the most registers per thread fa2.forward (its first config, 128 threads per block) could
+    use on sm_90 and keep its current number of resident blocks per SM."""
+    from .. import inspect as fi
+
+    r = _fa2_forward_resources()
+    now = fi.occupancy(r.registers, r.shared_bytes, 128, (9, 0)).blocks_per_sm
+    best = max(R for R in range(1, 256) if fi.occupancy(R, r.shared_bytes, 128, (9, 0)).blocks_per_sm >= now)
+    close(max_registers, best, what="max_registers")
+    return f"fa2.forward uses {r.registers} registers today: {best - r.registers} more would keep {now} blocks/SM"
+
+
+@check_00_4.solves
+def _():
+    from flashnb import inspect as fi
+    from flashnb.registry import KERNELS
+
+    r = fi.resources_for("fa2.forward", KERNELS["fa2.forward"].configs[0], (9, 0))
+    blocks = fi.occupancy(r.registers, r.shared_bytes, 128, (9, 0)).blocks_per_sm
+    return dict(max_registers=max(R for R in range(1, 256)
+                                  if fi.occupancy(R, r.shared_bytes, 128, (9, 0)).blocks_per_sm >= blocks))
+
+
+@check_00_4.fails
+def _():
+    return dict(max_registers=255)
+
+
+@exercise("00.5", "a warp inclusive scan with shuffles", level=2, minutes=20,
+          hint="""Five steps, offset = 1, 2, 4, 8, 16: v_up = cuda.shfl_up_sync(0xFFFFFFFF, v, offset); a lane whose
+          lane index is >= offset adds v_up, the others keep v (shfl_up_sync gives them their own value back).
+          Every lane must call the shuffle -- only the add is conditional.""",
+          explain="""After step k every lane holds the sum of the 2^k lanes ending at itself (Hillis-Steele). A lane
+          with lane - offset < 0 has no partner: it must still call shfl_up_sync (all 32 lanes named in the mask
+          must), and then ignore the result.""")
+def check_00_5(kernel):
+    """kernel: a cuda.jit kernel (x, out) that writes, in each warp, out[i] = x[warp start] + ... + x[i]
+    (float32), launched as kernel[1, 64]."""
+    from .. import sim
+
+    x = np.random.default_rng(5).standard_normal(64).astype(np.float32)
+    out = np.full(64, np.nan, np.float32)
+    with sim.sanitize(raise_on_error=False) as report:
+        kernel[1, 64](x, out)
+    require(not report, f"the sanitizer found errors:\n{report}")
+    want = np.concatenate([np.cumsum(x[:32].astype(np.float64)), np.cumsum(x[32:].astype(np.float64))])
+    bad = np.flatnonzero(~(np.abs(out - want) <= 1e-5 * 32))   # ≤ 32 float32 adds of O(1) values
+    require(bad.size == 0, f"wrong (or unwritten) out[i] at lanes {list(bad[:6])} (first few); each warp scans "
+            "its own 32 lanes")
+
+
+@check_00_5.solves
+def _():
+    @cuda.jit
+    def warp_scan(x, out):
+        i = cuda.threadIdx.x
+        lane = i % 32
+        v = x[i]
+        offset = 1
+        while offset < 32:
+            up = cuda.shfl_up_sync(0xFFFFFFFF, v, offset)
+            if lane >= offset:
+                v += up
+            offset *= 2
+        out[i] = v
+
+    return dict(kernel=warp_scan)
+
+
+@check_00_5.fails
+def _():
+    @cuda.jit
+    def not_a_scan(x, out):
+        i = cuda.threadIdx.x
+        out[i] = x[i]
+
+    return dict(kernel=not_a_scan)
+
+
+_BARRIER = "cuda.syncthreads()                       # every warp is done with K_{j-1}, V_{j-1}"
+
+
+@exercise("00.6", "the race a missing barrier makes in FA2's forward", level=2, minutes=15,
+          hint="""no_barrier = registry.variant(fa2.make_forward, replace=(<that syncthreads line, as show_source
+          prints it>, "pass")); then `with registry.using(fa2.make_forward, no_barrier), sim.sanitize(
+          raise_on_error=False) as report:` run flashnb.attention(q, k, v, impl="fa2", Br=16, Bc=16, warps=2) on
+          (1, 48, 8) inputs, and look at report.by_tool("racecheck").""",
+          explain="""Without that barrier a fast warp starts loading K_j, V_j of the next tile while a slow warp still
+          reads the previous tile: racecheck reports read/write races on the shared tiles KsT and Vs, between the
+          tile loads in fa2_forward and the reads in fa2_tile. Whether the simulator's output is still right
+          depends on the order in which it happens to run threads; a GPU runs warps concurrently, so a right
+          answer on the simulator is no evidence.""")
+def check_00_6(race_arrays):
+    """race_arrays: the set of shared arrays racecheck reports for the FA2 forward without that barrier."""
+    require(isinstance(race_arrays, (set, frozenset, list, tuple)), "race_arrays must be a set of array names")
+    from .. import api, fa2, registry, sim
+
+    variant = registry.variant(fa2.make_forward, replace=(_BARRIER, "pass"))
+    q, k, v = (np.random.default_rng(s).standard_normal((1, 48, 8)) for s in range(3))
+    with registry.using(fa2.make_forward, variant), sim.sanitize(tools="racecheck", raise_on_error=False) as rep:
+        api.attention(q, k, v, impl="fa2", Br=16, Bc=16, warps=2)
+    truth = {f.message.split(" race on shared ")[1].split("[")[0] for f in rep.findings}
+    missing, extra = truth - set(race_arrays), set(race_arrays) - truth
+    require(not missing and not extra, f"{len(missing)} array(s) missing, {len(extra)} that racecheck does not "
+            "report; run it and read the report")
+
+
+@check_00_6.solves
+def _():
+    import numpy as np
+
+    from flashnb import api, fa2, registry, sim
+
+    no_barrier = registry.variant(fa2.make_forward, replace=(
+        "cuda.syncthreads()                       # every warp is done with K_{j-1}, V_{j-1}", "pass"))
+    q, k, v = (np.random.default_rng(s).standard_normal((1, 48, 8)) for s in range(3))
+    with registry.using(fa2.make_forward, no_barrier), sim.sanitize(raise_on_error=False) as report:
+        api.attention(q, k, v, impl="fa2", Br=16, Bc=16, warps=2)
+    races = report.by_tool("racecheck")
+    return dict(race_arrays={f.message.split(" race on shared ")[1].split("[")[0] for f in races})
+
+
+@check_00_6.fails
+def _():
+    return dict(race_arrays={"QsT"})

@@ -1,0 +1,52 @@
+"""Every exercise's worked solution passes its check, and the typical wrong answers each exercise ships fail it;
+an answer left as ``...`` is "not attempted", not a failure."""
+
+import pytest
+
+import flashnb
+from flashnb import exercises
+
+exercises._load_all()
+IDS = sorted(exercises.EXERCISES, key=lambda i: tuple(int(x) for x in i.split(".")))
+WRONG = [(i, n) for i in IDS for n in range(len(exercises.EXERCISES[i].wrong))]
+
+pytestmark = pytest.mark.skipif(flashnb.MODE != "sim", reason="the checks run kernels on the simulator")
+
+
+@pytest.mark.parametrize("id", IDS)
+def test_solution_passes(id, capsys):
+    ex = exercises.EXERCISES[id]
+    assert ex.solution is not None, f"exercise {id} has no worked solution"
+    assert exercises.check(id, strict=True, **ex.solution())
+    assert f"✓ exercise {id}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("id, n", WRONG)
+def test_wrong_answer_fails(id, n, capsys):
+    ex = exercises.EXERCISES[id]
+    with pytest.raises(exercises.Wrong):
+        exercises.check(id, strict=True, **ex.wrong[n]())
+    assert not exercises.check(id, **ex.wrong[n]())
+    assert f"✗ exercise {id}" in capsys.readouterr().out
+
+
+def test_every_exercise_has_a_wrong_answer_a_tag_and_an_explanation():
+    for id in IDS:
+        ex = exercises.EXERCISES[id]
+        assert ex.wrong, f"exercise {id}: add at least one typical wrong answer (@check.fails)"
+        assert ex.explain and ex.level in (1, 2, 3) and ex.minutes > 0, id
+
+
+def test_not_attempted_is_not_a_failure(capsys):
+    assert exercises.check("00.1", N_h100=..., N_a100=...) is False
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+def test_answer_and_hint_print(capsys):
+    exercises.answer("00.3")
+    out = capsys.readouterr().out
+    assert "def _():" in out and "sectors" in out
+    exercises.hint("00.3")
+    assert "32-byte" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="no exercise"):
+        exercises.check("00.99", x=1)
