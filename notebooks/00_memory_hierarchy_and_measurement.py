@@ -502,7 +502,7 @@ print(f"notebook ran in {runtime_s:.1f} s (simulator wall time: says nothing abo
 # Levels: ★ a few lines, ★★ a small kernel or experiment, ★★★ a real change to a kernel.
 
 # %%
-from flashnb import exercises, registry
+from flashnb import exercises, registry  # noqa: F401  (registry: for exercise 00.6)
 
 # %% [markdown]
 # **00.1 · When does FA2's forward become compute-bound?** (★, ~10 min) Using the presets, find the smallest

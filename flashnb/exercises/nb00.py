@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32   # module globals: the simulator swaps `cuda` in a kernel's globals only
+from numba import cuda, float32  # module globals: the simulator swaps `cuda` in a kernel's globals only
 
 from . import close, exercise, require
 
@@ -13,8 +13,8 @@ def _crossing(gpu: str, d: int = 64) -> int:
     from .. import bench, roofline
 
     for N in range(64, 1 << 20, 64):
-        t = roofline.modelled_time(roofline.flops_forward(1, 1, N, N, d), bench.modelled_bytes("fa2", 1, 1, N, d, False),
-                                   gpu)
+        flops = roofline.flops_forward(1, 1, N, N, d)
+        t = roofline.modelled_time(flops, bench.modelled_bytes("fa2", 1, 1, N, d, False), gpu)
         if t.bound == "compute":
             return N
     raise AssertionError(f"never compute-bound on {gpu}")  # pragma: no cover
@@ -24,8 +24,8 @@ def _crossing(gpu: str, d: int = 64) -> int:
           hint="""Loop N over multiples of 64 at d = 64 (B = H = 1): flops = roofline.flops_forward(1, 1, N, N, 64),
           bytes = bench.modelled_bytes("fa2", 1, 1, N, 64, False); roofline.modelled_time(flops, bytes, gpu).bound
           says which roof binds. The presets are listed by roofline.GPUS.""",
-          explain="""FA2 reads K and V once per block of Br query rows, so its bytes grow like N²d/Br while its FLOPs grow
-          like N²d: the arithmetic intensity approaches Br/2 FLOP per byte (32 at d = 64, Br = 64) from below. The
+          explain="""FA2 reads K and V once per block of Br query rows, so its bytes grow like N²d/Br while its FLOPs
+          grow like N²d: the arithmetic intensity approaches Br/2 FLOP per byte (32 at d = 64, Br = 64) from below. The
           kernel becomes compute-bound once the intensity passes the GPU's ridge point (FP32 peak / HBM bandwidth).
           The A100's ridge is lower than the H100's (its FP32 peak is lower relative to its bandwidth), so it
           crosses at a smaller N.""")
