@@ -27,7 +27,21 @@ def savefig(fig, name: str) -> Path:
     return path
 
 
-def show_source(obj) -> None:
-    """Print the source of a function, kernel factory or kernel, straight from the package."""
+def show_source(obj, grep: str | None = None) -> None:
+    """Print the source of a function, kernel factory or kernel, straight from the package.
+
+    With ``grep``, print only the lines containing that text, each with its line number in the file (for
+    pointing at a few lines of a long kernel)."""
     target = getattr(obj, "py_func", None) or getattr(obj, "__wrapped__", None) or obj
-    print(textwrap.dedent(inspect.getsource(target)))
+    if grep is None:
+        print(textwrap.dedent(inspect.getsource(target)))
+        return
+    lines, first = inspect.getsourcelines(target)
+    hits = [(first + i, line.rstrip()) for i, line in enumerate(lines) if grep in line]
+    if not hits:
+        raise ValueError(f"grep: {grep!r} does not occur in the source of {getattr(target, '__name__', target)}")
+    name = Path(inspect.getsourcefile(target)).name
+    width = max(len(str(n)) for n, _ in hits)
+    common = min(len(text) - len(text.lstrip()) for _, text in hits)
+    for n, text in hits:
+        print(f"{name}:{n:<{width}}  {text[common:]}")

@@ -391,10 +391,11 @@ print("lane 31 after shfl_down:", down[[31, 63]], "= 32 x", xs[[31, 63]])
 # %% [markdown]
 # The butterfly gives every lane the total, which is what a row-wise softmax wants: every lane then knows the row
 # max or row sum. The simulator also turns a shuffle that a GPU would hang on (a full-mask shuffle that some
-# lane never reaches) into an error instead of a hang. flashnb's kernels use exactly these calls:
+# lane never reaches) into an error instead of a hang. flashnb's kernels use exactly these calls -- here are
+# the lines of FlashAttention-2's forward kernel factory that shuffle (notebook 05 shows the whole kernel):
 
 # %%
-show_source(fa2.make_forward)
+show_source(fa2.make_forward, grep="shfl")
 
 # %% [markdown]
 # ### The bugs the simulator hides, and the sanitizer that finds them

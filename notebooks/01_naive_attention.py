@@ -30,16 +30,8 @@
 # is its *ridge point*. Softmax does a few FLOPs per 4-byte element it reads and writes — far below the ridge
 # of any GPU — so steps 2 (and the HBM round trips of $S$ and $P$) are memory-bound.
 #
-# **The memory hierarchy** (numbers the FlashAttention paper gives for an A100):
-#
-# | memory | size | bandwidth |
-# |---|---|---|
-# | HBM (global memory) | 40–80 GB | 1.5–2.0 TB/s |
-# | SRAM (shared memory / L1, per SM) | 192 KB × 108 SMs | ~19 TB/s |
-#
-# SRAM is an order of magnitude faster but about three orders of magnitude smaller in total (five per SM). In CUDA, SRAM is what
-# `cuda.shared.array` allocates: a tile that the threads of one block share. Every stage of flashnb is about
-# which data lives where.
+# HBM is large and slow, the on-chip SRAM (`cuda.shared.array` in CUDA) small and fast -- notebook 00 has the
+# numbers. Every stage of flashnb is about which data lives where.
 #
 # This notebook builds Algorithm 0 as separate kernels, checks them, **counts** their HBM traffic on the
 # Numba CUDA simulator and compares the count with an analytic model.
