@@ -76,6 +76,10 @@ class SMLimits:
 
 
 SM_LIMITS: dict[tuple[int, int], SMLimits] = {
+    # T4 (TU104, Colab's free GPU): 64 KB shared per SM, 16 blocks and 32 warps (1,024 threads) per SM, no
+    # reserved shared memory per block before cc 8.0.
+    (7, 5): SMLimits((7, 5), "T4", smem_per_sm=64 * 1024, max_blocks_per_sm=16, max_warps_per_sm=32,
+                     reserved_smem_per_block=0),
     # A100 (GA100): 164 KB shared per SM (of the 192 KB L1/shared array), 32 blocks, 64 warps.
     (8, 0): SMLimits((8, 0), "A100", smem_per_sm=164 * 1024, max_blocks_per_sm=32),
     # H100/H200 (GH100): 228 KB shared per SM (of the 256 KB L1/shared array), 32 blocks, 64 warps.
@@ -141,6 +145,8 @@ def occupancy(registers: int, shared_bytes: int, threads_per_block: int, cc=(9, 
     smem_alloc = _round_up(shared_bytes + lim.reserved_smem_per_block, lim.smem_alloc_unit)
     if shared_bytes > lim.max_static_smem_per_block or smem_alloc > lim.smem_per_sm:
         by_smem = 0
+    elif smem_alloc == 0:              # no shared memory and no per-block reserve (cc < 8.0)
+        by_smem = lim.max_blocks_per_sm
     else:
         by_smem = lim.smem_per_sm // smem_alloc
     by_warps = lim.max_warps_per_sm // warps

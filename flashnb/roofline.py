@@ -18,7 +18,11 @@ GPU presets (NVIDIA datasheet values, decimal units: 1 GB/s = 1e9 B/s, 1 TFLOP/s
   228 KB shared memory per SM); the boost clock is not on the datasheet -- 1980 MHz is the value that
   reproduces 67 TFLOPS (132 SMs x 128 FP32 lanes x 2 FLOP x 1.98 GHz = 66.9 TFLOP/s).
 
-Check: FP32 peak = SMs x FP32 lanes per SM x 2 (FMA) x clock: A100 108 x 64 x 2 x 1.41 GHz = 19.5 TF;
+* T4 16GB (Colab's free GPU, Turing, cc 7.5) -- NVIDIA T4 datasheet: GDDR6 320 GB/s; FP32 8.1 TFLOPS;
+  FP16 (mixed precision) tensor 65 TFLOPS.  40 SMs x 64 CUDA cores (2,560) and 1590 MHz boost (NVIDIA Turing
+  architecture whitepaper, Tesla T4); 64 KB shared memory per SM (Programming Guide, cc 7.5).
+
+Check: FP32 peak = SMs x FP32 lanes per SM x 2 (FMA) x clock: T4 40 x 64 x 2 x 1.59 GHz = 8.1 TF; A100 108 x 64 x 2 x 1.41 GHz = 19.5 TF;
 H100 132 x 128 x 2 x 1.98 GHz = 66.9 TF (``tests/test_roofline.py`` asserts both).
 """
 
@@ -62,6 +66,7 @@ GPUS: dict[str, GPU] = {
     "A100 80GB SXM": GPU("A100 80GB SXM", (8, 0), 108, 2039e9, 19.5e12, 312e12, 1410e6, 164 * 1024, 64),
     "H100 SXM": GPU("H100 SXM", (9, 0), 132, 3.35e12, 67e12, 989.5e12, 1980e6, 228 * 1024, 128),
     "H200": GPU("H200", (9, 0), 132, 4.8e12, 67e12, 989.5e12, 1980e6, 228 * 1024, 128),
+    "T4": GPU("T4", (7, 5), 40, 320e9, 8.1e12, 65e12, 1590e6, 64 * 1024, 64),
 }
 
 

@@ -97,3 +97,14 @@ def test_resources_for_compiles_without_gpu_and_caches(monkeypatch):
     assert fi.guard_kernel("naive.matmul", None, (9, 0)) == []
     with pytest.raises(ValueError, match="registered kernel"):
         fi.resources_for("no.such.kernel")
+
+
+def test_occupancy_on_a_t4_by_hand():
+    # sm_75 (T4): 32 warps, 16 blocks, 64 KB shared per SM, no reserved shared memory per block.
+    # 128 threads = 4 warps: the warp cap allows 32 // 4 = 8 blocks; 32 registers -> 1024 per warp, 16 warps
+    # per sub-partition, 64 per SM -> 16 blocks; so 8 blocks, 32 warps, occupancy 1.
+    o = fi.occupancy(32, 0, 128, (7, 5))
+    assert (o.blocks_per_sm, o.warps_per_sm, o.occupancy, o.limiter) == (8, 32, 1.0, "warps")
+    # 20 KiB of shared memory per block: 65536 // 20480 = 3 blocks (no 1 KiB reserve on sm_75)
+    o = fi.occupancy(32, 20 * 1024, 128, (7, 5))
+    assert (o.blocks_per_sm, o.limiter) == (3, "shared memory")
