@@ -22,8 +22,9 @@ GPU presets (NVIDIA datasheet values, decimal units: 1 GB/s = 1e9 B/s, 1 TFLOP/s
   FP16 (mixed precision) tensor 65 TFLOPS.  40 SMs x 64 CUDA cores (2,560) and 1590 MHz boost (NVIDIA Turing
   architecture whitepaper, Tesla T4); 64 KB shared memory per SM (Programming Guide, cc 7.5).
 
-Check: FP32 peak = SMs x FP32 lanes per SM x 2 (FMA) x clock: T4 40 x 64 x 2 x 1.59 GHz = 8.1 TF; A100 108 x 64 x 2 x 1.41 GHz = 19.5 TF;
-H100 132 x 128 x 2 x 1.98 GHz = 66.9 TF (``tests/test_roofline.py`` asserts both).
+Check: FP32 peak = SMs x FP32 lanes per SM x 2 (FMA) x clock: T4 40 x 64 x 2 x 1.59 GHz = 8.1 TF;
+A100 108 x 64 x 2 x 1.41 GHz = 19.5 TF; H100 132 x 128 x 2 x 1.98 GHz = 66.9 TF (``tests/test_roofline.py``
+asserts every preset).
 """
 
 from __future__ import annotations
