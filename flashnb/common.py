@@ -23,7 +23,7 @@ __all__ = [
     "NEG_INF", "ZERO", "ONE", "cdiv", "causal_allowed", "load_tile", "load_rows", "store_rows", "load_vec",
     "store_vec",
     "empty", "poisoning", "to_device", "launch", "launch_rows", "row_index", "ROWS_PER_BLOCK", "current_label",
-    "launch_hooks", "ShapeOnly", "dry_run",
+    "launch_hooks", "ShapeOnly", "dry_run", "positive_int",
 ]
 
 NEG_INF = float32(-math.inf)
@@ -34,6 +34,15 @@ ONE = float32(1.0)
 def cdiv(a: int, b: int) -> int:
     """Ceiling division: number of tiles of size ``b`` that cover ``a``."""
     return -(-a // b)
+
+
+def positive_int(name: str, n) -> int:
+    """``int(n)`` for an int (numpy ints too, not bool) >= 1; TypeError/ValueError naming ``name`` otherwise."""
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive int, got {n!r}")
+    if n < 1:
+        raise ValueError(f"{name} must be a positive int, got {n!r}")
+    return int(n)
 
 
 # --------------------------------------------------------------------------- device functions
