@@ -93,7 +93,10 @@ def _device_attr(dev, name: str):
 
 
 def _driver_release() -> str:
-    """The NVIDIA driver release (e.g. ``580.159.03``) from NVML or nvidia-smi; "" when neither answers."""
+    """The NVIDIA driver release (e.g. ``580.159.03``) from NVML or nvidia-smi; "" when neither answers
+    (``rehearsal`` under :func:`flashnb.rehearsal.pretend_gpu`)."""
+    if rehearsal.active():
+        return "rehearsal"
     try:
         import pynvml  # nvidia-ml-py
 
@@ -116,7 +119,10 @@ def _driver_release() -> str:
 
 
 def _driver_api_version() -> str:
-    """The CUDA version the driver implements (cuDriverGetVersion, e.g. ``13.0``); "" when unknown."""
+    """The CUDA version the driver implements (cuDriverGetVersion, e.g. ``13.0``); "" when unknown
+    (``rehearsal`` under :func:`flashnb.rehearsal.pretend_gpu`)."""
+    if rehearsal.active():
+        return "rehearsal"
     try:
         from numba.cuda.cudadrv import driver as _drv
 

@@ -31,96 +31,16 @@ A query row whose blocks are all zero has no key: ``O = 0``, ``LSE = -inf``, zer
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import numpy as np
 
-from .common import cdiv
+from . import fa2
+from .common import cdiv, positive_int
+from .fa2 import BlockMask
 from .registry import register_impl
 
 __all__ = ["BlockMask", "causal", "local", "strided", "fixed", "butterfly", "random", "dense", "PATTERNS",
            "forward", "backward", "measure_gpu"]
-
-
-def _positive_int(name, n):
-    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
-        raise TypeError(f"{name} must be a positive int, got {n!r}")
-    if n < 1:
-        raise ValueError(f"{name} must be a positive int, got {n!r}")
-    return int(n)
-
-
-@dataclass(frozen=True, eq=False)
-class BlockMask:
-    """A boolean block mask ``(..., Tr, Tc)`` (True = compute the block) and the tiles ``Br × Bc`` it was
-    built for.  Leading axes, if any, are the problem's leading (batch, head) axes, flattened or not."""
-
-    mask: np.ndarray
-    Br: int
-    Bc: int
-
-    def __post_init__(self):
-        a = np.asarray(self.mask)
-        if a.dtype != np.bool_:
-            raise TypeError(f"block_mask must be a boolean array (True = compute the block), got dtype {a.dtype}")
-        if a.ndim < 2:
-            raise ValueError(f"block_mask must have shape (..., ceil(Nq/Br), ceil(Nk/Bc)), got {a.shape}")
-        object.__setattr__(self, "mask", a)
-        object.__setattr__(self, "Br", _positive_int("Br", self.Br))
-        object.__setattr__(self, "Bc", _positive_int("Bc", self.Bc))
-
-    @property
-    def shape(self) -> tuple:
-        return self.mask.shape
-
-    @property
-    def density(self) -> float:
-        """``s``: the fraction of nonzero blocks."""
-        return float(self.mask.mean())
-
-    def check(self, Nq: int, Nk: int, BH: int | None = None) -> None:
-        """ValueError naming ``block_mask`` unless the shape is ``(..., ceil(Nq/Br), ceil(Nk/Bc))`` with leading
-        axes of ``BH`` (or 1) problems."""
-        Tr, Tc = cdiv(Nq, self.Br), cdiv(Nk, self.Bc)
-        lead = int(np.prod(self.mask.shape[:-2], dtype=np.int64))
-        if self.mask.shape[-2:] != (Tr, Tc) or (BH is not None and lead not in (1, BH)):
-            heads = "" if BH is None else f" (leading axes: none, or batch·heads = {BH} in all)"
-            raise ValueError(f"block_mask must have shape (..., {Tr}, {Tc}) = (..., ceil(Nq/Br), ceil(Nk/Bc)) for "
-                             f"Nq={Nq}, Nk={Nk} and the tiles Br={self.Br}, Bc={self.Bc} it is read at{heads}; "
-                             f"got {self.mask.shape}")
-
-    def at_tiles(self, Br: int, Bc: int, Nq: int, Nk: int, BH: int) -> np.ndarray:
-        """The mask at finer tiles ``Br × Bc`` (dividing this mask's): uint8 ``(BH, ceil(Nq/Br), ceil(Nk/Bc))``,
-        each entry repeated over the tiles inside its block."""
-        self.check(Nq, Nk, BH)
-        if self.Br % Br or self.Bc % Bc:
-            raise ValueError(f"block_mask built for Br={self.Br}, Bc={self.Bc} cannot be read at tiles "
-                             f"Br={Br}, Bc={Bc} (they must divide {self.Br}, {self.Bc})")
-        m = self.mask.reshape((-1,) + self.mask.shape[-2:])
-        m = np.repeat(np.repeat(m, self.Br // Br, axis=1), self.Bc // Bc, axis=2)[:, :cdiv(Nq, Br), :cdiv(Nk, Bc)]
-        return np.ascontiguousarray(np.broadcast_to(m, (BH,) + m.shape[1:]), dtype=np.uint8)
-
-    def expand(self, Nq: int, Nk: int) -> np.ndarray:
-        """The element mask ``(..., Nq, Nk)`` (for :mod:`flashnb.reference`'s ``mask=``)."""
-        from .reference import expand_block_mask
-
-        self.check(Nq, Nk)
-        return expand_block_mask(self.mask, Nq, Nk, self.Br, self.Bc)
-
-    def __and__(self, other: "BlockMask") -> "BlockMask":
-        return self._combine(other, np.logical_and)
-
-    def __or__(self, other: "BlockMask") -> "BlockMask":
-        return self._combine(other, np.logical_or)
-
-    def _combine(self, other, op):
-        if not isinstance(other, BlockMask) or (other.Br, other.Bc) != (self.Br, self.Bc):
-            raise ValueError("block masks combine only with block masks built for the same tiles")
-        return BlockMask(op(self.mask, other.mask), self.Br, self.Bc)
-
-    def __repr__(self):
-        Tr, Tc = self.mask.shape[-2:]
-        return f"BlockMask({Tr}x{Tc} blocks of {self.Br}x{self.Bc}, s={self.density:.3f})"
 
 
 # --------------------------------------------------------------------------- patterns
@@ -130,7 +50,7 @@ def _grid(Nq, Nk, Br, Bc):
     """Block indices ``I`` (column) and ``J`` (row), and the key blocks ``J_lo(I) .. J_hi(I)`` holding the
     diagonal keys ``i + Nk - Nq`` of block I's first and last rows (negative: before the first key)."""
     for name, n in (("Nq", Nq), ("Nk", Nk), ("Br", Br), ("Bc", Bc)):
-        _positive_int(name, n)
+        positive_int(name, n)
     Tr, Tc = cdiv(Nq, Br), cdiv(Nk, Bc)
     I = np.arange(Tr)[:, None]
     J = np.arange(Tc)[None, :]
@@ -159,7 +79,7 @@ def causal(Nq, Nk, Br, Bc) -> BlockMask:
 def local(Nq, Nk, Br, Bc, window: int = 2, *, causal: bool = True) -> BlockMask:
     """Sliding window: ``window`` key blocks ending at the diagonal block (``causal``), or ``window - 1``
     blocks on each side of the diagonal blocks (not causal).  ``window = 1``: the diagonal blocks only."""
-    window = _positive_int("window", window)
+    window = positive_int("window", window)
     I, J, lo, hi = _grid(Nq, Nk, Br, Bc)
     if causal:
         return _make((J > lo - window) & (J <= hi), Br, Bc)
@@ -169,7 +89,7 @@ def local(Nq, Nk, Br, Bc, window: int = 2, *, causal: bool = True) -> BlockMask:
 def strided(Nq, Nk, Br, Bc, stride: int = 2, *, causal: bool = True) -> BlockMask:
     """Sparse Transformers' strided pattern in blocks: the local window of ``stride`` blocks, and every
     ``stride``-th key block counted back from the diagonal block."""
-    stride = _positive_int("stride", stride)
+    stride = positive_int("stride", stride)
     I, J, lo, hi = _grid(Nq, Nk, Br, Bc)
     every = (lo - J) % stride == 0
     if causal:
@@ -180,8 +100,8 @@ def strided(Nq, Nk, Br, Bc, stride: int = 2, *, causal: bool = True) -> BlockMas
 def fixed(Nq, Nk, Br, Bc, stride: int = 4, c: int = 1, *, causal: bool = True) -> BlockMask:
     """Sparse Transformers' fixed pattern in blocks: the key blocks of the query's own chunk of ``stride``
     blocks, and the last ``c`` blocks of every chunk ("summary" blocks)."""
-    stride = _positive_int("stride", stride)
-    c = _positive_int("c", c)
+    stride = positive_int("stride", stride)
+    c = positive_int("c", c)
     if c > stride:
         raise ValueError(f"c must be <= stride, got c={c}, stride={stride}")
     I, J, lo, hi = _grid(Nq, Nk, Br, Bc)
@@ -244,24 +164,18 @@ def reference_mask(Nq, Nk, d, causal, *, window=WINDOW, Br=None, Bc=None, warps=
 @functools.lru_cache(maxsize=64)
 def _prepared(direction, BH, Nq, Nk, d, causal_, window, Br, Bc, warps):
     """The window mask mapped onto the launch's tiles and copied to the device, once per problem shape."""
-    from . import fa2
-
     bm = _window_block_mask(Nq, Nk, d, causal_, window, Br, Bc)
     return fa2.prepare_block_mask(bm, direction=direction, BH=BH, Nq=Nq, Nk=Nk, d=d, Br=Br, Bc=Bc, warps=warps)
 
 
 def model_forward(BH, Nq, Nk, d, *, causal=False, window=WINDOW, Br=None, Bc=None, warps=None):
     """Element accesses of ``impl="fa2-sparse"``'s forward: fa2's model with the window mask."""
-    from . import fa2
-
     bm = _window_block_mask(Nq, Nk, d, causal, window, Br, Bc)
     return fa2.model_forward(BH, Nq, Nk, d, causal=causal, Br=Br, Bc=Bc, warps=warps, block_mask=bm)
 
 
 def model_backward(BH, Nq, Nk, d, *, causal=False, window=WINDOW, Br=None, Bc=None, warps=None):
     """Element accesses of ``impl="fa2-sparse"``'s backward: fa2's model with the window mask."""
-    from . import fa2
-
     bm = _window_block_mask(Nq, Nk, d, causal, window, Br, Bc)
     return fa2.model_backward(BH, Nq, Nk, d, causal=causal, Br=Br, Bc=Bc, warps=warps, block_mask=bm)
 
@@ -271,16 +185,12 @@ def forward(q, k, v, *, causal=False, scale, window=WINDOW, Br=None, Bc=None, wa
     (:func:`local`) of ``Br x Bc`` elements (default ``BLOCK x BLOCK``).  It is *not* dense attention: check
     it against the reference with :func:`reference_mask`.  Pass ``block_mask=`` to ``impl="fa2"`` for any
     other pattern."""
-    from . import fa2
-
     pm = _prepared("forward", q.shape[0], q.shape[1], k.shape[1], q.shape[2], bool(causal), window, Br, Bc, warps)
     return fa2.forward(q, k, v, causal=causal, scale=scale, block_mask=pm)
 
 
 def backward(q, k, v, o, lse, do, *, causal=False, scale, window=WINDOW, Br=None, Bc=None, warps=None):
     """The backward of :func:`forward`: the same window mask, skipped on the backward's tiles."""
-    from . import fa2
-
     pm = _prepared("backward", q.shape[0], q.shape[1], k.shape[1], q.shape[2], bool(causal), window, Br, Bc, warps)
     return fa2.backward(q, k, v, o, lse, do, causal=causal, scale=scale, block_mask=pm)
 
@@ -290,7 +200,7 @@ def measure_gpu(BH: int = 16, N: int = 4096, d: int = 64, densities=(1.0, 0.5, 0
     """CUDA-event time of fa2's block-sparse forward at several densities of a random block mask (GPU only;
     for notebook 07).  Masks are built at fa2's default forward tiles and copied to the device untimed; FLOPs
     count only the computed blocks (dense FLOPs x density)."""
-    from . import bench, fa2
+    from . import bench
     from .common import poisoning, to_device
     from .roofline import flops_forward
 

@@ -23,7 +23,7 @@ __all__ = [
     "NEG_INF", "ZERO", "ONE", "cdiv", "causal_allowed", "load_tile", "load_rows", "store_rows", "load_vec",
     "store_vec",
     "empty", "poisoning", "to_device", "launch", "launch_rows", "row_index", "ROWS_PER_BLOCK", "current_label",
-    "launch_hooks", "ShapeOnly", "dry_run", "SHARED_LIMIT_BYTES", "check_shared_fit",
+    "launch_hooks", "ShapeOnly", "dry_run", "SHARED_LIMIT_BYTES", "check_shared_fit", "positive_int",
 ]
 
 NEG_INF = float32(-math.inf)
@@ -48,6 +48,15 @@ def check_shared_fit(impl: str, tiles: str, nbytes: int, hint: str = "choose sma
         raise ValueError(f"{impl}: tiles {tiles} need {nbytes:,} B of static shared memory per block, over the "
                          f"{SHARED_LIMIT_BYTES:,} B (48 KiB) a GPU thread block may declare; {hint}")
     return nbytes
+
+
+def positive_int(name: str, n) -> int:
+    """``int(n)`` for an int (numpy ints too, not bool) >= 1; TypeError/ValueError naming ``name`` otherwise."""
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive int, got {n!r}")
+    if n < 1:
+        raise ValueError(f"{name} must be a positive int, got {n!r}")
+    return int(n)
 
 
 # --------------------------------------------------------------------------- device functions

@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import cuda, float32, int32
 
-from .common import NEG_INF, ONE, ZERO, cdiv, check_shared_fit, empty, launch
+from .common import NEG_INF, ONE, ZERO, cdiv, check_shared_fit, empty, launch, positive_int
 from .registry import kernel_factory, register_impl
 
-__all__ = ["PreparedMask", "prepare_block_mask",
+__all__ = ["BlockMask", "PreparedMask", "prepare_block_mask",
            "make_forward", "make_preprocess", "make_backward", "forward", "backward", "model_forward",
            "model_backward", "default_tiles", "block_tiles", "geometry", "tiles_visited", "LR", "LC", "FULL_MASK",
            "fmas_per_shared_read", "shared_bytes"]
@@ -402,6 +402,85 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False):
     return fa2_backward
 
 
+# --------------------------------------------------------------------------- block masks
+# The type fa2's ``block_mask=`` takes.  It lives here, in the lower module, and flashnb.block_sparse
+# (the patterns and impl="fa2-sparse") re-exports it: block_sparse builds on fa2, never the reverse.
+
+
+@dataclass(frozen=True, eq=False)
+class BlockMask:
+    """A boolean block mask ``(..., Tr, Tc)`` (True = compute the block) and the tiles ``Br × Bc`` it was
+    built for.  Leading axes, if any, are the problem's leading (batch, head) axes, flattened or not."""
+
+    mask: np.ndarray
+    Br: int
+    Bc: int
+
+    def __post_init__(self):
+        a = np.asarray(self.mask)
+        if a.dtype != np.bool_:
+            raise TypeError(f"block_mask must be a boolean array (True = compute the block), got dtype {a.dtype}")
+        if a.ndim < 2:
+            raise ValueError(f"block_mask must have shape (..., ceil(Nq/Br), ceil(Nk/Bc)), got {a.shape}")
+        object.__setattr__(self, "mask", a)
+        object.__setattr__(self, "Br", positive_int("Br", self.Br))
+        object.__setattr__(self, "Bc", positive_int("Bc", self.Bc))
+
+    @property
+    def shape(self) -> tuple:
+        return self.mask.shape
+
+    @property
+    def density(self) -> float:
+        """``s``: the fraction of nonzero blocks."""
+        return float(self.mask.mean())
+
+    def check(self, Nq: int, Nk: int, BH: int | None = None) -> None:
+        """ValueError naming ``block_mask`` unless the shape is ``(..., ceil(Nq/Br), ceil(Nk/Bc))`` with leading
+        axes of ``BH`` (or 1) problems."""
+        Tr, Tc = cdiv(Nq, self.Br), cdiv(Nk, self.Bc)
+        lead = int(np.prod(self.mask.shape[:-2], dtype=np.int64))
+        if self.mask.shape[-2:] != (Tr, Tc) or (BH is not None and lead not in (1, BH)):
+            heads = "" if BH is None else f" (leading axes: none, or batch·heads = {BH} in all)"
+            raise ValueError(f"block_mask must have shape (..., {Tr}, {Tc}) = (..., ceil(Nq/Br), ceil(Nk/Bc)) for "
+                             f"Nq={Nq}, Nk={Nk} and the tiles Br={self.Br}, Bc={self.Bc} it is read at{heads}; "
+                             f"got {self.mask.shape}")
+
+    def at_tiles(self, Br: int, Bc: int, Nq: int, Nk: int, BH: int) -> np.ndarray:
+        """The mask at finer tiles ``Br × Bc`` (dividing this mask's): uint8 ``(BH, ceil(Nq/Br), ceil(Nk/Bc))``,
+        each entry repeated over the tiles inside its block."""
+        self.check(Nq, Nk, BH)
+        if self.Br % Br or self.Bc % Bc:
+            raise ValueError(f"block_mask built for Br={self.Br}, Bc={self.Bc} cannot be read at tiles "
+                             f"Br={Br}, Bc={Bc} (they must divide {self.Br}, {self.Bc})")
+        m = self.mask.reshape((-1,) + self.mask.shape[-2:])
+        m = np.repeat(np.repeat(m, self.Br // Br, axis=1), self.Bc // Bc, axis=2)[:, :cdiv(Nq, Br), :cdiv(Nk, Bc)]
+        return np.ascontiguousarray(np.broadcast_to(m, (BH,) + m.shape[1:]), dtype=np.uint8)
+
+    def expand(self, Nq: int, Nk: int) -> np.ndarray:
+        """The element mask ``(..., Nq, Nk)`` (for :mod:`flashnb.reference`'s ``mask=``)."""
+        from .reference import expand_block_mask
+
+        self.check(Nq, Nk)
+        return expand_block_mask(self.mask, Nq, Nk, self.Br, self.Bc)
+
+    def __and__(self, other: "BlockMask") -> "BlockMask":
+        return self._combine(other, np.logical_and)
+
+    def __or__(self, other: "BlockMask") -> "BlockMask":
+        return self._combine(other, np.logical_or)
+
+    def _combine(self, other, op):
+        if not isinstance(other, BlockMask) or (other.Br, other.Bc) != (self.Br, self.Bc):
+            raise ValueError("block masks combine only with block masks built for the same tiles")
+        return BlockMask(op(self.mask, other.mask), self.Br, self.Bc)
+
+    def __repr__(self):
+        Tr, Tc = self.mask.shape[-2:]
+        return f"BlockMask({Tr}x{Tc} blocks of {self.Br}x{self.Bc}, s={self.density:.3f})"
+
+
+
 # --------------------------------------------------------------------------- launchers
 
 
@@ -431,7 +510,7 @@ def block_tiles(d, direction, Br, Bc, warps, block_mask, BH, Nq, Nk):
     """``(tiles, M)``: the tiles a launch uses and its block mask at those tiles (``None`` when dense).
 
     How a block mask maps onto tiles (both directions): the mask was built for tiles ``(mBr, mBc)`` -- a
-    :class:`~flashnb.block_sparse.BlockMask` carries them; a plain boolean array is read at the tiles of the
+    :class:`BlockMask` carries them; a plain boolean array is read at the tiles of the
     *forward* launch (the ``Br``/``Bc`` options, else ``default_tiles(d)``), so one array serves forward and
     backward alike.  The kernel's tiles ``(Br, Bc)`` are the options when given, else this direction's default
     tiles when they divide ``(mBr, mBc)``, else the mask's own.  They must divide the mask's tiles: every
@@ -440,8 +519,6 @@ def block_tiles(d, direction, Br, Bc, warps, block_mask, BH, Nq, Nk):
     elements as the forward's).  ``M`` is uint8 ``(BH, ceil(Nq/Br), ceil(Nk/Bc))``."""
     if block_mask is None:
         return _tiles(d, direction, Br, Bc, warps), None
-    from .block_sparse import BlockMask
-
     fwd = default_tiles(d, "forward")
     if isinstance(block_mask, BlockMask):
         bm = block_mask
@@ -503,7 +580,7 @@ def _tiles_and_mask(direction, Br, Bc, warps, block_mask, BH, Nq, Nk, d):
 def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block_mask=None):
     """Device arrays in, ``(O, L)`` out (FA2 Alg. 1); ``Br, Bc, warps`` default to :func:`default_tiles`.
 
-    ``block_mask`` (a :class:`~flashnb.block_sparse.BlockMask` or a boolean array ``(..., ceil(Nq/Br),
+    ``block_mask`` (a :class:`BlockMask` or a boolean array ``(..., ceil(Nq/Br),
     ceil(Nk/Bc))``): block-sparse FlashAttention, tiles with ``M = 0`` are never loaded; see
     :func:`block_tiles` for how the mask maps onto the kernel's tiles."""
     BH, Nq, d = q.shape

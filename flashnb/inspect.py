@@ -12,8 +12,23 @@ Every number here comes from compiling the kernel for a real architecture -- ``n
 * :func:`report` / :func:`main_inspect` -- the table behind ``flashnb inspect``.
 
 In simulator mode ``numba.cuda.compile_ptx`` does not exist (``NUMBA_ENABLE_CUDASIM`` is read once per
-process), so the compilation runs in a child Python process started with ``FLASHNB_DEVICE=gpu``; NVVM and
-ptxas need no driver and no GPU.  Results are cached per (kernel, config, cc) in this process.
+process), so the compilation runs in child Python processes started with ``FLASHNB_DEVICE=gpu``; NVVM and
+ptxas need no driver and no GPU.  Results are cached per (kernel, config, cc) in this process only.
+
+What a batch costs, and how it is kept down (measured on the 58 registered configs, numba-cuda 0.30.4,
+CUDA 12.9): ``compile_ptx`` takes ~1.3 s per kernel and config -- almost all of it numba's Python front
+end, NVVM itself a fraction -- and ``ptxas`` 0.01-0.4 s per cc.  So
+
+* one NVVM pass per (kernel, config), for the lowest cc asked for; ptxas assembles that PTX for every cc,
+  with the ``.target`` line rewritten (:func:`retarget_ptx`).  For all 58 configs NVVM's PTX for cc 8.0
+  and cc 9.0 were identical but for ``.target`` and symbol names (:func:`normalized_ptx`), so ptxas sees
+  the input a separate pass would give it; ``tests/test_ptx_guard.py`` re-checks that on a sample, and
+  ``resources_many(..., reuse_ptx=False)`` runs NVVM per cc.  Not equivalent in general: were NVVM's
+  cc 9.0 output ever to differ for a kernel outside that sample (it differs for none today), its sm_90
+  row would describe the sm_80 PTX assembled for sm_90 -- what the driver's JIT runs from an sm_80 build,
+  not what an sm_90 build would run.
+* the groups are dealt over ``$FLASHNB_INSPECT_PROCESSES`` child processes (default: the CPUs, at most
+  4), and in each, ptxas runs in a thread pool while NVVM compiles the next kernel.
 """
 
 from __future__ import annotations
@@ -28,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -37,8 +53,8 @@ from .registry import KERNELS, KernelSpec
 
 __all__ = [
     "SMLimits", "SM_LIMITS", "Occupancy", "Resources", "occupancy", "resources", "resources_for",
-    "resources_many", "guard_kernel", "problems", "report", "format_report", "main_inspect", "find_ptxas",
-    "MAX_STATIC_SHARED",
+    "resources_many", "resources_of", "guard_kernel", "problems", "report", "format_report", "main_inspect",
+    "find_ptxas", "retarget_ptx", "normalized_ptx", "MAX_STATIC_SHARED",
 ]
 
 MAX_STATIC_SHARED = 48 * 1024  # bytes of *static* shared memory one block may declare (all cc >= 2.0)
@@ -321,19 +337,59 @@ def _fake_device(cc):
         dispatcher.get_current_device = saved
 
 
-def _compile_here(kernel, signature: str, cc, name: str, config: dict) -> Resources:
+def _nvvm(kernel, signature: str, cc) -> str:
+    """PTX of ``kernel`` for ``cc`` from NVVM (``numba.cuda.compile_ptx``); raises if it does not compile."""
     from numba import cuda
 
     if cuda.compile_ptx is None:  # pragma: no cover - guarded by callers
         raise RuntimeError("compile_ptx is unavailable in simulator mode")
     py_func = getattr(kernel, "py_func", kernel)
+    with _fake_device(cc):
+        ptx, _ = cuda.compile_ptx(py_func, signature, cc=tuple(cc))
+    return ptx
+
+
+def _compile_error(exc: Exception, name: str, config: dict, cc) -> Resources:
+    # a kernel that doesn't compile is a guard finding, not a crash
+    first = str(exc).strip().splitlines()
+    return Resources(name, dict(config), tuple(cc), error=f"{type(exc).__name__}: {first[0] if first else ''}")
+
+
+def _compile_here(kernel, signature: str, cc, name: str, config: dict) -> Resources:
     try:
-        with _fake_device(cc):
-            ptx, _ = cuda.compile_ptx(py_func, signature, cc=tuple(cc))
-    except Exception as exc:  # a kernel that doesn't compile is a guard finding, not a crash
-        first = str(exc).strip().splitlines()
-        return Resources(name, dict(config), tuple(cc), error=f"{type(exc).__name__}: {first[0] if first else ''}")
+        ptx = _nvvm(kernel, signature, cc)
+    except Exception as exc:
+        return _compile_error(exc, name, config, cc)
     return _ptx_resources(ptx, name, config, cc)
+
+
+_TARGET = re.compile(r"^\.target\s+sm_\d+[a-z]?\b", re.M)
+
+
+def retarget_ptx(ptx: str, cc) -> str:
+    """``ptx`` with its ``.target`` directive set to ``sm_<cc>`` (one NVVM pass serving several ccs).
+
+    NVVM's PTX for cc 8.0 and for cc 9.0 of every registered kernel differ only in that line and in symbol
+    names (``normalized_ptx``; checked on a sample in ``tests/test_ptx_guard.py``), so assembling the cc 8.0
+    PTX retargeted to sm_90 gives ptxas the same input as a separate NVVM pass for cc 9.0 would.  Only
+    retarget *upwards*: PTX for a lower target is valid for a higher one (as the driver's JIT uses it), not
+    the reverse."""
+    out, n = _TARGET.subn(f".target sm_{cc[0]}{cc[1]}", ptx, count=1)
+    if n != 1:
+        raise ValueError("PTX has no .target directive to retarget")
+    return out
+
+
+_SYMBOL = re.compile(r"_ZN\w+|_cudapy_smem_\d+|\$L__\w+|\$__internal_\w+|__nv_static_\w+")
+
+
+def normalized_ptx(ptx: str) -> str:
+    """``ptx`` with every symbol renamed ``SYM0, SYM1, ...`` in order of appearance and the ``.target`` line
+    blanked: numba's mangled names carry a per-process counter and a tag of the target options, and shared
+    arrays a counter, so two compiles of one kernel differ in names even when the code is the same."""
+    ids: dict[str, int] = {}
+    ptx = _SYMBOL.sub(lambda m: f"SYM{ids.setdefault(m.group(0), len(ids))}", ptx)
+    return _TARGET.sub(".target", ptx)
 
 
 def _key(name: str, config: Mapping, cc) -> tuple:
@@ -351,29 +407,77 @@ def _threads(spec: KernelSpec | None, config: dict) -> int | None:
     return None
 
 
-def _run_job(job: dict) -> Resources:
-    """Compile one job in this (GPU-mode) process.  A job names a registered kernel (``name``, ``config``),
-    a kernel in an importable module (``module``, ``attr``, ``signature``), or carries a kernel's source
-    (``source``: see :func:`_describe_function`; ``signature``) -- a kernel written in ``__main__``, a notebook
-    cell or a user module, rebuilt here without importing or re-running the user's code."""
-    cc = tuple(job["cc"])
+class _RebuildError(RuntimeError):
+    """The compile process could not rebuild a kernel sent as source (its message starts with _REBUILD_ERROR)."""
+
+
+def _resolve(job: dict):
+    """``(kernel, signature, name, config, threads)`` of one job.  A job names a registered kernel (``name``,
+    ``config``), a kernel in an importable module (``module``, ``attr``, ``signature``), or carries a kernel's
+    source (``source``: see :func:`_describe_function`; ``signature``) -- a kernel written in ``__main__``, a
+    notebook cell or a user module, rebuilt here without importing or re-running the user's code."""
     if "source" in job:
         try:
             fn = _rebuild_function(job["source"])
         except Exception as exc:
-            return Resources(job.get("name", "?"), job.get("config", {}), cc,
-                             error=f"{_REBUILD_ERROR}: {type(exc).__name__}: {exc}")
-        return _compile_here(fn, job["signature"], cc, job.get("name", "?"), job.get("config", {}))
+            raise _RebuildError(f"{_REBUILD_ERROR}: {type(exc).__name__}: {exc}") from exc
+        return fn, job["signature"], job.get("name", "?"), job.get("config", {}), None
     if "attr" in job:
         obj = importlib.import_module(job["module"])
         for part in job["attr"].split("."):
             obj = getattr(obj, part)
-        return _compile_here(obj, job["signature"], cc, job.get("name", job["attr"]), job.get("config", {}))
+        return obj, job["signature"], job.get("name", job["attr"]), job.get("config", {}), None
     spec = KERNELS[job["name"]]
     config = job["config"]
-    res = _compile_here(spec.factory(**config), spec.signature_for(config), cc, spec.name, config)
-    res.threads = _threads(spec, config)
-    return res
+    return spec.factory(**config), spec.signature_for(config), spec.name, config, _threads(spec, config)
+
+
+def _group_key(job: dict) -> str:
+    """Jobs that differ only in ``cc`` share one NVVM pass."""
+    return json.dumps({k: v for k, v in job.items() if k != "cc"}, sort_keys=True, default=str)
+
+
+def _groups(jobs: list[dict], reuse_ptx: bool) -> list[list[int]]:
+    """Indices of ``jobs`` grouped by one NVVM pass each (every job alone unless ``reuse_ptx``), ccs ascending."""
+    groups: dict[Any, list[int]] = {}
+    for i, job in enumerate(jobs):
+        groups.setdefault(_group_key(job) if reuse_ptx else i, []).append(i)
+    return [sorted(g, key=lambda i: tuple(jobs[i]["cc"])) for g in groups.values()]
+
+
+def _compile_jobs(jobs: list[dict], *, reuse_ptx: bool = True, ptxas_threads: int = 2) -> list[Resources]:
+    """Compile ``jobs`` in this (GPU-mode) process.
+
+    One NVVM pass per kernel and config, for the lowest cc asked for; with ``reuse_ptx`` its PTX, retargeted
+    (:func:`retarget_ptx`), is what ptxas assembles for the higher ccs too (``reuse_ptx=False``: a separate
+    NVVM pass per cc).  NVVM runs here, one kernel after another; each ptxas is a process of its own, run by
+    a pool of ``ptxas_threads`` threads while NVVM goes on with the next kernel."""
+    out: list[Resources | None] = [None] * len(jobs)
+    with ThreadPoolExecutor(max_workers=max(1, ptxas_threads)) as pool:
+        pending = []
+        for group in _groups(jobs, reuse_ptx):
+            first = jobs[group[0]]
+            try:
+                kernel, sig, name, config, threads = _resolve(first)
+            except Exception as exc:
+                error = str(exc) if isinstance(exc, _RebuildError) else f"{type(exc).__name__}: {exc}"
+                for i in group:
+                    out[i] = Resources(first.get("name", first.get("attr", "?")), first.get("config", {}),
+                                       tuple(jobs[i]["cc"]), error=error)
+                continue
+            try:
+                ptx = _nvvm(kernel, sig, tuple(first["cc"]))
+            except Exception as exc:
+                for i in group:
+                    out[i] = _compile_error(exc, name, config, tuple(jobs[i]["cc"]))
+                continue
+            for i in group:
+                cc = tuple(jobs[i]["cc"])
+                pending.append((i, threads, pool.submit(_ptx_resources, retarget_ptx(ptx, cc), name, config, cc)))
+        for i, threads, fut in pending:
+            out[i] = fut.result()
+            out[i].threads = threads
+    return out
 
 
 # --------------------------------------------------------------------------- user kernels (source shipping)
@@ -551,34 +655,55 @@ def _worker() -> None:
     """Child-process entry point: JSON jobs on stdin, JSON results on stdout."""
     import flashnb  # noqa: F401  (registers every stage)
 
-    jobs = json.load(sys.stdin)
-    keep_ptx = bool(jobs.get("keep_ptx"))
+    payload = json.load(sys.stdin)
+    keep_ptx = bool(payload.get("keep_ptx"))
     out = []
-    for job in jobs["jobs"]:
-        try:
-            res = _run_job(job)
-        except Exception as exc:
-            res = Resources(job.get("name", job.get("attr", "?")), job.get("config", {}), tuple(job["cc"]),
-                            error=f"{type(exc).__name__}: {exc}")
+    for res in _compile_jobs(payload["jobs"], reuse_ptx=payload.get("reuse_ptx", True)):
         if not keep_ptx:
             res.ptx = None
         out.append(res.to_json())
     sys.stdout.write("\n@@FLASHNB-JSON@@\n" + json.dumps(out))
 
 
-def _in_subprocess(jobs: list[dict], keep_ptx: bool = False, timeout: float = 1800) -> list[Resources]:
+def _processes() -> int:
+    """Child processes for a batch of compiles: ``$FLASHNB_INSPECT_PROCESSES``, else the CPUs (at most 4)."""
+    env = os.environ.get("FLASHNB_INSPECT_PROCESSES")
+    if env:
+        return max(1, int(env))
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def _one_child(jobs: list[dict], keep_ptx: bool, reuse_ptx: bool, timeout: float) -> list[Resources]:
     env = dict(os.environ)
     env["FLASHNB_DEVICE"] = "gpu"
     env.pop("NUMBA_ENABLE_CUDASIM", None)
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     proc = subprocess.run([sys.executable, "-c", "from flashnb.inspect import _worker; _worker()"],
-                          input=json.dumps({"jobs": jobs, "keep_ptx": keep_ptx}), capture_output=True,
-                          text=True, env=env, timeout=timeout)
+                          input=json.dumps({"jobs": jobs, "keep_ptx": keep_ptx, "reuse_ptx": reuse_ptx}),
+                          capture_output=True, text=True, env=env, timeout=timeout)
     marker = "\n@@FLASHNB-JSON@@\n"
     if proc.returncode != 0 or marker not in proc.stdout:
         raise RuntimeError(f"PTX compile subprocess failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
     return [Resources.from_json(d) for d in json.loads(proc.stdout.split(marker, 1)[1])]
+
+
+def _in_subprocess(jobs: list[dict], keep_ptx: bool = False, timeout: float = 1800, *,
+                   reuse_ptx: bool = True) -> list[Resources]:
+    """Compile ``jobs`` in child processes started with ``FLASHNB_DEVICE=gpu`` (:func:`_processes` of them,
+    each given whole NVVM groups, dealt round-robin so the big kernels of one module are spread out)."""
+    groups = _groups(jobs, reuse_ptx)
+    n = max(1, min(_processes(), len(groups)))
+    shares = [[i for g in groups[p::n] for i in g] for p in range(n)]
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        futures = [pool.submit(_one_child, [jobs[i] for i in share], keep_ptx, reuse_ptx, timeout)
+                   for share in shares]
+        results = [f.result() for f in futures]
+    out: list[Resources | None] = [None] * len(jobs)
+    for share, res in zip(shares, results):
+        for i, r in zip(share, res):
+            out[i] = r
+    return out
 
 
 def _can_compile_here() -> bool:
@@ -589,30 +714,36 @@ def _can_compile_here() -> bool:
     return cuda.compile_ptx is not None
 
 
-def resources_many(jobs: Iterable[tuple[str, dict, tuple[int, int]]], *, keep_ptx: bool = False) -> list[Resources]:
-    """Compile many registered ``(name, config, cc)`` at once (one child process in simulator mode)."""
+def resources_many(jobs: Iterable[tuple[str, dict, tuple[int, int]]], *, keep_ptx: bool = False,
+                   reuse_ptx: bool = True) -> list[Resources]:
+    """Compile many registered ``(name, config, cc)`` at once (in child processes in simulator mode).
+
+    One NVVM pass per ``(name, config)`` serves all its ccs (:func:`retarget_ptx`); ``reuse_ptx=False``
+    runs NVVM once per cc instead and neither reads nor fills the in-process cache (for checking that
+    the two agree)."""
     jobs = [(n, dict(c), tuple(cc)) for n, c, cc in jobs]
     for n, _, cc in jobs:
         if n not in KERNELS:
             raise ValueError(f"name must be a registered kernel ({sorted(KERNELS)}), got {n!r}")
         _limits(cc)
     originals = {_key(*j): j for j in jobs}
-    todo = [k for k in originals if k not in _CACHE or (keep_ptx and _CACHE[k].ptx is None)]
+    cache = _CACHE if reuse_ptx else {}
+    todo = [k for k in originals if k not in cache or (keep_ptx and cache[k].ptx is None)]
     if todo:
         if _can_compile_here():
             raw = [dict(name=originals[k][0], config=originals[k][1], cc=list(k[2])) for k in todo]
-            results = [_run_job(j) for j in raw]
+            results = _compile_jobs(raw, reuse_ptx=reuse_ptx)
             if not keep_ptx:
                 for r in results:
                     r.ptx = None
         else:
             raw = [_job_for(originals[k][0], originals[k][1], k[2]) for k in todo]
-            results = _in_subprocess(raw, keep_ptx=keep_ptx)
+            results = _in_subprocess(raw, keep_ptx=keep_ptx, reuse_ptx=reuse_ptx)
         for k, r in zip(todo, results):
             if r.threads is None:  # a user-registered kernel compiled from source: block size known only here
                 r.threads = _threads(KERNELS[originals[k][0]], originals[k][1])
-            _CACHE[k] = r
-    return [_CACHE[_key(*j)] for j in jobs]
+            cache[k] = r
+    return [cache[_key(*j)] for j in jobs]
 
 
 def resources_for(name: str, config: Mapping | None = None, cc=(9, 0), *, keep_ptx: bool = False) -> Resources:
@@ -680,28 +811,56 @@ def resources(kernel, signature_or_example_args, cc=(9, 0), *, keep_ptx: bool = 
     be sent (source unavailable, a global of another type) and RuntimeError when the child cannot rebuild
     it; a kernel that does not compile gives a result whose ``error`` says why (a guard finding).
     """
-    _limits(cc)
-    sig = (signature_or_example_args if isinstance(signature_or_example_args, str)
-           else _signature_from_args(signature_or_example_args))
-    found = _registered(kernel)
-    if found is not None and sig == KERNELS[found[0]].signature_for(found[1]):
-        return resources_for(found[0], found[1], cc, keep_ptx=keep_ptx)
-    py_func = _python_function(kernel)
-    name = f"{py_func.__module__}.{py_func.__qualname__}"
-    key = ("<kernel>" + name, sig, tuple(cc), py_func)  # the function itself: a re-run cell is a new kernel
-    if key in _CACHE:
-        return _CACHE[key]
-    if _can_compile_here():
-        res = _compile_here(kernel, sig, cc, name, {})
-    elif _is_flashnb_module(py_func.__module__) and "<locals>" not in py_func.__qualname__:
-        res = _in_subprocess([dict(module=py_func.__module__, attr=py_func.__qualname__, signature=sig,
-                                   cc=list(cc), name=name)], keep_ptx=keep_ptx)[0]
-    else:
-        res = _in_subprocess([_source_job(kernel, sig, cc, name, {})], keep_ptx=keep_ptx)[0]
-        if res.error and res.error.startswith(_REBUILD_ERROR):
-            raise RuntimeError(f"{name}: {res.error}")
-    _CACHE[key] = res
-    return res
+    return resources_of([(kernel, signature_or_example_args, cc)], keep_ptx=keep_ptx)[0]
+
+
+def resources_of(items: Iterable[tuple[Any, Any, tuple[int, int]]], *, keep_ptx: bool = True) -> list[Resources]:
+    """:func:`resources` of many ``(kernel, signature or example args, cc)`` at once: in simulator mode the
+    kernels that are not registered compile together in child processes, one NVVM pass per kernel and
+    signature serving all its ccs (:func:`retarget_ptx`)."""
+    items = list(items)
+    out: list[Resources | None] = [None] * len(items)
+    batch: dict[tuple, tuple[list[int], Any, str, tuple, str]] = {}
+    for i, (kernel, signature_or_example_args, cc) in enumerate(items):
+        cc = tuple(cc)
+        _limits(cc)
+        sig = (signature_or_example_args if isinstance(signature_or_example_args, str)
+               else _signature_from_args(signature_or_example_args))
+        found = _registered(kernel)
+        if found is not None and sig == KERNELS[found[0]].signature_for(found[1]):
+            out[i] = resources_for(found[0], found[1], cc, keep_ptx=keep_ptx)
+            continue
+        py_func = _python_function(kernel)
+        name = f"{py_func.__module__}.{py_func.__qualname__}"
+        key = ("<kernel>" + name, sig, cc, py_func)  # the function itself: a re-run cell is a new kernel
+        if key in _CACHE:
+            out[i] = _CACHE[key]
+        elif key in batch:
+            batch[key][0].append(i)
+        else:
+            batch[key] = ([i], kernel, sig, cc, name)
+    if batch:
+        todo = list(batch.values())
+        if _can_compile_here():
+            results = [_compile_here(kernel, sig, cc, name, {}) for _, kernel, sig, cc, name in todo]
+        else:
+            jobs = []
+            for _, kernel, sig, cc, name in todo:
+                py_func = _python_function(kernel)
+                if _is_flashnb_module(py_func.__module__) and "<locals>" not in py_func.__qualname__:
+                    jobs.append(dict(module=py_func.__module__, attr=py_func.__qualname__, signature=sig,
+                                     cc=list(cc), name=name))
+                else:                      # a script, a notebook cell, a user module: sent as source
+                    jobs.append(_source_job(kernel, sig, cc, name, {}))
+            results = _in_subprocess(jobs, keep_ptx=keep_ptx)
+            for (_, _, _, _, name), res in zip(todo, results):
+                if res.error and res.error.startswith(_REBUILD_ERROR):
+                    raise RuntimeError(f"{name}: {res.error}")
+        for key, (idxs, *_), res in zip(batch, todo, results):
+            _CACHE[key] = res
+            for i in idxs:
+                out[i] = res
+    return out
 
 
 def guard_kernel(spec: KernelSpec | str, config: Mapping | None = None, cc=(9, 0)) -> list[str]:

@@ -2,8 +2,11 @@
 
 The simulator hides float64 promotion, oversized shared memory and register spills; compiling with NVVM
 (``numba.cuda.compile_ptx``) and assembling with ``ptxas -v`` does not.  The simulator process cannot
-compile (``compile_ptx`` is None there), so :mod:`flashnb.inspect` compiles everything in one child
-process started with ``FLASHNB_DEVICE=gpu`` and hands back JSON.
+compile (``compile_ptx`` is None there), so :mod:`flashnb.inspect` compiles in child processes started
+with ``FLASHNB_DEVICE=gpu`` and hands back JSON.  Every (kernel, config) gets one NVVM pass, for sm_80;
+ptxas assembles that PTX for sm_80 and, retargeted, for sm_90 (NVVM's sm_90 PTX is the same but for the
+``.target`` line and symbol names: checked on a sample below).  Both architectures are still assembled
+and checked, every run: nothing is cached on disk.
 
 Also checked: no ``@cuda.jit`` kernel in ``flashnb/`` escapes the registry (AST scan), and the guard does
 fail on kernels that are deliberately wrong (a float64 literal, 64 KiB of static shared memory).
@@ -36,7 +39,7 @@ def _id(case):
 
 @pytest.fixture(scope="module")
 def compiled():
-    """Every (kernel, config, cc) compiled once, in one child process (~0.5 s per variant)."""
+    """Every (kernel, config, cc) compiled once (NVVM ~1.3 s per kernel and config, ptxas ~0.1-0.4 s per cc)."""
     jobs = [(name, config, cc) for name, config in CASES for cc in CCS]
     return {(n, fi._key(n, c, cc)): r for (n, c, cc), r in zip(jobs, fi.resources_many(jobs))}
 
@@ -65,13 +68,47 @@ SELF_TEST_KERNELS = {"_barrier_kernel": "void(float32[:, ::1], int32[:, :, ::1],
                      "_warp_kernel": "void(float32[::1], int64[::1])"}
 
 
-@pytest.mark.parametrize("cc", CCS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
-@pytest.mark.parametrize("name", sorted(SELF_TEST_KERNELS))
-def test_simulator_self_test_kernels_pass_guard(name, cc):
+@pytest.fixture(scope="module")
+def module_level():
+    """The simulator's self-test kernels (both ccs) and the deliberately wrong kernels below, compiled in
+    one batch: {(kernel name, cc): Resources}."""
     from flashnb.sim import selftest
 
-    res = fi.resources(getattr(selftest, name), SELF_TEST_KERNELS[name], cc)
+    items = [(getattr(selftest, name), sig, cc) for name, sig in sorted(SELF_TEST_KERNELS.items()) for cc in CCS]
+    items += [(_bad_float64, "void(float32[::1])", (9, 0)), (_bad_shared, "void(float32[::1])", (8, 0)),
+              (_good, "void(float32[::1])", (9, 0))]
+    return {(k.py_func.__name__, cc): r for (k, _, cc), r in zip(items, fi.resources_of(items))}
+
+
+@pytest.mark.parametrize("cc", CCS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
+@pytest.mark.parametrize("name", sorted(SELF_TEST_KERNELS))
+def test_simulator_self_test_kernels_pass_guard(module_level, name, cc):
+    res = module_level[(name, cc)]
+    assert res.error is None and res.registers is not None, res.error
     assert not fi.problems(res), fi.problems(res)
+
+
+# --------------------------------------------------------------------------- one NVVM pass for both ccs
+
+# The kernels with the most going on (warp shuffles, atomics, causal and sparse branches, d = 128).
+REUSE_SAMPLE = [("fa2.forward", KERNELS["fa2.forward"].configs[-1]),
+                ("fa2.backward", KERNELS["fa2.backward"].configs[-1])]
+
+
+def test_one_nvvm_pass_serves_both_architectures(compiled):
+    """The guard's sm_90 results come from the sm_80 PTX retargeted; a separate NVVM pass for cc 9.0 must
+    give the same PTX (up to .target and symbol names) and the same ptxas report, or the reuse is wrong."""
+    jobs = [(name, config, cc) for name, config in REUSE_SAMPLE for cc in CCS]
+    direct = {fi._key(*job): r for job, r in zip(jobs, fi.resources_many(jobs, keep_ptx=True, reuse_ptx=False))}
+    for name, config in REUSE_SAMPLE:
+        p80, p90 = direct[fi._key(name, config, (8, 0))].ptx, direct[fi._key(name, config, (9, 0))].ptx
+        assert ".target sm_80" in p80 and ".target sm_90" in p90
+        assert fi.normalized_ptx(p80) == fi.normalized_ptx(p90), f"{name} {config}: NVVM's PTX depends on the cc"
+        assert fi.retarget_ptx(p80, (9, 0)).count(".target sm_90") == 1
+        reused = compiled[(name, fi._key(name, config, (9, 0)))]
+        d90 = direct[fi._key(name, config, (9, 0))]
+        assert (reused.registers, reused.shared_bytes, reused.stack_bytes, reused.spill_bytes, reused.f64_count) == \
+            (d90.registers, d90.shared_bytes, d90.stack_bytes, d90.spill_bytes, d90.f64_count)
 
 
 # --------------------------------------------------------------------------- completeness
@@ -163,20 +200,27 @@ def _good(x):
         x[i] = x[i] * float32(0.5)
 
 
-def test_guard_flags_float64_literal():
-    res = fi.resources(_bad_float64, "void(float32[::1])", cc=(9, 0))
+def test_guard_flags_float64_literal(module_level):
+    res = module_level[("_bad_float64", (9, 0))]
     assert res.f64_count > 0 and ".f64" in res.ptx
     assert any("float64" in p for p in fi.problems(res))
 
 
-def test_guard_flags_oversized_shared_memory():
-    res = fi.resources(_bad_shared, "void(float32[::1])", cc=(8, 0))
+def test_guard_flags_oversized_shared_memory(module_level):
+    res = module_level[("_bad_shared", (8, 0))]
     assert res.shared_bytes == 128 * 128 * 4
     found = fi.problems(res)
     assert any("shared memory" in p for p in found), found
 
 
-def test_guard_passes_clean_kernel():
-    res = fi.resources(_good, "void(float32[::1])", cc=(9, 0))
+def test_guard_passes_clean_kernel(module_level):
+    res = module_level[("_good", (9, 0))]
     assert fi.problems(res) == [], fi.problems(res)
     assert res.f64_count == 0 and res.registers and res.spill_bytes == 0
+
+
+def test_retarget_ptx():
+    ptx = "//\n.version 8.8\n.target sm_80\n.address_size 64\n"
+    assert fi.retarget_ptx(ptx, (9, 0)) == ptx.replace("sm_80", "sm_90")
+    with pytest.raises(ValueError, match="target"):
+        fi.retarget_ptx(".version 8.8\n", (9, 0))

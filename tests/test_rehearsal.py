@@ -126,6 +126,7 @@ def test_device_info_and_provenance_say_rehearsal():
     assert info["sm_count"] == 132 and info["cc"] == "9.0" and info["clock_mhz"] == pytest.approx(1980)
     assert info["hbm_bandwidth_gbs"] == pytest.approx(2 * 3.201e9 * 6144 / 8 / 1e9)
     assert prov["mode"] == "rehearsal" and prov["gpu_name"] == rehearsal.DEVICE_NAME
+    assert info["driver_version"] == info["cuda_driver_api"] == "rehearsal"   # bench asks rehearsal.active()
 
 
 def test_device_info_survives_a_missing_attribute(monkeypatch):
