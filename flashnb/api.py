@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 
 from . import common
+from .reference import F32_MAX
+from .reference import check_scale as _check_scale  # one rule for the API and the reference
 from .registry import IMPLS
 
 __all__ = ["attention", "attention_forward", "attention_backward", "MAX_HEAD_DIM", "SCORE_LIMIT"]
@@ -38,26 +40,9 @@ def _as_real_array(name: str, x: Any) -> np.ndarray:
     return a
 
 
-F32_MAX = float(np.finfo(np.float32).max)
 #: Largest |score| (``scale · q·k`` and every partial sum of ``q·k``) the float32 kernels accept: half the
 #: float32 range, so that differences of scores (``s - m``, ``s - L``) stay finite too.
 SCORE_LIMIT = F32_MAX / 2
-
-
-def _check_scale(scale, d: int) -> float:
-    """The softmax scale: ``1/sqrt(d)`` by default, else any finite real number float32 can hold.  Zero (uniform
-    attention over the allowed keys) and negative scales (the smallest score weighs most) are valid."""
-    if scale is None:
-        return 1.0 / math.sqrt(d)
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
-        raise TypeError(f"scale must be a finite real number or None, got {scale!r}")
-    s = float(scale)
-    if not math.isfinite(s):
-        raise ValueError(f"scale must be a finite real number or None, got {scale!r}")
-    if abs(s) > F32_MAX:
-        raise ValueError(f"scale={scale!r} is beyond the float32 range (|scale| <= {F32_MAX:.4g}); the kernels "
-                         "compute in float32")
-    return s
 
 
 def _check_score_range(q3: np.ndarray, k3: np.ndarray, scale: float) -> None:
@@ -234,7 +219,7 @@ def _mask_rows(entry, options: dict, BH: int, Nq: int, Nk: int, d: int, causal: 
     blocks = None
     if full is None and options.get("block_mask") is not None:
         from . import fa2
-        from .block_sparse import BlockMask
+        from .fa2 import BlockMask
 
         bm = options["block_mask"]
         if isinstance(bm, fa2.PreparedMask):

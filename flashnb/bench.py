@@ -582,7 +582,7 @@ def plot_sweep(rows: list[dict]):
 def bench_parser() -> argparse.ArgumentParser:
     """The ``flashnb bench`` argument parser."""
     from .api import MAX_HEAD_DIM
-    from .cli import int_in
+    from .argtypes import int_in
     from .registry import IMPLS
     from .roofline import GPUS
 

@@ -8,6 +8,8 @@ import sys
 
 import numpy as np
 
+from .argtypes import int_in
+
 DESCRIPTION = ("flashnb: FlashAttention built kernel by kernel in Numba CUDA, on a GPU or on the Numba CUDA "
                "simulator. Run 'flashnb COMMAND --help' for a command's options.")
 
@@ -284,24 +286,6 @@ def cmd_profile(args) -> int:
     print("\nCounted on the simulator: program-level accesses grouped into warp requests (the k-th access of a "
           "line by a warp's lanes); no cache modelling. Names and caveats: flashnb.sim.memprofile.")
     return 0
-
-
-def int_in(lo: int, hi: int | None = None):
-    """An argparse ``type``: an int in ``lo..hi`` (no upper bound when ``hi`` is None); out of range is an
-    argparse error (usage line, message, exit code 2), never a traceback."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if value < lo or (hi is not None and value > hi):
-            rule = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
-            raise argparse.ArgumentTypeError(f"must be an integer {rule}, got {text!r}")
-        return value
-
-    parse.__name__ = "int"
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -937,7 +937,7 @@ def format_report(rows: list[dict]) -> str:
 
 def inspect_parser() -> argparse.ArgumentParser:
     """The ``flashnb inspect`` argument parser."""
-    from .cli import int_in
+    from .argtypes import int_in
 
     p = argparse.ArgumentParser(prog="flashnb inspect",
                                 description="Print registers, static shared memory, stack, spills and occupancy of "

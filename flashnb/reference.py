@@ -18,11 +18,33 @@ Conventions (shared with :mod:`flashnb.api`; leading axes, e.g. batch and heads,
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from .api import _check_scale
+F32_MAX = float(np.finfo(np.float32).max)
 
-__all__ = ["attention_forward", "attention_backward", "attention", "expand_block_mask", "ReferenceCache"]
+
+def check_scale(scale, d: int) -> float:
+    """The softmax scale: ``1/sqrt(d)`` by default, else any finite real number float32 can hold.  Zero (uniform
+    attention over the allowed keys) and negative scales (the smallest score weighs most) are valid."""
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"scale must be a finite real number or None, got {scale!r}")
+    s = float(scale)
+    if not math.isfinite(s):
+        raise ValueError(f"scale must be a finite real number or None, got {scale!r}")
+    if abs(s) > F32_MAX:
+        raise ValueError(f"scale={scale!r} is beyond the float32 range (|scale| <= {F32_MAX:.4g}); the kernels "
+                         "compute in float32")
+    return s
+
+
+_check_scale = check_scale
+
+__all__ = ["attention_forward", "attention_backward", "attention", "expand_block_mask", "ReferenceCache",
+           "check_scale"]
 
 
 def _check_inputs(q, k, v, arrays=()):

@@ -50,3 +50,28 @@ def test_answer_and_hint_print(capsys):
     assert "32-byte" in capsys.readouterr().out
     with pytest.raises(ValueError, match="no exercise"):
         exercises.check("00.99", x=1)
+
+
+def _kernel_answers():
+    """(exercise id, answer name, kernel, signature) of every kernel in a solution or a wrong answer."""
+    out = []
+    for id in IDS:
+        ex = exercises.EXERCISES[id]
+        for make in [ex.solution, *ex.wrong]:
+            for name, value in make().items():
+                if hasattr(value, "py_func") or type(value).__name__ == "FakeCUDAKernel":
+                    assert name in ex.signatures, f"exercise {id}: give the launch signature of answer {name!r}"
+                    out.append((id, name, value, ex.signatures[name]))
+    return out
+
+
+def test_exercise_kernels_pass_the_ptx_guard():
+    # like every kernel in the package (tests/test_ptx_guard.py), the kernels of the worked solutions and of the
+    # wrong answers compile for sm_80 and sm_90 with no float64, shared memory within 48 KiB and no spills
+    from flashnb import inspect as fi
+
+    items = _kernel_answers()
+    assert items, "no exercise kernels found"
+    results = fi.resources_of([(k, sig, cc) for _, _, k, sig in items for cc in ((8, 0), (9, 0))], keep_ptx=False)
+    problems = [p for r in results for p in fi.problems(r)]
+    assert not problems, problems

@@ -28,6 +28,8 @@ CCS = [(8, 0), (9, 0)]
 PACKAGE = Path(flashnb.__file__).resolve().parent
 # Packages whose kernels are simulator self-checks, never launched on a GPU (not registered; guarded below).
 SIMULATOR_ONLY = ("flashnb.sim",)
+# Exercise solutions (and their typical wrong answers) are guarded by signature in tests/test_exercises.py.
+EXERCISES = ("flashnb.exercises",)
 
 CASES = [(name, config) for name, spec in KERNELS.items() for config in spec.configs]
 
@@ -169,7 +171,8 @@ def test_every_kernel_is_registered():
     # the simulator's self-test kernels are guarded by signature above instead: exactly those, no others
     sim_only = {(m, q) for m, q in in_source if m.startswith(SIMULATOR_ONLY)}
     assert sim_only == {("flashnb.sim.selftest", n) for n in SELF_TEST_KERNELS}
-    missing = in_source - sim_only - _kernels_in_registry()
+    exercise_kernels = {(m, q) for m, q in in_source if m.startswith(EXERCISES)}
+    missing = in_source - sim_only - exercise_kernels - _kernels_in_registry()
     assert not missing, ("@cuda.jit kernels not produced by any registered factory config (register them "
                          f"with @kernel_factory so the PTX guard compiles them): {sorted(missing)}")
 

@@ -50,6 +50,7 @@ class Exercise:
     explain: str = ""
     solution: Callable[[], dict] | None = None
     wrong: list = field(default_factory=list)    # callables returning answers that must fail (for tests)
+    signatures: dict = field(default_factory=dict)   # answer name -> launch signature of a kernel answer
 
     @property
     def tag(self) -> str:
@@ -69,15 +70,21 @@ class Exercise:
 EXERCISES: dict[str, Exercise] = {}
 
 
-def exercise(id: str, title: str, *, level: int, minutes: int, hint: str = "", explain: str = ""):
-    """Register the decorated function as the check of exercise ``id``; returns the :class:`Exercise`."""
+def exercise(id: str, title: str, *, level: int, minutes: int, hint: str = "", explain: str = "",
+             signatures: dict | None = None):
+    """Register the decorated function as the check of exercise ``id``; returns the :class:`Exercise`.
+
+    ``signatures`` maps each answer that is a kernel to the Numba signature the check launches it with: the
+    kernels of the worked solution and of the wrong answers go through the PTX guard with it
+    (``tests/test_exercises.py``), like every kernel in the package."""
     if level not in LEVELS:
         raise ValueError(f"level must be 1, 2 or 3, got {level!r}")
 
     def decorate(fn):
         if id in EXERCISES:
             raise ValueError(f"exercise {id!r} defined twice")
-        ex = Exercise(id, title, level, minutes, fn, textwrap.dedent(hint).strip(), textwrap.dedent(explain).strip())
+        ex = Exercise(id, title, level, minutes, fn, inspect.cleandoc(hint), inspect.cleandoc(explain),
+                      signatures=dict(signatures or {}))
         EXERCISES[id] = ex
         return ex
 

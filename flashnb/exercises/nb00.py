@@ -65,6 +65,7 @@ def _moving_average_case(kernel, n=256, threads=64, seed=0):
 
 
 @exercise("00.2", "moving average through shared memory", level=2, minutes=20,
+          signatures={"kernel": "void(float32[::1], float32[::1])"},
           hint="""Each block of T threads needs x[start-1 .. start+T]: T + 2 values. Let every thread copy x[i] into
           s[t + 1]; threads 0 and T-1 also copy the halo elements x[start-1] and x[start+T] (when they exist).
           Then cuda.syncthreads(), then average s[t], s[t+1], s[t+2]. Launch: [n // 64, 64].""",
@@ -203,6 +204,7 @@ def _():
 
 
 @exercise("00.5", "a warp inclusive scan with shuffles", level=2, minutes=20,
+          signatures={"kernel": "void(float32[::1], float32[::1])"},
           hint="""Five steps, offset = 1, 2, 4, 8, 16: v_up = cuda.shfl_up_sync(0xFFFFFFFF, v, offset); a lane whose
           lane index is >= offset adds v_up, the others keep v (shfl_up_sync gives them their own value back).
           Every lane must call the shuffle -- only the add is conditional.""",
