@@ -290,7 +290,7 @@ def _():
           the precision φ is computed in: float32, u = 2⁻²⁴ ≈ 6·10⁻⁸. Their sum is smallest near ε ~ u^(1/3) ≈ 4·10⁻³
           (for O(1) inputs), where the error is ~ u^(2/3) ≈ 10⁻⁵ relative -- much worse than float64's 10⁻¹⁰. The
           notebook's ε = 10⁻⁵ is right for the float64 reference (u^(1/3) ≈ 6·10⁻⁶) and far too small for a float32
-          forward: there rounding error dominates, ~ 6·10⁻⁸/10⁻⁵ ≈ 1 % of φ's size.""")
+          forward: there rounding error dominates, ~ 6·10⁻⁸/10⁻⁵ ≈ 0.6 % of φ's size.""")
 def check_04_5(eps_best):
     """eps_best: the step ε at which a central difference of a float32 φ is most accurate (order of magnitude)."""
     try:

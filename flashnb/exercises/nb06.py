@@ -42,8 +42,7 @@ def _extra_traffic(Nq, Nk, d, Br, Bc):
           Tc·Nq·d more element accesses, about a third more for the whole backward at N = 4096 (Q and dO are read
           Tc·Nq·d each as well). The buffer itself holds Tc copies of dQ -- 128 at N = 4096, Bc = 32 -- so it is
           worth it only when a deterministic dQ (the same bits every run, independent of the order the atomics
-          land in) matters more than memory and a third more traffic; a fixed-order reduction over fewer, larger
-          column groups is the usual compromise.""")
+          land in) matters more than memory and a third more traffic.""")
 def check_06_1(extra_traffic, fraction):
     """extra_traffic(Nq, Nk, d, Br, Bc): element accesses the buffer design adds to the atomic one (non-causal,
     one head); fraction: that extra over the atomic design's total at Nq = Nk = 4096, d = 64, Br = Bc = 32."""
@@ -109,8 +108,8 @@ def _counted_dS(Nq, Nk, d, Br, Bc):
           values of dS. That is as many shared reads as dQ's FMAs, one per FMA (K_j comes from shared memory
           too) -- the same Br·Bc·d as the S or dP product, but without register reuse: about a quarter of all the
           kernel's shared reads at Nq = 16, Nk = 32, d = 8. The dK_j, dV_j updates, by contrast, stay in registers:
-          P and dS reach them by shuffles, and only dO_i, Q_i are read from shared memory, each value feeding TM FMAs.
-          FA2's paper names this exchange as the backward's remaining inter-warp communication.""")
+          P and dS reach them by shuffles, and only dO_i, Q_i are read from shared memory, each value feeding
+          TM FMAs.""")
 def check_06_2(dS_per_tile, dS_share):
     """dS_per_tile(Br, Bc, d): (reads, writes) of the shared dS buffer per visited tile; dS_share: the fraction of
     the main backward launch's shared reads that read dS, at Nq = 16, Nk = 32, d = 8, Br = Bc = 16, warps = 1."""
@@ -226,8 +225,8 @@ def _visits(Nq, Nk, B):
           With Nq = Nk the first column block meets every query block and the last only the diagonal one: 8, 7, ...,
           1 -- the reverse of the forward, where the last query block does the most work. With Nq = 128 < Nk = 256
           the diagonal starts at key 128: the first five column blocks see all 4 query blocks, then 3, 2, 1. Under
-          causal masking the backward's thread blocks are unbalanced from 8 tiles down to 1 -- launch the long ones
-          first (FA2 schedules column blocks in reverse for this reason on the GPU) or split them.""")
+          causal masking the backward's thread blocks are unbalanced from 8 tiles down to 1 -- on a GPU the last
+          column blocks finish early and the first ones set the time, unless the work is rebalanced.""")
 def check_06_4(visits_square, visits_wide):
     """visits_square: Q tiles each column block j visits in fa2's causal backward, Nq = Nk = 256, Br = Bc = 32;
     visits_wide: the same for Nq = 128, Nk = 256."""
