@@ -80,8 +80,9 @@ print("matmul FLOPs (x 2·N²·d per head): forward 2, standard backward 4, FA1 
 
 # %%
 q, k, v, do = rng.standard_normal((4, 37, 16))
-P, _, _ = reference._softmax(q, k, True, None, None)          # float64 P of the reference (causal)
-o = P @ v
+o, lse = reference.attention_forward(q, k, v, causal=True)    # float64 O and L = log-sum-exp of each row
+S = q @ k.T / np.sqrt(16)                                      # default scale 1/sqrt(d)
+P = np.where(np.tri(37, dtype=bool), np.exp(S - lse[:, None]), 0.0)   # P = exp(S - L), causal
 dP = do @ v.T
 print("max |rowsum(P∘dP) - rowsum(dO∘O)| =", np.abs((P * dP).sum(1) - (do * o).sum(1)).max())
 
@@ -265,14 +266,63 @@ print(f"notebook ran in {time.perf_counter() - T0:.1f} s")
 # %% [markdown]
 # ## Exercises
 #
-# 1. **D once, not $T_c$ times.** Move $D_i = \mathrm{rowsum}(dO_i\circ O_i)$ into its own small kernel run before
-#    the backward (as FA2 does) and pass $D$ instead of $O$. Which reads disappear from `model_backward`, and
-#    which appear?
-# 2. **The checkpoint's size.** Storing $\ell$ and $m$ (as the paper does) instead of $L$ costs one more vector.
-#    Change the model to count it, and compare with the paper's $4Nd + 5T_cNd + 2T_cN$.
-# 3. **dQ in HBM.** $dQ_i$ is read and written $T_c$ times. How much traffic would it save to swap the loops of the
-#    backward (outer $i$), and what would then have to be read-modified-written instead?
-# 4. **Dropout.** Algorithm 4 regenerates the dropout mask from the saved RNG state instead of storing it. How
-#    many bytes would storing an $N\times N$ boolean mask add to the memory table at 16K?
-# 5. **Finite differences in float32.** Repeat the gradient check with `phi` computed by the FA1 forward itself
-#    (float32). Which step size $\varepsilon$ balances truncation and rounding error?
+# Each exercise has a check: fill in the `...` and run its cell (`...` means "not attempted yet"). Stuck?
+# `exercises.hint("04.1")` gives a hint and `exercises.answer("04.1")` the worked answer -- try first.
+# Levels: ★ a few lines, ★★ a small model or experiment, ★★★ a real change to a kernel.
+
+# %%
+from flashnb import exercises
+
+# %% [markdown]
+# **04.1 · D once, not $T_c$ times** (★★, ~20 min) Move $D_i = \mathrm{rowsum}(dO_i\circ O_i)$ into its own small
+# kernel run before the backward (as FA2 does) and pass $D$ instead of $O$. Write the model of that design:
+# a function `model(BH, Nq, Nk, d, M)` returning its launches like `fa1.model_backward` does (a list of dicts
+# with `"reads"` and `"writes"`, `{array: elements}`; name the new vector `"D"`). The check compares the
+# global reads and writes per array with the counted design on a few sizes. Which reads disappear from the
+# main loop, and which appear?
+
+# %%
+model = ...   # def model(BH, Nq, Nk, d, M): ... return [launch, ...]
+exercises.check("04.1", model=model)
+
+# %% [markdown]
+# **04.2 · The checkpoint's size** (★, ~10 min) Storing $\ell$ and $m$ (as the paper does) instead of $L$ costs
+# one more vector. Write `model_lm(N, d, M)`: the global elements (reads + writes) of the backward of one
+# head ($N_q = N_k = N$) that reads $\ell_i$ and $m_i$ instead of $L_i$, and `gap(N, d, M)`: `model_lm` minus the
+# paper's $4Nd + 5T_cNd + 2T_cN$. What is the gap?
+
+# %%
+model_lm = ...   # def model_lm(N, d, M): ...
+gap = ...        # def gap(N, d, M): ...
+exercises.check("04.2", model_lm=model_lm, gap=gap)
+
+# %% [markdown]
+# **04.3 · dQ in HBM** (★★, ~20 min) $dQ_i$ is read and written $T_c$ times. Swap the loops of the backward
+# (outer loop over query blocks $i$, $T_r = \lceil N/B_r\rceil$ steps, FA1's tiles): $Q_i, O_i, dO_i, L_i$ are read
+# once and $dQ_i$ is written once, a kernel first sets $dK = dV = 0$, and each inner step reads and writes what it
+# must. Write `swapped_total(N, d, M)` (global elements, one head, $N_q = N_k = N$) and name the arrays that now
+# have to be read-modified-written in HBM. Does the swap save traffic at FA1's tiles?
+
+# %%
+swapped_total = ...   # def swapped_total(N, d, M): ...
+rmw_arrays = ...      # a set of array names, e.g. {"dQ"}
+exercises.check("04.3", swapped_total=swapped_total, rmw_arrays=rmw_arrays)
+
+# %% [markdown]
+# **04.4 · Dropout** (★, ~10 min) Algorithm 4 regenerates the dropout mask from the saved RNG state instead of
+# storing it. How many bytes would storing an $N\times N$ boolean mask (one byte per element, every head) add to
+# the memory table at $N$ = 16K (batch 16, 8 heads), and how many times FA1's own fp16 memory there is that?
+
+# %%
+mask_bytes = ...
+times_fa1 = ...
+exercises.check("04.4", mask_bytes=mask_bytes, times_fa1=times_fa1)
+
+# %% [markdown]
+# **04.5 · Finite differences in float32** (★★, ~20 min) Repeat the directional-derivative check of section 4
+# for `dq` with `phi` computed by the FA1 forward itself (float32), for $\varepsilon = 10^{-1}, \dots, 10^{-6}$.
+# Which step size balances truncation and rounding error? (The check wants its order of magnitude.)
+
+# %%
+eps_best = ...
+exercises.check("04.5", eps_best=eps_best)

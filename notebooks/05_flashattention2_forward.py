@@ -387,13 +387,56 @@ print(bench.table(gpu_rows, ["impl", "direction", "median_ms", "q1_ms", "q3_ms",
 # %% [markdown]
 # ## Exercises
 #
-# 1. Change `fa2.LC` to 4 (and `LR` to 8) in a copy of the kernel: how do the FMAs per shared read and the
-#    number of shuffles per tile change? Check with `fa2.fmas_per_shared_read` and the traffic counter.
-# 2. Delayed rescaling keeps $\tilde O$ unnormalised: can it overflow in float32? Bound $|\tilde O|$ in terms
-#    of $B_c T_c$ and $\max|V|$.
-# 3. Draw the causal tile map for $N_q = 300$, $N_k = 200$ and predict which query rows get $L = -\infty$.
-# 4. Using `fa1.model_forward` and `fa2.model_forward`, find the tile sizes at which FA1's default
-#    configuration moves fewer HBM bytes than FA2's at $N = 4096$, $d = 64$ — and explain why.
+# Each exercise has a check: fill in the `...` and run its cell (`...` means "not attempted yet"). Stuck?
+# `exercises.hint("05.1")` gives a hint and `exercises.answer("05.1")` the worked answer -- try first.
+# Levels: ★ a few lines, ★★ a small model or experiment, ★★★ a real change to a kernel.
+
+# %%
+from flashnb import exercises, registry  # noqa: F401  (registry: for exercise 05.1)
+
+# %% [markdown]
+# **05.1 · An 8 × 4 lane grid** (★★★, ~30 min) Give the kernel warps of `LR = 8` row lanes × `LC = 4` column
+# lanes instead of 4 × 8. Do not edit `fa2.LC`: make a copy of the factory with
+# `registry.variant(fa2.make_forward, replace=(old_text, new_text))` (copy `old_text` from `show_source`), and
+# run it through the library's launcher with `with registry.using(fa2.make_forward, variant):`. The check runs
+# it at $N = 32$, $d = 16$, `Br=16, Bc=16, warps=1` against the reference and counts its shared reads. Then, per
+# thread, at `Br=64, Bc=32, d=64, warps=4`: how many FMAs per shared read (as `fa2.fmas_per_shared_read(...)["tile"]`
+# reports for today's layout), and how many shuffles per K/V tile?
+
+# %%
+variant = ...             # registry.variant(fa2.make_forward, replace=(..., ...))
+fmas_per_read = ...
+shuffles_per_tile = ...
+exercises.check("05.1", variant=variant, fmas_per_read=fmas_per_read, shuffles_per_tile=shuffles_per_tile)
+
+# %% [markdown]
+# **05.2 · Can $\tilde O$ overflow?** (★, ~10 min) Delayed rescaling keeps $\tilde O$ unnormalised. Write
+# `bound(Bc, Tc, vmax)`: the largest $|\tilde O_{ij}|$ can get after $T_c$ tiles of $B_c$ keys with $|V| \le$ `vmax`.
+# Can $\tilde O$ overflow float32 with at most $2^{31}$ keys and $|V| \le 10^4$?
+
+# %%
+bound = ...          # def bound(Bc, Tc, vmax): ...
+can_overflow = ...   # True or False
+exercises.check("05.2", bound=bound, can_overflow=can_overflow)
+
+# %% [markdown]
+# **05.3 · The causal tile map for $N_q = 300$, $N_k = 200$** (★, ~15 min) Draw it (as in the causal section) and
+# predict which query rows get $L = -\infty$, and how many tiles FA2's causal forward computes at
+# `Br=64, Bc=32`.
+
+# %%
+rows_without_keys = ...   # a set (or range) of row indices
+tiles_computed = ...
+exercises.check("05.3", rows_without_keys=rows_without_keys, tiles_computed=tiles_computed)
+
+# %% [markdown]
+# **05.4 · When does FA1 move fewer bytes?** (★★, ~15 min) Using `fa1.model_forward` and `fa2.model_forward`,
+# find the largest `Br` (a multiple of 4; FA2 with `Bc=32, warps=1`) at which FA1's default configuration moves
+# fewer HBM elements than FA2 at $N = 4096$, $d = 64$ — and explain why.
+
+# %%
+largest_Br = ...
+exercises.check("05.4", largest_Br=largest_Br)
 
 # %%
 print(f"notebook ran in {time.perf_counter() - T0:.1f} s")

@@ -209,13 +209,57 @@ for name, mod in (("naive", naive), ("FA1", fa1), ("FA2", fa2)):
 # %% [markdown]
 # ## Exercises
 #
-# 1. Replace the atomics by a per-column-block `dQ` buffer of shape $(T_c, N_q, d)$ and a reduction kernel.
-#    Model its traffic and memory: when is it worth it (determinism vs HBM bytes)?
-# 2. The kernel stages $dS$ through shared memory so all warps can form $dQ_i$. Count those shared reads
-#    and writes with `flashnb.traffic.count()` and compare them with the $dK, dV$ updates.
-# 3. Why does $P = \exp(S - L)$ need neither $m$ nor $\ell$? What goes wrong for a row with $L = -\infty$,
-#    and how does the kernel avoid it?
-# 4. With the causal mask, which column blocks do the least work? Use `fa2.tiles_visited(..., "backward")`.
+# Each exercise has a check: fill in the `...` and run its cell (`...` means "not attempted yet"). Stuck?
+# `exercises.hint("06.1")` gives a hint and `exercises.answer("06.1")` the worked answer -- try first.
+# Levels: ★ a few lines, ★★ a small model or experiment, ★★★ a real change to a kernel.
+
+# %%
+from flashnb import exercises  # noqa: E402
+
+# %% [markdown]
+# **06.1 · dQ without atomics** (★★, ~20 min) Replace the atomics by a per-column-block `dQ` buffer of shape
+# $(T_c, N_q, d)$ (each column block stores its partial $dQ_i$) and a reduction kernel that sums the partials
+# into $dQ$. Model its traffic: write `extra_traffic(Nq, Nk, d, Br, Bc)`, the element accesses it adds to
+# `fa2.model_backward`'s count (non-causal, one head, an atomic add counted as one access), and give the
+# `fraction` that is of the atomic design's total at $N_q = N_k = 4096$, $d = 64$, `Br = Bc = 32`. How much memory
+# does the buffer take, and when is it worth it?
+
+# %%
+extra_traffic = ...   # def extra_traffic(Nq, Nk, d, Br, Bc): ...
+fraction = ...
+exercises.check("06.1", extra_traffic=extra_traffic, fraction=fraction)
+
+# %% [markdown]
+# **06.2 · The price of staging dS** (★★, ~20 min) The kernel stages $dS$ through shared memory (`dSs`) so all
+# warps can form $dQ_i$. Count its shared reads and writes with `flashnb.traffic.count()` (per-array counts:
+# `t.launches[i].shared_reads`) at $N_q = 16$, $N_k = 32$, $d = 8$, `Br=16, Bc=16, warps=1`, and turn them into
+# `dS_per_tile(Br, Bc, d)` -> (reads, writes) per visited tile. What fraction `dS_share` of the main launch's
+# shared reads are reads of `dSs`? Compare with how the $dK_j, dV_j$ updates get $P$ and $dS$.
+
+# %%
+dS_per_tile = ...   # def dS_per_tile(Br, Bc, d): return reads, writes
+dS_share = ...
+exercises.check("06.2", dS_per_tile=dS_per_tile, dS_share=dS_share)
+
+# %% [markdown]
+# **06.3 · $P$ from $L$ alone** (★, ~10 min) Why does $P = \exp(S - L)$ need neither $m$ nor $\ell$? Write
+# `p_from_L(S, L, allowed)` (NumPy, float64): $P$ from the scaled scores, the row log-sum-exps and the boolean mask,
+# right also for rows with $L = -\infty$. The check feeds it causal rows with no key ($N_q > N_k$). What goes
+# wrong for such a row with the plain formula, and how does the kernel avoid it?
+
+# %%
+p_from_L = ...   # def p_from_L(S, L, allowed): ...
+exercises.check("06.3", p_from_L=p_from_L)
+
+# %% [markdown]
+# **06.4 · Causal work per column block** (★, ~10 min) With the causal mask, which column blocks do the least
+# work? Using `fa2.tiles_visited(..., "backward")`, list the number of query tiles each column block visits at
+# `Br = Bc = 32` for $N_q = N_k = 256$ and for $N_q = 128$, $N_k = 256$.
+
+# %%
+visits_square = ...   # [tiles of column block 0, 1, ...]
+visits_wide = ...
+exercises.check("06.4", visits_square=visits_square, visits_wide=visits_wide)
 
 # %%
 print(f"notebook ran in {time.perf_counter() - T0:.1f} s")

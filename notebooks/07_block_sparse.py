@@ -327,16 +327,59 @@ assert same
 # %% [markdown]
 # ## Exercises
 #
-# 1. The kernel reads $M_{ij}$ once per *possible* tile, so the mask term is $\propto T_r T_c$, not $s$.
-#    Store the mask instead as a list of nonzero column indices per block row (CSR): change the forward's
-#    loop, then the model, and check with the traffic counter that the mask term becomes $\propto s$.
-# 2. Query blocks with no nonzero block still read $Q_i$ and write $O_i = 0$. Skip them entirely in the
-#    forward (who then writes $O$ and $L$?). How much of the $Nd$ term does that remove for `bs.local`?
-# 3. Build a mask at $128 \times 128$ tiles and run it at $d = 64$: which tiles does each direction use
-#    (`fa2.block_tiles`)? Why must the kernel's tiles divide the mask's, and what would go wrong otherwise?
-# 4. For `bs.butterfly` at $N = 4096$, $B = 64$, compute $s$ and the modelled forward traffic; compare with
-#    `bs.local` of the same density. Which would you expect to approximate dense attention better on the
-#    "positional" input above, and why?
+# Each exercise has a check: fill in the `...` and run its cell (`...` means "not attempted yet"). Stuck?
+# `exercises.hint("07.1")` gives a hint and `exercises.answer("07.1")` the worked answer -- try first.
+# Levels: ★ a few lines, ★★ a small model or experiment, ★★★ a real change to a kernel.
+
+# %%
+from flashnb import exercises  # noqa: E402
+
+# %% [markdown]
+# **07.1 · The mask term** (★★, ~20 min) The kernel reads $M_{ij}$ once per *possible* tile, so the mask term is
+# $\propto T_r T_c$, not $s$. Write `mask_reads_now(mask, warps)`: the reads of the block mask per head in the
+# non-causal forward (`mask`: a boolean $(T_r, T_c)$ array at the kernel's tiles) — the check compares it with the
+# traffic counter — and `mask_reads_csr(mask, warps)`: the same if the mask were stored as CSR (`row_ptr` of
+# $T_r + 1$ entries, `col_idx` of the nonzero blocks; each warp reads `row_ptr[i]`, `row_ptr[i+1]` and one index per
+# nonzero block of its row). Which one is $\propto s$?
+
+# %%
+mask_reads_now = ...   # def mask_reads_now(mask, warps): ...
+mask_reads_csr = ...   # def mask_reads_csr(mask, warps): ...
+exercises.check("07.1", mask_reads_now=mask_reads_now, mask_reads_csr=mask_reads_csr)
+
+# %% [markdown]
+# **07.2 · Query blocks with nothing to do** (★, ~15 min) Query blocks with no nonzero block still read $Q_i$ and
+# write $O_i = 0$, $L_i = -\infty$. If the forward skipped them entirely, who would then write $O$ and $L$? Write
+# `q_reads_saved(mask, Br, Nq, d)`: the global elements (one head, non-causal) that skipping saves, and give
+# `local_saved` for `bs.local(1024, 1024, 64, 64, 2).mask` at $d = 64$. How much of the $Nd$ term is that?
+
+# %%
+q_reads_saved = ...   # def q_reads_saved(mask, Br, Nq, d): ...
+local_saved = ...
+exercises.check("07.2", q_reads_saved=q_reads_saved, local_saved=local_saved)
+
+# %% [markdown]
+# **07.3 · Whose tiles?** (★, ~10 min) Build a mask at $128 \times 128$ tiles ($N = 256$) and run it at $d = 64$:
+# which tiles `(Br, Bc)` does each direction use (`fa2.block_tiles`)? Does the forward accept `Br=48` with that
+# mask? Why must the kernel's tiles divide the mask's, and what would go wrong otherwise?
+
+# %%
+forward_tiles = ...    # (Br, Bc)
+backward_tiles = ...   # (Br, Bc)
+Br48_raises = ...      # True or False
+exercises.check("07.3", forward_tiles=forward_tiles, backward_tiles=backward_tiles, Br48_raises=Br48_raises)
+
+# %% [markdown]
+# **07.4 · Butterfly vs local** (★★, ~15 min) For `bs.butterfly` at $N = 4096$ with $64 \times 64$ blocks, compute
+# $s$; find the non-causal `bs.local` window with the closest density, and the ratio of their modelled forward
+# traffic ($d = 64$, one head). Which would you expect to approximate dense attention better on the "positional"
+# input above, and why?
+
+# %%
+s_butterfly = ...
+window = ...
+traffic_ratio = ...    # butterfly / local
+exercises.check("07.4", s_butterfly=s_butterfly, window=window, traffic_ratio=traffic_ratio)
 
 # %%
 print(f"notebook ran in {time.perf_counter() - T0:.1f} s")

@@ -1,0 +1,251 @@
+"""Exercises of notebook 05 (FlashAttention-2's forward: three changes, each counted)."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from . import Wrong, close, exercise, require
+
+
+def _lane_grid(Br, Bc, d, warps, LR, LC):
+    """Per-thread micro-tile of fa2's forward for a warp laid out as LR x LC lanes."""
+    TM, TN, DN = Br // (warps * LR), Bc // LC, math.ceil(d / LC)
+    return TM, TN, DN
+
+
+def _fmas_per_read(Br, Bc, d, warps, LR, LC):
+    TM, TN, DN = _lane_grid(Br, Bc, d, warps, LR, LC)
+    return (d * TM * TN + Bc * DN * TM) / (d * (TM + TN) + Bc * DN)
+
+
+def _shuffles_per_tile(Br, Bc, d, warps, LR, LC):
+    """Shuffles one thread makes per K/V tile: log2(LC) per row for the row max, one per P~ entry it uses."""
+    TM, TN, _ = _lane_grid(Br, Bc, d, warps, LR, LC)
+    return TM * int(math.log2(LC)) + TN * LC * TM
+
+
+def _shared_reads(Nq, Nk, Br, Bc, d, warps, LR, LC):
+    """Shared-memory element reads of the forward (dense, one head): per thread and tile d·(TM+TN) + Bc·DN."""
+    TM, TN, DN = _lane_grid(Br, Bc, d, warps, LR, LC)
+    tiles = math.ceil(Nq / Br) * math.ceil(Nk / Bc)
+    return tiles * 32 * warps * (d * (TM + TN) + Bc * DN)
+
+
+# --------------------------------------------------------------------------- 05.1
+
+
+@exercise("05.1", "an 8 x 4 lane grid instead of 4 x 8", level=3, minutes=30,
+          hint="""fa2.make_forward takes its lane grid from the module constants LR, LC through
+          g = geometry(Br, Bc, d, warps). In a variant, replace that line by local constants and the micro-tile they
+          give: registry.variant(fa2.make_forward, replace=("g = geometry(Br, Bc, d, warps)", "LR, LC = 8, 4\\n    g
+          = dict(TM=..., TN=..., DN=..., Dp=..., threads=32 * warps)")) -- the nested kernels then see the local
+          LR, LC. Count with traffic.count() inside `with registry.using(fa2.make_forward, variant):`. For the
+          numbers, redo fa2.fmas_per_shared_read's formula and count the shfl calls in fa2_tile per K/V tile.""",
+          explain="""With 8 row lanes × 4 column lanes each thread owns TM = Br/(8·warps) rows (half as many) and
+          TN = Bc/4, DN = d/4 columns (twice as many). The S product still costs d·TM·TN FMAs per d·(TM + TN) reads
+          (TM·TN/(TM+TN) falls from 2 to 1.6 at Br = 64, Bc = 32, warps = 4), but P·V gets only TM = 2 FMAs per
+          read of V_j instead of 4: the whole tile drops from 2.67 to 1.78 FMAs per shared read, and the counter sees
+          the extra reads of K_j and V_j. Shuffles per tile fall from TM·(log2 8 + Bc) = 140 to TM·(log2 4 + Bc) = 68
+          per thread (half the rows, a 2-step instead of a 3-step butterfly). Shuffles are cheaper than shared
+          reads, which is why the kernel spends them: the 4 × 8 grid is the better trade.""")
+def check_05_1(variant, fmas_per_read, shuffles_per_tile):
+    """variant: a kernel factory like fa2.make_forward whose warps are 8 x 4 lanes (LR = 8, LC = 4);
+    fmas_per_read, shuffles_per_tile: per thread, for that layout at Br = 64, Bc = 32, d = 64, warps = 4."""
+    from .. import api, fa2, reference, registry, traffic
+
+    require(callable(variant), "variant must be a kernel factory (from registry.variant)")
+    q, k, v = (np.random.default_rng(51 + s).standard_normal((1, 32, 16)) for s in range(3))
+    try:
+        with registry.using(fa2.make_forward, variant), traffic.count() as t:
+            o = api.attention(q, k, v, impl="fa2", Br=16, Bc=16, warps=1)
+    except Wrong:
+        raise
+    except Exception as e:
+        raise Wrong(f"running your variant through flashnb.attention failed: {type(e).__name__}: {e}") from None
+    require(np.abs(o - reference.attention(q, k, v)).max() < 1e-5,
+            "your variant's output does not match the float64 reference (N = 32, d = 16, Br = Bc = 16, one warp)")
+    counted = t.shared_reads
+    if counted == _shared_reads(32, 32, 16, 16, 16, 1, fa2.LR, fa2.LC):
+        raise Wrong("the counter sees the 4 x 8 lane grid's shared reads: your variant still uses LR = 4, LC = 8")
+    require(counted == _shared_reads(32, 32, 16, 16, 16, 1, 8, 4),
+            "the counted shared reads are not those of an 8 x 4 lane grid")
+    close(fmas_per_read, _fmas_per_read(64, 32, 64, 4, 8, 4), rel=0.01, what="fmas_per_read")
+    close(shuffles_per_tile, _shuffles_per_tile(64, 32, 64, 4, 8, 4), what="shuffles_per_tile")
+    return (f"{counted} shared reads counted at N = 32 (the 4 x 8 grid: "
+            f"{_shared_reads(32, 32, 16, 16, 16, 1, fa2.LR, fa2.LC)})")
+
+
+@check_05_1.solves
+def _():
+    import math
+
+    from flashnb import fa2, registry
+
+    lanes_8x4 = registry.variant(fa2.make_forward, replace=(
+        "g = geometry(Br, Bc, d, warps)",
+        "LR, LC = 8, 4   # local: the nested kernels close over these instead of fa2.LR, fa2.LC\n"
+        "    g = dict(TM=Br // (warps * LR), TN=Bc // LC, DN=cdiv(d, LC), Dp=cdiv(d, LC) * LC, threads=32 * warps)"))
+    Br, Bc, d, warps, LR, LC = 64, 32, 64, 4, 8, 4
+    TM, TN, DN = Br // (warps * LR), Bc // LC, math.ceil(d / LC)
+    fmas = d * TM * TN + Bc * DN * TM                  # S = Q Kᵀ, then P~ V
+    reads = d * (TM + TN) + Bc * DN
+    shuffles = TM * int(math.log2(LC)) + TN * LC * TM  # row-max butterfly, then one shfl per P~ entry used
+    return dict(variant=lanes_8x4, fmas_per_read=fmas / reads, shuffles_per_tile=shuffles)
+
+
+@check_05_1.fails
+def _():
+    from flashnb import fa2, registry
+
+    only_lc = registry.variant(fa2.make_forward, replace=(   # LC changed, LR not: 16 lanes, 32 threads
+        "g = geometry(Br, Bc, d, warps)",
+        "LC = 4\n    g = dict(TM=Br // (warps * LR), TN=Bc // LC, DN=cdiv(d, LC), Dp=cdiv(d, LC) * LC, "
+        "threads=32 * warps)"))
+    return dict(variant=only_lc, fmas_per_read=1.78, shuffles_per_tile=68)
+
+
+@check_05_1.fails
+def _():
+    from flashnb import fa2
+
+    g = fa2.fmas_per_shared_read(64, 32, 64, 4)      # today's layout, not the new one
+    return dict(variant=fa2.make_forward, fmas_per_read=g["tile"], shuffles_per_tile=140)
+
+
+# --------------------------------------------------------------------------- 05.2
+
+
+@exercise("05.2", "can the unnormalised O~ overflow?", level=1, minutes=10,
+          hint="""O~_i = Σ_j exp(S_ij - m_i) V_j over the keys seen so far, with m_i the running maximum. How large
+          can one exp(S_ij - m_i) be, and how many terms are there after Tc tiles of Bc keys?""",
+          explain="""Every weight exp(S_ij - m_i) is at most 1 (m_i is the maximum of the scores seen), so
+          |O~_i| ≤ (keys seen) · max|V| ≤ Bc·Tc·max|V|, reached when all scores are equal and V is constant. That is
+          at most Nk·max|V| (padding keys have weight 0): with 2³¹ keys and |V| ≤ 10⁴, about 2·10¹³ -- 25 orders of
+          magnitude below float32's 3.4·10³⁸. Subtracting the running max is what makes delayed rescaling safe:
+          O~ grows linearly with the keys, never exponentially. (The row sum l_i has the same bound with
+          max|V| = 1.)""")
+def check_05_2(bound, can_overflow):
+    """bound(Bc, Tc, vmax): the largest |O~_ij| possible after Tc tiles of Bc keys with |V| <= vmax;
+    can_overflow: can O~ overflow float32 with at most 2**31 keys and |V| <= 1e4?"""
+    require(callable(bound), "bound must be a function (Bc, Tc, vmax) -> a number")
+    for Bc, Tc, vmax in [(32, 1, 1.0), (64, 128, 3.0), (16, 1000, 0.5), (128, 7, 1e4)]:
+        close(bound(Bc, Tc, vmax), Bc * Tc * vmax, rel=1e-9, what=f"bound({Bc}, {Tc}, {vmax})")
+    require(isinstance(can_overflow, (bool, np.bool_)), "can_overflow must be True or False")
+    require(not can_overflow, "can_overflow: compare your bound at 2**31 keys and |V| = 1e4 with float32's maximum")
+
+
+@check_05_2.solves
+def _():
+    import numpy as np
+
+    def bound(Bc, Tc, vmax):
+        return Bc * Tc * vmax        # every weight exp(S - m) <= 1, Bc·Tc of them
+
+    return dict(bound=bound, can_overflow=bound(1, 2 ** 31, 1e4) > np.finfo(np.float32).max)
+
+
+@check_05_2.fails
+def _():
+    return dict(bound=lambda Bc, Tc, vmax: vmax, can_overflow=False)   # as if O~ were normalised
+
+
+# --------------------------------------------------------------------------- 05.3
+
+
+@exercise("05.3", "the causal tile map for Nq = 300, Nk = 200", level=1, minutes=15,
+          hint="""flashnb's causal mask is aligned to the bottom-right corner: query i may see key j when
+          j <= i + Nk - Nq. Which rows have no key at all? For the tiles, fa2.tiles_visited(Nq, Nk, Br, Bc, causal)
+          lists what the forward computes -- or count them from the rule that block i stops at the key block holding
+          the diagonal of its last row.""",
+          explain="""With Nq > Nk the diagonal starts below the top: row i sees keys 0 .. i - 100, so rows 0-99 see
+          no key, get P = 0, O = 0 and L = -inf (the kernel guards exp and log so this is not NaN). With top-left
+          alignment no row would be empty (and the last 100 rows would see every key). At Br = 64, Bc = 32 the
+          forward visits 0 + 1 + 3 + 5 + 7 = 16 tiles of the 5 × 7 = 35: block 0 (rows 0-63) loads no K/V tile at
+          all and writes O = 0, L = -inf straight away; block 1 computes one tile in which rows 64-99 are fully
+          masked.""")
+def check_05_3(rows_without_keys, tiles_computed):
+    """rows_without_keys: the query rows with L = -inf (Nq = 300, Nk = 200, causal);
+    tiles_computed: the (Q block, K/V block) tiles fa2's causal forward computes there at Br = 64, Bc = 32."""
+    from .. import fa2, reference
+
+    try:
+        yours = {int(i) for i in rows_without_keys}
+    except (TypeError, ValueError):
+        raise Wrong("rows_without_keys must be a collection of row indices (e.g. a set or range)") from None
+    rng = np.random.default_rng(53)
+    _, lse = reference.attention_forward(rng.standard_normal((300, 8)), rng.standard_normal((200, 8)),
+                                         rng.standard_normal((200, 8)), causal=True)
+    truth = set(np.flatnonzero(np.isneginf(lse)).tolist())
+    missing, extra = truth - yours, yours - truth
+    require(not missing and not extra, f"rows_without_keys: {len(missing)} row(s) missing, {len(extra)} that do "
+            "have a key -- how is the causal mask aligned when Nq != Nk?")
+    close(tiles_computed, len(fa2.tiles_visited(300, 200, 64, 32, True)), what="tiles_computed")
+
+
+@check_05_3.solves
+def _():
+    from flashnb import fa2
+
+    Nq, Nk = 300, 200
+    rows = {i for i in range(Nq) if i + Nk - Nq < 0}      # bottom-right: key j allowed when j <= i + Nk - Nq
+    return dict(rows_without_keys=rows, tiles_computed=len(fa2.tiles_visited(Nq, Nk, 64, 32, True)))
+
+
+@check_05_3.fails
+def _():
+    return dict(rows_without_keys=set(), tiles_computed=16)          # top-left alignment
+
+
+@check_05_3.fails
+def _():
+    return dict(rows_without_keys=range(100), tiles_computed=17)     # off by one: a tile for block 0 too
+
+
+# --------------------------------------------------------------------------- 05.4
+
+
+@functools.lru_cache(maxsize=None)
+def _largest_br(N=4096, d=64):
+    from .. import fa1, fa2
+
+    def total(model):
+        return sum(sum(x["reads"].values()) + sum(x["writes"].values()) for x in model)
+
+    f1 = total(fa1.model_forward(1, N, N, d))
+    return max(Br for Br in range(4, 129, 4)
+               if f1 < total(fa2.model_forward(1, N, N, d, Br=Br, Bc=32, warps=1)))
+
+
+@exercise("05.4", "when does FA1 move fewer bytes than FA2?", level=2, minutes=15,
+          hint="""Total the reads and writes of fa1.model_forward(1, 4096, 4096, 64) (its default M) and of
+          fa2.model_forward(1, 4096, 4096, 64, Br=Br, Bc=32, warps=1) for Br = 4, 8, 12, ... (a multiple of 4 with
+          one warp). Which term of each grows with the number of tiles?""",
+          explain="""FA1 (K/V outer) reads Q_i and reads and writes O_i at each of its Tc = N/16 outer steps: about
+          3·Tc·N·d. FA2 (Q outer) reads Q and writes O once but reads K_j and V_j for each of its Tr = N/Br query
+          blocks: about 2·Tr·N·d. FA1 moves less when 2N/Br > 3N/16, i.e. Br < 10.7: Br ≤ 8. FA2's default
+          Br = 64 moves about 6 times less than FA1's default, because its re-read term is two arrays, read only,
+          per query block of 64 rows, where FA1 re-reads and re-writes O per key block of 16.""")
+def check_05_4(largest_Br):
+    """largest_Br: the largest Br (multiple of 4; FA2 with Bc = 32, one warp) at which FA1's default forward moves
+    fewer HBM elements than FA2's forward, N = 4096, d = 64."""
+    close(largest_Br, _largest_br(), what="largest_Br")
+
+
+@check_05_4.solves
+def _():
+    from flashnb import fa1, fa2
+
+    def total(model):
+        return sum(sum(x["reads"].values()) + sum(x["writes"].values()) for x in model)
+
+    fa1_elements = total(fa1.model_forward(1, 4096, 4096, 64))
+    fa2_elements = {Br: total(fa2.model_forward(1, 4096, 4096, 64, Br=Br, Bc=32, warps=1)) for Br in range(4, 129, 4)}
+    return dict(largest_Br=max(Br for Br, n in fa2_elements.items() if fa1_elements < n))
+
+
+@check_05_4.fails
+def _():
+    return dict(largest_Br=16)      # FA1's own Br: the tiles are not comparable one to one
