@@ -53,6 +53,7 @@ STAGE_OF_MODULE = {
     "test_rehearsal": "stage0", "test_sim_racecheck": "stage0", "test_sim_sanitizer": "stage0",
     "test_sim_memprofile": "stage0",
     "test_naive": "stage1", "test_softmax": "stage2", "test_fa1": "stage3", "test_fa2": "stage4",
+    "test_fa2_steps": "stage4",
     "test_block_sparse": "stage5",
 }
 
