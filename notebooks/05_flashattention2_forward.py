@@ -51,7 +51,7 @@ import numpy as np
 
 os.environ["FLASHNB_DEVICE"] = "sim"  # counting traffic needs the simulator; GPU timings run in a process of their own
 import flashnb
-from flashnb import fa1, fa2, naive, reference, roofline, traffic
+from flashnb import fa1, fa2, fa2_steps, naive, reference, roofline, traffic
 from flashnb.notebook import savefig, show_source
 
 T0 = time.perf_counter()
@@ -60,7 +60,152 @@ print("kernels run on the Numba CUDA simulator; GPU timings:",
 rng = np.random.default_rng(5)
 
 # %% [markdown]
-# ## The kernel
+# ## The ladder: Algorithm 1, then three kernels
+#
+# The kernel this notebook ends with does three things at once: it runs Algorithm 1, it splits a block's query
+# rows over warps (split-Q), and it gives every lane a small register tile of $S$ and $\tilde O$ whose entries
+# travel between lanes by shuffles. We add them one at a time; every step is a real kernel from the package,
+# checked against the float64 reference and counted on the simulator:
+#
+# | step | code | what it adds |
+# |---|---|---|
+# | 0 | `fa2_steps.fa2_forward_numpy` | Algorithm 1 in NumPy, each block tagged with its line |
+# | (a) | `fa2_steps.make_rows_forward`, `impl="fa2-rows"` | one CUDA thread per query row: delayed rescaling and $L$, nothing else |
+# | (b) | `fa2_steps.make_splitq_forward`, `impl="fa2-splitq"` | the block's rows split over warps, $Q_i$ in shared memory |
+# | (c) | `fa2.make_forward`, `impl="fa2"` | register micro-tiles, $\tilde P$ passed by shuffles |
+#
+# ### Step 0 · Algorithm 1 in NumPy
+
+# %%
+show_source(fa2_steps.fa2_forward_numpy)
+q, k, v = (rng.standard_normal((n, 16)) for n in (40, 56, 56))
+for causal in (False, True):
+    O_np, L_np = fa2_steps.fa2_forward_numpy(q, k, v, Br=16, Bc=16, causal=causal)
+    o_ref, lse_ref = reference.attention_forward(q, k, v, causal=causal)
+    err = max(np.abs(O_np - o_ref).max(), np.abs(L_np - lse_ref).max())
+    print(f"causal={causal}: NumPy Algorithm 1 vs the float64 reference, max error {err:.1e}")
+    assert err < 1e-12                    # both float64: only the order of the sums differs
+
+# %% [markdown]
+# ### Line 10 as printed and as computed
+#
+# The paper prints line 10 as $\tilde O_i^{(j)} = \mathrm{diag}(e^{m_i^{(j-1)} - m_i^{(j)}})^{-1}\,
+# \tilde O_i^{(j-1)} + \tilde P_i^{(j)} V_j$. The $^{-1}$ is a typo (Dao-AILab/flash-attention issue #991):
+# $\tilde O_i^{(j-1)}$ was accumulated with weights $e^{S - m^{(j-1)}}$, and moving it to the new max means
+# *multiplying* by $e^{m^{(j-1)} - m^{(j)}} \le 1$ — what line 9 does to $\ell$, what the transcription above
+# computes, and what every kernel below computes. The printed inverse multiplies by $e^{m^{(j)} - m^{(j-1)}} \ge 1$
+# instead; the two agree only while the row max does not change. Both rules on one query block:
+
+# %%
+def line10_rules(Q, K, V, Bc):
+    """One query block through Algorithm 1, line 10 as the code computes it and as the paper prints it."""
+    tau = 1 / np.sqrt(Q.shape[1])
+    out = {}
+    for rule in ("computed", "printed"):
+        O, l, m = np.zeros((len(Q), V.shape[1])), np.zeros(len(Q)), np.full(len(Q), -np.inf)
+        for j0 in range(0, len(K), Bc):
+            S = tau * Q @ K[j0:j0 + Bc].T                          # line 8
+            m_new = np.maximum(m, S.max(axis=1))                   # line 9
+            P = np.exp(S - m_new[:, None])
+            alpha = np.exp(m - m_new)                              # e^(m_old - m_new) <= 1 (0 on the first tile)
+            l = alpha * l + P.sum(axis=1)
+            if j0 == 0:                                            # O~ = 0 so far: both rules give P~ V_1
+                O = P @ V[j0:j0 + Bc]
+            else:                                                  # line 10
+                O = (alpha if rule == "computed" else 1 / alpha)[:, None] * O + P @ V[j0:j0 + Bc]
+            m = m_new
+        out[rule] = O / l[:, None]                                 # line 12
+    return out
+
+
+q, k, v = (rng.standard_normal((n, 16)) for n in (16, 64, 64))
+o_ref = reference.attention_forward(q, k, v)[0]
+errs = {rule: np.abs(o - o_ref).max() for rule, o in line10_rules(q, k, v, Bc=16).items()}
+print(f"max |O - reference|: line 10 as computed {errs['computed']:.1e}, as printed {errs['printed']:.1e}")
+assert errs["computed"] < 1e-12 and errs["printed"] > 1e-2
+
+# %% [markdown]
+# ### Step (a) · one thread per query row
+#
+# The smallest kernel that is FlashAttention-2: grid $(T_r, \text{batch·heads})$ and one thread per row of
+# the block. All threads of a block load $K_j, V_j$ into shared memory together (`common.load_rows`,
+# consecutive threads read consecutive addresses), then each thread walks the tile for its own row: its row
+# of $Q_i$ and of $\tilde O_i$ are thread-private arrays, $m$ and $\ell$ are scalars. $\tilde O$ is multiplied
+# by $e^{m - m_{new}}$ per tile and divided by $\ell$ once at the end (delayed rescaling), and the only
+# statistic written is $L = m + \log \ell$. Nothing else: no thread or warp ever reads another's row.
+
+# %%
+show_source(fa2_steps.make_rows_forward)
+
+# %% [markdown]
+# Checked against the reference (ragged lengths, $N_q \ne N_k$, causal or not; `check_step` also compares the
+# counted traffic with the step's model), then counted on one problem that every step below also runs
+# (one head, $N = 128$, $d = 16$, $B_r = 64$, $B_c = 16$, 2 warps where a kernel has warps; no causal mask and
+# no ragged tile, so every kernel does exactly $2N^2 d$ FMAs: $N^2 d$ for $S = QK^\top$ and $N^2 d$ for
+# $\tilde P V$):
+
+# %%
+LADDER = dict(BH=1, N=128, d=16, Br=64, Bc=16, warps=2)
+ladder = {}                                       # step -> its counted launch on the LADDER problem
+
+
+def check_step(step, impl, model, **tiles):
+    """Check `impl` against the reference (Nq = 40, Nk = 56, d = 16, causal and not) and its model, then count
+    it on the LADDER problem; print shared reads, writes and FMAs per shared read."""
+    q, k, v = (rng.standard_normal((1, n, 16)) for n in (40, 56, 56))
+    err = 0.0
+    for causal in (False, True):
+        with traffic.count() as t:
+            o, lse = flashnb.attention_forward(q, k, v, causal=causal, impl=impl, **tiles)
+        o_ref, lse_ref = reference.attention_forward(q, k, v, causal=causal)
+        # float32 kernel vs float64 reference, d = 16, 56 keys: rounding stays far below 1e-5
+        np.testing.assert_allclose(o, o_ref, atol=1e-5)
+        np.testing.assert_allclose(lse, lse_ref, atol=1e-5)
+        assert t.summary() == model(1, 40, 56, 16, causal=causal, **tiles)
+        err = max(err, np.abs(o - o_ref).max(), np.abs(lse - lse_ref).max())
+    BH, N, d = LADDER["BH"], LADDER["N"], LADDER["d"]
+    opts = {key: LADDER[key] for key in tiles}
+    q, k, v = (rng.standard_normal((BH, N, d)) for _ in range(3))
+    with traffic.count() as t:
+        flashnb.attention_forward(q, k, v, impl=impl, **opts)
+    assert t.summary() == model(BH, N, N, d, **opts)
+    ladder[step] = t
+    s = t.summary()[0]
+    fmas = 2 * BH * N * N * d
+    print(f"step {step} ({impl}, {tiles}): max error {err:.1e}, counted traffic == model; on the ladder problem {opts}: "
+          f"shared reads {s['shared_reads']:,}, shared writes {s['shared_writes']:,}, "
+          f"FMAs per shared read {fmas / s['shared_reads']:.2f}")
+
+
+check_step("(a)", "fa2-rows", fa2_steps.model_rows_forward, Br=16, Bc=16)
+assert 2 * 128 * 128 * 16 == ladder["(a)"].summary()[0]["shared_reads"]   # one shared read per FMA
+
+# %% [markdown]
+# One shared read per FMA: $S$ reads one element of $K_j$ per multiply-add (the $Q$ row is thread-private) and
+# $\tilde P V$ one of $V_j$. All 32 lanes of a warp read the *same* $K_j$ element at the same time, a
+# broadcast. The price is $2d$ thread-private floats per thread (its rows of $Q$ and $\tilde O$), indexed in
+# loops the compiler keeps rolled: they live in local memory, not registers (stack bytes in the resources
+# section below).
+#
+# ### Step (b) · split-Q: each warp owns its rows
+#
+# The same algorithm with the FA2 paper's work split (its Section 3.3): the block's $B_r$ rows are split over
+# `warps` warps, warp $w$ owning $B_r/\text{warps}$ consecutive rows and each lane $R = B_r/(32\cdot
+# \text{warps})$ of them (one after another). $Q_i$ is loaded into shared memory once per block, as Algorithm 1
+# line 4 says (stored transposed, so the 32 lanes, which own consecutive rows, read consecutive addresses).
+# $K_j, V_j$ are read by every warp; no warp ever reads a result of another warp, so the only barriers are the
+# two around each $K_j, V_j$ load.
+
+# %%
+show_source(fa2_steps.make_splitq_forward)
+check_step("(b)", "fa2-splitq", fa2_steps.model_splitq_forward, Br=32, Bc=16, warps=1)
+assert 3 * 128 * 128 * 16 == ladder["(b)"].summary()[0]["shared_reads"]   # 2 reads per S FMA, 1 per PV FMA
+
+# %% [markdown]
+# Now $S$ reads $Q_i$ *and* $K_j$ from shared memory for every FMA: 2/3 FMA per shared read, less than step (a).
+# This is the inner loop FA1's split-K kernel has too; the experiment in "Change 3" below compares the two.
+#
+# ### Step (c) · register micro-tiles: the kernel of `flashnb.fa2`
 #
 # The thread block has `32·warps` threads. A warp's 32 lanes form a $4 \times 8$ grid (`LR × LC`). Lane
 # $(l_r, l_c)$ of warp $w$ owns query rows $w\,B_r/\text{warps} + l_r + 4a$ ($a < T_M$), key columns
@@ -72,19 +217,15 @@ rng = np.random.default_rng(5)
 show_source(fa2.make_forward)
 
 # %% [markdown]
-# It computes attention (checked against the float64 reference, with ragged lengths, $N_q \ne N_k$ and the
-# causal mask):
+# Checked and counted like steps (a) and (b). Each lane now holds a $T_M \times T_N$ tile of $S$ and reads
+# $T_M$ values of $Q_i$ and $T_N$ of $K_j$ per $k$ for $T_M T_N$ FMAs; each $V_j$ element it reads feeds $T_M$
+# FMAs ($\tilde P$ arrives by shuffle, not from shared memory):
 
 # %%
-q, k, v = (rng.standard_normal((1, n, 16)) for n in (40, 56, 56))
-for causal in (False, True):
-    o, lse = flashnb.attention_forward(q, k, v, causal=causal, impl="fa2", Br=16, Bc=16, warps=1)
-    o_ref, lse_ref = reference.attention_forward(q, k, v, causal=causal)
-    print(f"causal={causal}: max |o - o_ref| = {np.abs(o - o_ref).max():.1e}, "
-          f"max |lse - lse_ref| = {np.abs(lse - lse_ref).max():.1e}")
-    # float32 kernel vs float64 reference, d = 16, 56 keys: rounding stays far below 1e-5
-    np.testing.assert_allclose(o, o_ref, atol=1e-5)
-    np.testing.assert_allclose(lse, lse_ref, atol=1e-5)
+check_step("(c)", "fa2", fa2.model_forward, Br=16, Bc=16, warps=1)
+r = fa2.fmas_per_shared_read(LADDER["Br"], LADDER["Bc"], LADDER["d"], LADDER["warps"])
+assert 2 * 128 * 128 * 16 / ladder["(c)"].summary()[0]["shared_reads"] == r["tile"]
+print(f"fa2.fmas_per_shared_read at the ladder tiles: S {r['qk']:.2f}, PV {r['pv']:.1f}, tile {r['tile']:.2f}")
 
 # %% [markdown]
 # ## Change 1 · delayed rescaling: non-matmul operations per tile
@@ -221,6 +362,76 @@ for d in (32, 64, 128):
           f"tile {r['tile']:.2f};  FA1 default tiles: S {r1['qk']:.2f}, PV {r1['pv']:.2f}")
 
 # %% [markdown]
+# ### What split-Q buys, and what register tiling buys
+#
+# The two numbers above mix two changes: FA2's kernel splits Q instead of K *and* tiles registers. The ladder
+# separates them. FA1 (split-K), step (b) (split-Q, no register tiles) and step (c) (split-Q with register
+# tiles) run the same problem with the same $B_r$, $B_c$, $d$ and warps (step (a), one thread per row, for
+# comparison), and the counted shared-memory accesses are sorted by the array they touch: the $Q$, $K$, $V$
+# tiles (their loads and the inner loops' reads), FA1's split-K merge (every warp's partial $m$, $\ell$,
+# $\tilde P V$ and the merge weights: `m_w`, `l_w`, `O_w`, `a_i`) and FA1's staging of $O_i, \ell_i, m_i$
+# (its loop order reads them from HBM into shared memory for every $(i, j)$).
+
+# %%
+BH, N, d = LADDER["BH"], LADDER["N"], LADDER["d"]
+tiles, W = dict(Br=LADDER["Br"], Bc=LADDER["Bc"]), LADDER["warps"]
+q, k, v = (rng.standard_normal((BH, N, d)) for _ in range(3))
+with traffic.count() as t:
+    flashnb.attention_forward(q, k, v, impl="fa1", **tiles, warps=W)
+assert t.summary() == fa1.model_forward(BH, N, N, d, **tiles, warps=W)
+runs = {"FA1\nsplit-K": t, "(a) rows": ladder["(a)"], "(b) split-Q": ladder["(b)"], "(c) split-Q\n+ reg. tiles": ladder["(c)"]}
+MERGE = {"m_w", "l_w", "O_w", "a_i"}
+STAGING = {"O_i", "l_i", "m_i"}
+fmas = 2 * BH * N * N * d
+split = {}                                        # name -> {category: (reads, writes)}
+for name, counted in runs.items():
+    cats = {"Q, K, V tiles": [0, 0], "split-K merge": [0, 0], "O, l, m staging": [0, 0]}
+    for array, e in counted.totals_by_array().items():
+        if e["kind"] == "shared":
+            a = array.split(":", 1)[1]
+            cat = "split-K merge" if a in MERGE else "O, l, m staging" if a in STAGING else "Q, K, V tiles"
+            cats[cat][0] += e["reads"]
+            cats[cat][1] += e["writes"]
+    split[name] = cats
+    reads = sum(r for r, _ in cats.values())
+    assert reads == sum(x["shared_reads"] for x in counted.summary())
+    print(f"{name.replace(chr(10), ' '):26s} FMAs per shared read {fmas / reads:4.2f}   " + "   ".join(
+        f"{c}: {r:,} reads, {w:,} writes" for c, (r, w) in cats.items() if r or w))
+
+fa1_qkv, b_qkv, c_qkv = (split[n]["Q, K, V tiles"][0] for n in ("FA1\nsplit-K", "(b) split-Q", "(c) split-Q\n+ reg. tiles"))
+fa1_reads = sum(r for r, _ in split["FA1\nsplit-K"].values())
+assert fa1_qkv == b_qkv                           # split-Q leaves the inner loops' reads exactly as they were
+assert c_qkv < b_qkv                              # register tiles cut them
+print(f"split-Q alone (FA1 -> (b)): Q, K, V tile reads unchanged ({fa1_qkv:,} = {b_qkv:,}); gone: the merge "
+      f"({sum(split['FA1' + chr(10) + 'split-K']['split-K merge']):,} accesses) and the staging "
+      f"({sum(split['FA1' + chr(10) + 'split-K']['O, l, m staging']):,}); FMAs per shared read "
+      f"{fmas / fa1_reads:.2f} -> {fmas / b_qkv:.2f}")
+print(f"register tiles alone ((b) -> (c)): Q, K, V tile reads {b_qkv:,} -> {c_qkv:,} ({b_qkv / c_qkv:.1f}x fewer); "
+      f"FMAs per shared read {fmas / b_qkv:.2f} -> {fmas / c_qkv:.2f}")
+
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+names = list(split)
+axes[0].bar(names, [fmas / sum(r for r, _ in split[n].values()) for n in names], color=["C3", "C7", "C0", "C2"])
+axes[0].set_ylabel("FMAs per shared-memory read")
+axes[0].set_title(f"counted: N = {N}, d = {d}, Br = {tiles['Br']}, Bc = {tiles['Bc']}, {W} warps")
+bottom = np.zeros(len(names))
+for cat, colour in (("Q, K, V tiles", "C0"), ("split-K merge", "C3"), ("O, l, m staging", "C1")):
+    height = np.array([sum(split[n][cat]) / fmas for n in names])
+    axes[1].bar(names, height, bottom=bottom, color=colour, label=cat)
+    bottom += height
+axes[1].set_ylabel("shared accesses (reads + writes) per FMA")
+axes[1].legend(fontsize=8)
+savefig(fig, "05_split_q_vs_register_tiles")
+plt.show()
+
+# %% [markdown]
+# Read the two steps apart. **Split-Q** (FA1 → (b)) leaves the inner loops exactly as they were, two shared
+# reads per FMA of $S$ and one per FMA of $\tilde P V$, and removes the warps' exchange of partial results
+# through shared memory (and the barriers around it). **Register tiling** ((b) → (c)) is what changes the
+# FMAs per shared read: each value read from shared memory feeds $T_M$ or $T_N$ FMAs. Step (a)'s one read per
+# FMA comes from keeping a whole $Q$ row per thread, which does not scale with $d$ (stack bytes in the resources
+# section below).
+#
 # ### The warp layout
 #
 # Which warp and which lane own which element of the score tile, at the default tiles for $d = 64$ (printed
@@ -340,22 +551,28 @@ savefig(fig, "05_traffic_stages")
 plt.show()
 
 # %% [markdown]
-# ## Resources: registers and occupancy, FA1 vs FA2
+# ## Resources: registers and occupancy, FA1, the ladder's steps, FA2
 #
-# Compiled for sm_80 with NVVM and `ptxas` (no GPU needed), default tiles at $d = 64$:
+# Compiled for sm_80 with NVVM and `ptxas` (no GPU needed), default tiles at $d = 64$. *Stack* is thread-private
+# memory the compiler could not keep in registers (local memory, cached in L1): steps (a) and (b) keep a
+# whole row of $\tilde O$ (and step (a) of $Q$) per thread, the micro-tiled kernel only $T_M \times d/8$ of $\tilde O$.
 
 # %%
 from flashnb import inspect as finspect  # noqa: E402
 
 t1, t2 = fa1.tiles(64), fa2.default_tiles(64)
+ta, tb = fa2_steps.rows_tiles(64), fa2_steps.splitq_tiles(64)
 jobs = [("fa1.forward", dict(Br=t1["Br"], Bc=t1["Bc"], d=64, W=t1["warps"], causal=False), (8, 0)),
+        ("fa2_steps.rows", dict(**ta, d=64, causal=False), (8, 0)),
+        ("fa2_steps.splitq", dict(**tb, d=64, causal=False), (8, 0)),
         ("fa2.forward", dict(**t2, d=64, causal=False), (8, 0))]
 for (name, cfg, cc), res in zip(jobs, finspect.resources_many(jobs)):
     if res.registers is None:
         print(name, "could not be compiled here:", res.error)
         continue
     occ = finspect.occupancy(res.registers, res.shared_bytes, finspect.KERNELS[name].threads_for(cfg), cc)
-    print(f"{name} {cfg}: {res.registers} registers, {res.shared_bytes} B shared, spills {res.spill_bytes} B, "
+    print(f"{name} {cfg}: {res.registers} registers, {res.shared_bytes} B shared, stack {res.stack_bytes} B, "
+          f"spills {res.spill_bytes} B, "
           f"{occ.warps_per_sm} warps/SM ({occ.occupancy:.0%}, limited by {occ.limiter})")
 
 # %% [markdown]

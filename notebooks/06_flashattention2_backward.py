@@ -39,13 +39,31 @@ import numpy as np
 
 os.environ["FLASHNB_DEVICE"] = "sim"  # counting traffic needs the simulator; GPU timings run in a process of their own
 import flashnb
-from flashnb import common, fa1, fa2, naive, reference, traffic
+from flashnb import common, fa1, fa2, fa2_steps, naive, reference, roofline, traffic
 from flashnb.notebook import savefig, show_source
 
 T0 = time.perf_counter()
 print("kernels run on the Numba CUDA simulator; GPU timings:",
       "on this machine's GPU, in a separate process" if flashnb.bench.gpu_available() else "none (no GPU here)")
 rng = np.random.default_rng(6)
+
+# %% [markdown]
+# ## Algorithm 2 in NumPy, line by line
+#
+# Before any kernel: the algorithm transcribed into float64 NumPy with its loops, every block tagged with
+# the paper's line (`fa2_steps.fa2_backward_numpy`; the forward's Algorithm 1 is in notebook 05). The softmax
+# scale $\tau$ is written out where the paper leaves it implicit ($S = \tau QK^\top$, so $dQ$ and $dK$ carry a
+# factor $\tau$), and with the causal mask the query blocks entirely above the diagonal are skipped.
+
+# %%
+show_source(fa2_steps.fa2_backward_numpy)
+q, k, v, do = (rng.standard_normal((n, 16)) for n in (40, 56, 56, 40))
+for causal in (False, True):
+    o, lse = reference.attention_forward(q, k, v, causal=causal)
+    grads = fa2_steps.fa2_backward_numpy(q, k, v, o, do, lse, Br=16, Bc=16, causal=causal)
+    err = max(np.abs(g - r).max() for g, r in zip(grads, reference.attention_backward(q, k, v, do, causal=causal)))
+    print(f"causal={causal}: NumPy Algorithm 2 vs the float64 reference, max error over dQ, dK, dV {err:.1e}")
+    assert err < 1e-12                    # both float64: only the order of the sums differs
 
 # %% [markdown]
 # ## Line 4: the preprocessing kernel $D = \mathrm{rowsum}(dO \circ O)$
@@ -76,6 +94,41 @@ assert gap < 1e-12                                # an identity: float64 roundin
 show_source(fa2.make_backward)
 
 # %% [markdown]
+# ## The K/V-block grid keeps the SMs busy
+#
+# Line 5 makes every K/V column block $j$ a thread block of its own: the grid is $T_c \times$ batch·heads.
+# FA1's backward (notebook 04) runs one thread block per head, which walks all column blocks in turn. A thread
+# block runs on one SM, so a grid with fewer blocks than the GPU has SMs leaves the others idle. Thread blocks
+# per launch and the SMs that get one, on the H100 preset, $N = 2048$, $d = 64$, the backward's default $B_c$:
+
+# %%
+N, d = 2048, 64
+Bc = fa2.default_tiles(d, "backward")["Bc"]
+Tc = -(-N // Bc)
+gpu = roofline.get_gpu("H100 SXM")
+BHs = np.array([1, 2, 4, 8, 16, 32, 64])
+busy = {"one block per head (FA1)": np.minimum(BHs, gpu.sm_count),
+        f"K/V-block grid, Tc = {Tc} (FA2)": np.minimum(BHs * Tc, gpu.sm_count)}
+for bh, one, grid in zip(BHs, *busy.values()):
+    print(f"batch·heads = {bh:3d}: one block per head {bh:5d} blocks, {one:3d}/{gpu.sm_count} SMs busy;   "
+          f"K/V-block grid {bh * Tc:5d} blocks, {grid:3d}/{gpu.sm_count} SMs busy")
+assert busy[f"K/V-block grid, Tc = {Tc} (FA2)"][0] == min(Tc, gpu.sm_count) > busy["one block per head (FA1)"][0]
+fig, ax = plt.subplots(figsize=(6.5, 3.4))
+for label, b in busy.items():
+    ax.plot(BHs, 100 * b / gpu.sm_count, marker="o", label=label)
+ax.set_xscale("log", base=2)
+ax.set_xlabel("batch · heads")
+ax.set_ylabel(f"SMs with a thread block (%), {gpu.name}")
+ax.set_title(f"backward, N = {N}, d = {d}, Bc = {Bc}")
+ax.legend(fontsize=8)
+savefig(fig, "06_busy_sms")
+plt.show()
+
+# %% [markdown]
+# The price of this grid is line 15: the column blocks all add into the same $dQ_i$, next.
+# (SMs with a block is an upper bound on the parallelism, not a speed: with the causal mask column block $j$
+# visits only the query blocks at or below the diagonal, so the blocks do unequal work; exercise 4.)
+#
 # ## Why dQ needs atomics
 #
 # $dQ_i = \tau \sum_j dS_{ij} K_j$ sums over **column blocks**, and each column block is a different thread

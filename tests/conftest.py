@@ -55,6 +55,7 @@ STAGE_OF_MODULE = {
     "test_traffic_tools": "stage0", "test_api_checks": "stage0", "test_cli_args": "stage0",
     "test_exercises": "stage0", "test_registry_variant": "stage0",
     "test_naive": "stage1", "test_softmax": "stage2", "test_fa1": "stage3", "test_fa2": "stage4",
+    "test_fa2_steps": "stage4",
     "test_block_sparse": "stage5",
 }
 
