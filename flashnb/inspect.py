@@ -548,7 +548,8 @@ def _describe_value(owner: str, name: str, value, seen: set) -> dict:
     module = getattr(value, "__module__", None)
     qualname = getattr(value, "__qualname__", None)
     is_kernel = hasattr(value, "py_func") or (hasattr(value, "fn") and hasattr(value, "_device"))
-    if is_kernel and not _is_flashnb_module(module):
+    if is_kernel and (not _is_flashnb_module(module) or not qualname or "<" in qualname):
+        # a user's device function, or one a factory made (flashnb's own or a registry.variant's): by source
         fn = _python_function(value)
         device = bool(getattr(value, "_device", False) or getattr(value, "targetoptions", {}).get("device"))
         return {"kind": "function", "function": _describe_function(fn, device=device, seen=seen)}

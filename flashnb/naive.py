@@ -23,7 +23,7 @@ from .common import NEG_INF, ROWS_PER_BLOCK, causal_allowed, cdiv, empty, launch
 from .registry import kernel_factory, register_impl
 
 __all__ = ["make_matmul", "make_softmax_rows", "make_p_from_lse", "make_softmax_bwd_rows",
-           "forward", "backward", "model_forward", "model_backward", "TILE", "ROWS_PER_BLOCK"]
+           "forward", "backward", "model_forward", "model_backward", "matmul_model", "TILE", "ROWS_PER_BLOCK"]
 
 TILE = 16            # T: the matmul's output tile is T x T, one thread per output element
 
@@ -138,63 +138,77 @@ def make_softmax_bwd_rows():
 # --------------------------------------------------------------------------- launchers
 
 
-def _matmul(A, B, C, alpha, *, trans_a=False, trans_b=False, causal=False, diag=0, label):
+def _check_tile(tile):
+    if isinstance(tile, bool) or not isinstance(tile, int) and not hasattr(tile, "__index__"):
+        raise TypeError(f"tile must be an int, got {tile!r}")
+    tile = int(tile)
+    if not 1 <= tile <= 32:
+        raise ValueError(f"tile must be in 1..32 (a tile x tile block of at most 1024 threads), got {tile}")
+    return tile
+
+
+def _matmul(A, B, C, alpha, *, trans_a=False, trans_b=False, causal=False, diag=0, tile=TILE, label):
     BH, rows, cols = C.shape
-    kernel = make_matmul(TILE, trans_a, trans_b, causal)
-    launch(kernel, (cdiv(cols, TILE), cdiv(rows, TILE), BH), (TILE, TILE), A, B, C, alpha, diag, label=label)
+    kernel = make_matmul(tile, trans_a, trans_b, causal)
+    launch(kernel, (cdiv(cols, tile), cdiv(rows, tile), BH), (tile, tile), A, B, C, alpha, diag, label=label)
 
 
-def _scores(q, k, *, causal, scale):
+def _scores(q, k, *, causal, scale, tile=TILE):
     BH, Nq, _ = q.shape
     Nk = k.shape[1]
     S = empty((BH, Nq, Nk))
-    _matmul(q, k, S, scale, trans_b=True, causal=causal, diag=Nk - Nq, label="S = scale·QKᵀ")
+    _matmul(q, k, S, scale, trans_b=True, causal=causal, diag=Nk - Nq, tile=tile, label="S = scale·QKᵀ")
     return S
 
 
-def forward(q, k, v, *, causal, scale):
-    """Algorithm 0: S = scale·QKᵀ → HBM, P = softmax(S) → HBM, O = PV → HBM."""
+def forward(q, k, v, *, causal, scale, tile=TILE):
+    """Algorithm 0: S = scale·QKᵀ → HBM, P = softmax(S) → HBM, O = PV → HBM.  ``tile``: the matmuls'
+    ``T`` (default :data:`TILE`; ``flashnb.attention(..., impl="naive", tile=8)``)."""
+    tile = _check_tile(tile)
     BH, Nq, d = q.shape
     Nk = k.shape[1]
-    S = _scores(q, k, causal=causal, scale=scale)
+    S = _scores(q, k, causal=causal, scale=scale, tile=tile)
     P = empty((BH, Nq, Nk))
     L = empty((BH, Nq))
     launch_rows(make_softmax_rows(), BH, Nq, S, P, L, label="P = softmax(S)")
     O = empty((BH, Nq, d))
-    _matmul(P, v, O, 1.0, label="O = PV")
+    _matmul(P, v, O, 1.0, tile=tile, label="O = PV")
     return O, L
 
 
-def backward(q, k, v, o, lse, do, *, causal, scale):
+def backward(q, k, v, o, lse, do, *, causal, scale, tile=TILE):
     """Algorithm 3, after rebuilding P = exp(S - L) (the API carries L, not the N_q x N_k matrix P)."""
+    tile = _check_tile(tile)
     BH, Nq, d = q.shape
     Nk = k.shape[1]
-    S = _scores(q, k, causal=causal, scale=scale)
+    S = _scores(q, k, causal=causal, scale=scale, tile=tile)
     P = empty((BH, Nq, Nk))
     launch_rows(make_p_from_lse(), BH, Nq, S, lse, P, label="P = exp(S - L)")
     dV = empty((BH, Nk, d))
-    _matmul(P, do, dV, 1.0, trans_a=True, label="dV = PᵀdO")               # Alg. 3 line 2
+    _matmul(P, do, dV, 1.0, trans_a=True, tile=tile, label="dV = PᵀdO")               # Alg. 3 line 2
     dP = empty((BH, Nq, Nk))
-    _matmul(do, v, dP, 1.0, trans_b=True, label="dP = dO Vᵀ")              # Alg. 3 line 3
+    _matmul(do, v, dP, 1.0, trans_b=True, tile=tile, label="dP = dO Vᵀ")              # Alg. 3 line 3
     dS = empty((BH, Nq, Nk))
     launch_rows(make_softmax_bwd_rows(), BH, Nq, P, dP, dS, label="dS = P∘(dP - rowsum(P∘dP))")  # line 4
     dQ = empty((BH, Nq, d))
-    _matmul(dS, k, dQ, scale, label="dQ = scale·dS K")                     # Alg. 3 line 5
+    _matmul(dS, k, dQ, scale, tile=tile, label="dQ = scale·dS K")                     # Alg. 3 line 5
     dK = empty((BH, Nk, d))
-    _matmul(dS, q, dK, scale, trans_a=True, label="dK = scale·dSᵀQ")      # Alg. 3 line 6
+    _matmul(dS, q, dK, scale, trans_a=True, tile=tile, label="dK = scale·dSᵀQ")      # Alg. 3 line 6
     return dQ, dK, dV
 
 
 register_impl("naive", stage="1", description="standard attention, S and P through HBM (Alg. 0 / Alg. 3)",
-              forward=forward, backward=backward)
+              forward=forward, backward=backward, options=("tile",))
 
 
 # --------------------------------------------------------------------------- analytic model
 
 
-def _matmul_model(BH, rows, cols, inner, T=TILE):
-    """Element accesses of one tiled matmul launch: A is re-read once per column tile of C, B once per
-    row tile; every block writes 2·T² shared elements and its T² threads read 2·T each, per k-step."""
+def matmul_model(BH, rows, cols, inner, T=TILE):
+    """Element accesses of one tiled matmul launch ``C (rows x cols) = op(A) (rows x inner) · op(B) (inner x
+    cols)`` with ``T x T`` tiles, as a dict ``a_reads, b_reads, c_writes, shared_reads, shared_writes``:
+    A is re-read once per column tile of C, B once per row tile; every block writes 2·T² shared elements
+    and its T² threads read 2·T each, per k-step."""
     blocks = BH * cdiv(rows, T) * cdiv(cols, T)
     steps = cdiv(inner, T)
     return dict(
@@ -211,35 +225,39 @@ def _add(acc, launch_name, reads, writes, shared_reads=0, shared_writes=0):
                     shared_reads=shared_reads, shared_writes=shared_writes))
 
 
-def _mm(acc, name, a, b, c, BH, rows, cols, inner):
-    m = _matmul_model(BH, rows, cols, inner)
+_matmul_model = matmul_model   # the name notebook 01 used before it was public
+
+
+def _mm(acc, name, a, b, c, BH, rows, cols, inner, T=TILE):
+    m = matmul_model(BH, rows, cols, inner, T)
     _add(acc, name, {a: m["a_reads"], b: m["b_reads"]}, {c: m["c_writes"]}, m["shared_reads"], m["shared_writes"])
 
 
-def model_forward(BH, Nq, Nk, d, *, causal=False):
+def model_forward(BH, Nq, Nk, d, *, causal=False, tile=TILE):
     """Expected element reads/writes per launch and per array of :func:`forward` (the causal flag does
     not matter here: masking changes values, not accesses).  Returns a list of dicts, one per launch, in
-    launch order; array names are the kernels' parameter names."""
+    launch order; array names are the kernels' parameter names.  ``tile``: the matmuls' T (see
+    :func:`matmul_model`)."""
     acc = []
-    _mm(acc, "S = scale·QKᵀ", "A", "B", "C", BH, Nq, Nk, d)
+    _mm(acc, "S = scale·QKᵀ", "A", "B", "C", BH, Nq, Nk, d, tile)
     _add(acc, "P = softmax(S)", {"S": 3 * BH * Nq * Nk}, {"P": BH * Nq * Nk, "L": BH * Nq})
-    _mm(acc, "O = PV", "A", "B", "C", BH, Nq, d, Nk)
+    _mm(acc, "O = PV", "A", "B", "C", BH, Nq, d, Nk, tile)
     return acc
 
 
-def model_backward(BH, Nq, Nk, d, *, causal=False):
+def model_backward(BH, Nq, Nk, d, *, causal=False, tile=TILE):
     """Expected element reads/writes per launch and per array of :func:`backward` (see model_forward),
     for the ``lse`` the forward produces.  One access depends on ``causal``: with Nq > Nk the first
     Nq - Nk query rows see no key, their L is -inf, and ``p_from_lse`` writes P = 0 there without
     reading S."""
     empty_rows = max(0, Nq - Nk) if causal else 0
     acc = []
-    _mm(acc, "S = scale·QKᵀ", "A", "B", "C", BH, Nq, Nk, d)
+    _mm(acc, "S = scale·QKᵀ", "A", "B", "C", BH, Nq, Nk, d, tile)
     _add(acc, "P = exp(S - L)", {"S": BH * (Nq - empty_rows) * Nk, "L": BH * Nq}, {"P": BH * Nq * Nk})
-    _mm(acc, "dV = PᵀdO", "A", "B", "C", BH, Nk, d, Nq)
-    _mm(acc, "dP = dO Vᵀ", "A", "B", "C", BH, Nq, Nk, d)
+    _mm(acc, "dV = PᵀdO", "A", "B", "C", BH, Nk, d, Nq, tile)
+    _mm(acc, "dP = dO Vᵀ", "A", "B", "C", BH, Nq, Nk, d, tile)
     _add(acc, "dS = P∘(dP - rowsum(P∘dP))", {"P": 2 * BH * Nq * Nk, "dP": 2 * BH * Nq * Nk},
          {"dS": BH * Nq * Nk})
-    _mm(acc, "dQ = scale·dS K", "A", "B", "C", BH, Nq, d, Nk)
-    _mm(acc, "dK = scale·dSᵀQ", "A", "B", "C", BH, Nk, d, Nq)
+    _mm(acc, "dQ = scale·dS K", "A", "B", "C", BH, Nq, d, Nk, tile)
+    _mm(acc, "dK = scale·dSᵀQ", "A", "B", "C", BH, Nk, d, Nq, tile)
     return acc

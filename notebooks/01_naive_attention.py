@@ -256,12 +256,61 @@ print(f"notebook ran in {time.perf_counter() - T0:.1f} s")
 # %% [markdown]
 # ## Exercises
 #
-# 1. Change `naive.TILE` to 8 and recount. Which arrays' read counts change, and by what factor? Derive it
-#    from `_matmul_model` before running.
-# 2. The softmax kernel reads each row of $S$ three times. Write the count for a two-pass version (notebook 02
-#    shows how), and predict the total traffic saving at $N = 1024, d = 64$.
-# 3. Our softmax uses one thread per row, so neighbouring threads read addresses $N_k$ floats apart. Why is
-#    that bad on a GPU (coalescing)? Would the traffic *count* change if one block handled one row?
-# 4. `naive.backward` rebuilds $P = e^{S - L}$ from the saved log-sum-exp instead of keeping $P$ from the
-#    forward. Count its traffic with `traffic.count()` and compare with `naive.model_backward`: which launches
-#    would a standard implementation that stored $P$ skip?
+# Each exercise has a check: fill in the `...` and run its cell (`...` means "not attempted yet"). Stuck?
+# `exercises.hint("01.1")` gives a hint and `exercises.answer("01.1")` the worked answer -- try first.
+# Levels: ★ a few lines, ★★ a small kernel or experiment, ★★★ a real change to a kernel.
+# To change a library kernel, edit a copy: `registry.variant(factory, replace=(old_text, new_text))` (copy
+# `old_text` from `show_source`), and run it through the library with `with registry.using(factory, variant):`.
+
+# %%
+from flashnb import exercises, registry  # noqa: F401,E402  (registry: for exercise 01.2)
+
+# %% [markdown]
+# **01.1 · What a smaller matmul tile re-reads** (★, ~10 min) The matmuls' tile is an option:
+# `flashnb.attention_forward(q, k, v, impl="naive", tile=8)`, and `naive.matmul_model(BH, rows, cols, inner, T)`
+# is the model of one matmul launch. *Before running*, predict from the model: for one head, $N = 32$, $d = 16$,
+# how many global element reads does the whole forward make with $T = 8$? By what factor do the matmuls'
+# operand reads change from $T = 16$, and by what factor their shared-memory reads? Then count to check yourself.
+
+# %%
+reads_T8 = ...
+operand_factor = ...
+shared_reads_factor = ...
+exercises.check("01.1", reads_T8=reads_T8, operand_factor=operand_factor, shared_reads_factor=shared_reads_factor)
+
+# %% [markdown]
+# **01.2 · A two-pass softmax in the naive forward** (★★, ~20 min) Make a variant of `naive.make_softmax_rows`
+# whose passes 1 and 2 are one online pass (notebook 02 shows how), so the kernel reads $S$ twice. The check runs
+# it through `naive.forward` (with `registry.using`) against the float64 reference -- fully masked rows
+# included -- and counts its reads of $S$. How many bytes does it save for one head at $N = 1024$, $d = 64$, and
+# what fraction of the forward's traffic is that?
+
+# %%
+two_pass = ...       # registry.variant(naive.make_softmax_rows, replace=(old, new))
+saving_bytes = ...
+exercises.check("01.2", variant=two_pass, saving_bytes=saving_bytes)
+
+# %% [markdown]
+# **01.3 · One thread per row** (★, ~10 min) In `softmax_rows` neighbouring threads read addresses $N_k$ floats
+# apart. For $N_k = 64$: how many 32-byte sectors does one warp's request for $S$ touch? How many if the 32 lanes
+# read 32 consecutive elements of one row (one block per row)? Would the traffic *count* change?
+# (`flashnb.sim.profile()` measures the first; notebook 00 explains sectors.)
+
+# %%
+sectors_per_request = ...
+sectors_row_per_block = ...
+count_changes = ...   # True or False
+exercises.check("01.3", sectors_per_request=sectors_per_request, sectors_row_per_block=sectors_row_per_block,
+                count_changes=count_changes)
+
+# %% [markdown]
+# **01.4 · What storing P would save** (★★, ~15 min) `naive.backward` rebuilds $P = e^{S - L}$ from the saved
+# log-sum-exp instead of keeping $P$ from the forward. Count its traffic with `traffic.count()` and compare with
+# `naive.model_backward`: which launches would a backward that stored $P$ skip (their labels, as the traffic table
+# prints them), and what share of the backward's element accesses are they at $N = 1024$, $d = 64$? What does
+# storing $P$ cost instead?
+
+# %%
+skipped = ...          # a set of launch labels
+saved_fraction = ...
+exercises.check("01.4", skipped=skipped, saved_fraction=saved_fraction)

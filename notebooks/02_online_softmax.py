@@ -392,17 +392,85 @@ print(f"notebook ran in {time.perf_counter() - T0:.1f} s")
 # %% [markdown]
 # ## Exercises
 #
-# 1. Prove that $\oplus$ is associative: show that both $([a]\oplus[b])\oplus[c]$ and $[a]\oplus([b]\oplus[c])$
-#    equal the state of the union of the three sets. Why does that let the block reduce states in a tree?
-# 2. Write the model for a softmax that also stores each row's log-sum-exp $m + \ln d$. How many accesses per
-#    element is that for $n = 4096$? Check it with `traffic.count()`.
-# 3. `online_partials` is the first half of a split-row softmax. Write the second kernel: it merges the chunk
-#    states of a row and normalises the chunk's elements. Count its traffic: what does splitting a row over
-#    blocks cost, and when is it worth it (few rows, very long rows)?
-# 4. In the warp reduction every thread reads all $T/32$ warp totals from shared memory. Count the shared
-#    reads for 256 threads, then change it so warp 0 reduces the totals with shuffles and compare.
-# 5. Make `make_attention_tiles` skip the score and $\tilde P V$ work (not just the load) for key tiles that
-#    are fully masked by the causal mask of a given row. Which counts change in `model_forward`?
-# 6. The element-by-element update divides by $d_{j+1}$ for every key. Keep $o$ unnormalised instead (scale
-#    by $e^{m_j - m_{j+1}}$ only) and divide once at the end — FlashAttention-2 does this. How many
-#    multiplications per key does it save?
+# Each exercise has a check: fill in the `...` and run its cell (`...` means "not attempted yet"). Stuck?
+# `exercises.hint("02.1")` gives a hint and `exercises.answer("02.1")` the worked answer -- try first.
+# Levels: ★ a few lines, ★★ a small kernel or experiment, ★★★ a real change to a kernel.
+# To change a library kernel, edit a copy: `registry.variant(factory, replace=(old_text, new_text))` (copy
+# `old_text` from `show_source`), and run it through the library with `with registry.using(factory, variant):`.
+
+# %%
+import math  # noqa: E402,F401  (for the kernels you write below)
+
+from numba import cuda, float32  # noqa: E402,F401
+
+from flashnb import exercises, registry  # noqa: E402,F401
+from flashnb.common import NEG_INF, ONE, ZERO  # noqa: E402,F401
+from flashnb.softmax import block_reduce_state, merge_state  # noqa: E402,F401
+
+# %% [markdown]
+# **02.1 · The merge is associative** (★, ~15 min) Write `merge(a, b)` for states `a = (m_a, d_a)`,
+# `b = (m_b, d_b)` (floats, on the host). Show on paper that $([a]\oplus[b])\oplus[c]$ and
+# $[a]\oplus([b]\oplus[c])$ both equal the state of the union of the three sets; the check tests exactly that on
+# random states (some with values of $\pm 10^4$) and the empty state $[-\infty, 0]$. Why does associativity let
+# the block reduce states in a tree?
+
+# %%
+merge = ...   # def merge(a, b): ... return m, d
+exercises.check("02.1", merge=merge)
+
+# %% [markdown]
+# **02.2 · An online softmax that also stores the log-sum-exp** (★★, ~20 min) Write a kernel `(X, Y, L)`,
+# launched as `kernel[rows, 32]`, that computes the online softmax of each row (two passes over $X$) and also
+# writes $L = m + \ln d$ per row (start from `show_source(S.make_softmax_online)`). Write its traffic model: how
+# many global accesses per element is that for one row of $n = 4096$? The check runs your kernel under the
+# sanitizer, against float64, and counts it.
+
+# %%
+softmax_lse = ...            # your @cuda.jit kernel (X, Y, L)
+accesses_per_element = ...
+exercises.check("02.2", kernel=softmax_lse, accesses_per_element=accesses_per_element)
+
+# %% [markdown]
+# **02.3 · The second half of a split-row softmax** (★★★, ~30 min) `online_partials` computes the state
+# $[m, d]$ of each chunk of a row, one block per chunk. Write the second kernel `(X, M, D, Y)`, launched as
+# `kernel[(chunks, rows), 32]`: block $(c, row)$ merges the chunk states of its row and normalises the elements
+# of chunk $c$ ($C = \lceil n / \text{chunks} \rceil$ elements, as `online_partials` splits them). Count both
+# launches: what does splitting a row over blocks cost, and when is it worth it?
+
+# %%
+normalise_chunks = ...       # your @cuda.jit kernel (X, M, D, Y)
+exercises.check("02.3", kernel=normalise_chunks)
+
+# %% [markdown]
+# **02.4 · Warp totals, reduced by warp 0** (★★, ~20 min) In `warp_reduce_sum` every thread reads all $T/32$
+# warp totals from shared memory. How many shared reads is one call with $T = 256$ threads? Then write a block
+# sum `(X, out)`, launched as `kernel[rows, 256]` with `out[row] = X[row, 0:256].sum()`, in which only warp 0 reads
+# the warp totals and reduces them with shuffles. The check runs it under the sanitizer and counts its shared reads.
+
+# %%
+shared_reads_now = ...
+block_sum = ...              # your @cuda.jit kernel (X, out)
+exercises.check("02.4", kernel=block_sum, shared_reads_now=shared_reads_now)
+
+# %% [markdown]
+# **02.5 · Causal: skip the work, not just the load** (★★★, ~30 min) With `causal=True`, `make_attention_tiles`
+# already stops loading key tiles past the block's last row, but every row still scores the tiles that are fully
+# masked *for that row*. Make a variant that skips the score and $\tilde P V$ work of those tiles per row (mind
+# the bottom-right alignment, $N_q \ne N_k$). The check runs it through `flashnb.attention(..., causal=True,
+# impl="onepass", tile=8)` against the reference and counts it. Which counts of `model_forward` change?
+
+# %%
+skip_masked = ...            # registry.variant(S.make_attention_tiles, replace=(old, new))
+changed = ...                # a set of model fields: "reads", "writes", "shared_reads", "shared_writes"
+exercises.check("02.5", variant=skip_masked, changed=changed)
+
+# %% [markdown]
+# **02.6 · Keep $o$ unnormalised, divide once** (★★, ~20 min) The key-by-key update divides by $d_{j+1}$ for every
+# key. Make a variant of `make_attention_rows` that keeps $o$ unnormalised (scale by $e^{m_j - m_{j+1}}$ only) and
+# divides once after the last key -- FlashAttention-2 does this. How many divisions per query row does it save
+# at $N_k = 1024$, $d = 64$?
+
+# %%
+unnormalised = ...           # registry.variant(S.make_attention_rows, replace=[...])
+divisions_saved = ...
+exercises.check("02.6", variant=unnormalised, divisions_saved=divisions_saved)

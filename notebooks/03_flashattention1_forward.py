@@ -402,17 +402,66 @@ print(f"notebook ran in {time.perf_counter() - T0:.1f} s")
 # %% [markdown]
 # ## Exercises
 #
-# 1. **Swap the loops.** Make $i$ the outer loop and $j$ the inner one, keeping $O_i, \ell_i, m_i$ on chip
-#    for the whole inner loop. Derive the new traffic (you should get FA2's $2Nd + 2T_r Nd + N$ for the
-#    forward) and check it with `flashnb.traffic`.
-# 2. **Causal skipping.** With `causal=True` this kernel still visits every tile and masks. Count how many
-#    $(i, j)$ tiles lie entirely above the (bottom-right aligned) diagonal for $N_q = N_k = 1024$, $B_r = B_c = 64$,
-#    and how much traffic skipping them would save.
-# 3. **The constant in front of $N^2d^2/M$.** Using `fa1.model_forward`, fit the constant $c$ in
-#    $\text{traffic} \approx c\, N^2 d^2 / M$ for large $N$ and compare it with the $12$ derived in §5. What
-#    changes for the backward?
-# 4. **Split-K's bill.** From `model_forward`, compute the fraction of the forward's shared reads that are
-#    due to the split-K merge (the $W$ partials) for $W = 1, 2, 4, 8$ at $d = 64$. Why does FA2's split-Q
-#    layout not pay it?
-# 5. **Dynamic shared memory.** If the kernel could use 160 KiB of shared memory (an A100 with dynamic shared
-#    memory), which $B_c$ would the formula give at $d = 64$, and how much would GPT-2 medium's traffic drop?
+# Each exercise has a check: fill in the `...` and run its cell (`...` means "not attempted yet"). Stuck?
+# `exercises.hint("03.1")` gives a hint and `exercises.answer("03.1")` the worked answer -- try first.
+# Levels: ★ a few lines, ★★ a small kernel or experiment, ★★★ a real change to a kernel.
+# To change a library kernel, edit a copy: `registry.variant(factory, replace=(old_text, new_text))` (copy
+# `old_text` from `show_source`), and run it through the library with `with registry.using(factory, variant):`.
+
+# %%
+from flashnb import exercises, registry  # noqa: E402,F401
+
+# %% [markdown]
+# **03.1 · Swap the loops** (★★★, ~40 min) Make a variant of `fa1.make_forward` with $i$ as the outer loop and
+# $j$ the inner one, keeping $O_i, \ell_i, m_i$ on chip for the whole inner loop (and writing them once). Derive
+# its traffic: write `model(N, d, Br)`, the global accesses of its main launch for one head ($N_q = N_k = N$;
+# it still writes $\ell$ and $m$ for the `L = m + log l` kernel) -- compare with FA2's $2Nd + 2T_rNd + N$. The
+# check runs your variant through `flashnb.attention_forward(..., impl="fa1", Br=16, Bc=16, warps=2)` against
+# the reference, counts it, and race-checks it.
+
+# %%
+i_outer = ...     # registry.variant(fa1.make_forward, replace=[(old, new), ...])
+model = ...       # def model(N, d, Br): ...
+exercises.check("03.1", variant=i_outer, model=model)
+
+# %% [markdown]
+# **03.2 · Causal skipping** (★, ~15 min) With `causal=True` this kernel still visits every tile and masks.
+# How many $(i, j)$ tiles lie entirely above the (bottom-right aligned) diagonal for $N_q = N_k = 1024$,
+# $B_r = B_c = 64$? And for $N_q = 512$, $N_k = 1024$? How many global element accesses of the main launch
+# would skipping them save (one head, $N_q = N_k = 1024$, $d = 64$)?
+
+# %%
+tiles_above = ...
+tiles_above_short = ...
+saved_elements = ...
+exercises.check("03.2", tiles_above=tiles_above, tiles_above_short=tiles_above_short, saved_elements=saved_elements)
+
+# %% [markdown]
+# **03.3 · The constant in front of $N^2d^2/M$** (★★, ~15 min) Using `fa1.model_forward`, fit the constant $c$ in
+# $\text{traffic} \approx c\, N^2 d^2 / M$ for large $N$ ($N = 65536$, $d = 32$, $M = 4096$) and compare it with the
+# $12$ derived in §5. Do the same for `fa1.model_backward`. Where do the differences come from?
+
+# %%
+c_forward = ...
+c_backward = ...
+exercises.check("03.3", c_forward=c_forward, c_backward=c_backward)
+
+# %% [markdown]
+# **03.4 · Split-K's bill** (★★, ~20 min) From `model_forward` (or by counting a small run: the counter reports
+# shared reads per shared array), compute the share of the forward's shared-memory reads that read the split-K
+# partials `m_w`, `l_w`, `O_w`, for $W = 1, 2, 4, 8$ at $N = 1024$, $d = 64$, $B_r = 16$, $B_c = 128$. Why does
+# FA2's split-Q layout not pay it?
+
+# %%
+fractions = ...   # {1: ..., 2: ..., 4: ..., 8: ...}
+exercises.check("03.4", fractions=fractions)
+
+# %% [markdown]
+# **03.5 · Dynamic shared memory** (★★, ~15 min) If the kernel could use 160 KiB of shared memory (an A100 with
+# dynamic shared memory) as its budget $M$, which $B_c$ would the formula give at $d = 64$, and by what factor would
+# GPT-2 medium's forward + backward traffic change (§7's setting, the models with `check_fit=False`)?
+
+# %%
+Bc = ...
+traffic_ratio = ...
+exercises.check("03.5", Bc=Bc, traffic_ratio=traffic_ratio)

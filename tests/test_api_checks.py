@@ -138,8 +138,8 @@ def test_fa2_refuses_tiles_over_48_kib(rng):
 
 @pytest.mark.parametrize("impl", ["fa1", "fa2", "fa2-sparse", "onepass"])
 def test_every_tiled_impl_uses_the_one_shared_check(rng, impl, monkeypatch):
-    # with the limit lowered in flashnb.common only, every impl with tile options refuses its default tiles (naive
-    # has fixed 16x16 tiles and no options; the PTX guard checks its 2 KiB)
+    # with the limit lowered in flashnb.common only, every impl with tile options refuses its default tiles (naive's
+    # matmul tiles, at most 32x32 -- 8 KiB -- are far below the limit; the PTX guard checks its default 2 KiB)
     monkeypatch.setattr(common, "SHARED_LIMIT_BYTES", 64)
     q, k, v = qkv(rng, (8, 4), 8)
     with pytest.raises(ValueError, match="static shared memory per block"):

@@ -53,7 +53,10 @@ def test_answer_and_hint_print(capsys):
 
 
 def _kernel_answers():
-    """(exercise id, answer name, kernel, signature) of every kernel in a solution or a wrong answer."""
+    """(exercise id, answer name, kernel, signature) of every kernel in a solution or a wrong answer; a kernel
+    factory made with registry.variant is built with the original's last registered config and signature."""
+    from flashnb import registry
+
     out = []
     for id in IDS:
         ex = exercises.EXERCISES[id]
@@ -62,6 +65,11 @@ def _kernel_answers():
                 if hasattr(value, "py_func") or type(value).__name__ == "FakeCUDAKernel":
                     assert name in ex.signatures, f"exercise {id}: give the launch signature of answer {name!r}"
                     out.append((id, name, value, ex.signatures[name]))
+                elif hasattr(value, "variant_of"):
+                    spec = registry._spec_of(value.variant_of)
+                    assert spec is not None, f"exercise {id}: {name!r} is a variant of an unregistered factory"
+                    config = spec.configs[-1]
+                    out.append((id, name, value(**config), spec.signature_for(config)))
     return out
 
 

@@ -83,6 +83,7 @@ def exercise(id: str, title: str, *, level: int, minutes: int, hint: str = "", e
     def decorate(fn):
         if id in EXERCISES:
             raise ValueError(f"exercise {id!r} defined twice")
+        # cleandoc, not dedent: the text starts on the line of the opening quotes, unindented
         ex = Exercise(id, title, level, minutes, fn, inspect.cleandoc(hint), inspect.cleandoc(explain),
                       signatures=dict(signatures or {}))
         EXERCISES[id] = ex
