@@ -7,6 +7,7 @@ functions; each stage registers itself in :data:`flashnb.registry.IMPLS`.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import numpy as np
@@ -21,9 +22,32 @@ MAX_HEAD_DIM = 128
 _SHAPES_DOC = "(N, d), (H, N, d) or (B, H, N, d)"
 
 
+def _torch_to_numpy(name: str, x) -> np.ndarray:
+    """A torch tensor's values as a NumPy array (a host copy for a CUDA tensor).  This API returns NumPy and
+    tracks no gradients, so a tensor that requires grad is refused rather than silently detached;
+    bfloat16 (which NumPy lacks) becomes float32 exactly, as every dtype does before the kernels."""
+    if x.requires_grad:
+        raise TypeError(f"{name} is a torch.Tensor that requires grad, and flashnb.attention* return NumPy "
+                        "arrays (no autograd): use flashnb.torch.attention for gradients, or pass "
+                        f"{name}.detach() to compute values only")
+    if x.is_complex() or str(x.dtype) == "torch.bool":
+        raise TypeError(f"{name} must hold real numbers (a float or integer dtype), got dtype {x.dtype}")
+    x = x.detach().cpu()
+    if str(x.dtype) == "torch.bfloat16":
+        x = x.float()
+    return x.numpy()
+
+
+def _is_torch_tensor(x) -> bool:
+    torch = sys.modules.get("torch")            # never imports torch: a tensor means torch is loaded
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
 def _as_real_array(name: str, x: Any) -> np.ndarray:
     if isinstance(x, np.ndarray):
         a = x
+    elif _is_torch_tensor(x):
+        a = _torch_to_numpy(name, x)
     elif hasattr(x, "copy_to_host"):  # a numba device array
         a = x.copy_to_host()
     else:
@@ -97,10 +121,20 @@ def _check_finite(name: str, a: np.ndarray):
                          "the kernels compute in float32")
 
 
-def _check_causal(causal) -> bool:
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
-    return bool(causal)
+def _check_causal(causal, Nq: int | None = None, Nk: int | None = None):
+    """``False``, ``True`` (bottom-right) or ``"upper_left"``: what the impls get.
+
+    ``causal`` may be False, True, ``"lower_right"`` (= True: FlashAttention's bottom-right alignment) or
+    ``"upper_left"`` (SDPA's ``is_causal``); ``"upper_left"`` becomes True when ``Nq == Nk`` (same mask).
+    """
+    if isinstance(causal, (bool, np.bool_)):
+        return bool(causal)
+    if isinstance(causal, str) and causal in common.CAUSAL_ALIGNMENTS:
+        if causal == "lower_right" or (Nq is not None and Nq == Nk):
+            return True
+        return causal
+    raise TypeError(f"causal must be False, True (= 'lower_right', bottom-right aligned as FlashAttention), "
+                     f"'lower_right' or 'upper_left' (top-left aligned, as SDPA's is_causal), got {causal!r}")
 
 
 def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = "naive", **options):
@@ -109,8 +143,11 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
     Args:
         q: queries, shape (N_q, d), (H, N_q, d) or (B, H, N_q, d).
         k, v: keys and values, same leading axes as ``q`` and shape (..., N_k, d); ``1 <= d <= 128``.
-        causal: mask keys after the query, aligned to the bottom-right corner when N_q != N_k
-            (query ``i`` sees keys ``j <= i + N_k - N_q``, as FlashAttention >= 2.1).
+        causal: False, True, ``"lower_right"`` or ``"upper_left"``: mask keys after the query.  **True means
+            ``"lower_right"``**: aligned to the bottom-right corner when N_q != N_k (query ``i`` sees keys
+            ``j <= i + N_k - N_q``, as FlashAttention >= 2.1 and ``torch.nn.attention.bias.causal_lower_right``).
+            ``"upper_left"``: query ``i`` sees keys ``j <= i``, as ``scaled_dot_product_attention(is_causal=True)``
+            and ``causal_upper_left``.  The two agree when N_q == N_k.
         scale: softmax scale, default ``1/sqrt(d)``; must be finite and positive.
         impl: a registered implementation (``flashnb.registry.IMPLS``), e.g. ``"naive"``.
         **options: implementation-specific options (tile sizes, ``block_mask``, ...).
@@ -129,7 +166,8 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
     if unknown:
         raise TypeError(f"impl {impl!r} got unexpected option(s) {sorted(unknown)}; it accepts {list(entry.options)}")
     qd, kd, vd = (common.to_device(_to3(a)) for a in (q, k, v))
-    o, lse = entry.forward(qd, kd, vd, causal=_check_causal(causal), scale=s, **options)
+    c = _check_causal(causal, q.shape[-2], k.shape[-2])
+    o, lse = entry.forward(qd, kd, vd, causal=c, scale=s, **options)
     return o.copy_to_host().reshape(q.shape), lse.copy_to_host().reshape(q.shape[:-1])
 
 
@@ -166,5 +204,6 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale=None,
     dev = [common.to_device(_to3(a)) for a in (q, k, v, o)]
     lse_d = common.to_device(np.ascontiguousarray(lse.reshape(-1, q.shape[-2]), dtype=np.float32))
     do_d = common.to_device(_to3(do))
-    dq, dk, dv = entry.backward(*dev, lse_d, do_d, causal=_check_causal(causal), scale=s, **options)
+    c = _check_causal(causal, q.shape[-2], k.shape[-2])
+    dq, dk, dv = entry.backward(*dev, lse_d, do_d, causal=c, scale=s, **options)
     return dq.copy_to_host().reshape(q.shape), dk.copy_to_host().reshape(k.shape), dv.copy_to_host().reshape(v.shape)

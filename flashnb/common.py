@@ -23,7 +23,7 @@ __all__ = [
     "NEG_INF", "ZERO", "ONE", "cdiv", "causal_allowed", "load_tile", "load_rows", "store_rows", "load_vec",
     "store_vec",
     "empty", "poisoning", "to_device", "launch", "launch_rows", "row_index", "ROWS_PER_BLOCK", "current_label",
-    "launch_hooks", "ShapeOnly", "dry_run",
+    "launch_hooks", "ShapeOnly", "dry_run", "CAUSAL_ALIGNMENTS", "causal_diag", "on_stream", "current_stream",
 ]
 
 NEG_INF = float32(-math.inf)
@@ -47,7 +47,8 @@ def row_index():
 
 @cuda.jit(device=True, inline="always")
 def causal_allowed(i, j, diag):
-    """May query row ``i`` attend to key ``j``?  Bottom-right aligned: ``j <= i + (Nk - Nq)``."""
+    """May query row ``i`` attend to key ``j``?  ``j <= i + diag``: ``diag = Nk - Nq`` aligns the mask to the
+    bottom-right corner (the default), ``diag = 0`` to the top-left (see :func:`causal_diag`)."""
     return j <= i + diag
 
 
@@ -128,10 +129,46 @@ def store_vec(vec, dst, z, r0, tid, nthreads):
 
 # --------------------------------------------------------------------------- host helpers
 
+# The two ways to align a causal mask when Nq != Nk, named as torch.nn.attention.bias names them
+# (causal_lower_right / causal_upper_left).  True means "lower_right", the FlashAttention >= 2.1 convention.
+CAUSAL_ALIGNMENTS = ("lower_right", "upper_left")
+
+
+def causal_diag(causal, Nq: int, Nk: int) -> int:
+    """The ``diag`` a kernel gets: query ``i`` may see key ``j <= i + diag``.
+
+    ``causal`` True or ``"lower_right"`` (bottom-right aligned, FlashAttention >= 2.1): ``Nk - Nq``, so the
+    last query sees every key (and with ``Nq > Nk`` the first ``Nq - Nk`` queries see none);
+    ``"upper_left"`` (top-left aligned, ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``):
+    ``0``, so query ``i`` sees keys ``0..i``.  Both agree when ``Nq == Nk``.  Non-causal launches ignore it.
+    """
+    return 0 if causal == "upper_left" else Nk - Nq
+
 
 def to_device(a: np.ndarray):
     """Copy a host array to the device as C-contiguous float32 (what every kernel signature expects)."""
-    return cuda.to_device(np.ascontiguousarray(a, dtype=np.float32))
+    return cuda.to_device(np.ascontiguousarray(a, dtype=np.float32), stream=current_stream())
+
+
+_stream = threading.local()
+
+
+def current_stream():
+    """The stream :func:`launch` and :func:`empty` use in this thread: 0 (the default stream) unless inside
+    :func:`on_stream`."""
+    return getattr(_stream, "stream", 0)
+
+
+@contextlib.contextmanager
+def on_stream(stream):
+    """Launch kernels (and allocate/fill outputs) on ``stream`` in this thread, e.g. torch's current stream
+    wrapped by ``numba.cuda.external_stream`` (see :mod:`flashnb.torch`)."""
+    previous = current_stream()
+    _stream.stream = stream
+    try:
+        yield stream
+    finally:
+        _stream.stream = previous
 
 
 _poison = threading.local()
@@ -157,8 +194,8 @@ def empty(shape, *, poison: bool | None = None):
     if poison is None:
         poison = getattr(_poison, "enabled", True)
     if not poison:
-        return cuda.device_array(shape, dtype=np.float32)
-    out = cuda.to_device(np.full(shape, np.nan, dtype=np.float32))
+        return cuda.device_array(shape, dtype=np.float32, stream=current_stream())
+    out = cuda.to_device(np.full(shape, np.nan, dtype=np.float32), stream=current_stream())
     for hook in poison_hooks:
         hook(out)
     return out
@@ -231,7 +268,9 @@ def launch(kernel, grid, block, *args, label: str | None = None):
         with contextlib.ExitStack() as stack:
             for hook in list(launch_hooks):
                 stack.enter_context(hook(name, kernel, grid, block, args))
-            kernel[grid, block](*args)
+            stream = current_stream()
+            default = isinstance(stream, int) and stream == 0
+            (kernel[grid, block] if default else kernel[grid, block, stream])(*args)
     finally:
         _state.label = previous
 

@@ -5,8 +5,9 @@ Conventions (shared with :mod:`flashnb.api`; leading axes, e.g. batch and heads,
 * ``q`` is ``(..., N_q, d)``, ``k`` is ``(..., N_k, d)``, ``v`` is ``(..., N_k, d_v)``; all computing is in
   float64, whatever the input dtype.
 * Scores ``S = scale · Q Kᵀ`` with ``scale = 1/sqrt(d)`` by default.
-* ``allowed[i, j]`` says whether query ``i`` may attend to key ``j``: ``causal`` is aligned to the
-  bottom-right corner (``j <= i + N_k - N_q``, as FlashAttention >= 2.1), ``mask`` (boolean, True =
+* ``allowed[i, j]`` says whether query ``i`` may attend to key ``j``: ``causal`` (True or ``"lower_right"``)
+  is aligned to the bottom-right corner (``j <= i + N_k - N_q``, as FlashAttention >= 2.1);
+  ``causal="upper_left"`` to the top-left (``j <= i``, as SDPA's ``is_causal``); ``mask`` (boolean, True =
   allowed, broadcastable to ``(..., N_q, N_k)``) is combined with it by AND.
 * Forward: ``P = softmax(S)`` over the allowed keys of each row, ``O = P V``,
   ``lse_i = log sum_{j allowed} exp(S_ij)``.
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .api import _check_scale
+from .api import _check_causal, _check_scale
+from .common import causal_diag
 
 __all__ = ["attention_forward", "attention_backward", "attention", "expand_block_mask", "ReferenceCache"]
 
@@ -48,10 +50,11 @@ def _allowed(shape, causal, mask):
     """Boolean ``allowed`` of the scores' ``shape`` (..., N_q, N_k): causal AND mask."""
     Nq, Nk = shape[-2:]
     allowed = np.ones((Nq, Nk), dtype=bool)
+    causal = _check_causal(causal)
     if causal:
         i = np.arange(Nq)[:, None]
         j = np.arange(Nk)[None, :]
-        allowed = j <= i + (Nk - Nq)                      # bottom-right aligned
+        allowed = j <= i + causal_diag(causal, Nq, Nk)    # diag Nk - Nq: bottom-right aligned; 0: top-left
     if mask is not None:
         mask = np.asarray(mask)
         if mask.dtype != np.bool_:

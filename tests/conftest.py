@@ -51,7 +51,7 @@ STAGE_OF_MODULE = {
     "test_sim_warp_ptx": "stage0", "test_inspect": "stage0", "test_roofline": "stage0", "test_bench": "stage0",
     "test_ptx_guard": "stage0", "test_cli": "stage0", "test_notebooks": "stage0", "test_readme": "stage0",
     "test_rehearsal": "stage0", "test_sim_racecheck": "stage0", "test_sim_sanitizer": "stage0",
-    "test_sim_memprofile": "stage0",
+    "test_sim_memprofile": "stage0", "test_causal_alignment": "stage0", "test_torch": "stage0",
     "test_naive": "stage1", "test_softmax": "stage2", "test_fa1": "stage3", "test_fa2": "stage4",
     "test_block_sparse": "stage5",
 }
