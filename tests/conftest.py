@@ -1,6 +1,8 @@
 """Shared test helpers. Importing flashnb first selects the simulator (no GPU in CI)."""
 
+import importlib.util
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -57,8 +59,15 @@ STAGE_OF_MODULE = {
 }
 
 
+# Notebooks that need the optional PyTorch extra: skipped (not failed) where torch is not installed.
+NEEDS_TORCH = {"09_transformer_on_flashnb.ipynb"}
+
+
 def pytest_collection_modifyitems(config, items):
+    no_torch = importlib.util.find_spec("torch") is None
     for item in items:
+        if no_torch and Path(str(item.fspath)).name in NEEDS_TORCH:
+            item.add_marker(pytest.mark.skip(reason='needs PyTorch: pip install "flashnb[torch]"'))
         module = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
         if module.startswith("test_") and module not in STAGE_OF_MODULE:
             raise pytest.UsageError(f"{module}.py has no stage: add it to STAGE_OF_MODULE in tests/conftest.py")

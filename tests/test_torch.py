@@ -252,3 +252,15 @@ def test_cuda_path_rehearsed_zero_copy_on_a_stream(monkeypatch):
     assert len(shared) == 3 + 2 + 6 + 3
     for t, a in shared:
         assert np.shares_memory(t.detach().numpy(), a._ary)
+
+
+def test_notebook_09_gpu_measurement_rehearsed():
+    """tiny_transformer.measure_gpu (notebook 09's GPU cell) on the simulator: CUDA-event timing rehearsed, the
+    model's flashnb attention through the CUDA-tensor path; rows say mode=rehearsal, never a measurement."""
+    from flashnb import tiny_transformer as tt
+
+    with pretend_gpu():
+        rows = tt.measure_gpu(impls=("sdpa", "fa2"), batch=1, context=8, width=8, heads=1, layers=1, repeats=1,
+                              warmup=1)
+    assert [r["impl"] for r in rows] == ["sdpa", "fa2"]
+    assert all(r["mode"] == "rehearsal" and r["median_ms"] >= 0 for r in rows)
