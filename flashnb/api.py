@@ -7,13 +7,15 @@ functions; each stage registers itself in :data:`flashnb.registry.IMPLS`.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import numpy as np
 
 from . import common
 from .reference import F32_MAX
-from .reference import check_scale as _check_scale  # one rule for the API and the reference
+from .reference import check_causal as _check_causal  # one rule for the API and the reference
+from .reference import check_scale as _check_scale
 from .registry import IMPLS
 
 __all__ = ["attention", "attention_forward", "attention_backward", "MAX_HEAD_DIM", "SCORE_LIMIT"]
@@ -23,9 +25,32 @@ MAX_HEAD_DIM = 128
 _SHAPES_DOC = "(N, d), (H, N, d) or (B, H, N, d)"
 
 
+def _torch_to_numpy(name: str, x) -> np.ndarray:
+    """A torch tensor's values as a NumPy array (a host copy for a CUDA tensor).  This API returns NumPy and
+    tracks no gradients, so a tensor that requires grad is refused rather than silently detached;
+    bfloat16 (which NumPy lacks) becomes float32 exactly, as every dtype does before the kernels."""
+    if x.requires_grad:
+        raise TypeError(f"{name} is a torch.Tensor that requires grad, and flashnb.attention* return NumPy "
+                        "arrays (no autograd): use flashnb.torch.attention for gradients, or pass "
+                        f"{name}.detach() to compute values only")
+    if x.is_complex() or str(x.dtype) == "torch.bool":
+        raise TypeError(f"{name} must hold real numbers (a float or integer dtype), got dtype {x.dtype}")
+    x = x.detach().cpu()
+    if str(x.dtype) == "torch.bfloat16":
+        x = x.float()
+    return x.numpy()
+
+
+def _is_torch_tensor(x) -> bool:
+    torch = sys.modules.get("torch")            # never imports torch: a tensor means torch is loaded
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
 def _as_real_array(name: str, x: Any) -> np.ndarray:
     if isinstance(x, np.ndarray):
         a = x
+    elif _is_torch_tensor(x):
+        a = _torch_to_numpy(name, x)
     elif hasattr(x, "copy_to_host"):  # a numba device array
         a = x.copy_to_host()
     else:
@@ -117,20 +142,17 @@ def _check_finite(name: str, a: np.ndarray):
                          "the kernels compute in float32")
 
 
-def _check_causal(causal) -> bool:
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
-    return bool(causal)
-
-
 def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = "naive", **options):
     """Attention forward pass; returns ``(o, lse)``.
 
     Args:
         q: queries, shape (N_q, d), (H, N_q, d) or (B, H, N_q, d).
         k, v: keys and values, same leading axes as ``q`` and shape (..., N_k, d); ``1 <= d <= 128``.
-        causal: mask keys after the query, aligned to the bottom-right corner when N_q != N_k
-            (query ``i`` sees keys ``j <= i + N_k - N_q``, as FlashAttention >= 2.1).
+        causal: False, True, ``"lower_right"`` or ``"upper_left"``: mask keys after the query.  **True means
+            ``"lower_right"``**: aligned to the bottom-right corner when N_q != N_k (query ``i`` sees keys
+            ``j <= i + N_k - N_q``, as FlashAttention >= 2.1 and ``torch.nn.attention.bias.causal_lower_right``).
+            ``"upper_left"``: query ``i`` sees keys ``j <= i``, as ``scaled_dot_product_attention(is_causal=True)``
+            and ``causal_upper_left``.  The two agree when N_q == N_k.
         scale: softmax scale, default ``1/sqrt(d)``; any finite real number (0: uniform weights over the
             allowed keys; negative: the smallest score weighs most).  ``|scale · q·k|`` must stay within
             :data:`SCORE_LIMIT` (half the float32 range), else ValueError.
@@ -150,7 +172,7 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
     unknown = set(options) - set(entry.options)
     if unknown:
         raise TypeError(f"impl {impl!r} got unexpected option(s) {sorted(unknown)}; it accepts {list(entry.options)}")
-    causal = _check_causal(causal)
+    causal = _check_causal(causal, q.shape[-2], k.shape[-2])
     q3, k3, v3 = (_to3(a) for a in (q, k, v))
     _check_score_range(q3, k3, s)
     qd, kd, vd = (common.to_device(a) for a in (q3, k3, v3))

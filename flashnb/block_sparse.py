@@ -180,17 +180,26 @@ def model_backward(BH, Nq, Nk, d, *, causal=False, window=WINDOW, Br=None, Bc=No
     return fa2.model_backward(BH, Nq, Nk, d, causal=causal, Br=Br, Bc=Bc, warps=warps, block_mask=bm)
 
 
+def _lower_right_only(causal, Nq, Nk):
+    """fa2-sparse's window follows the bottom-right diagonal; a top-left causal mask differs when Nq != Nk."""
+    if causal == "upper_left" and Nq != Nk:
+        raise ValueError(f"impl 'fa2-sparse' aligns its window and causal mask bottom-right; causal='upper_left' "
+                         f"needs Nq == Nk (got Nq={Nq}, Nk={Nk}): use impl='fa2' with block_mask= instead")
+
+
 def forward(q, k, v, *, causal=False, scale, window=WINDOW, Br=None, Bc=None, warps=None):
     """``impl="fa2-sparse"``: local attention -- fa2 with a sliding-window block mask of ``window`` key blocks
     (:func:`local`) of ``Br x Bc`` elements (default ``BLOCK x BLOCK``).  It is *not* dense attention: check
     it against the reference with :func:`reference_mask`.  Pass ``block_mask=`` to ``impl="fa2"`` for any
     other pattern."""
+    _lower_right_only(causal, q.shape[1], k.shape[1])
     pm = _prepared("forward", q.shape[0], q.shape[1], k.shape[1], q.shape[2], bool(causal), window, Br, Bc, warps)
     return fa2.forward(q, k, v, causal=causal, scale=scale, block_mask=pm)
 
 
 def backward(q, k, v, o, lse, do, *, causal=False, scale, window=WINDOW, Br=None, Bc=None, warps=None):
     """The backward of :func:`forward`: the same window mask, skipped on the backward's tiles."""
+    _lower_right_only(causal, q.shape[1], k.shape[1])
     pm = _prepared("backward", q.shape[0], q.shape[1], k.shape[1], q.shape[2], bool(causal), window, Br, Bc, warps)
     return fa2.backward(q, k, v, o, lse, do, causal=causal, scale=scale, block_mask=pm)
 

@@ -19,11 +19,14 @@ import numpy as np
 from . import runtime  # noqa: F401  (selects GPU or simulator before numba.cuda is imported)
 from numba import cuda, float32  # noqa: E402
 
+from .reference import CAUSAL_ALIGNMENTS, causal_diag  # noqa: E402,F401  (pure NumPy; kernels' launchers use it)
+
 __all__ = [
     "NEG_INF", "ZERO", "ONE", "cdiv", "causal_allowed", "load_tile", "load_rows", "store_rows", "load_vec",
     "store_vec",
     "empty", "poisoning", "to_device", "launch", "launch_rows", "row_index", "ROWS_PER_BLOCK", "current_label",
     "launch_hooks", "ShapeOnly", "dry_run", "SHARED_LIMIT_BYTES", "check_shared_fit", "positive_int",
+    "CAUSAL_ALIGNMENTS", "causal_diag", "on_stream", "current_stream",
 ]
 
 NEG_INF = float32(-math.inf)
@@ -70,7 +73,8 @@ def row_index():
 
 @cuda.jit(device=True, inline="always")
 def causal_allowed(i, j, diag):
-    """May query row ``i`` attend to key ``j``?  Bottom-right aligned: ``j <= i + (Nk - Nq)``."""
+    """May query row ``i`` attend to key ``j``?  ``j <= i + diag``: ``diag = Nk - Nq`` aligns the mask to the
+    bottom-right corner (the default), ``diag = 0`` to the top-left (see :func:`causal_diag`)."""
     return j <= i + diag
 
 
@@ -151,10 +155,32 @@ def store_vec(vec, dst, z, r0, tid, nthreads):
 
 # --------------------------------------------------------------------------- host helpers
 
-
+# The two ways to align a causal mask when Nq != Nk, named as torch.nn.attention.bias names them
+# (causal_lower_right / causal_upper_left).  True means "lower_right", the FlashAttention >= 2.1 convention.
 def to_device(a: np.ndarray):
     """Copy a host array to the device as C-contiguous float32 (what every kernel signature expects)."""
-    return cuda.to_device(np.ascontiguousarray(a, dtype=np.float32))
+    return cuda.to_device(np.ascontiguousarray(a, dtype=np.float32), stream=current_stream())
+
+
+_stream = threading.local()
+
+
+def current_stream():
+    """The stream :func:`launch` and :func:`empty` use in this thread: 0 (the default stream) unless inside
+    :func:`on_stream`."""
+    return getattr(_stream, "stream", 0)
+
+
+@contextlib.contextmanager
+def on_stream(stream):
+    """Launch kernels (and allocate/fill outputs) on ``stream`` in this thread, e.g. torch's current stream
+    wrapped by ``numba.cuda.external_stream`` (see :mod:`flashnb.torch`)."""
+    previous = current_stream()
+    _stream.stream = stream
+    try:
+        yield stream
+    finally:
+        _stream.stream = previous
 
 
 _poison = threading.local()
@@ -180,8 +206,8 @@ def empty(shape, *, poison: bool | None = None):
     if poison is None:
         poison = getattr(_poison, "enabled", True)
     if not poison:
-        return cuda.device_array(shape, dtype=np.float32)
-    out = cuda.to_device(np.full(shape, np.nan, dtype=np.float32))
+        return cuda.device_array(shape, dtype=np.float32, stream=current_stream())
+    out = cuda.to_device(np.full(shape, np.nan, dtype=np.float32), stream=current_stream())
     for hook in poison_hooks:
         hook(out)
     return out
@@ -254,7 +280,9 @@ def launch(kernel, grid, block, *args, label: str | None = None):
         with contextlib.ExitStack() as stack:
             for hook in list(launch_hooks):
                 stack.enter_context(hook(name, kernel, grid, block, args))
-            kernel[grid, block](*args)
+            stream = current_stream()
+            default = isinstance(stream, int) and stream == 0
+            (kernel[grid, block] if default else kernel[grid, block, stream])(*args)
     finally:
         _state.label = previous
 

@@ -34,6 +34,7 @@ from .common import (
     ROWS_PER_BLOCK,
     ZERO,
     causal_allowed,
+    causal_diag,
     cdiv,
     check_shared_fit,
     empty,
@@ -404,7 +405,8 @@ def forward_stats(q, k, v, *, causal, scale, M=None, Br=None, Bc=None, warps=Non
     m = empty((BH, Nq))
     launch_rows(make_init_forward(), BH, Nq, O, l, m, label="init O, l, m")
     kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal))
-    launch(kernel, (BH,), (WARP, t["warps"]), q, k, v, O, l, m, scale, Nk - Nq, label="FA1 forward")
+    launch(kernel, (BH,), (WARP, t["warps"]), q, k, v, O, l, m, scale, causal_diag(causal, Nq, Nk),
+           label="FA1 forward")
     return O, l, m, t
 
 
@@ -427,7 +429,8 @@ def backward(q, k, v, o, lse, do, *, causal, scale, M=None, Br=None, Bc=None, wa
     dV = empty((BH, Nk, d))
     launch_rows(make_zero_rows(), BH, Nq, dQ, label="dQ = 0")
     kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], bool(causal))
-    launch(kernel, (BH,), (WARP, t["warps"]), q, k, v, o, lse, do, dQ, dK, dV, scale, Nk - Nq,
+    launch(kernel, (BH,), (WARP, t["warps"]), q, k, v, o, lse, do, dQ, dK, dV, scale,
+           causal_diag(causal, Nq, Nk),
            label="FA1 backward")
     return dQ, dK, dV
 

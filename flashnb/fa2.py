@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import cuda, float32, int32
 
-from .common import NEG_INF, ONE, ZERO, cdiv, check_shared_fit, empty, launch, positive_int
+from .common import NEG_INF, ONE, ZERO, causal_diag, cdiv, check_shared_fit, empty, launch, positive_int
 from .registry import kernel_factory, register_impl
 
 __all__ = ["BlockMask", "PreparedMask", "prepare_block_mask",
@@ -589,7 +589,7 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block
     O = empty((BH, Nq, d))
     L = empty((BH, Nq))
     kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal), M is not None)
-    launch(kernel, (cdiv(Nq, t["Br"]), BH), 32 * t["warps"], q, k, v, O, L, scale, Nk - Nq,
+    launch(kernel, (cdiv(Nq, t["Br"]), BH), 32 * t["warps"], q, k, v, O, L, scale, causal_diag(causal, Nq, Nk),
            _mask_device(None) if M is None else M, label="FA2 forward")
     return O, L
 
@@ -607,8 +607,8 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     dK = empty((BH, Nk, d))
     dV = empty((BH, Nk, d))
     kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], bool(causal), M is not None)
-    launch(kernel, (cdiv(Nk, t["Bc"]), BH), 32 * t["warps"], q, k, v, do, lse, D, dQ, dK, dV, scale, Nk - Nq,
-           _mask_device(None) if M is None else M, label="FA2 backward")
+    launch(kernel, (cdiv(Nk, t["Bc"]), BH), 32 * t["warps"], q, k, v, do, lse, D, dQ, dK, dV, scale,
+           causal_diag(causal, Nq, Nk), _mask_device(None) if M is None else M, label="FA2 backward")
     return dQ, dK, dV
 
 
@@ -624,7 +624,7 @@ def tiles_visited(Nq, Nk, Br, Bc, causal, direction="forward", block_mask=None):
     """``[(outer, inner, rows, cols), ...]`` -- the (Q tile, K/V tile) pairs a launch computes, with their
     valid row/column counts.  Forward: outer = Q block i, inner = K/V block j; backward the reverse.
     ``block_mask``: a boolean ``(ceil(Nq/Br), ceil(Nk/Bc))`` array at these tiles; pairs with 0 are left out."""
-    diag = Nk - Nq
+    diag = causal_diag(causal, Nq, Nk)
     out = []
     if direction == "forward":
         for i in range(cdiv(Nq, Br)):

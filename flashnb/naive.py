@@ -19,7 +19,18 @@ import math
 
 from numba import cuda, float32
 
-from .common import NEG_INF, ROWS_PER_BLOCK, causal_allowed, cdiv, empty, launch, launch_rows, load_tile, row_index
+from .common import (
+    NEG_INF,
+    ROWS_PER_BLOCK,
+    causal_allowed,
+    causal_diag,
+    cdiv,
+    empty,
+    launch,
+    launch_rows,
+    load_tile,
+    row_index,
+)
 from .registry import kernel_factory, register_impl
 
 __all__ = ["make_matmul", "make_softmax_rows", "make_p_from_lse", "make_softmax_bwd_rows",
@@ -157,7 +168,8 @@ def _scores(q, k, *, causal, scale, tile=TILE):
     BH, Nq, _ = q.shape
     Nk = k.shape[1]
     S = empty((BH, Nq, Nk))
-    _matmul(q, k, S, scale, trans_b=True, causal=causal, diag=Nk - Nq, tile=tile, label="S = scale·QKᵀ")
+    _matmul(q, k, S, scale, trans_b=True, causal=bool(causal), diag=causal_diag(causal, Nq, Nk), tile=tile,
+            label="S = scale·QKᵀ")
     return S
 
 

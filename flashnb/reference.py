@@ -5,8 +5,9 @@ Conventions (shared with :mod:`flashnb.api`; leading axes, e.g. batch and heads,
 * ``q`` is ``(..., N_q, d)``, ``k`` is ``(..., N_k, d)``, ``v`` is ``(..., N_k, d_v)``; all computing is in
   float64, whatever the input dtype.
 * Scores ``S = scale · Q Kᵀ`` with ``scale = 1/sqrt(d)`` by default.
-* ``allowed[i, j]`` says whether query ``i`` may attend to key ``j``: ``causal`` is aligned to the
-  bottom-right corner (``j <= i + N_k - N_q``, as FlashAttention >= 2.1), ``mask`` (boolean, True =
+* ``allowed[i, j]`` says whether query ``i`` may attend to key ``j``: ``causal`` (True or ``"lower_right"``)
+  is aligned to the bottom-right corner (``j <= i + N_k - N_q``, as FlashAttention >= 2.1);
+  ``causal="upper_left"`` to the top-left (``j <= i``, as SDPA's ``is_causal``); ``mask`` (boolean, True =
   allowed, broadcastable to ``(..., N_q, N_k)``) is combined with it by AND.
 * Forward: ``P = softmax(S)`` over the allowed keys of each row, ``O = P V``,
   ``lse_i = log sum_{j allowed} exp(S_ij)``.
@@ -43,8 +44,41 @@ def check_scale(scale, d: int) -> float:
 
 _check_scale = check_scale
 
+
+CAUSAL_ALIGNMENTS = ("lower_right", "upper_left")
+
+
+def causal_diag(causal, Nq: int, Nk: int) -> int:
+    """The ``diag`` a kernel gets: query ``i`` may see key ``j <= i + diag``.
+
+    ``causal`` True or ``"lower_right"`` (bottom-right aligned, FlashAttention >= 2.1): ``Nk - Nq``, so the
+    last query sees every key (and with ``Nq > Nk`` the first ``Nq - Nk`` queries see none);
+    ``"upper_left"`` (top-left aligned, ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``):
+    ``0``, so query ``i`` sees keys ``0..i``.  Both agree when ``Nq == Nk``.  Non-causal launches ignore it.
+    """
+    return 0 if causal == "upper_left" else Nk - Nq
+
+
+def check_causal(causal, Nq: int | None = None, Nk: int | None = None):
+    """``False``, ``True`` (bottom-right) or ``"upper_left"``: what the impls get.
+
+    ``causal`` may be False, True, ``"lower_right"`` (= True: FlashAttention's bottom-right alignment) or
+    ``"upper_left"`` (SDPA's ``is_causal``); ``"upper_left"`` becomes True when ``Nq == Nk`` (same mask).
+    """
+    if isinstance(causal, (bool, np.bool_)):
+        return bool(causal)
+    if isinstance(causal, str) and causal in CAUSAL_ALIGNMENTS:
+        if causal == "lower_right" or (Nq is not None and Nq == Nk):
+            return True
+        return causal
+    raise TypeError(f"causal must be False, True (= 'lower_right', bottom-right aligned as FlashAttention), "
+                     f"'lower_right' or 'upper_left' (top-left aligned, as SDPA's is_causal), got {causal!r}")
+
+
+_check_causal = check_causal
+
 __all__ = ["attention_forward", "attention_backward", "attention", "expand_block_mask", "ReferenceCache",
-           "check_scale"]
+           "check_scale", "check_causal", "causal_diag", "CAUSAL_ALIGNMENTS"]
 
 
 def _check_inputs(q, k, v, arrays=()):
@@ -70,10 +104,11 @@ def _allowed(shape, causal, mask):
     """Boolean ``allowed`` of the scores' ``shape`` (..., N_q, N_k): causal AND mask."""
     Nq, Nk = shape[-2:]
     allowed = np.ones((Nq, Nk), dtype=bool)
+    causal = _check_causal(causal)
     if causal:
         i = np.arange(Nq)[:, None]
         j = np.arange(Nk)[None, :]
-        allowed = j <= i + (Nk - Nq)                      # bottom-right aligned
+        allowed = j <= i + causal_diag(causal, Nq, Nk)    # diag Nk - Nq: bottom-right aligned; 0: top-left
     if mask is not None:
         mask = np.asarray(mask)
         if mask.dtype != np.bool_:

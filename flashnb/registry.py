@@ -119,8 +119,10 @@ class Impl:
         if mask is None:
             return fn(B, H, Nq, Nk, d, causal)
         if causal:
+            from .common import causal_diag
+
             i = np.arange(Nq)[:, None]
-            mask = mask & (np.arange(Nk)[None, :] <= i + (Nk - Nq))
+            mask = mask & (np.arange(Nk)[None, :] <= i + causal_diag(causal, Nq, Nk))
         return fn(B, H, Nq, Nk, d, False) * float(np.count_nonzero(mask)) / (Nq * Nk)
 
 

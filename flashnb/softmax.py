@@ -41,7 +41,19 @@ import numpy as np
 from numba import cuda, float32
 
 from . import runtime
-from .common import NEG_INF, ONE, ZERO, causal_allowed, cdiv, check_shared_fit, empty, launch, load_rows, to_device
+from .common import (
+    NEG_INF,
+    ONE,
+    ZERO,
+    causal_allowed,
+    causal_diag,
+    cdiv,
+    check_shared_fit,
+    empty,
+    launch,
+    load_rows,
+    to_device,
+)
 from .registry import kernel_factory, register_impl
 
 __all__ = [
@@ -602,10 +614,11 @@ def forward(q, k, v, *, causal, scale, tile=TILE):
     L = empty((BH, Nq))
     if tile is None:
         kernel = make_attention_rows(TILE, d, bool(causal))
-        launch(kernel, (cdiv(Nq, TILE), BH), TILE, q, k, v, O, L, scale, Nk - Nq, label="one-pass attention")
+        launch(kernel, (cdiv(Nq, TILE), BH), TILE, q, k, v, O, L, scale, causal_diag(causal, Nq, Nk),
+               label="one-pass attention")
     else:
         kernel = make_attention_tiles(tile, tile, d, bool(causal))
-        launch(kernel, (cdiv(Nq, tile), BH), tile, q, k, v, O, L, scale, Nk - Nq,
+        launch(kernel, (cdiv(Nq, tile), BH), tile, q, k, v, O, L, scale, causal_diag(causal, Nq, Nk),
                label="one-pass attention (tiles)")
     return O, L
 
@@ -683,7 +696,7 @@ def _keys(i, Nk, diag, causal):
 def model_attention_rows(BH, Nq, Nk, d, *, causal=False):
     """Accesses of the key-by-key kernel: each query row reads q once (into shared memory) and the K, V rows
     of every visible key from global memory; its q is read back from shared memory once per key."""
-    diag = Nk - Nq
+    diag = causal_diag(causal, Nq, Nk)
     keys = sum(_keys(i, Nk, diag, causal) for i in range(Nq))
     return [_launch("one-pass attention", {"Q": BH * Nq * d, "K": BH * keys * d, "V": BH * keys * d},
                     {"O": BH * Nq * d, "L": BH * Nq}, BH * keys * d, BH * Nq * d)]
@@ -695,7 +708,7 @@ def model_forward(BH, Nq, Nk, d, *, causal=False, tile=TILE):
     if tile is None:
         return model_attention_rows(BH, Nq, Nk, d, causal=causal)
     Br = Bc = tile
-    diag = Nk - Nq
+    diag = causal_diag(causal, Nq, Nk)
     kv_rows = shared_reads = shared_writes = 0
     for b in range(cdiv(Nq, Br)):
         r0 = b * Br

@@ -1,6 +1,8 @@
 """Shared test helpers. Importing flashnb first selects the simulator (no GPU in CI)."""
 
+import importlib.util
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -54,14 +56,22 @@ STAGE_OF_MODULE = {
     "test_sim_memprofile": "stage0", "test_inspect_user_kernels": "stage0",
     "test_traffic_tools": "stage0", "test_api_checks": "stage0", "test_cli_args": "stage0",
     "test_exercises": "stage0", "test_registry_variant": "stage0",
+    "test_causal_alignment": "stage0", "test_torch": "stage0",
     "test_naive": "stage1", "test_softmax": "stage2", "test_fa1": "stage3", "test_fa2": "stage4",
     "test_fa2_steps": "stage4",
     "test_block_sparse": "stage5",
 }
 
 
+# Notebooks that need the optional PyTorch extra: skipped (not failed) where torch is not installed.
+NEEDS_TORCH = {"09_transformer_on_flashnb.ipynb"}
+
+
 def pytest_collection_modifyitems(config, items):
+    no_torch = importlib.util.find_spec("torch") is None
     for item in items:
+        if no_torch and Path(str(item.fspath)).name in NEEDS_TORCH:
+            item.add_marker(pytest.mark.skip(reason='needs PyTorch: pip install "flashnb[torch]"'))
         module = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
         if module.startswith("test_") and module not in STAGE_OF_MODULE:
             raise pytest.UsageError(f"{module}.py has no stage: add it to STAGE_OF_MODULE in tests/conftest.py")

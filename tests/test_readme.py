@@ -1,5 +1,6 @@
 """The README's Python example runs as written (and its test command is what .ci/run executes)."""
 
+import importlib.util
 import linecache
 import re
 from pathlib import Path
@@ -11,8 +12,10 @@ def test_python_example_runs(capsys):
     # each block runs as a notebook cell does: its source registered in linecache under a cell name, in __main__
     # (the experimenting section's resource report reads its kernel's source from there)
     blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
-    assert len(blocks) == 3, "README's python examples: using the kernels, experimenting, sanitizer and profiler"
+    assert len(blocks) == 4, "README's python examples: using the kernels, experimenting, sanitizer and profiler, torch"
     for n, block in enumerate(blocks):
+        if "flashnb.torch" in block and importlib.util.find_spec("torch") is None:
+            continue   # PyTorch is optional (the [torch] extra); its example runs wherever it is installed
         name = f"<ipython-input-{n}-readme>"
         linecache.cache[name] = (len(block), None, block.splitlines(True), name)
         exec(compile(block, name, "exec"), {"__name__": "__main__"})

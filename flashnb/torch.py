@@ -1,0 +1,281 @@
+"""flashnb attention inside a PyTorch model: a ``torch.autograd.Function`` with SDPA's shapes.
+
+Needs PyTorch (``pip install "flashnb[torch]"``); ``import flashnb`` never imports it -- only
+``import flashnb.torch`` does.
+
+* :func:`attention` ``(q, k, v, *, causal=False, scale=None, impl="fa2", block_mask=None)`` takes tensors of
+  shape ``(B, H, N, d)`` (or ``(H, N, d)``, ``(N, d)``) like ``torch.nn.functional.scaled_dot_product_attention``
+  and returns ``o`` with q's shape and dtype; gradients flow to q, k and v.
+* :func:`scaled_dot_product_attention` has SDPA's own signature and semantics (``is_causal`` aligned top-left,
+  ``attn_mask`` a ``causal_lower_right``/``causal_upper_left`` bias or None), for a literal drop-in.
+* :class:`FlashAttentionFunction` saves what FlashAttention saves -- q, k, v, O and the log-sum-exp ``L``,
+  never P -- and its backward is the impl's recompute backward (P rebuilt tile by tile from ``L``).
+
+**Causal alignment.** ``causal=True`` means ``"lower_right"``: aligned to the bottom-right corner when
+Nq != Nk, as FlashAttention >= 2.1 and ``torch.nn.attention.bias.causal_lower_right``.  SDPA's
+``is_causal=True`` is ``"upper_left"`` (``causal_upper_left``).  They agree only when Nq == Nk.
+
+**Devices.** CPU tensors go through the NumPy API (copied to the simulator's "device", or to the GPU when
+flashnb runs on one, and back).  CUDA tensors stay on the GPU: the kernels read and write them zero-copy
+through ``__cuda_array_interface__`` (``numba.cuda.as_cuda_array``) and launch on torch's current stream
+(``numba.cuda.external_stream``); the outputs are numba allocations wrapped as tensors, not copies.  On the
+simulator this path is rehearsed (:func:`rehearse_cuda`): CPU tensors take it, wrapped zero-copy.
+
+**dtypes.** flashnb's kernels compute in float32.  float32 tensors are used as they are; float16 and bfloat16
+are converted to float32 (exact), computed, and ``o`` and the gradients come back in the input dtype (as
+SDPA's kernels accumulate half inputs in float32).  float64 is refused unless ``allow_float64=True``, which
+computes in float32 and returns float64: float32 accuracy (~1e-7 relative), not float64's.  A conversion or a
+``.contiguous()`` of a non-contiguous input is a torch op on the tensor's own device (tracked by autograd).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from . import api, common, rehearsal, runtime
+from .registry import IMPLS
+
+__all__ = ["attention", "scaled_dot_product_attention", "FlashAttentionFunction", "impls_with_backward",
+           "rehearse_cuda"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def impls_with_backward() -> list[str]:
+    """The impls :func:`attention` can differentiate (every registered impl with a backward)."""
+    return sorted(name for name, e in IMPLS.items() if e.backward is not None)
+
+
+# --------------------------------------------------------------------------- devices
+
+
+class _CudaBridge:
+    """CUDA tensors <-> numba device arrays without copies, on torch's current stream."""
+
+    def takes(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cuda"
+
+    def context(self, device):
+        from numba import cuda
+
+        return cuda.gpus[device.index if device.index is not None else torch.cuda.current_device()]
+
+    def stream(self, device):
+        from numba import cuda
+
+        return cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
+
+    def view(self, t: torch.Tensor):
+        from numba import cuda
+
+        # sync=False: the kernels run on torch's current stream, after whatever wrote t on it
+        return cuda.as_cuda_array(t.detach(), sync=False)
+
+    def tensor(self, a, device) -> torch.Tensor:
+        return torch.as_tensor(a, device=device)   # __cuda_array_interface__: a view that keeps `a` alive
+
+
+class _SimBridge(_CudaBridge):
+    """The same path on the simulator: CPU tensors wrapped as simulator device arrays that share their memory
+    (the kernels write into torch's buffers, as on a GPU), and a simulator stream."""
+
+    def __init__(self):
+        self.streams = []
+
+    def takes(self, t):
+        return t.device.type == "cpu"
+
+    def context(self, device):
+        return contextlib.nullcontext()
+
+    def stream(self, device):
+        from numba import cuda
+
+        s = cuda.stream()
+        self.streams.append(s)
+        return s
+
+    def view(self, t):
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        return FakeCUDAArray(t.detach().numpy())   # shares t's memory
+
+    def tensor(self, a, device):
+        return torch.from_numpy(a._ary)            # shares the simulator array's memory
+
+
+_bridge: _CudaBridge = _CudaBridge()
+
+
+@contextlib.contextmanager
+def rehearse_cuda():
+    """Inside ``flashnb.rehearsal.pretend_gpu()``: CPU tensors take the CUDA-tensor path (zero-copy views,
+    launches on a stream, no host copies), so that path runs before a GPU is lent.  Yields the bridge (its
+    ``streams`` lists the streams handed out)."""
+    global _bridge
+    if not rehearsal.active():
+        raise RuntimeError("rehearse_cuda() runs inside flashnb.rehearsal.pretend_gpu()")
+    saved, _bridge = _bridge, _SimBridge()
+    try:
+        yield _bridge
+    finally:
+        _bridge = saved
+
+
+def _on_device_path(t: torch.Tensor) -> bool:
+    """True: the zero-copy CUDA path; False: the NumPy API (host copies)."""
+    if isinstance(_bridge, _SimBridge):
+        return _bridge.takes(t)
+    if t.device.type == "cuda":
+        if runtime.MODE != "gpu":
+            raise ValueError(f"q is a CUDA tensor ({t.device}) but flashnb runs on the Numba CUDA simulator "
+                             "(no GPU visible to numba, or FLASHNB_DEVICE=sim): move the tensors to the CPU or "
+                             "run with FLASHNB_DEVICE=gpu")
+        return True
+    if t.device.type != "cpu":
+        raise ValueError(f"flashnb runs CPU tensors (simulator) and CUDA tensors (GPU), got device {t.device}")
+    return False
+
+
+def _forward3(q, k, v, causal, scale, impl, options):
+    """(BH, N, d) float32 contiguous tensors -> (o, lse) tensors on q's device."""
+    if _on_device_path(q):
+        b = _bridge
+        with b.context(q.device), common.on_stream(b.stream(q.device)), common.poisoning(False):
+            o, lse = IMPLS[impl].forward(b.view(q), b.view(k), b.view(v), causal=causal, scale=scale, **options)
+            return b.tensor(o, q.device), b.tensor(lse, q.device)
+    o, lse = api.attention_forward(*(t.detach().numpy() for t in (q, k, v)), causal=causal, scale=scale,
+                                   impl=impl, **options)
+    return torch.from_numpy(o), torch.from_numpy(lse)
+
+
+def _backward3(q, k, v, o, lse, do, causal, scale, impl, options):
+    if _on_device_path(q):
+        b = _bridge
+        with b.context(q.device), common.on_stream(b.stream(q.device)), common.poisoning(False):
+            grads = IMPLS[impl].backward(*(b.view(t) for t in (q, k, v, o, lse, do)), causal=causal, scale=scale,
+                                         **options)
+            return tuple(b.tensor(g, q.device) for g in grads)
+    grads = api.attention_backward(*(t.detach().numpy() for t in (q, k, v, o, lse, do)), causal=causal,
+                                   scale=scale, impl=impl, **options)
+    return tuple(torch.from_numpy(g) for g in grads)
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """``o, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, impl, options)`` on float32, C-contiguous
+    ``(BH, N, d)`` tensors (:func:`attention` prepares them).  Saves q, k, v, o, lse (not P); ``lse`` is not
+    differentiable.  The backward runs once (``once_differentiable``): no double backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, impl, options):
+        o, lse = _forward3(q, k, v, causal, scale, impl, options)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.config = (causal, scale, impl, options)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        causal, scale, impl, options = ctx.config
+        dq, dk, dv = _backward3(q, k, v, o, lse, do.to(torch.float32).contiguous(), causal, scale, impl, options)
+        return dq, dk, dv, None, None, None, None
+
+
+def _check_tensors(q, k, v, allow_float64):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (flashnb.attention takes NumPy arrays), "
+                            f"got {type(t).__name__}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must have one dtype (as SDPA requires), got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype == torch.float64 and not allow_float64:
+        raise TypeError("q, k, v are float64 but flashnb's kernels compute in float32: pass allow_float64=True to "
+                        "compute in float32 and get float64 results of float32 accuracy, or convert them yourself")
+    if q.dtype not in (torch.float32, torch.float64) + _HALF:
+        raise TypeError(f"q, k, v must be float32, float16 or bfloat16 (float64 with allow_float64=True), "
+                        f"got {q.dtype}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() not in (2, 3, 4) or 0 in t.shape:
+            raise ValueError(f"{name} must have shape (B, H, N, d), (H, N, d) or (N, d) with every axis >= 1, "
+                             f"got {tuple(t.shape)}")
+    if not (q.dim() == k.dim() == v.dim()) or q.shape[:-2] != k.shape[:-2]:
+        raise ValueError(f"q, k, v must share their leading (batch, heads) axes, got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)} (flashnb has no broadcasting or GQA)")
+    if k.shape != v.shape or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"k and v must have shape (..., Nk, d) with q's d, got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)} (flashnb needs v's head dim == q's)")
+    if not 1 <= q.shape[-1] <= api.MAX_HEAD_DIM:
+        raise ValueError(f"head dim d must be in 1..{api.MAX_HEAD_DIM}, got {q.shape[-1]}")
+
+
+def attention(q, k, v, *, causal=False, scale=None, impl: str = "fa2", block_mask=None, allow_float64=False,
+              **options):
+    """flashnb attention on torch tensors, differentiable: ``softmax(scale · q kᵀ [masked]) v``.
+
+    Args:
+        q: ``(B, H, Nq, d)`` (or ``(H, Nq, d)``, ``(Nq, d)``); k, v: ``(..., Nk, d)``, same leading axes.
+        causal: False, True (= ``"lower_right"``: **bottom-right aligned**, FlashAttention's convention) or
+            ``"upper_left"`` (top-left, SDPA's ``is_causal=True``).  Same mask when Nq == Nk.
+        scale: softmax scale, default ``1/sqrt(d)``.
+        impl: any impl with a backward (:func:`impls_with_backward`); a forward-only impl when no gradient is
+            needed.  Default ``"fa2"``.
+        block_mask: ``impl="fa2"``'s block-sparse mask (see ``flashnb.fa2.block_tiles``).
+        allow_float64: accept float64 tensors (computed in float32; see the module docstring).
+        **options: the impl's tile options (``Br``, ``Bc``, ``warps``, ...).
+
+    Returns ``o`` with q's shape, dtype and device.
+    """
+    _check_tensors(q, k, v, allow_float64)
+    entry = api._check_impl(impl)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if needs_grad and entry.backward is None:
+        raise ValueError(f"impl {impl!r} has no backward and q, k or v requires grad; use one of "
+                         f"{impls_with_backward()} (or run under torch.no_grad())")
+    Nq, Nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    c = api._check_causal(causal, Nq, Nk)
+    s = api._check_scale(scale, d)
+    if block_mask is not None:
+        options["block_mask"] = block_mask
+    unknown = set(options) - set(entry.options)
+    if unknown:
+        raise TypeError(f"impl {impl!r} got unexpected option(s) {sorted(unknown)}; it accepts {list(entry.options)}")
+    dtype = q.dtype
+    q3, k3, v3 = (t.to(torch.float32).contiguous().reshape((-1,) + tuple(t.shape[-2:])) for t in (q, k, v))
+    o, _ = FlashAttentionFunction.apply(q3, k3, v3, c, s, impl, options)
+    return o.reshape(q.shape).to(dtype)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False, *, impl: str = "fa2", **options):
+    """``torch.nn.functional.scaled_dot_product_attention``'s signature and semantics on flashnb's kernels:
+    ``is_causal=True`` is top-left aligned (``"upper_left"``), ``attn_mask`` may be None or a
+    ``torch.nn.attention.bias.causal_lower_right``/``causal_upper_left`` bias.  Anything flashnb does not
+    compute (a tensor ``attn_mask``, ``dropout_p > 0``, grouped-query heads) is an error, never ignored."""
+    from torch.nn.attention.bias import CausalBias, CausalVariant
+
+    causal = "upper_left" if is_causal else False
+    if attn_mask is not None:
+        if is_causal:
+            raise ValueError("pass either attn_mask or is_causal=True, not both (as SDPA)")
+        if not isinstance(attn_mask, CausalBias):
+            raise ValueError("flashnb computes no arbitrary attn_mask: pass None, causal_lower_right(Nq, Nk) or "
+                             "causal_upper_left(Nq, Nk) (torch.nn.attention.bias), or use flashnb.torch.attention "
+                             "with impl='fa2', block_mask=... for block sparsity")
+        if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (query.shape[-2], key.shape[-2]):
+            raise ValueError(f"attn_mask is a causal bias for (Nq, Nk) = ({attn_mask.seq_len_q}, "
+                             f"{attn_mask.seq_len_kv}), but q, k have ({query.shape[-2]}, {key.shape[-2]})")
+        causal = "lower_right" if attn_mask.variant == CausalVariant.LOWER_RIGHT else "upper_left"
+    if dropout_p != 0.0:
+        raise ValueError(f"flashnb has no attention dropout; dropout_p must be 0.0, got {dropout_p!r}")
+    if enable_gqa and query.shape[:-2] != key.shape[:-2]:
+        raise ValueError("flashnb has no grouped-query attention: q, k, v need the same number of heads")
+    return attention(query, key, value, causal=causal, scale=scale, impl=impl, **options)
