@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from . import common
-from .reference import F32_MAX
+from .reference import F32_MAX, causal_diag
 from .reference import check_causal as _check_causal  # one rule for the API and the reference
 from .reference import check_scale as _check_scale
 from .registry import IMPLS
@@ -255,7 +255,7 @@ def _mask_rows(entry, options: dict, BH: int, Nq: int, Nk: int, d: int, causal: 
     keys = np.arange(Nk)
 
     def row(b: int, i: int) -> np.ndarray:
-        ok = keys <= i + (Nk - Nq) if causal else np.ones(Nk, dtype=bool)
+        ok = keys <= i + causal_diag(causal, Nq, Nk) if causal else np.ones(Nk, dtype=bool)
         if full is not None:
             f = np.asarray(full).reshape(-1, Nq, Nk)
             ok = ok & f[b if f.shape[0] > 1 else 0, i]
