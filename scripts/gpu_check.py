@@ -265,6 +265,40 @@ def measurements(args, deadline: float) -> list[dict]:
     return rows
 
 
+def torch_interop(N: int = 256, d: int = 64) -> list[dict]:
+    """flashnb.torch on CUDA tensors (issue 15's zero-copy path, on torch's current stream): fa2's forward and
+    backward against SDPA in float64 on the same GPU, and one training-style step timed with torch's CUDA
+    events.  Skipped (a row that says why) where torch or its CUDA build is missing."""
+    try:
+        import torch
+    except ImportError:
+        return [dict(measurement="flashnb.torch cuda", error="skipped: torch is not installed here")]
+    if not torch.cuda.is_available():
+        return [dict(measurement="flashnb.torch cuda", error="skipped: this torch build has no CUDA")]
+    import flashnb.torch as ft
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 2, N, d, device="cuda", generator=g, requires_grad=True) for _ in range(3))
+    o = ft.attention(q, k, v, causal=True, impl="fa2")
+    o.sum().backward()
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=True)   # Nq == Nk: same mask
+    ref.sum().backward()
+    err = max([(o.double() - ref).abs().max().item()]
+              + [(x.grad.double() - y.grad).abs().max().item() for x, y in zip((q, k, v), (q64, k64, v64))])
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        ft.attention(q, k, v, causal=True, impl="fa2").sum().backward()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    # float32 kernels against float64 SDPA at N = 256, d = 64: sums of <= 256 float32 terms, so ~1e-5
+    return [dict(measurement="flashnb.torch cuda", N=N, d=d, max_abs_err_vs_sdpa_float64=err, ok=err < 1e-3,
+                 median_ms=sorted(times)[len(times) // 2], torch=torch.__version__)]
+
+
 def main(argv=None) -> int:
     """Correctness, then ncu DRAM bytes, then the notebooks' measurements, then the sweep (which stops at the
     budget). Writes at most 7 files under ``--out`` (the device tool brings back 8)."""
@@ -296,6 +330,12 @@ def main(argv=None) -> int:
     if dram:
         write_rows(args.out / "dram.csv", dram, prov)
     meas = measurements(args, deadline - 30)
+    try:
+        meas += torch_interop()
+    except Exception as exc:   # a failure here must not cost the sweep below
+        meas.append(dict(measurement="flashnb.torch cuda", error=f"{type(exc).__name__}: {exc}"[:300]))
+        traceback.print_exc()
+    print(f"flashnb.torch on CUDA tensors: {meas[-1]}", flush=True)
     write_rows(args.out / "measurements.csv", meas, prov)
     rows = bench.sweep(args.impl, tuple(args.bench_N), tuple(args.bench_d), (False, True), B=args.B, H=args.H,
                        repeats=args.repeats, warmup=2, out_dir=args.out, figures_dir=args.out,
