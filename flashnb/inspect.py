@@ -369,7 +369,7 @@ _TARGET = re.compile(r"^\.target\s+sm_\d+[a-z]?\b", re.M)
 def retarget_ptx(ptx: str, cc) -> str:
     """``ptx`` with its ``.target`` directive set to ``sm_<cc>`` (one NVVM pass serving several ccs).
 
-    NVVM's PTX for cc 8.0 and for cc 9.0 of every registered kernel differ only in that line and in symbol
+    NVVM's PTX for cc 7.5, 8.0 and 9.0 of every registered kernel differ only in that line and in symbol
     names (``normalized_ptx``; checked on a sample in ``tests/test_ptx_guard.py``), so assembling the cc 8.0
     PTX retargeted to sm_90 gives ptxas the same input as a separate NVVM pass for cc 9.0 would.  Only
     retarget *upwards*: PTX for a lower target is valid for a higher one (as the driver's JIT uses it), not
@@ -884,7 +884,7 @@ def _threads_for(spec: KernelSpec, config: dict, threads) -> int | None:
     return int(threads)
 
 
-def report(ccs=((8, 0), (9, 0)), threads=None, names: Iterable[str] | None = None) -> list[dict]:
+def report(ccs=((7, 5), (8, 0), (9, 0)), threads=None, names: Iterable[str] | None = None) -> list[dict]:
     """One row per (registered kernel, config, cc): resources, occupancy and its limiter.
 
     ``threads`` overrides the block size used for occupancy: an int for every kernel, or a mapping
@@ -942,10 +942,10 @@ def inspect_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="flashnb inspect",
                                 description="Print registers, static shared memory, stack, spills and occupancy of "
-                                            "every registered kernel on sm_80 / sm_90, compiled with ptxas (no GPU "
+                                            "every registered kernel on sm_75 / sm_80 / sm_90, compiled with ptxas (no GPU "
                                             "needed).")
     p.add_argument("--cc", action="append", default=None, metavar="MAJOR.MINOR",
-                   help="compute capability to compile for (repeatable; default 8.0 and 9.0)")
+                   help="compute capability to compile for (repeatable; default 7.5, 8.0 and 9.0)")
     p.add_argument("--threads", type=int_in(1, 1024), default=None,
                    help="threads per block (1..1024) for every kernel's occupancy")
     p.add_argument("--kernel", action="append", default=None, help="only this registered kernel (repeatable)")
@@ -958,7 +958,7 @@ def main_inspect(argv=None) -> int:
     p = inspect_parser()
     args = p.parse_args(argv)
     try:
-        ccs = [tuple(int(x) for x in s.split(".")) for s in args.cc] if args.cc else [(8, 0), (9, 0)]
+        ccs = [tuple(int(x) for x in s.split(".")) for s in args.cc] if args.cc else [(7, 5), (8, 0), (9, 0)]
         for cc in ccs:
             _limits(cc)
         names = args.kernel
