@@ -38,6 +38,21 @@ EXPECTED_SOURCE_SHA256 = {
     "kernelapi.FakeCUDAModule": "100ce788e6efc8533b27c51247f684d5c850d2a25841aee3ac43558604a71d4e",
 }
 
+def kernel_line(skip: set, depth: int = 2) -> str:
+    """``file:line (function)`` of the first frame, ``depth`` frames up from the caller of this function, whose
+    file is not in ``skip``: the kernel line behind an access or a barrier (racecheck, the sanitizer, the
+    profiler and synccheck all name lines this way)."""
+    import os
+    import sys
+
+    f = sys._getframe(depth)
+    while f is not None and f.f_code.co_filename in skip:
+        f = f.f_back
+    if f is None:  # pragma: no cover
+        return "?"
+    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} ({f.f_code.co_name})"
+
+
 _state = {"installed": False, "warned": False, "stock_block_manager": None, "problem": None}
 
 

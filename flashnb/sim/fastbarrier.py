@@ -25,6 +25,8 @@ import threading
 
 from numba.cuda.simulator import kernel as _sim_kernel
 
+from . import kernel_line
+
 __all__ = ["FastBlockManager", "FastBlockThread", "SimulatorDeadlock", "WarpRound", "STRICT_EXITED_LANES"]
 
 #: When True, a warp intrinsic whose mask names a lane that has already returned fails the launch.  CUDA
@@ -44,19 +46,11 @@ _SIM_FILES = None
 def _caller_site() -> str:
     """file:line (function) of the kernel code that called ``cuda.syncthreads()`` (simulator frames skipped)."""
     global _SIM_FILES
-    import os
-    import sys
-
     if _SIM_FILES is None:
         from numba.cuda.simulator import kernelapi
 
         _SIM_FILES = {__file__, _sim_kernel.__file__, kernelapi.__file__}
-    f = sys._getframe(2)
-    while f is not None and f.f_code.co_filename in _SIM_FILES:
-        f = f.f_back
-    if f is None:  # pragma: no cover
-        return "?"
-    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} ({f.f_code.co_name})"
+    return kernel_line(_SIM_FILES, 3)
 
 
 class SimulatorDeadlock(RuntimeError):

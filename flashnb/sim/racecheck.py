@@ -22,14 +22,13 @@ Needs flashnb's simulator runtime (:mod:`flashnb.sim` installed; it keeps the ba
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .. import traffic
+from . import kernel_line
 
 __all__ = ["check", "Race", "RaceReport", "RaceError"]
 
@@ -94,12 +93,7 @@ _SKIP = {traffic.__file__, __file__}   # the proxy's and this module's frames ar
 
 def _where() -> str:
     """file:line (function) of the kernel code making the access."""
-    f = sys._getframe(2)
-    while f is not None and f.f_code.co_filename in _SKIP:
-        f = f.f_back
-    if f is None:  # pragma: no cover
-        return "?"
-    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} ({f.f_code.co_name})"
+    return kernel_line(_SKIP, 3)
 
 
 def _elements(a: np.ndarray, idx):
