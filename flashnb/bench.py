@@ -354,7 +354,8 @@ def on_gpu(target: str, *, timeout: float = 600, **kwargs) -> list[dict] | None:
     * This process runs on the simulator (a notebook that counts traffic) but the machine has a GPU: called
       in a child process started with ``FLASHNB_DEVICE=gpu`` (the mode is fixed per process); its rows come
       back as JSON.
-    * No GPU: prints why and returns None -- nothing is timed, nothing is invented.
+    * No GPU: prints one line naming the measurement it did not run and returns None -- nothing is timed,
+      nothing is invented (notebook 00 explains why once; the other notebooks' cells stay short).
     """
     module, _, func = target.partition(":")
     if not module.startswith("flashnb.") or not func.isidentifier():
@@ -362,8 +363,8 @@ def on_gpu(target: str, *, timeout: float = 600, **kwargs) -> list[dict] | None:
     if not runtime.is_simulator():
         return getattr(importlib.import_module(module), func)(**kwargs)
     if runtime.driver_device_count() == 0:
-        print(f"no CUDA GPU on this machine: {target} was not run, nothing is measured "
-              "(the numbers above are counted on the simulator or modelled).")
+        call = f"{target}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
+        print(f"no GPU here, nothing is measured: {call} runs only on a GPU.")
         return None
     import os
 

@@ -12,22 +12,26 @@
 # ---
 
 # %% [markdown]
-# # 00 · The memory hierarchy, and how flashnb measures things
+# # 00 · Why attention is limited by memory traffic
 #
 # FlashAttention is not a new way to compute attention: it computes exactly the same numbers, but moves far
-# fewer bytes between the GPU's large, slow memory and its small, fast one. Before building it, this notebook
-# sets up the vocabulary and the instruments every later notebook uses:
+# fewer bytes between the GPU's large, slow memory (**HBM**) and its small, fast one (on-chip **SRAM**).
+# Standard attention writes two $N \times N$ matrices, the scores $S$ and the probabilities $P$, to HBM and
+# reads them back; each of their elements takes part in only a handful of arithmetic operations, so the GPU
+# spends its time waiting for memory, not computing. The **roofline** makes that precise: a kernel that does
+# fewer FLOPs per HBM byte than the GPU's *ridge point* is memory-bound. FlashAttention fuses the three steps
+# into one kernel that keeps tiles of $S$ and $P$ in SRAM and never stores them, so the same FLOPs come with
+# far fewer bytes. This notebook puts numbers on that:
 #
-# 1. the GPU memory hierarchy, and why attention is **memory-bound**;
-# 2. the **roofline**: compute-bound vs memory-bound, and the arithmetic intensity of each attention step;
-# 3. how flashnb **counts traffic** on the simulator, and what that count is *not*;
-# 4. how to read the **resource report** (registers per thread → occupancy), obtained without a GPU;
-# 5. a short tour of the **warp operations** flashnb adds to the simulator, and of its **race checker**;
-# 6. what a **real GPU** adds: measured time and measured DRAM bytes.
+# 1. the GPU memory hierarchy: how much faster and how much smaller SRAM is than HBM;
+# 2. the roofline, and the arithmetic intensity of each step of attention, standard and fused;
+# 3. how flashnb **counts** that traffic on the simulator, and what the count is *not*.
 #
 # Three kinds of number appear in flashnb, and each is always labelled: **counted** (element accesses observed
 # on the simulator), **modelled** (a roofline estimate from FLOPs, bytes and a datasheet) and **measured**
-# (only on a GPU).
+# (only on a GPU). The instruments later notebooks use now and then (the memory profiler, the resource report
+# and occupancy, warp operations, the sanitizer, and measuring on a GPU) are in the **Appendix** at the end,
+# before the exercises.
 
 # %%
 import os
@@ -156,7 +160,8 @@ plt.show()
 # so the same FLOPs come with far fewer bytes and its point moves right, towards or past the ridge.
 # Note also that the H100's ridge is further right than the A100's: compute grew faster than bandwidth, so
 # memory traffic matters *more* on newer GPUs.
-#
+
+# %% [markdown]
 # ## 3 · Counting traffic on the simulator
 #
 # `flashnb.traffic.count()` watches every kernel launched inside it, on the simulator, and counts each
@@ -190,12 +195,49 @@ print(f"x: {reads} element reads of {n} distinct elements ({reads / n:.2f} reads
 # close to one read per element. So measured DRAM bytes can be **lower** than the count wherever a cache
 # catches re-reads.
 #
-# They can also be **higher**. DRAM is read in 32-byte *sectors*; the 32 lanes of a warp execute a load
-# together (one *request*), and the hardware serves it with as few sectors as the lanes' addresses allow
-# (*coalescing*). The element counter knows nothing of this; `flashnb.sim.profile()` does. It groups the
-# accesses of each warp into requests -- the k-th access of a source line by the lanes of one warp -- and counts
-# the distinct sectors each request touches, under Nsight Compute's metric names. Three copies of one row of
-# 32 floats, with the same element count:
+# They can also be **higher**: DRAM is read in 32-byte *sectors*, and the lanes of a warp whose addresses
+# are scattered make it fetch many sectors for a few useful floats (Appendix A.1 counts them). flashnb's counts
+# are therefore best read as "how many times does the *algorithm* touch each array" -- exactly the quantity of
+# the FlashAttention papers' IO-complexity theorems.
+#
+# The counter works the same on flashnb's own kernels, and each stage has an analytic model in the same
+# format that the tests check for exact equality. FlashAttention-2's forward at a small size:
+
+# %%
+rng = np.random.default_rng(1)
+BHs, Ns, ds = 1, 128, 16
+q, k, v = (rng.standard_normal((BHs, Ns, ds)) for _ in range(3))
+with traffic.count() as t:
+    o, lse = flashnb.attention_forward(q, k, v, impl="fa2")
+print(t)
+assert t.summary() == fa2.model_forward(BHs, Ns, Ns, ds)
+per = {a: n_ / (BHs * Ns * ds) for a, n_ in t.summary()[0]["reads"].items()}
+row_blocks = t.launches[0].grid[0]
+print("reads per element:", {a: round(r, 2) for a, r in per.items()}, f"with {row_blocks} blocks of query rows"
+      " -- counted == fa2.model_forward")
+
+# %% [markdown]
+# $Q$ is read once; $K$ and $V$ once per block of query rows (one thread block each, printed above). The
+# shared-memory counts are the tile loads and the many cheap SRAM reads the arithmetic runs on.
+#
+# That is the whole idea in one count: standard attention (notebook 01) reads and writes $\Theta(N^2)$ elements
+# of $S$ and $P$; FlashAttention reads $Q$, $K$, $V$ a few times and writes $O$ once, and nothing of size
+# $N \times N$ ever reaches HBM. Notebooks 01 to 07 build that, stage by stage, and count each step.
+
+# %% [markdown]
+# ## Appendix · The toolkit
+#
+# The sections below are reference material: the instruments flashnb uses beyond the traffic counter. Later
+# notebooks point back to them; exercises 00.3 to 00.6 use them.
+#
+# ### A.1 · Sectors and bank conflicts: the memory profiler
+#
+# DRAM is read in 32-byte *sectors*; the 32 lanes of a warp execute a load together (one *request*), and the
+# hardware serves it with as few sectors as the lanes' addresses allow (*coalescing*). The element counter
+# knows nothing of this; `flashnb.sim.profile()` does. It groups the accesses of each warp into requests -- the
+# k-th access of a source line by the lanes of one warp -- and counts the distinct sectors each request
+# touches, under Nsight Compute's metric names. Three copies of one row of 32 floats, with the same element
+# count:
 
 # %%
 from flashnb import sim
@@ -240,31 +282,10 @@ for impl in ("fa2", "fa1"):
 # %% [markdown]
 # `flashnb profile` prints this for every implementation. These are still program-level counts (the compiler
 # may keep a value in a register instead of reloading it) with no cache modelling: `flashnb.sim.memprofile`
-# lists how they differ from what Nsight Compute measures. flashnb's counts are therefore best read as "how many
-# times does the *algorithm* touch each array" -- exactly the quantity of the FlashAttention papers'
-# IO-complexity theorems -- and the profiler as "how well would a GPU's memory system serve those touches".
+# lists how they differ from what Nsight Compute measures. Read the traffic counter as "how many times does the
+# *algorithm* touch each array" and the profiler as "how well would a GPU's memory system serve those touches".
 #
-# The counter works the same on flashnb's own kernels, and each stage has an analytic model in the same
-# format that the tests check for exact equality. FlashAttention-2's forward at a small size:
-
-# %%
-rng = np.random.default_rng(1)
-BHs, Ns, ds = 1, 128, 16
-q, k, v = (rng.standard_normal((BHs, Ns, ds)) for _ in range(3))
-with traffic.count() as t:
-    o, lse = flashnb.attention_forward(q, k, v, impl="fa2")
-print(t)
-assert t.summary() == fa2.model_forward(BHs, Ns, Ns, ds)
-per = {a: n_ / (BHs * Ns * ds) for a, n_ in t.summary()[0]["reads"].items()}
-row_blocks = t.launches[0].grid[0]
-print("reads per element:", {a: round(r, 2) for a, r in per.items()}, f"with {row_blocks} blocks of query rows"
-      " -- counted == fa2.model_forward")
-
-# %% [markdown]
-# $Q$ is read once; $K$ and $V$ once per block of query rows (one thread block each, printed above). The
-# shared-memory counts are the tile loads and the many cheap SRAM reads the arithmetic runs on.
-#
-# ## 4 · The resource report: registers, shared memory, occupancy
+# ### A.2 · The resource report: registers, shared memory, occupancy
 #
 # Counting tells us about the algorithm; whether a kernel can keep an SM busy depends on what each thread and
 # block *costs*. `flashnb.inspect` compiles a kernel to PTX for a real architecture (NVVM) and runs `ptxas -v`
@@ -322,7 +343,7 @@ savefig(fig, "00_occupancy_vs_registers")
 plt.show()
 
 # %% [markdown]
-# ## 5 · Warp operations and data races on the simulator
+# ### A.3 · Warp operations on the simulator
 #
 # A **warp** is 32 threads that execute together; lanes of a warp can exchange registers directly with
 # *shuffles*, without shared memory or a barrier. FlashAttention-2 uses them for row maxima and sums. The stock
@@ -398,7 +419,7 @@ print("lane 31 after shfl_down:", down[[31, 63]], "= 32 x", xs[[31, 63]])
 show_source(fa2.make_forward, grep="shfl")
 
 # %% [markdown]
-# ### The bugs the simulator hides, and the sanitizer that finds them
+# ### A.4 · The bugs the simulator hides, and the sanitizer that finds them
 #
 # Threads of a block that share a tile must wait at `cuda.syncthreads()` between writing it and reading what
 # *other* threads wrote. Leave the barrier out and a GPU may read stale values; the simulator, which runs the
@@ -450,7 +471,7 @@ assert report.findings[0].tool == "memcheck"
 # (`tests/test_sim_sanitizer.py`), with tiles small enough that every loop reloads its shared tiles;
 # `flashnb sanitize my_script.py` runs a script of your own under them.
 #
-# ## 6 · What a GPU adds
+# ### A.5 · What a GPU adds
 #
 # Everything above is counted or modelled. The simulator runs each CUDA thread as a Python thread, so its
 # wall-clock time says nothing about GPU speed, and flashnb refuses to present it as such:
@@ -471,10 +492,16 @@ except bench.SimulatorTimingError as exc:
 #   driver, versions, date). On the simulator the same sweep writes only *modelled* rows;
 # * `scripts/gpu_check.py` checks correctness at realistic sizes, runs the sweep and, where Nsight Compute
 #   (`ncu`) is installed, reads **DRAM bytes** per kernel (`dram__bytes_read.sum`, `dram__bytes_write.sum`) and
-#   sets them beside the counted/modelled bytes — the place to see the cache and sector effects of section 3;
+#   sets them beside the counted/modelled bytes — the place to see the cache and sector effects of section 3
+#   and A.1;
 # * inside a notebook (a simulator process, so it can count), `bench.on_gpu("flashnb.<module>:<function>", ...)`
 #   runs a measurement in a separate Python process on the GPU when the machine has one, and returns its rows.
-#   Without a GPU it measures nothing and says so:
+#
+# Most notebooks have such a cell near their end. Without a GPU it measures nothing, invents nothing, and
+# prints one line naming the measurement it would have made; the numbers around it are then counted on the
+# simulator or modelled, as labelled. (A process's mode is fixed when `numba.cuda` is first imported, and only
+# the simulator can count element accesses: that is why the notebooks run on the simulator and measure in a
+# child process.)
 
 # %%
 gpu_rows = bench.on_gpu("flashnb.bench:measure_impls", impls=["naive", "fa2"], BH=16, N=1024, d=64)
@@ -539,7 +566,7 @@ exercises.check("00.3", sectors_stride2=sectors_stride2, sectors_stride8=sectors
 
 # %% [markdown]
 # **00.4 · Registers to spare** (★★, ~15 min) With `flashnb.inspect.occupancy` and the resource report of
-# section 4, find how many registers per thread `fa2.forward` (its first configuration, 128 threads per block)
+# Appendix A.2, find how many registers per thread `fa2.forward` (its first configuration, 128 threads per block)
 # could use on sm_90 and still keep its current number of resident blocks per SM.
 
 # %%

@@ -233,20 +233,13 @@ plt.show()
 # $T = 16$ tiles also re-read $Q$ and $K$ once per tile, which pulls even the matrix products down. The
 # softmax, at a fraction of a FLOP per byte, is memory-bound on every GPU.
 #
-# **What a GPU run adds.** With a GPU, `flashnb bench` times each implementation with CUDA events and
-# `scripts/gpu_check.py` reads DRAM bytes from Nsight Compute, to set beside these counted and modelled
-# numbers. The simulator's wall-clock time says nothing about GPU speed and flashnb never reports it as such.
-#
-# This notebook always runs its kernels on the simulator (the first cell sets `FLASHNB_DEVICE=sim`): only
-# the simulator can count element accesses. A process's mode is fixed when `numba.cuda` is first imported,
-# so `bench.on_gpu` runs the measurement below in a *separate* Python process on the GPU, when this machine
-# has one, and returns its rows.
+# **Measured, on a GPU.** The cell below times the forward and backward with CUDA events (JIT warm-up
+# excluded, median of repeats and its spread) in a separate process when this machine has a GPU; notebook 00's
+# appendix (A.5) explains how, and why the simulator's wall-clock time is never reported as GPU speed.
 
 # %%
 from flashnb import bench  # noqa: E402
 
-# Measured on a GPU only, in a process of its own (this one runs the simulator): CUDA events, JIT warm-up
-# excluded, median of repeats and its spread. Without a GPU it says so and measures nothing.
 gpu_rows = bench.on_gpu("flashnb.bench:measure_impls", impls=["naive"], BH=16, N=1024, d=64, directions=["fwd", "bwd"])
 print(bench.table(gpu_rows, ["impl", "direction", "median_ms", "q1_ms", "q3_ms", "tflops", "pct_fp32_peak", "gpu_name"]))
 
@@ -294,7 +287,7 @@ exercises.check("01.2", variant=two_pass, saving_bytes=saving_bytes)
 # **01.3 · One thread per row** (★, ~10 min) In `softmax_rows` neighbouring threads read addresses $N_k$ floats
 # apart. For $N_k = 64$: how many 32-byte sectors does one warp's request for $S$ touch? How many if the 32 lanes
 # read 32 consecutive elements of one row (one block per row)? Would the traffic *count* change?
-# (`flashnb.sim.profile()` measures the first; notebook 00 explains sectors.)
+# (`flashnb.sim.profile()` measures the first; notebook 00's appendix, A.1, explains sectors.)
 
 # %%
 sectors_per_request = ...

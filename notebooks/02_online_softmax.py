@@ -305,9 +305,8 @@ print(f"online vs safe: modelled speed-up {times['safe'] / times['online']:.2f}x
 
 # %% [markdown]
 # Real speed needs a GPU. Milakov & Gimelshein measured about 1.3× for online over safe softmax on a V100
-# (arXiv 1805.02867, their V100 benchmarks) — close to the 4/3 the access count predicts. When this machine has a GPU, the
-# cell below times the three kernels there with CUDA events (in a separate process, as in notebook 01); the
-# simulator's wall-clock time says nothing about GPU speed.
+# (arXiv 1805.02867, their V100 benchmarks) — close to the 4/3 the access count predicts. On a machine with a
+# GPU the cell below times the three kernels there with CUDA events (notebook 00, A.5).
 
 # %%
 from flashnb import bench  # noqa: E402

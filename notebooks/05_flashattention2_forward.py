@@ -14,7 +14,7 @@
 # %% [markdown]
 # # 05 · FlashAttention-2, forward: three changes, each counted
 #
-# FlashAttention-1 (stage 3) already keeps $S$ and $P$ on chip. It still reaches only 25–40 % of an A100's
+# FlashAttention-1 (notebook 03) already keeps $S$ and $P$ on chip. It still reaches only 25–40 % of an A100's
 # theoretical maximum FLOPs/s, and the FlashAttention-2 paper makes **three changes** and gets about 2× the
 # speed of FA1 (both figures: Dao 2023, *FlashAttention-2*, Abstract and Section 1; the changes are its
 # Sections 3.1, 3.2 and 3.3):
@@ -326,51 +326,15 @@ for bh in (1, 8, 32):
 # %% [markdown]
 # ## Change 3 · split-K vs split-Q: shared-memory traffic and FMAs per shared read
 #
-# FA1 splits the key tile over its warps (split-K, `fa1.tiles(d)["warps"]`, printed below): every warp writes a partial $\tilde P V$, $m$, $\ell$ to
-# shared memory, the block synchronises and merges them. FA2 splits the query rows: no partial results,
-# and with register micro-tiles each shared read feeds several FMAs. Counted on the simulator with the same
-# tiles ($B_r = B_c = 16$, $d = 16$, $N = 64$):
-
-# %%
-q, k, v = (rng.standard_normal((1, 64, 16)) for _ in range(3))
-counted = {}
-for impl, opts in (("fa1", dict(Br=16, Bc=16)), ("fa2", dict(Br=16, Bc=16, warps=1))):
-    with traffic.count() as t:
-        flashnb.attention_forward(q, k, v, impl=impl, **opts)
-    counted[impl] = t.summary()
-print("FA1 warps per block (split-K) at these tiles:", fa1.tiles(16, Br=16, Bc=16)["warps"])
-fmas = 2 * 64 * 64 * 16       # QKᵀ and PV multiply-adds
-for impl, s in counted.items():
-    sr = sum(x["shared_reads"] for x in s)
-    sw = sum(x["shared_writes"] for x in s)
-    print(f"{impl}: shared reads {sr:7d}, shared writes {sw:6d}, FMAs per shared read (counted) {fmas / sr:.2f}")
-
-
-def fa1_fmas_per_shared_read(Br, Bc, d):
-    """FA1's inner loops (the `3·Br·Bc·d` term of fa1.model_forward's shared reads): a score of S = Q_i K_jᵀ
-    reads a row of Q_i and one of K_j (2d elements) for d FMAs; P̃V reads d elements of V_j per score for d FMAs."""
-    qk_fmas, qk_reads = Br * Bc * d, Br * Bc * 2 * d
-    pv_fmas, pv_reads = Br * Bc * d, Br * Bc * d
-    return dict(qk=qk_fmas / qk_reads, pv=pv_fmas / pv_reads)
-
-
-for d in (32, 64, 128):
-    t, t1 = fa2.default_tiles(d), fa1.tiles(d)
-    r = fa2.fmas_per_shared_read(t["Br"], t["Bc"], d, t["warps"])
-    r1 = fa1_fmas_per_shared_read(t1["Br"], t1["Bc"], d)
-    print(f"d={d}: FA2 default tiles {t}: inner loop FMAs/shared read: S {r['qk']:.2f}, PV {r['pv']:.1f}, "
-          f"tile {r['tile']:.2f};  FA1 default tiles: S {r1['qk']:.2f}, PV {r1['pv']:.2f}")
-
-# %% [markdown]
-# ### What split-Q buys, and what register tiling buys
-#
-# The two numbers above mix two changes: FA2's kernel splits Q instead of K *and* tiles registers. The ladder
-# separates them. FA1 (split-K), step (b) (split-Q, no register tiles) and step (c) (split-Q with register
-# tiles) run the same problem with the same $B_r$, $B_c$, $d$ and warps (step (a), one thread per row, for
-# comparison), and the counted shared-memory accesses are sorted by the array they touch: the $Q$, $K$, $V$
-# tiles (their loads and the inner loops' reads), FA1's split-K merge (every warp's partial $m$, $\ell$,
-# $\tilde P V$ and the merge weights: `m_w`, `l_w`, `O_w`, `a_i`) and FA1's staging of $O_i, \ell_i, m_i$
-# (its loop order reads them from HBM into shared memory for every $(i, j)$).
+# FA1 splits the key tile over its warps (split-K): every warp writes a partial $\tilde P V$, $m$, $\ell$ to
+# shared memory, the block synchronises and merges them. FA2 splits the query rows (split-Q): no partial
+# results. FA2's kernel also tiles registers, which is a second, separate change; the ladder keeps them apart.
+# FA1 (split-K), step (b) (split-Q, no register tiles) and step (c) (split-Q with register tiles) run the
+# ladder problem with the same $B_r$, $B_c$, $d$ and warps (step (a), one thread per row, for comparison),
+# and the counted shared-memory accesses are sorted by the array they touch: the $Q$, $K$, $V$ tiles (their
+# loads and the inner loops' reads), FA1's split-K merge (every warp's partial $m$, $\ell$, $\tilde P V$ and
+# the merge weights: `m_w`, `l_w`, `O_w`, `a_i`) and FA1's staging of $O_i, \ell_i, m_i$ (its loop order reads
+# them from HBM into shared memory for every $(i, j)$).
 
 # %%
 BH, N, d = LADDER["BH"], LADDER["N"], LADDER["d"]
@@ -401,6 +365,7 @@ for name, counted in runs.items():
 fa1_qkv, b_qkv, c_qkv = (split[n]["Q, K, V tiles"][0] for n in ("FA1\nsplit-K", "(b) split-Q", "(c) split-Q\n+ reg. tiles"))
 fa1_reads = sum(r for r, _ in split["FA1\nsplit-K"].values())
 assert fa1_qkv == b_qkv                           # split-Q leaves the inner loops' reads exactly as they were
+assert 3 * fmas == 2 * b_qkv                      # (b), like FA1: 2 reads per FMA of S, 1 per FMA of P~V
 assert c_qkv < b_qkv                              # register tiles cut them
 print(f"split-Q alone (FA1 -> (b)): Q, K, V tile reads unchanged ({fa1_qkv:,} = {b_qkv:,}); gone: the merge "
       f"({sum(split['FA1' + chr(10) + 'split-K']['split-K merge']):,} accesses) and the staging "
@@ -432,6 +397,34 @@ plt.show()
 # FMA comes from keeping a whole $Q$ row per thread, which does not scale with $d$ (stack bytes in the resources
 # section below).
 #
+# Do the two effects hold at the tile sizes the kernels actually use? The inner loops' FMAs per shared read
+# follow from the tiles alone: without register tiles (FA1's loops, and step (b)'s) a score of $S$ reads a row
+# of $Q_i$ and one of $K_j$ ($2d$ reads for $d$ FMAs) and $\tilde P V$ one element of $V_j$ per FMA, whatever
+# the tiles; with them (`fa2.fmas_per_shared_read`) the ratio grows with the register tile $T_M \times T_N$:
+
+# %%
+def inner_loop_fmas_per_shared_read_without_register_tiles(Br, Bc, d):
+    """FA1's inner loops (the `3·Br·Bc·d` term of fa1.model_forward's shared reads) and step (b)'s: a score of
+    S = Q_i K_jᵀ reads a row of Q_i and one of K_j (2d elements) for d FMAs; P̃V reads d elements of V_j per
+    score for d FMAs."""
+    qk_fmas, qk_reads = Br * Bc * d, Br * Bc * 2 * d
+    pv_fmas, pv_reads = Br * Bc * d, Br * Bc * d
+    return dict(qk=qk_fmas / qk_reads, pv=pv_fmas / pv_reads)
+
+
+r0 = inner_loop_fmas_per_shared_read_without_register_tiles(LADDER["Br"], LADDER["Bc"], LADDER["d"])
+r1 = fa2.fmas_per_shared_read(LADDER["Br"], LADDER["Bc"], LADDER["d"], LADDER["warps"])
+assert np.isclose(fmas / b_qkv, 1 / (1 / (2 * r0["qk"]) + 1 / (2 * r0["pv"])))   # the counted (b) above
+assert np.isclose(fmas / c_qkv, r1["tile"])                                       # the counted (c) above
+for d_ in (32, 64, 128):
+    t = fa2.default_tiles(d_)
+    r = fa2.fmas_per_shared_read(t["Br"], t["Bc"], d_, t["warps"])
+    r0 = inner_loop_fmas_per_shared_read_without_register_tiles(t["Br"], t["Bc"], d_)
+    print(f"d={d_}, FA2 default tiles {t}: inner-loop FMAs per shared read without register tiles (FA1, step (b)): "
+          f"S {r0['qk']:.2f}, PV {r0['pv']:.2f};  with them (step (c), fa2): S {r['qk']:.2f}, PV {r['pv']:.1f}, "
+          f"tile {r['tile']:.2f}")
+
+# %% [markdown]
 # ### The warp layout
 #
 # Which warp and which lane own which element of the score tile, at the default tiles for $d = 64$ (printed
@@ -511,7 +504,7 @@ for causal in (False, True):
     print(f"counted, N = 64, causal={causal}: K reads {s['reads']['K']}, shared reads {s['shared_reads']}")
 
 # %% [markdown]
-# ## Traffic beside stages 1 and 3
+# ## Traffic beside stages 1 and 3 (notebooks 01 and 03)
 #
 # HBM traffic (element accesses, from the models that the tests check exactly against counts), one head,
 # $N = 256$, $d = 32$. With the same tiles, FA2 moves less than FA1: for every K/V tile FA1 re-reads $Q_i$,

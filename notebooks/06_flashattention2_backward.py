@@ -198,7 +198,7 @@ for name, x, g in (("q", q, dq), ("k", k, dk), ("v", v, dv)):
 # %% [markdown]
 # ## Traffic and memory against FA1's backward
 #
-# FA1's backward (stage 3) runs one thread block per head: its outer loop is over K/V blocks, and it reads
+# FA1's backward (notebook 04) runs one thread block per head: its outer loop is over K/V blocks, and it reads
 # **and writes** $dQ_i$ (plus $Q_i, O_i, dO_i$) in HBM on every step of its inner loop. FA2 reads $Q_i, dO_i,
 # L_i, D_i$ per visited tile and *adds* into $dQ$ (one atomic per element per tile); $D$ replaces FA1's
 # per-tile recomputation of $\mathrm{rowsum}(dO_i \circ O_i)$ and $O$ is read only by the preprocessing.

@@ -256,8 +256,7 @@ plt.show()
 # $\Theta(Nd + N^2 d^2 s / M)$ (Dao et al. 2022, *FlashAttention*, Section 3.3, Proposition 4); how much
 # faster that makes it on a real GPU is a measurement, and this notebook makes none without one.
 #
-# Measured times need a GPU: `flashnb bench` there, or this cell, which times the forward at four
-# densities in a separate process when this machine has a GPU.
+# On a machine with a GPU this cell times the forward at four densities (notebook 00, A.5).
 
 # %%
 from flashnb import bench  # noqa: E402

@@ -221,7 +221,7 @@ print(f"identical text from both models: {torch.equal(gen_sdpa, gen_fa2)}")
 #
 # On a machine with a GPU, a separate process trains a larger model (context 256, width 128, 4 heads, batch 8)
 # on CUDA tensors — flashnb's kernels read and write torch's memory directly and run on torch's stream — and
-# times one training step (forward, backward, AdamW) with CUDA events. Without a GPU nothing is measured.
+# times one training step (forward, backward, AdamW) with CUDA events (notebook 00, A.5).
 
 # %%
 gpu_rows = bench.on_gpu("flashnb.tiny_transformer:measure_gpu")

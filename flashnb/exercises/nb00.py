@@ -1,4 +1,4 @@
-"""Exercises of notebook 00 (the memory hierarchy, and how flashnb measures things)."""
+"""Exercises of notebook 00 (why attention is limited by memory traffic, and the toolkit of its appendix)."""
 
 from __future__ import annotations
 
@@ -169,8 +169,9 @@ def _fa2_forward_resources():
 
 @exercise("00.4", "registers to spare before occupancy drops", level=2, minutes=15,
           hint="""Take fa2.forward's registers and static shared memory on sm_90 from the resource report (its first
-          registered config, as section 4 compiles it). fi.occupancy(R, shared_bytes, 128, (9, 0)).blocks_per_sm is
-          the number of resident blocks with R registers per thread: find the largest R that keeps today's number.""",
+          registered config, as Appendix A.2 of notebook 00 compiles it).
+          fi.occupancy(R, shared_bytes, 128, (9, 0)).blocks_per_sm is the number of resident blocks with R registers
+          per thread: find the largest R that keeps today's number.""",
           explain="""Registers are allocated per warp in units of 256 (8 per thread), from four sub-partitions of
           16,384 each; the number of warps per sub-partition only changes when R crosses 16384 / (32 · warps)
           rounded to the allocation unit. So a kernel can often grow by several registers "for free" -- and
