@@ -942,8 +942,8 @@ def inspect_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="flashnb inspect",
                                 description="Print registers, static shared memory, stack, spills and occupancy of "
-                                            "every registered kernel on sm_75 / sm_80 / sm_90, compiled with ptxas (no GPU "
-                                            "needed).")
+                                            "every registered kernel on sm_75 / sm_80 / sm_90, compiled with ptxas "
+                                            "(no GPU needed).")
     p.add_argument("--cc", action="append", default=None, metavar="MAJOR.MINOR",
                    help="compute capability to compile for (repeatable; default 7.5, 8.0 and 9.0)")
     p.add_argument("--threads", type=int_in(1, 1024), default=None,
