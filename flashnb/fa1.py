@@ -18,6 +18,9 @@ log-sum-exp ``L = m + log l`` instead, so the forward ends with a small kernel `
 (:func:`make_lse`) and the backward rebuilds ``P = exp(S - L)``, which equals the paper's
 ``diag(l)^-1 exp(S - m)``.  Both extra launches are in the traffic model.
 
+:func:`fa1_forward_numpy` and :func:`fa1_backward_numpy` transcribe Alg. 1 (with Alg. 2's scale and mask) and
+Alg. 4 into float64 NumPy, loops and all, every line tagged with the paper's line number.
+
 Block sizes come from an SRAM budget of ``M`` float32 elements as in the paper (``Bc = ⌈M/4d⌉``,
 ``Br = min(⌈M/4d⌉, d)``), with ``Bc`` rounded up to a multiple of the number of warps; see :func:`tiles`.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from numba import cuda, float32
 
 from . import common
@@ -51,7 +55,7 @@ from .registry import kernel_factory, register_impl
 __all__ = ["make_forward", "make_backward", "make_init_forward", "make_zero_rows", "make_lse", "tiles",
            "forward", "forward_stats", "backward", "model_forward", "model_backward", "WARP", "WARPS",
            "DEFAULT_M", "SHARED_LIMIT_BYTES", "ROWS_PER_BLOCK", "shared_elements_forward",
-           "shared_elements_backward"]
+           "shared_elements_backward", "fa1_forward_numpy", "fa1_backward_numpy"]
 
 WARP = 32                 # threads per warp
 WARPS = 4                 # W: warps per thread block (FA1 split the key tile over 4 warps)
@@ -390,6 +394,83 @@ def tiles(d, *, M=None, Br=None, Bc=None, warps=None, check_fit=True):
         check_shared_fit("fa1", f"Br={Br}, Bc={Bc} at d={d}, warps={W} ({fwd:,} B forward, {bwd:,} B backward)",
                          max(fwd, bwd), f"choose a smaller {names}")
     return dict(Br=Br, Bc=Bc, warps=W, M=budget, d=d, shared_bytes_forward=fwd, shared_bytes_backward=bwd)
+
+
+# --------------------------------------------------------------------------- NumPy transcriptions
+
+
+def _mask(S, i0, j0, diag):
+    """Alg. 2's MASK: key ``c`` allowed for query ``r`` iff ``c <= r + diag`` (-inf elsewhere)."""
+    rows = np.arange(i0, i0 + S.shape[0])[:, None]
+    cols = np.arange(j0, j0 + S.shape[1])[None, :]
+    return np.where(cols <= rows + diag, S, -np.inf)
+
+
+def fa1_forward_numpy(Q, K, V, Br, Bc, causal=False, scale=None):
+    """FA1 Algorithm 1 (with Alg. 2's scale ``tau`` and MASK, no dropout) in float64 NumPy, loops and all:
+    ``Q (Nq, d)``, ``K, V (Nk, d)`` -> ``(O, l, m)``, the paper's statistics (``L = m + log l``).
+
+    Line numbers are the paper's (Dao et al. 2022, Alg. 1).  ``causal``: ``True``/``"lower_right"``
+    (key ``c <= r + Nk - Nq``) or ``"upper_left"`` (``c <= r``); every tile is visited, as in Alg. 2."""
+    Q, K, V = (np.asarray(a, dtype=np.float64) for a in (Q, K, V))
+    Nq, d = Q.shape
+    Nk = K.shape[0]
+    tau = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    diag = causal_diag(causal, Nq, Nk)
+    O, l, m = np.zeros((Nq, d)), np.zeros(Nq), np.full(Nq, -np.inf)      # line 2: O = 0, l = 0, m = -inf in HBM
+    for j0 in range(0, Nk, Bc):                                           # line 5: for 1 <= j <= Tc
+        Kj, Vj = K[j0:j0 + Bc], V[j0:j0 + Bc]                             # line 6: load K_j, V_j to SRAM
+        for i0 in range(0, Nq, Br):                                       # line 7: for 1 <= i <= Tr
+            Qi, Oi, li, mi = Q[i0:i0 + Br], O[i0:i0 + Br], l[i0:i0 + Br], m[i0:i0 + Br]   # line 8: load
+            S = tau * Qi @ Kj.T                                           # line 9: S_ij = tau Q_i K_jᵀ
+            if causal:
+                S = _mask(S, i0, j0, diag)                                #   (Alg. 2: MASK)
+            mt = S.max(axis=1)                                            # line 10: m~_ij = rowmax(S_ij)
+            Pt = np.exp(S - np.where(np.isfinite(mt), mt, 0.0)[:, None])  # line 10: P~_ij = exp(S_ij - m~_ij)
+            lt = Pt.sum(axis=1)                                           # line 10: l~_ij = rowsum(P~_ij)
+            mn = np.maximum(mi, mt)                                       # line 11: m_new = max(m_i, m~_ij)
+            safe = np.where(np.isfinite(mn), mn, 0.0)                     #   (a row with no key yet: weights 0)
+            ln = np.exp(mi - safe) * li + np.exp(mt - safe) * lt          # line 11: l_new
+            inv = np.where(ln > 0, 1.0 / np.where(ln > 0, ln, 1.0), 0.0)
+            O[i0:i0 + Br] = inv[:, None] * ((li * np.exp(mi - safe))[:, None] * Oi
+                                            + np.exp(mt - safe)[:, None] * (Pt @ Vj))   # line 12: write O_i
+            l[i0:i0 + Br], m[i0:i0 + Br] = ln, mn                         # line 13: write l_i, m_i
+    return O, l, m                                                        # line 16
+
+
+def fa1_backward_numpy(Q, K, V, O, dO, l, m, Br, Bc, causal=False, scale=None):
+    """FA1 Algorithm 4 (the backward with recomputation, no dropout) in float64 NumPy, loops and all:
+    ``(dQ, dK, dV)`` from ``Q, K, V, O, dO`` and the forward's statistics ``l, m`` (Alg. 1's outputs).
+
+    Line numbers are the paper's (Dao et al. 2022, Alg. 4); lines 14-15 and 18 (dropout) are the identity
+    here.  ``causal`` as in :func:`fa1_forward_numpy`."""
+    Q, K, V, O, dO, l, m = (np.asarray(a, dtype=np.float64) for a in (Q, K, V, O, dO, l, m))
+    Nq, d = Q.shape
+    Nk = K.shape[0]
+    tau = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    diag = causal_diag(causal, Nq, Nk)
+    dQ = np.zeros((Nq, d))                                                # line 5: dQ = 0 in HBM
+    dK, dV = np.zeros((Nk, d)), np.zeros((Nk, d))                         # line 5: dK = dV = 0 in HBM
+    for j0 in range(0, Nk, Bc):                                           # line 6: for 1 <= j <= Tc
+        Kj, Vj = K[j0:j0 + Bc], V[j0:j0 + Bc]                             # line 7: load K_j, V_j to SRAM
+        dKj, dVj = np.zeros_like(Kj), np.zeros_like(Vj)                   # line 8: dK~_j = dV~_j = 0 on chip
+        for i0 in range(0, Nq, Br):                                       # line 9: for 1 <= i <= Tr
+            r = slice(i0, i0 + Br)
+            Qi, Oi, dOi, li, mi = Q[r], O[r], dO[r], l[r], m[r]           # line 10: load Q_i, O_i, dO_i, dQ_i, l_i, m_i
+            S = tau * Qi @ Kj.T                                           # line 11: S_ij = tau Q_i K_jᵀ
+            if causal:
+                S = _mask(S, i0, j0, diag)                                # line 12: MASK(S_ij)
+            seen = li > 0                                                 #   (a row with no key: P = 0)
+            P = np.where(seen[:, None], np.exp(S - np.where(seen, mi, 0.0)[:, None]), 0.0) \
+                / np.where(seen, li, 1.0)[:, None]                        # line 13: P_ij = diag(l_i)^-1 exp(S_ij - m_i)
+            dVj += P.T @ dOi                                              # line 16: dV~_j += P_ijᵀ dO_i
+            dP = dOi @ Vj.T                                               # line 17: dP_ij = dO_i V_jᵀ
+            Di = (dOi * Oi).sum(axis=1)                                   # line 19: D_i = rowsum(dO_i ∘ O_i)
+            dS = P * (dP - Di[:, None])                                   # line 20: dS_ij = P_ij ∘ (dP_ij - D_i)
+            dQ[r] += tau * dS @ Kj                                        # line 21: dQ_i += tau dS_ij K_j (HBM)
+            dKj += tau * dS.T @ Qi                                        # line 22: dK~_j += tau dS_ijᵀ Q_i
+        dK[j0:j0 + Bc], dV[j0:j0 + Bc] = dKj, dVj                         # line 24: write dK_j, dV_j to HBM
+    return dQ, dK, dV                                                     # line 26
 
 
 # --------------------------------------------------------------------------- launchers

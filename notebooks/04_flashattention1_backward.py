@@ -20,7 +20,7 @@
 #
 # FlashAttention-1's backward (*Algorithm 4*) keeps only $O$ and the softmax statistics from the forward and
 # **recomputes** $S$ and $P$ tile by tile, on chip, from $Q$, $K$ and the statistics. This notebook shows the
-# kernel (`fa1.make_backward`), why one small vector $D$ replaces the row sums over $P\circ dP$, checks the
+# derivation of $dS = P\circ(dP - D)$, Algorithm 4 in NumPy, the kernel (`fa1.make_backward`), checks the
 # gradients numerically, counts the backward's traffic, and computes the memory each implementation
 # allocates, set beside the paper's Table 21.
 
@@ -66,28 +66,77 @@ print(f"per layer, B={B}, H={H}, N={N}, d={d}: standard keeps P = {saved_std * 2
 print("matmul FLOPs (x 2·N²·d per head): forward 2, standard backward 4, FA1 backward 5 (recomputes S)")
 
 # %% [markdown]
-# ## 2 · Why $D_i = \mathrm{rowsum}(dO_i \circ O_i)$ equals $\mathrm{rowsum}(P \circ dP)_i$
+# ## 2 · $dS = P \circ (dP - D)$, from the softmax Jacobian
 #
-# The softmax backward needs $D_i = \sum_j P_{ij}\, dP_{ij}$ for every row: a sum over **all** keys, which a
-# tile-by-tile backward does not have when it processes tile $(i, j)$. But $dP_{ij} = dO_i \cdot V_j$ (line 17), so
+# Write one row $i$ of the forward, with $k$ running over the keys: $S_{ik} = \tau\, q_i \cdot k_k$,
+# $P_{ik} = e^{S_{ik}} / \sum_{k'} e^{S_{ik'}}$, $O_i = \sum_k P_{ik} V_k$. Given $dO = \partial\phi/\partial O$, the chain
+# rule gives $dV = P^\top dO$ and $dP_{ik} = \partial\phi/\partial P_{ik} = dO_i \cdot V_k$, i.e. $dP = dO\,V^\top$
+# (Alg. 4 lines 16-17). The softmax of a row has the Jacobian
 #
-# $$D_i = \sum_j P_{ij}\,(dO_i \cdot V_j) = dO_i \cdot \Big(\sum_j P_{ij} V_j\Big) = dO_i \cdot O_i .$$
+# $$\frac{\partial P_{ik}}{\partial S_{ij}} = P_{ik}\,(\delta_{jk} - P_{ij}),$$
 #
-# The sum over keys collapses into the forward's output row $O_i$, which *is* stored: $D_i$ costs $d$
-# multiply-adds per row and no pass over the keys. FA1 recomputes it in every inner iteration (Alg. 4,
-# line 19 sits inside the loop over $i$), which is why the backward reads $O_i$ $T_c$ times; FA2 computes
-# it once in a separate kernel. Numerically:
+# so
+#
+# $$dS_{ij} = \sum_k dP_{ik}\, P_{ik}\,(\delta_{jk} - P_{ij}) = P_{ij}\Big(dP_{ij} - \sum_k P_{ik}\, dP_{ik}\Big).$$
+#
+# The row sum $\sum_k P_{ik}\,dP_{ik}$ runs over **all** keys, which a tile-by-tile backward does not have when it
+# processes tile $(i, j)$. But it collapses:
+#
+# $$\sum_k P_{ik}\, dP_{ik} = \sum_k P_{ik}\,(dO_i \cdot V_k) = dO_i \cdot \Big(\sum_k P_{ik} V_k\Big) = dO_i \cdot O_i =: D_i .$$
+#
+# So $dS = P \circ (dP - D)$ with $D = \mathrm{rowsum}(dO \circ O)$ (Alg. 4 lines 19-20), and then $dQ = \tau\, dS\,K$,
+# $dK = \tau\, dS^\top Q$ (lines 21-22). The forward's output row $O_i$ *is* stored, so $D_i$ costs $d$ multiply-adds
+# per row and no pass over the keys. FA1 recomputes it in every inner iteration (line 19 sits inside the loop
+# over $i$), which is why its backward reads $O_i$ $T_c$ times; FA2 computes $D$ once in a separate kernel.
+# Numerically, in float64 with a causal mask (masked $P_{ik} = 0$, so the sums still run over the allowed keys):
 
 # %%
 q, k, v, do = rng.standard_normal((4, 37, 16))
 o, lse = reference.attention_forward(q, k, v, causal=True)    # float64 O and L = log-sum-exp of each row
-S = q @ k.T / np.sqrt(16)                                      # default scale 1/sqrt(d)
+S = q @ k.T / np.sqrt(16)                                      # default scale tau = 1/sqrt(d)
 P = np.where(np.tri(37, dtype=bool), np.exp(S - lse[:, None]), 0.0)   # P = exp(S - L), causal
-dP = do @ v.T
-print("max |rowsum(P∘dP) - rowsum(dO∘O)| =", np.abs((P * dP).sum(1) - (do * o).sum(1)).max())
+dP = do @ v.T                                                  # dP_ik = dO_i · V_k
+D_sum = (P * dP).sum(axis=1)                                   # Σ_k P_ik dP_ik: a pass over all keys
+D = (do * o).sum(axis=1)                                       # rowsum(dO ∘ O): d numbers per row
+err_D = np.abs(D_sum - D).max()
+print(f"max |Σ_k P_ik dP_ik - rowsum(dO ∘ O)_i| = {err_D:.1e}")
+assert err_D < 1e-12          # float64: the same sum in two orders, a few ulps of O(1) values
+
+# The Jacobian route and the D route give the same dS, and with it the reference's gradients:
+J = P[:, :, None] * (np.eye(37)[None] - P[:, None, :])         # J[i, k, j] = ∂P_ik/∂S_ij
+dS_jac = np.einsum("ik,ikj->ij", dP, J)
+dS = P * (dP - D[:, None])
+dq_ref = reference.attention_backward(q, k, v, do, causal=True)[0]
+err_dS, err_dq = np.abs(dS_jac - dS).max(), np.abs(dS @ k / np.sqrt(16) - dq_ref).max()
+print(f"max |dS (Jacobian) - P∘(dP - D)| = {err_dS:.1e};  max |τ dS K - reference dQ| = {err_dq:.1e}")
+assert err_dS < 1e-12 and err_dq < 1e-12
 
 # %% [markdown]
-# ## 3 · The kernel, Algorithm 4 line by line
+# ## 3 · Algorithm 4 in NumPy
+#
+# The backward with recomputation, transcribed loop for loop into float64 NumPy (`fa1.fa1_backward_numpy`, each
+# line tagged with the paper's line number; dropout, lines 14-15 and 18, is the identity here). Its inputs are
+# exactly what Algorithm 1 leaves in HBM -- $O$, $\ell$, $m$ -- so the forward's transcription
+# (`fa1.fa1_forward_numpy`, notebook 03) produces them:
+
+# %%
+show_source(fa1.fa1_backward_numpy)
+
+# %%
+Nq_t, Nk_t, d_t, Br_t, Bc_t = 37, 29, 16, 8, 12          # ragged last tiles, Nq != Nk, Tr = 5, Tc = 3
+q, do = rng.standard_normal((2, Nq_t, d_t))
+k, v = rng.standard_normal((2, Nk_t, d_t))
+O_np, l_np, m_np = fa1.fa1_forward_numpy(q, k, v, Br_t, Bc_t, causal=True)           # Alg. 1: O, l, m
+grads_np = fa1.fa1_backward_numpy(q, k, v, O_np, do, l_np, m_np, Br_t, Bc_t, causal=True)   # Alg. 4
+grads_ref = reference.attention_backward(q, k, v, do, causal=True)
+for name, g, r in zip(("dQ", "dK", "dV"), grads_np, grads_ref):
+    err = np.abs(g - r).max()
+    print(f"{name}: max |Alg. 4 (NumPy) - reference| = {err:.1e}")
+    # both float64, the same products summed tile by tile instead of at once: a few ulps of O(1-10) values
+    assert err < 1e-12
+
+# %% [markdown]
+# ## 4 · The kernel, Algorithm 4 line by line
 #
 # One thread block per (batch, head); outer loop over key blocks $j$ with $K_j, V_j$ in shared memory and
 # $dK_j, dV_j$ accumulated there (written to HBM once, line 24); inner loop over query blocks $i$ that reads
@@ -99,14 +148,14 @@ print("max |rowsum(P∘dP) - rowsum(dO∘O)| =", np.abs((P * dP).sum(1) - (do * 
 show_source(fa1.make_backward)
 
 # %%
-src, first = inspect.getsourcelines(fa1.make_backward.__wrapped__)
+src, first = inspect.getsourcelines(inspect.unwrap(fa1.make_backward))
 for n, text in enumerate(src):
     tag = re.search(r"#.*?\b(lines? \d+(?:-\d+)?)", text)
     if tag:
         print(f"fa1.py:{first + n:<4} {tag.group(1):<9} {text.split('#')[0].strip()}")
 
 # %% [markdown]
-# ## 4 · Gradient check
+# ## 5 · Gradient check
 #
 # Two checks of `attention_backward(..., impl="fa1")`: against the float64 reference gradients, and against
 # central finite differences of the scalar $\phi = \sum O \circ dO$ (whose gradient is exactly what the backward
@@ -119,6 +168,7 @@ o, lse = flashnb.attention_forward(q, k, v, causal=True, impl="fa1", Br=8, Bc=4,
 dq, dk, dv = flashnb.attention_backward(q, k, v, o, lse, do, causal=True, impl="fa1", Br=8, Bc=4, warps=2)
 for name, g, r in zip(("dq", "dk", "dv"), (dq, dk, dv), reference.attention_backward(q, k, v, do, causal=True)):
     print(f"{name}: max |FA1 - reference| = {np.abs(g - r).max():.2e}")
+    assert np.abs(g - r).max() < 1e-4     # float32 kernel; dP, dS, dQ chain products reach O(10)
 
 
 def phi(q_, k_, v_):
@@ -134,9 +184,11 @@ for name, grad, which in (("dq", dq, 0), ("dk", dk, 1), ("dv", dv, 2)):
     minus[which] = minus[which] - eps * u
     fd = (phi(*plus) - phi(*minus)) / (2 * eps)
     print(f"{name}: directional derivative, finite difference {fd:+.6f}   FA1 <grad, u> {np.sum(grad * u):+.6f}")
+    # float64 central difference: O(eps²) truncation; the float32 gradient summed over ~100 entries: ~1e-5
+    assert abs(fd - np.sum(grad * u)) < 1e-4 * (1 + abs(fd))
 
 # %% [markdown]
-# ## 5 · Counted traffic of the backward against standard attention
+# ## 6 · Counted traffic of the backward against standard attention
 #
 # Per head, the backward's main kernel reads $K, V$ once and writes $dK, dV$ once ($4Nd$), and reads
 # $Q_i, O_i, dO_i, dQ_i$ and writes $dQ_i$ at every one of the $T_c$ outer steps ($5T_c Nd$); the statistic is one
@@ -165,7 +217,7 @@ for N_ in (16, 32, 64):
     paper = 4 * N_ * d_c + 5 * Tc * N_ * d_c + 2 * Tc * N_
     ours = paper - Tc * N_ + N_ * d_c             # L instead of l, m; plus the dQ = 0 initialisation
     assert ours == counted[N_][0]
-    print(f"N = {N_:>3}: counted FA1 {counted[N_][0]:>7,} = paper's {paper:,} - Tc·N + N·d   naive {counted[N_][1]:>8,}")
+    print(f"N = {N_:>3}: counted FA1 {counted[N_][0]:>7,} = Alg. 4 as written {paper:,} - Tc·N + N·d   naive {counted[N_][1]:>8,}")
 
 # %%
 Ns = 2 ** np.arange(4, 15)
@@ -190,7 +242,7 @@ print(f"at N = {Ns[-1]}: naive / FA1 backward traffic = {naive_b[-1] / fa1_b[-1]
 # backward's traffic is still quadratic in $N$; what changed is the constant, set by the SRAM size.
 
 # %% [markdown]
-# ## 6 · Memory: what each implementation allocates
+# ## 7 · Memory: what each implementation allocates
 #
 # The FA1 paper's Table 21 reports the memory of forward + backward for batch 16, 8 heads, $d = 64$:
 # standard attention 1,184 / 4,416 / 17,024 MB at $N$ = 1K / 2K / 4K (and out of memory beyond), FlashAttention
@@ -236,6 +288,10 @@ for N_ in paper:
 for N_ in (1024, 2048, 4096):
     ps, pf = paper[N_]
     print(f"N = {N_}: fp16 bytes / paper's MB — naive {mem[N_][0] / 2 / MB / ps:.2f}, FA1 {mem[N_][1] / 2 / MB / pf:.2f}")
+growth = {name: mem[4096][i] / mem[1024][i] for i, name in enumerate(("naive", "FA1"))}
+print(f"N = 1024 -> 4096 (4x): naive memory x{growth['naive']:.1f}, FA1 x{growth['FA1']:.1f}"
+      f"   (paper: standard x{17024 / 1184:.1f}, FlashAttention x{836 / 209:.1f})")
+assert growth["naive"] > 12 and growth["FA1"] < 4.5      # N² against N
 
 # %%
 fig, ax = plt.subplots(figsize=(6.5, 4.2))
@@ -319,7 +375,7 @@ times_fa1 = ...
 exercises.check("04.4", mask_bytes=mask_bytes, times_fa1=times_fa1)
 
 # %% [markdown]
-# **04.5 · Finite differences in float32** (★★, ~20 min) Repeat the directional-derivative check of section 4
+# **04.5 · Finite differences in float32** (★★, ~20 min) Repeat the directional-derivative check of section 5
 # for `dq` with `phi` computed by the FA1 forward itself (float32), for $\varepsilon = 10^{-1}, \dots, 10^{-6}$.
 # Which step size balances truncation and rounding error? (The check wants its order of magnitude.)
 

@@ -198,3 +198,39 @@ def test_dry_run_lists_allocations_without_launching():
         (128, 4096, 64), (128, 4096), (128, 4096), (128, 4096)]      # O, l, m, L
     assert [a.shape for a in common.dry_run(naive.forward, q, q, q, causal=False, scale=0.125)] == [
         (128, 4096, 4096), (128, 4096, 4096), (128, 4096), (128, 4096, 64)]   # S, P, L, O
+
+
+# The NumPy transcriptions of Alg. 1 and Alg. 4 (float64) against the float64 reference: the same sums in
+# another order, so agreement is to a few ulps of O(1)-O(10) values; 1e-12 still catches any wrong index,
+# mask or merge (those give O(0.1-1) errors).  Ragged last tiles, Nq != Nk both ways, both causal alignments,
+# rows that see no key (Nq > Nk, lower_right), Tc = 1 and Tc > 1.
+NUMPY_SHAPES = [(40, 40, 16, 16, 16, True), (21, 13, 8, 8, 4, True), (13, 21, 8, 5, 7, "upper_left"),
+                (19, 1, 8, 8, 8, True), (33, 20, 5, 8, 6, False), (7, 7, 3, 32, 32, False)]
+
+
+@pytest.mark.parametrize("Nq, Nk, d, Br, Bc, causal", NUMPY_SHAPES)
+def test_numpy_transcriptions_match_reference(Nq, Nk, d, Br, Bc, causal):
+    rng = np.random.default_rng(Nq * 100 + Nk)
+    q, do = rng.standard_normal((2, Nq, d))
+    k, v = rng.standard_normal((2, Nk, d))
+    O, l, m = fa1.fa1_forward_numpy(q, k, v, Br, Bc, causal=causal)
+    o_ref, L_ref = reference.attention_forward(q, k, v, causal=causal)
+    np.testing.assert_allclose(O, o_ref, atol=1e-12, rtol=0)
+    seen = np.isfinite(L_ref)
+    assert (l[~seen] == 0).all() and np.isneginf(m[~seen]).all()      # rows with no key: l = 0, m = -inf
+    np.testing.assert_allclose(m[seen] + np.log(l[seen]), L_ref[seen], atol=1e-12, rtol=0)
+    grads = fa1.fa1_backward_numpy(q, k, v, O, do, l, m, Br, Bc, causal=causal)
+    for g, r in zip(grads, reference.attention_backward(q, k, v, do, causal=causal)):
+        np.testing.assert_allclose(g, r, atol=1e-12, rtol=0)
+
+
+def test_numpy_transcriptions_match_kernel_statistics():
+    """The kernel's float32 l and m are Alg. 1's, tile for tile (same Br, Bc, so the same merges)."""
+    rng = np.random.default_rng(7)
+    q, k, v = rng.standard_normal((3, 40, 16))
+    O, l, m = fa1.fa1_forward_numpy(q, k, v, 16, 16, causal=True, scale=0.25)
+    qd, kd, vd = (common.to_device(a[None]) for a in (q, k, v))
+    O_k, l_k, m_k, _ = fa1.forward_stats(qd, kd, vd, causal=True, scale=0.25, Br=16, Bc=16)
+    np.testing.assert_allclose(l_k.copy_to_host()[0], l, **FWD)
+    np.testing.assert_allclose(m_k.copy_to_host()[0], m, **FWD)
+    np.testing.assert_allclose(O_k.copy_to_host()[0], O, **FWD)
