@@ -94,6 +94,32 @@ def _check_score_range(q3: np.ndarray, k3: np.ndarray, scale: float) -> None:
                          "NaN; use a smaller scale")
 
 
+def _check_sum_range(v3: np.ndarray, do3: np.ndarray | None = None) -> None:
+    """Refuse values whose sums float32 cannot hold although each value can.
+
+    Forward: the unnormalised ``O~_i = Σ_j exp(s_ij - m_i) v_j`` (exp <= 1) reaches up to ``Σ_j |v_jc|`` before
+    the division by ``l_i``; a v of 1e38 over 12 keys gives inf, then NaN, while o itself would be finite.
+    Backward (``do3`` given): ``dP_ij = do_i · v_j`` and ``dV_j = Σ_i P_ij do_i`` must stay finite as well.
+    """
+    v64 = np.abs(v3.astype(np.float64))
+    colsum = float(v64.sum(axis=1).max())
+    if colsum > SCORE_LIMIT:
+        raise ValueError(f"v: a column sums to {colsum:.3g} in magnitude over the keys (Σ_j |v_jc|), beyond "
+                         f"{SCORE_LIMIT:.3g} (half the float32 range); the kernels accumulate exp(s - m)·v before "
+                         "dividing by l, so they would give inf and NaN; scale v down (o scales with it)")
+    if do3 is None:
+        return
+    do64 = np.abs(do3.astype(np.float64))
+    if float(do64.sum(axis=1).max()) > SCORE_LIMIT:
+        raise ValueError(f"do: a column sums to {float(do64.sum(axis=1).max()):.3g} in magnitude over the queries, "
+                         f"beyond {SCORE_LIMIT:.3g}, so dV = Pᵀ·do would overflow float32; scale do down")
+    dp = max(float((dob @ vb.T).max()) for dob, vb in zip(do64, v64))
+    if dp > SCORE_LIMIT:
+        raise ValueError(f"do and v: the products dP = do·vᵀ reach {dp:.3g} in magnitude, beyond {SCORE_LIMIT:.3g} "
+                         "(half the float32 range), so the float32 backward would give inf and NaN; scale do or v "
+                         "down (the gradients scale with them)")
+
+
 def _check_impl(impl: str, need_backward: bool = False):
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"impl must be one of {sorted(IMPLS)}, got {impl!r}")
@@ -175,6 +201,7 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
     causal = _check_causal(causal, q.shape[-2], k.shape[-2])
     q3, k3, v3 = (_to3(a) for a in (q, k, v))
     _check_score_range(q3, k3, s)
+    _check_sum_range(v3)
     qd, kd, vd = (common.to_device(a) for a in (q3, k3, v3))
     o, lse = entry.forward(qd, kd, vd, causal=causal, scale=s, **options)
     return o.copy_to_host().reshape(q.shape), lse.copy_to_host().reshape(q.shape[:-1])
@@ -193,10 +220,15 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale=None,
     q, k, v, ``causal``, ``scale`` and mask-defining options (``block_mask``, ``window``, tiles of a block mask).
     The kernels never recompute the forward: they rebuild ``P = exp(scale·q kᵀ - lse)`` from the given ``lse``
     and use ``D = rowsum(do ∘ o)`` from the given ``o``, so a wrong ``o`` or ``lse`` gives wrong gradients
-    without any error.  ``check_forward=True`` (the default) guards against that: a few rows (the first, middle
-    and last query of the first and last batch·head) are recomputed in float64 -- O(N·d) work, negligible
-    next to the backward -- and a ValueError names the first row whose ``lse`` or ``o`` is off by more than
-    float32 rounding explains.  ``check_forward=False`` skips it (e.g. inside a timed loop).
+    without any error.  ``check_forward=True`` (the default) guards against that: rows of ``o`` and ``lse`` are
+    recomputed in float64 and a ValueError names the first row that is off by more than float32 rounding
+    explains.  Small problems (at most :data:`CHECK_ALL_ROWS` rows of batch·heads × N_q, and
+    BH·N_q·N_k·d <= 2**22: every simulator-sized problem) are checked row by row, all of them; larger ones
+    are sampled -- the first, middle and last query of the first and last batch·head, O(N·d) work -- which
+    catches a forward run with other inputs, causal setting, scale or mask, or a scaled ``o``, but not a
+    change confined to unsampled rows.  The tolerance is float32's (``1e-3·(1 + |scale|·max Σ|q||k|)`` on
+    ``lse``, twice that times max|v| on ``o``), so an error smaller than that passes.  ``check_forward=False``
+    skips it (e.g. inside a timed loop).
 
     ``do`` has o's shape.  Shapes, dtypes and options as in :func:`attention_forward`.
     """
@@ -225,11 +257,13 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale=None,
     q3, k3, v3, o3 = (_to3(a) for a in (q, k, v, o))
     lse2 = np.ascontiguousarray(lse.reshape(-1, q.shape[-2]), dtype=np.float32)
     _check_score_range(q3, k3, s)
+    do3 = _to3(do)
+    _check_sum_range(v3, do3)
     if check_forward:
         _check_forward_outputs(entry, q3, k3, v3, o3, lse2, causal, s, options)
     dev = [common.to_device(a) for a in (q3, k3, v3, o3)]
     lse_d = common.to_device(lse2)
-    do_d = common.to_device(_to3(do))
+    do_d = common.to_device(do3)
     dq, dk, dv = entry.backward(*dev, lse_d, do_d, causal=causal, scale=s, **options)
     return dq.copy_to_host().reshape(q.shape), dk.copy_to_host().reshape(k.shape), dv.copy_to_host().reshape(v.shape)
 
@@ -267,15 +301,21 @@ def _mask_rows(entry, options: dict, BH: int, Nq: int, Nk: int, d: int, causal: 
     return row
 
 
+#: ``check_forward`` recomputes every row when there are at most this many (batch·heads × N_q) rows and
+#: BH·N_q·N_k·d <= 2**22 (milliseconds of NumPy); larger problems are sampled (6 rows).
+CHECK_ALL_ROWS = 2048
+
+
 def _check_forward_outputs(entry, q3, k3, v3, o3, lse2, causal, scale, options) -> None:
     """Recompute a few rows of ``o`` and ``lse`` in float64 and refuse ones that are not the forward of these
     inputs (see :func:`attention_backward`)."""
     BH, Nq, d = q3.shape
     Nk = k3.shape[1]
     row_mask = _mask_rows(entry, options, BH, Nq, Nk, d, causal)
-    for b in sorted({0, BH - 1}):
+    small = BH * Nq <= CHECK_ALL_ROWS and BH * Nq * Nk * d <= 1 << 22
+    for b in range(BH) if small else sorted({0, BH - 1}):
         K, V = k3[b].astype(np.float64), v3[b].astype(np.float64)
-        for i in sorted({0, Nq // 2, Nq - 1}):
+        for i in range(Nq) if small else sorted({0, Nq // 2, Nq - 1}):
             qi = q3[b, i].astype(np.float64)
             ok = row_mask(b, i)
             given_lse, given_o = float(lse2[b, i]), o3[b, i].astype(np.float64)

@@ -142,14 +142,14 @@ class _Counted:
         self._rec = rec
         self._kr, self._kw, self._ka = keys
         self._fake_shape = fake_shape
-        self._pre = pre   # the index that made this view (A[z] -> (z,)), for messages
+        self._pre = pre   # the indices that made this view, one tuple per indexing (A[z] -> ((z,),)), for messages
         self.shape = _FakeShape(a.shape) if fake_shape else a.shape
         self.ndim = a.ndim
         self.size = a.size
         self.dtype = a.dtype
 
     def _view(self, sub, idx=()):
-        pre = self._pre + (idx if type(idx) is tuple else (idx,))
+        pre = self._pre + ((idx if type(idx) is tuple else (idx,)),)
         return type(self)(sub, self._rec, (self._kr, self._kw, self._ka), self._fake_shape, pre)
 
     def __getitem__(self, idx):
@@ -443,9 +443,12 @@ class LaunchTraffic:
 
     def summary(self) -> dict:
         """This launch in the traffic-model format of CONTRIBUTING.md."""
-        return dict(launch=self.label, reads=_nonzero(self.reads), writes=_nonzero(self.writes),
-                    atomics=_nonzero(self.atomics), shared_reads=sum(self.shared_reads.values()),
-                    shared_writes=sum(self.shared_writes.values()))
+        out = dict(launch=self.label, reads=_nonzero(self.reads), writes=_nonzero(self.writes),
+                   atomics=_nonzero(self.atomics), shared_reads=sum(self.shared_reads.values()),
+                   shared_writes=sum(self.shared_writes.values()))
+        if any(self.shared_atomics.values()):   # a seventh key only where there are any (no library kernel has)
+            out["shared_atomics"] = sum(self.shared_atomics.values())
+        return out
 
     def rows(self):
         """(array, kind, reads, writes, atomics, read bytes, written bytes) per array of this launch."""
@@ -458,6 +461,10 @@ class LaunchTraffic:
         for name in dict.fromkeys([*self.shared_writes, *self.shared_reads, *self.shared_atomics]):
             yield (name, "shared", self.shared_reads.get(name, 0), self.shared_writes.get(name, 0),
                    self.shared_atomics.get(name, 0), None, None)
+
+
+#: The keys of one launch's traffic model (CONTRIBUTING.md); ``shared_atomics`` is optional (default 0).
+MODEL_KEYS = ("launch", "reads", "writes", "atomics", "shared_reads", "shared_writes", "shared_atomics")
 
 
 class Traffic:
@@ -587,6 +594,10 @@ class Traffic:
             if not isinstance(m, dict) or "launch" not in m:
                 raise ValueError(f"model[{i}] must be a dict with a 'launch' label (model format of CONTRIBUTING.md),"
                                  f" got {m!r}")
+            unknown = [k for k in m if k not in MODEL_KEYS]
+            if unknown:   # a misspelt key would otherwise be a count the model silently does not check
+                raise ValueError(f"model[{i}] ({m['launch']!r}) has unknown key(s) {unknown}; a launch's model "
+                                 f"has the keys {list(MODEL_KEYS)}")
 
         def off(counted, modelled) -> bool:
             if budget is None:
@@ -610,7 +621,7 @@ class Traffic:
                     c, mo = counted.get(array, 0), modelled.get(array, 0)
                     if off(c, mo):
                         diffs.append(f"{where}: {what} of {array!r}: counted {c:,}, model {mo:,} ({pct(c, mo)})")
-            for what in ("shared_reads", "shared_writes"):
+            for what in ("shared_reads", "shared_writes", "shared_atomics"):
                 c, mo = sum(getattr(lt, what).values()), m.get(what, 0)
                 if off(c, mo):
                     per = ", ".join(f"{k} {v:,}" for k, v in getattr(lt, what).items())
@@ -693,7 +704,8 @@ class Traffic:
         return (f"{len(self.launches)} launch{'es' if len(self.launches) != 1 else ''}: global "
                 f"{_bytes(self.global_read_bytes)} read, {_bytes(self.global_write_bytes)} written, "
                 f"{self.atomics:,} atomics; shared {self.shared_reads:,} element reads, "
-                f"{self.shared_writes:,} element writes")
+                f"{self.shared_writes:,} element writes"
+                + (f", {self.shared_atomics:,} atomics" if self.shared_atomics else ""))
 
     def __str__(self) -> str:
         rows = [self._HEAD] + self._table()

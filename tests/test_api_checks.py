@@ -66,6 +66,26 @@ def test_scores_beyond_float32_are_refused(rng, impl):
             flashnb.attention_backward(q, q, v, v, np.zeros(8), v, impl=impl)
 
 
+def test_values_whose_sums_overflow_float32_are_refused(rng):
+    # Before: v = 1e38 over 12 keys gave inf/NaN output silently (the kernels accumulate exp(s - m)·v before
+    # dividing by l; o itself, a convex combination of v, would be finite).
+    q, k = rng.standard_normal((2, 12, 4))
+    v = np.full((12, 4), 1e38)
+    with pytest.raises(ValueError, match=r"v: a column sums to 1\.2e\+39 .* beyond 1\.7e\+38"):
+        flashnb.attention_forward(q, k, v, impl="fa2")
+    # 1e36 over 12 keys sums to 1.2e37: computed, o equal to v's rows (every row of v is the same)
+    o = flashnb.attention(q, k, np.full((12, 4), 1e36), impl="fa2")
+    assert np.all(np.isfinite(o)) and np.allclose(o, 1e36, rtol=1e-6)
+    # the backward: dV = Pᵀ do sums do over the queries, dP = do vᵀ multiplies them
+    v = rng.standard_normal((12, 4))
+    o, lse = flashnb.attention_forward(q, k, v, impl="fa2")
+    with pytest.raises(ValueError, match=r"do: a column sums to 1\.2e\+39"):
+        flashnb.attention_backward(q, k, v, o, lse, np.full((12, 4), 1e38), impl="fa2")
+    with pytest.raises(ValueError, match=r"do and v: the products dP = do·vᵀ reach"):
+        flashnb.attention_backward(q, k, v * 1e20, o * 1e20, lse, np.full((12, 4), 1e19), impl="fa2",
+                                   check_forward=False)
+
+
 def test_large_but_representable_scores_are_computed(rng):
     # scale = 1e36 keeps every score (|q·k| < 17 here) within 1.7e38: computed, equal to the reference (one-hot rows)
     q, k, v = qkv(rng, (16, 8), 16)
@@ -104,6 +124,19 @@ def test_backward_refuses_o_lse_that_are_not_the_forward(fa1_problem, case):
     flashnb.attention_backward(q, k, v, o2, lse2, do, causal=causal, impl="fa1", check_forward=False)
     with pytest.raises(TypeError, match="check_forward"):
         flashnb.attention_backward(q, k, v, o, lse, do, impl="fa1", check_forward="yes")
+
+
+def test_backward_check_sees_one_corrupted_row_of_a_small_problem(fa1_problem):
+    # Before: only 6 rows were sampled, so a corruption of row 5 of head 1 passed; small problems are now
+    # checked row by row (a larger one is sampled: the docstring says what that misses).
+    q, k, v, do, o, lse = fa1_problem
+    o2, lse2 = o.copy(), lse.copy()
+    lse2[1, 5] += 0.05           # far above float32 rounding (~1e-6 here), far below "whole forward wrong"
+    with pytest.raises(ValueError, match=r"at row 5 of batch·head 1 lse"):
+        flashnb.attention_backward(q, k, v, o, lse2, do, impl="fa1")
+    o2[0, 9, 3] += 0.05
+    with pytest.raises(ValueError, match=r"at row 9 of batch·head 0 lse"):
+        flashnb.attention_backward(q, k, v, o2, lse, do, impl="fa1")
 
 
 def test_backward_check_accepts_the_forward_and_knows_the_masks(rng):

@@ -85,6 +85,14 @@ def row_view(X, out, fixed):
 
 
 @cuda.jit
+def slice_view(X, out, fixed):
+    t = cuda.threadIdx.x
+    upper = X[16:]                          # rows 16..31 of X: its own rows are 0..15
+    r = t % 16 if fixed else t
+    out[t] = upper[r, 1]                    # BUG: threads 16..31 read upper[16..31], past X's end
+
+
+@cuda.jit
 def atomic_past_end(hist, fixed):
     t = cuda.threadIdx.x
     cuda.atomic.add(hist, t % 8 if fixed else t % 9, float32(1))   # BUG: bin 8 of 8
@@ -113,6 +121,18 @@ def test_memcheck_shared_local_and_view_indices(kernel, text):
     (f,) = report.findings
     assert text in f.message and f.where == _line(kernel), f.message
     assert not _run(kernel, 1, 32, *args, out, True)
+
+
+def test_memcheck_on_a_view_of_a_slice_names_the_view_and_its_own_extent():
+    X = to_device(np.random.default_rng(2).standard_normal((32, 4)))
+    out = to_device(np.zeros(32, np.float32))
+    report = _run(slice_view, 1, 32, X, out, False)
+    (f,) = report.findings
+    # the index is the view's own (16 = one past its last row), shown as the kernel wrote it
+    assert "invalid global read of X[16:][16, 1]" in f.message, f.message
+    assert "outside 0..15 of dimension 0 of the view X[16:] (shape (16, 4))" in f.message, f.message
+    assert "slice(" not in f.message and f.where == _line(slice_view)
+    assert not _run(slice_view, 1, 32, X, out, True)
 
 
 def test_memcheck_atomic_past_the_end_and_abort():

@@ -131,3 +131,36 @@ def test_small_modelled_times_use_units_that_fit():
     assert " µs on " in str(roofline.modelled_time(0, 3.35e7))          # 10 µs
     assert str(roofline.modelled_time(0, 3.35e10)).startswith("modelled 10.000 ms")   # unchanged from 1 ms up
     np.testing.assert_allclose(roofline.modelled_time(0, 3.35e10).seconds, 0.01)
+
+
+@cuda.jit
+def shared_histogram(x, hist):
+    """Each thread adds its element to one of 4 shared bins (shared atomics), thread 0 writes the bins out."""
+    bins = cuda.shared.array(4, float32)
+    t = cuda.threadIdx.x
+    if t < 4:
+        bins[t] = float32(0)
+    cuda.syncthreads()
+    cuda.atomic.add(bins, t % 4, x[t])
+    cuda.syncthreads()
+    if t < 4:
+        hist[t] = bins[t]
+
+
+def test_check_model_refuses_unknown_keys_and_checks_shared_atomics(rng):
+    x = common.to_device(rng.standard_normal(32))
+    hist = common.empty(4)
+    with traffic.count() as t:
+        common.launch(shared_histogram, 1, 32, x, hist, label="histogram")
+    mine = dict(launch="histogram", reads={"x": 32}, writes={"hist": 4}, atomics={}, shared_reads=4,
+                shared_writes=4, shared_atomics=32)
+    assert t.summary() == [mine]             # the seventh key appears because this launch has shared atomics
+    assert t.check_model(mine) == []
+    assert "32 atomics" in str(t).splitlines()[0]
+    # a model that forgets the shared atomics is told so (it was silently accepted before)
+    forgot = {k: v for k, v in mine.items() if k != "shared_atomics"}
+    assert t.check_model(forgot, raise_on_mismatch=False) == [
+        "launch 0 'histogram' (kernel shared_histogram): shared_atomics: counted 32 (bins 32), model 0 (model 0)"]
+    # a misspelt key is an error naming it, not a count that nobody checks
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['shared_read'\]"):
+        t.check_model(dict(mine, shared_read=4))

@@ -107,8 +107,29 @@ def _thread():
     return tuple(t.blockIdx), tuple(t.threadIdx), t.thread_id
 
 
+def _fmt_one(i) -> str:
+    if isinstance(i, (int, np.integer)):
+        return str(int(i))
+    if isinstance(i, slice):
+        parts = ["" if x is None else str(int(x)) for x in (i.start, i.stop)]
+        return ":".join(parts) + ("" if i.step is None else f":{int(i.step)}")
+    return "..." if i is Ellipsis else repr(i)
+
+
 def _fmt_index(idx) -> str:
-    return ", ".join(str(int(i)) if isinstance(i, (int, np.integer)) else repr(i) for i in idx)
+    return ", ".join(_fmt_one(i) for i in idx)
+
+
+def _only_ints(groups) -> bool:
+    return all(isinstance(i, (int, np.integer)) for g in groups for i in g)
+
+
+def _fmt_ref(name: str, pre: tuple, idx: tuple) -> str:
+    """``A[z, i, j]`` for an element reached through integer views (``A[z]`` then ``[i, j]``); the indexing
+    chain as written, ``t[16:][31]``, when a view came from a slice (its indices are not the base array's)."""
+    if _only_ints(pre):
+        return f"{name}[{_fmt_index(tuple(i for g in pre for i in g) + tuple(idx))}]"
+    return name + "".join(f"[{_fmt_index(g)}]" for g in (*pre, tuple(idx)))
 
 
 _OP_NAMES = {"r": "read", "w": "write", "a": "atomic"}
@@ -223,8 +244,13 @@ class _LaunchObserver:
             for k, i in enumerate(full):
                 if isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_)) and \
                         not 0 <= i < shape[k]:
-                    dim = len(proxy._pre) + k
-                    bad = f"index {int(i)} is outside 0..{shape[k] - 1} of dimension {dim}"
+                    if _only_ints(proxy._pre):   # dimension of the array as declared
+                        bad = (f"index {int(i)} is outside 0..{shape[k] - 1} of dimension "
+                               f"{sum(len(g) for g in proxy._pre) + k}")
+                    else:                         # a slice made the view: its own dimension and extent
+                        view = proxy._kr[1] + "".join(f"[{_fmt_index(g)}]" for g in proxy._pre)
+                        bad = (f"index {int(i)} is outside 0..{shape[k] - 1} of dimension {k} of the view "
+                               f"{view} (shape {tuple(shape)})")
                     break
         if bad is None:
             return
@@ -234,7 +260,7 @@ class _LaunchObserver:
         where = _where()
         element = len(full) == len(shape) and all(isinstance(i, (int, np.integer)) for i in full)
         what = f"{_OP_NAMES[op]} of" if element else "view of"
-        message = (f"invalid {memory} {what} {name}[{_fmt_index(proxy._pre + full)}] by thread {list(tidx)} in "
+        message = (f"invalid {memory} {what} {_fmt_ref(name, proxy._pre, full)} by thread {list(tidx)} in "
                    f"block {list(block)} of launch {self.label!r} ({self.kernel}) at {where}: {bad}"
                    + (" (NumPy would wrap it silently; on a GPU it touches memory outside the array)"
                       if "index -" in bad else ""))
@@ -273,7 +299,7 @@ class _LaunchObserver:
                     if s.is_poisoned(addr):
                         s.written_global.add(addr)
                 elif addr not in s.written_global and s.is_poisoned(addr):
-                    self._uninit("global", proxy, proxy._pre + index,
+                    self._uninit("global", proxy, index,
                                  "an output the launcher poisoned with NaN that no launch has written")
                     s.written_global.add(addr)
 
@@ -289,7 +315,7 @@ class _LaunchObserver:
         where = _where()
         name = proxy._kr[1]
         self.s.add("initcheck", f"uninitialized {memory} read", self,
-                   f"read of uninitialized {memory} memory {name}[{_fmt_index(index)}] by thread {list(tidx)} in "
+                   f"read of uninitialized {memory} memory {_fmt_ref(name, proxy._pre, index)} by thread {list(tidx)} in "
                    f"block {list(block)} of launch {self.label!r} ({self.kernel}) at {where}: {why}",
                    where, (name,))
 
