@@ -315,8 +315,8 @@ class _LaunchObserver:
         where = _where()
         name = proxy._kr[1]
         self.s.add("initcheck", f"uninitialized {memory} read", self,
-                   f"read of uninitialized {memory} memory {_fmt_ref(name, proxy._pre, index)} by thread {list(tidx)} in "
-                   f"block {list(block)} of launch {self.label!r} ({self.kernel}) at {where}: {why}",
+                   f"read of uninitialized {memory} memory {_fmt_ref(name, proxy._pre, index)} by thread "
+                   f"{list(tidx)} in block {list(block)} of launch {self.label!r} ({self.kernel}) at {where}: {why}",
                    where, (name,))
 
     def finish(self):
