@@ -332,7 +332,47 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"head dim d, 1..{MAX_HEAD_DIM} (default {d})")
         p.add_argument("--no-causal", dest="causal", action="store_false",
                        help="dense attention (default: causal, aligned bottom-right)")
+    course = sub.add_parser("course", help="graded assignments: make the student release, grade submissions",
+                            description="Graded assignments (assignments/README.md): 'release' builds the student "
+                                        "notebooks and autograder bundles from the masters; 'grade' grades a folder "
+                                        "of submitted notebooks into a CSV and one feedback file per student.")
+    csub = course.add_subparsers(dest="course_command", required=True, metavar="ACTION")
+    rel = csub.add_parser("release", help="build student notebooks and autograder bundles from the masters")
+    rel.add_argument("masters", nargs="*", help="master.py files (default: assignments/*/master.py)")
+    rel.add_argument("--out", default="release", help="output folder (default ./release)")
+    gr = csub.add_parser("grade", help="grade a folder of submissions into a CSV plus feedback files")
+    gr.add_argument("bundle", help="an assignment's autograder folder, e.g. release/a1_online_softmax/autograder")
+    gr.add_argument("submissions", help="folder of submitted notebooks (<student>.ipynb)")
+    gr.add_argument("--out", default="scores.csv", help="the CSV to write (default ./scores.csv); feedback goes "
+                    "into a 'feedback' folder beside it")
     return parser
+
+
+def cmd_course(args) -> int:
+    from pathlib import Path
+
+    if args.course_command == "release":
+        from .course.build import release
+
+        masters = args.masters or sorted(str(p) for p in Path("assignments").glob("*/master.py"))
+        if not masters:
+            print("no masters given and none in ./assignments/*/master.py", file=sys.stderr)
+            return 2
+        for m in release(masters, args.out):
+            pts = sum(t["points"] for t in m["tests"])
+            hidden = sum(t["points"] for t in m["tests"] if t["hidden"])
+            print(f"{m['name']}: {len(m['tests'])} tests, {pts:g} points ({hidden:g} hidden) -> "
+                  f"{Path(args.out) / m['name']}/student, /autograder")
+        return 0
+    from .course.grade import grade
+
+    try:
+        grade(args.bundle, args.submissions, args.out)
+    except FileNotFoundError as exc:
+        print(f"flashnb course grade: {exc}", file=sys.stderr)
+        return 2
+    print(f"scores: {args.out}; feedback: {Path(args.out).parent / 'feedback'}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -355,6 +395,8 @@ def main(argv=None) -> int:
         return cmd_sanitize(args)
     if args.command == "profile":
         return cmd_profile(args)
+    if args.command == "course":
+        return cmd_course(args)
     return 2
 
 

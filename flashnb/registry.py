@@ -149,7 +149,8 @@ def _spec_of(factory) -> KernelSpec | None:
     return next((spec for spec in KERNELS.values() if spec.factory is factory), None)
 
 
-def variant(factory, *, replace=(), source: str | None = None):
+def variant(factory, *, replace=(), source: str | None = None, names: dict | None = None,
+            filename: str | None = None):
     """A modified copy of a registered kernel factory, for experiments and exercises.
 
     ``replace`` is a pair ``(old, new)`` or a list of pairs: each ``old`` must occur exactly once in the
@@ -159,7 +160,9 @@ def variant(factory, *, replace=(), source: str | None = None):
     the original, and registered nowhere: the original keeps its registration and the PTX guard its
     coverage.  Its source is kept in ``linecache`` under ``<variant of module.name>``, so tracebacks, the traffic
     counter's shared-array names, the sanitizer's line numbers and ``inspect.getsource`` work on it.  Use it
-    with the library's own launchers through :func:`using`::
+    with the library's own launchers through :func:`using`.  ``names`` replaces names of the module's namespace
+    for this variant only (e.g. ``names={"merge_state": my_merge}`` makes it call your device function);
+    ``filename`` names its source in tracebacks and reports (default ``<variant of module.name>``)::
 
         no_barrier = registry.variant(fa2.make_forward, replace=("cuda.syncthreads()  # every warp", "# (removed)"))
         with registry.using(fa2.make_forward, no_barrier):
@@ -195,10 +198,16 @@ def variant(factory, *, replace=(), source: str | None = None):
         raise ValueError(f"source must hold exactly one function definition (the factory), found {len(defs)}")
     defs[0].decorator_list = []      # drop @kernel_factory(...): a variant is registered nowhere
     module = sys.modules[original.__module__]
-    filename = f"<variant of {original.__module__}.{original.__name__}>"
+    filename = filename or f"<variant of {original.__module__}.{original.__name__}>"
     lines = text.splitlines(keepends=True)
     linecache.cache[filename] = (len(text), None, lines, filename)
     namespace = dict(vars(module))
+    if names:
+        unknown = [n for n in names if n not in namespace]
+        if unknown:
+            raise ValueError(f"names: {unknown} are not names of {original.__module__} (a variant can only replace "
+                             "names its factory's module defines)")
+        namespace.update(names)
     exec(compile(tree, filename, "exec"), namespace)
     made = _memoised(namespace[defs[0].name])
     made.variant_of = factory

@@ -322,7 +322,8 @@ def _install() -> None:
                 rec.observer.finish()
             record = LaunchTraffic._from_recorder(
                 rec, label=label, kernel=self.fn.__name__,
-                grid=tuple(self.grid_dim), block=tuple(self.block_dim))
+                grid=tuple(self.grid_dim), block=tuple(self.block_dim),
+                source=getattr(getattr(self.fn, "__code__", None), "co_filename", ""))
             for t in list(_stack):
                 t.launches.append(record)
             return result
@@ -422,6 +423,7 @@ class LaunchTraffic:
     shared_writes: dict = field(default_factory=dict)  # shared array -> elements written
     shared_atomics: dict = field(default_factory=dict)  # shared array -> atomic operations
     itemsize: dict = field(default_factory=dict)       # global param -> bytes per element
+    source: str = ""   # the file that defined the kernel (its code's co_filename): who wrote what ran
 
     @classmethod
     def _from_recorder(cls, rec: _Recorder, **meta) -> "LaunchTraffic":

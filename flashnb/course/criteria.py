@@ -1,0 +1,184 @@
+"""What the autograder checks, each as a function that returns quietly or raises :class:`~flashnb.course.Fail`
+with a message a student can act on (which output, which row and tile, which array, which source line).
+
+* :func:`close` -- output against the float64 reference, every element written (outputs are NaN-poisoned
+  before the launch, so an element no thread wrote is found), first bad row and its tile named;
+* :func:`io_budget` -- the counted HBM traffic equals (or stays within) the algorithm's model;
+* :func:`ran_student_kernels` -- every launch ran a kernel the student wrote, none of the library's;
+* :func:`race_free` -- no data race under :mod:`flashnb.sim.racecheck`;
+* :func:`compiles` -- compiles for sm_80 and sm_90: no float64, shared memory within 48 KiB, no spills;
+* :func:`variant_from` -- the student's factory as a :func:`flashnb.registry.variant` of the library's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect as _inspect
+
+import numpy as np
+
+from . import Fail
+
+__all__ = ["close", "io_budget", "ran_student_kernels", "race_free", "compiles", "variant_from", "numeric",
+           "qkv", "launches"]
+
+#: float32 kernels against the float64 reference.  Attention outputs are convex combinations of v (|v| ~ 1
+#: here) after d-term dot products and N-term sums; float32 rounds each term at 6e-8 relative, so errors stay
+#: ~1e-6 at the sizes graded (N <= 128, d <= 64).  2e-5 leaves a 10x margin, yet a missing rescale or a wrong
+#: mask is off by 1e-2 or more.
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def qkv(seed: int, BH: int, Nq: int, Nk: int, d: int, *, do: bool = False):
+    """Seeded standard-normal ``q (BH, Nq, d)``, ``k, v (BH, Nk, d)`` (and ``do``) in float64."""
+    rng = np.random.default_rng(seed)
+    out = [rng.standard_normal((BH, Nq, d)), rng.standard_normal((BH, Nk, d)), rng.standard_normal((BH, Nk, d))]
+    if do:
+        out.append(rng.standard_normal((BH, Nq, d)))
+    return tuple(out)
+
+
+def close(got, want, *, what: str, rows_per_tile: int | None = None, atol: float = TOL["atol"],
+          rtol: float = TOL["rtol"], case: str = "") -> None:
+    """``got`` (float32 from the student's kernels) against ``want`` (float64): same shape, no element left
+    unwritten (NaN poison), the same infinities, and ``|got - want| <= atol + rtol·|want|`` everywhere.
+
+    The message names the first bad element, its row (and tile of ``rows_per_tile`` rows) and the case."""
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    at = f" ({case})" if case else ""
+    if got.shape != want.shape:
+        raise Fail(f"{what}{at}: shape {got.shape}, expected {want.shape}")
+
+    def where(flat: int) -> str:
+        idx = np.unravel_index(flat, got.shape)
+        text = f"{what}[{', '.join(str(int(i)) for i in idx)}]"
+        if rows_per_tile and got.ndim >= 2:
+            row = idx[-2] if got.ndim >= 3 or what.startswith(("o", "dq", "dk", "dv")) else idx[-1]
+            text += f" (row {int(row)}, tile {int(row) // rows_per_tile} of {rows_per_tile} rows)"
+        return text
+
+    nan = np.isnan(got) & ~np.isnan(want)
+    if nan.any():
+        n = int(nan.sum())
+        raise Fail(f"{what}{at}: {n} of {got.size} elements were never written (still the NaN poison) or are "
+                   f"NaN; the first is {where(int(np.flatnonzero(nan)[0]))}")
+    finite = np.isfinite(want)
+    if not np.array_equal(np.isfinite(got), finite) or not np.array_equal(got[~finite], want[~finite]):
+        bad = int(np.flatnonzero((np.isfinite(got) != finite) | (~finite & (got != want)))[0])
+        raise Fail(f"{what}{at}: {where(bad)} is {got.flat[bad]!r}, expected {want.flat[bad]!r} (a fully masked "
+                   "row has lse = -inf and o = 0)")
+    err = np.where(finite, np.abs(got - want), 0.0)
+    bound = atol + rtol * np.abs(np.where(finite, want, 0.0))
+    if (err > bound).any():
+        worst = int(np.argmax(err - bound))
+        first = int(np.flatnonzero(err > bound)[0])
+        raise Fail(f"{what}{at}: {int((err > bound).sum())} of {got.size} elements differ from the float64 "
+                   f"reference by more than {atol:g} + {rtol:g}·|ref|; first {where(first)}: got "
+                   f"{got.flat[first]:.6g}, expected {want.flat[first]:.6g}; worst error {err.flat[worst]:.3g}")
+
+
+def numeric(value, want: float, *, what: str, rtol: float = 0.02, atol: float = 0.0) -> None:
+    """A number the student computed (an IO ratio, a byte count) within ``rtol`` of ``want``."""
+    if value is ... or value is None:
+        raise Fail(f"{what}: not answered yet (still `...`)")
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise Fail(f"{what}: expected a number, got {value!r}") from None
+    if not abs(x - want) <= atol + rtol * abs(want):
+        raise Fail(f"{what}: {x:.6g} is not within {rtol:.0%} of the expected value; recount from the model")
+
+
+@contextlib.contextmanager
+def launches():
+    """Count the launches made inside the block (``flashnb.traffic.count``); yields the counter."""
+    from .. import traffic
+
+    with traffic.count() as t:
+        yield t
+
+
+def io_budget(run, model, *, budget: float | None = None, hint: str = "") -> None:
+    """``run()`` launches the student's kernels; their counted traffic must equal ``model`` (``budget=None``)
+    or stay within ``budget`` of it, launch by launch and array by array."""
+    from .. import traffic
+
+    with traffic.count() as t:
+        run()
+    diffs = t.check_model(model, budget=budget, raise_on_mismatch=False)
+    if diffs:
+        rule = "exactly" if budget is None else f"within {budget:.0%}"
+        shown = "\n".join("  " + d for d in diffs[:4]) + (f"\n  ... and {len(diffs) - 4} more" if len(diffs) > 4
+                                                           else "")
+        raise Fail(f"the HBM traffic of your kernels does not match the algorithm's IO model {rule}:\n{shown}"
+                   + (f"\n{hint}" if hint else ""))
+
+
+def ran_student_kernels(run, *, expect: int | None = None) -> list:
+    """Every launch ``run()`` makes must run a kernel written by the student (its code comes from the
+    submission, not from the installed flashnb); returns the launches."""
+    import os
+
+    from .. import traffic
+
+    with traffic.count() as t:
+        run()
+    if not t.launches:
+        raise Fail("no kernel was launched")
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    theirs = [lt for lt in t.launches if lt.source and os.path.abspath(lt.source).startswith(package + os.sep)]
+    if theirs:
+        lt = theirs[0]
+        raise Fail(f"launch {lt.label!r} ran flashnb's own kernel {lt.kernel} ({os.path.basename(lt.source)}), not "
+                   "yours: build the kernel from your answer cell")
+    if expect is not None and len(t.launches) != expect:
+        raise Fail(f"{len(t.launches)} launches, expected {expect}: {[lt.label for lt in t.launches]}")
+    return t.launches
+
+
+def race_free(run) -> None:
+    """``run()`` under the race checker: no two unordered accesses to one element (one a write)."""
+    from ..sim import racecheck
+
+    with racecheck.check(raise_on_race=False) as report:
+        run()
+    if report.races:
+        shown = "\n".join("  " + str(r) for r in report.races[:3])
+        raise Fail(f"{len(report.races)} data race(s) -- a GPU may run these accesses in either order:\n{shown}\n"
+                   "a cuda.syncthreads() is missing between the write and the read (or the next write)")
+
+
+def compiles(kernels, ccs=((8, 0), (9, 0))) -> None:
+    """Each ``(kernel, signature)`` compiles for every cc in ``ccs`` with no float64 instruction, shared
+    memory within 48 KiB and no register spills (the PTX guard every library kernel passes)."""
+    from .. import inspect as fi
+
+    jobs = [(k, sig, cc) for k, sig in kernels for cc in ccs]
+    for (k, sig, cc), res in zip(jobs, fi.resources_of(jobs, keep_ptx=False)):
+        bad = fi.problems(res)
+        if bad:
+            raise Fail("would not run well on a GPU: " + "; ".join(bad)
+                       + ("\n(a Python float literal such as 0.0 or -math.inf makes float64 code: write "
+                          "float32(0) )" if any("f64" in b or "float64" in b for b in bad) else ""))
+
+
+def variant_from(ns: dict, name: str, factory, *, names: dict | None = None):
+    """The student's ``ns[name]`` (a kernel factory written in an answer cell) as a variant of the library's
+    ``factory`` (:func:`flashnb.registry.variant`): run by the library's launchers inside
+    ``registry.using(factory, result)``."""
+    from .. import registry
+
+    fn = ns.get(name)
+    if fn is None:
+        raise Fail(f"{name} is not defined: run your answer cell (it defines {name})")
+    if not callable(fn) or not hasattr(fn, "__code__"):
+        raise Fail(f"{name} must be the kernel factory function of your answer cell, got {type(fn).__name__}")
+    try:
+        source = _inspect.getsource(fn)
+    except (OSError, TypeError) as exc:
+        raise Fail(f"cannot read the source of {name} ({exc}); define it in an answer cell") from None
+    try:
+        return registry.variant(factory, source=source, names=names, filename=f"<your {name}>")
+    except SyntaxError as exc:
+        raise Fail(f"{name}: syntax error at line {exc.lineno}: {exc.msg}") from None
