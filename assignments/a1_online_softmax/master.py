@@ -43,7 +43,7 @@ import os
 
 os.environ.setdefault("FLASHNB_DEVICE", "sim")   # the CUDA simulator: no GPU needed
 import numpy as np
-from numba import cuda
+from numba import cuda, float32  # noqa: F401  -- float32 for your kernels
 
 import flashnb  # noqa: F401
 from flashnb import course, registry, softmax
