@@ -256,6 +256,8 @@ def time_call(fn: Callable[[], object], *, repeats: int = 20, warmup: int = 3, f
     is not timed (``host_ms`` reports it: the median host time of a warm-up call).  A ``fn`` that
     synchronises inside (e.g. copies to the host) still counts the GPU's idle time after that point.
     With ``flops`` the result carries TFLOP/s and the percentage of this device's own FP32 peak.
+    The timed calls run inside ``cuda.defer_cleanup()``, so numba's deferred frees of arrays ``fn`` allocates
+    land after the loop, not in a sample.
     Raises :class:`SimulatorTimingError` on the simulator: its wall time is not GPU speed.
     """
     if runtime.is_simulator():
@@ -276,14 +278,17 @@ def time_call(fn: Callable[[], object], *, repeats: int = 20, warmup: int = 3, f
     # (rehearsing, the simulator runs the kernels inside the host call itself: there is no overhead to hide)
     n_spin = np.int32(_spin_length(spin, 0.0 if rehearsal.active() else host_s))
     times = []
-    for _ in range(repeats):
-        start, end = cuda.event(timing=True), cuda.event(timing=True)
-        spin[1, 1](n_spin)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cuda.event_elapsed_time(start, end))
+    # numba frees device memory lazily, in batches; arrays that fn() allocates would otherwise be freed
+    # (cuMemFree synchronises) inside some timed samples and not others.  Deferred: freed after the loop.
+    with cuda.defer_cleanup():
+        for _ in range(repeats):
+            start, end = cuda.event(timing=True), cuda.event(timing=True)
+            spin[1, 1](n_spin)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(cuda.event_elapsed_time(start, end))
     info = info or device_info()
     med = statistics.median(times)
     q1, q3 = _quartiles(times)

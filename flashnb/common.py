@@ -26,8 +26,32 @@ __all__ = [
     "store_vec",
     "empty", "poisoning", "to_device", "launch", "launch_rows", "row_index", "ROWS_PER_BLOCK", "current_label",
     "launch_hooks", "ShapeOnly", "dry_run", "SHARED_LIMIT_BYTES", "check_shared_fit", "positive_int",
-    "CAUSAL_ALIGNMENTS", "causal_diag", "on_stream", "current_stream",
+    "CAUSAL_ALIGNMENTS", "causal_diag", "on_stream", "current_stream", "MAX_GRID", "MAX_BLOCK",
+    "MAX_THREADS_PER_BLOCK", "check_launch_dims", "OutOfMemory", "available_bytes",
 ]
+
+#: CUDA's launch limits (every compute capability flashnb targets): gridDim.x up to 2^31 - 1, gridDim.y and .z up
+#: to 65,535; blockDim.x and .y up to 1,024, .z up to 64, and at most 1,024 threads in a block.
+MAX_GRID = (2**31 - 1, 65535, 65535)
+MAX_BLOCK = (1024, 1024, 64)
+MAX_THREADS_PER_BLOCK = 1024
+
+
+def check_launch_dims(name: str, grid: tuple, block: tuple) -> None:
+    """Refuse a launch configuration a GPU would refuse (``CUDA_ERROR_INVALID_VALUE``), naming what is over."""
+    axes = "xyz"
+    for what, dims, limits in (("gridDim", grid, MAX_GRID), ("blockDim", block, MAX_BLOCK)):
+        if len(dims) > 3:
+            raise ValueError(f"launch {name!r}: {what} has {len(dims)} dimensions; CUDA has 3 (x, y, z)")
+        for axis, n, limit in zip(axes, dims, limits):
+            if n > limit:
+                raise ValueError(f"launch {name!r}: {what}.{axis} = {n:,} is over CUDA's limit of {limit:,} "
+                                 f"(grid {tuple(grid)}, block {tuple(block)})")
+    threads = math.prod(block)
+    if threads > MAX_THREADS_PER_BLOCK:
+        raise ValueError(f"launch {name!r}: {threads:,} threads per block (block {tuple(block)}) is over CUDA's "
+                         f"limit of {MAX_THREADS_PER_BLOCK:,}")
+
 
 NEG_INF = float32(-math.inf)
 ZERO = float32(0.0)
@@ -197,17 +221,62 @@ def poisoning(enabled: bool):
         _poison.enabled = previous
 
 
+class OutOfMemory(MemoryError):
+    """An output that does not fit in the memory left (raised before anything is allocated)."""
+
+
+def available_bytes() -> int | None:
+    """Memory an output can still take: the GPU's free device memory, or on the simulator (whose device
+    arrays are host arrays) the host's available memory; None when it cannot be told."""
+    import os
+
+    try:
+        if runtime.MODE == "gpu":
+            from . import rehearsal
+
+            if not rehearsal.active():
+                return int(cuda.current_context().get_memory_info().free)
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError, NotImplementedError):
+        return None
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
 def empty(shape, *, poison: bool | None = None):
     """A float32 device array for a kernel's output.
 
     By default it is filled with NaN, so an element the kernel forgets to write cannot pass a test.  Inside
     ``with poisoning(False):`` (and with ``poison=False``) it is a plain uninitialised device allocation.
+    On a GPU the NaN fill is a device memset (bytes 0xFF: every float32 0xFFFFFFFF is a NaN), so no host
+    buffer the size of the output is ever made.  An output larger than the memory left raises
+    :class:`OutOfMemory` first, with both sizes (the naive path's N×N score matrix is the usual one).
     """
     if poison is None:
         poison = getattr(_poison, "enabled", True)
+    dims = tuple(int(n) for n in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+    nbytes = 4 * math.prod(dims)
+    free = available_bytes()
+    if free is not None and nbytes > free:
+        raise OutOfMemory(f"an output of shape {dims} (float32) needs {_human(nbytes)}, but only {_human(free)} "
+                          f"{'of device memory is free' if runtime.MODE == 'gpu' else 'of memory is available'}; "
+                          "use smaller inputs (the naive impl stores the whole N_q x N_k score matrix, twice)")
     if not poison:
-        return cuda.device_array(shape, dtype=np.float32, stream=current_stream())
-    out = cuda.to_device(np.full(shape, np.nan, dtype=np.float32), stream=current_stream())
+        return cuda.device_array(dims, dtype=np.float32, stream=current_stream())
+    from . import rehearsal
+
+    if runtime.MODE == "gpu" and not rehearsal.active():
+        from numba.cuda.cudadrv.driver import device_memset
+
+        out = cuda.device_array(dims, dtype=np.float32, stream=current_stream())
+        device_memset(out, 0xFF, nbytes, stream=current_stream())
+    else:
+        out = cuda.to_device(np.full(dims, np.nan, dtype=np.float32), stream=current_stream())
     for hook in poison_hooks:
         hook(out)
     return out
@@ -274,6 +343,7 @@ def launch(kernel, grid, block, *args, label: str | None = None):
     if any(g <= 0 for g in grid):
         return  # nothing to do (an empty grid is a no-op, not a CUDA error)
     name = label or kernel.py_func.__name__
+    check_launch_dims(name, grid, block)
     previous = getattr(_state, "label", None)
     _state.label = name
     try:

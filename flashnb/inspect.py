@@ -29,6 +29,13 @@ end, NVVM itself a fraction -- and ``ptxas`` 0.01-0.4 s per cc.  So
   not what an sm_90 build would run.
 * the groups are dealt over ``$FLASHNB_INSPECT_PROCESSES`` child processes (default: the CPUs, at most
   4), and in each, ptxas runs in a thread pool while NVVM compiles the next kernel.
+
+Which build these numbers describe: ``compile_ptx`` + ``ptxas``, a build of the kernel alone.  On a GPU,
+numba-cuda 0.30 links the kernel it launches with nvJitLink (and, with ``lto=True``, optimises across the
+link), so the launched machine code can use a different number of registers or stack bytes.
+:func:`launched` reads what the driver actually loaded -- ``cuFuncGetAttribute`` through numba's kernel
+object -- for every signature a kernel was launched with; ``scripts/gpu_check.py`` records it beside the
+measurements when a GPU is lent.
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ from .registry import KERNELS, KernelSpec
 __all__ = [
     "SMLimits", "SM_LIMITS", "Occupancy", "Resources", "occupancy", "resources", "resources_for",
     "resources_many", "resources_of", "guard_kernel", "problems", "report", "format_report", "main_inspect",
-    "find_ptxas", "retarget_ptx", "normalized_ptx", "MAX_STATIC_SHARED",
+    "find_ptxas", "retarget_ptx", "normalized_ptx", "MAX_STATIC_SHARED", "launched",
 ]
 
 MAX_STATIC_SHARED = 48 * 1024  # bytes of *static* shared memory one block may declare (all cc >= 2.0)
@@ -862,6 +869,23 @@ def resources_of(items: Iterable[tuple[Any, Any, tuple[int, int]]], *, keep_ptx:
             for i in idxs:
                 out[i] = res
     return out
+
+
+def launched(kernel) -> list[dict]:
+    """Registers, static shared memory and local memory of the machine code the driver loaded for each
+    signature ``kernel`` has been launched with (GPU only: the simulator loads nothing).  Compare with
+    :func:`resources` (``compile_ptx`` + ptxas), which is what ``flashnb inspect`` shows."""
+    if runtime.is_simulator():
+        raise RuntimeError("inspect.launched reads what a GPU driver loaded; on the simulator nothing is loaded. "
+                           "Use inspect.resources(kernel, signature) for the ptxas build")
+    overloads = getattr(kernel, "overloads", None)
+    if overloads is None:
+        raise TypeError(f"kernel must be a @cuda.jit kernel, got {type(kernel).__name__}")
+    name = getattr(getattr(kernel, "py_func", kernel), "__name__", str(kernel))
+    return [dict(kernel=name, signature=", ".join(str(a) for a in args), registers=k.regs_per_thread,
+                 shared_bytes=k.shared_mem_per_block, local_bytes=k.local_mem_per_thread,
+                 const_bytes=k.const_mem_size, max_threads_per_block=k.max_threads_per_block)
+            for args, k in overloads.items()]
 
 
 def guard_kernel(spec: KernelSpec | str, config: Mapping | None = None, cc=(9, 0)) -> list[str]:

@@ -129,6 +129,35 @@ class Impl:
 IMPLS: dict[str, Impl] = {}
 
 
+def _per_head_chunks(fn):
+    """``fn`` (an impl's forward or backward on ``(BH, N, d)`` device arrays), run on slices of at most
+    ``common.MAX_GRID[1]`` (65,535) batch·heads when there are more: the kernels put batch·heads on gridDim.y
+    (gridDim.z for the naive matmuls), which CUDA caps there.  The kernels stay as they are; each slice is one
+    set of launches, and its outputs are copied into the full ones."""
+    import functools
+
+    @functools.wraps(fn)
+    def run(*arrays, **options):
+        from . import common
+
+        BH, limit = arrays[0].shape[0], common.MAX_GRID[1]
+        if BH <= limit:
+            return fn(*arrays, **options)
+        if options.get("block_mask") is not None:
+            raise ValueError(f"batch·heads = {BH:,} is over {limit:,} (CUDA's gridDim.y limit) and a block_mask is "
+                             "given: split the batch yourself (a per-head mask would have to be split with it)")
+        outs = None
+        for z in range(0, BH, limit):
+            part = fn(*(a[z:z + limit] for a in arrays), **options)
+            if outs is None:
+                outs = [common.empty((BH,) + p.shape[1:]) for p in part]
+            for full, p in zip(outs, part):
+                full[z:z + p.shape[0]].copy_to_device(p)
+        return tuple(outs)
+
+    return run
+
+
 def register_impl(name: str, *, stage: str, description: str, forward, backward=None, options=(),
                   reference_mask=None):
     """Make ``impl=name`` available in the public API, the tour and the benchmarks.
@@ -138,6 +167,8 @@ def register_impl(name: str, *, stage: str, description: str, forward, backward=
     """
     if name in IMPLS:
         raise ValueError(f"impl {name!r} registered twice")
+    forward = _per_head_chunks(forward)
+    backward = _per_head_chunks(backward) if backward is not None else None
     IMPLS[name] = Impl(name, stage, description, forward, backward, tuple(options), reference_mask)
     return IMPLS[name]
 

@@ -17,6 +17,7 @@ On the simulator it refuses (exit status 2): nothing it measures would mean anyt
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
@@ -321,7 +322,21 @@ def main(argv=None) -> int:
     (args.out / "device.json").write_text(json.dumps({**info, **prov}, indent=1))
     print(f"device: {info}", flush=True)
     status = 0
-    correct = check_correctness(args, deadline)
+    seen_kernels: dict = {}
+
+    @contextlib.contextmanager
+    def remember(name, kernel, grid, block, kargs):
+        seen_kernels.setdefault(id(kernel), (name, kernel))
+        yield
+
+    from flashnb import common as fcommon
+    from flashnb import inspect as finspect
+
+    fcommon.launch_hooks.append(remember)
+    try:
+        correct = check_correctness(args, deadline)
+    finally:
+        fcommon.launch_hooks.remove(remember)
     write_rows(args.out / "correctness.csv", correct, prov)
     if not all(r.get("ok") for r in correct if r.get("error") != "skipped: time budget"):
         status = 1
@@ -330,6 +345,14 @@ def main(argv=None) -> int:
     if dram:
         write_rows(args.out / "dram.csv", dram, prov)
     meas = measurements(args, deadline - 30)
+    # what the driver loaded (nvJitLink build) for every kernel the correctness step launched; flashnb inspect
+    # shows the compile_ptx + ptxas build of the same kernels
+    for name, kernel in seen_kernels.values():
+        try:
+            for row in finspect.launched(kernel):
+                meas.append(dict(measurement=f"launched resources: {name}", **row))
+        except Exception as exc:   # a missing attribute must not cost the sweep
+            meas.append(dict(measurement=f"launched resources: {name}", error=f"{type(exc).__name__}: {exc}"[:300]))
     try:
         meas += torch_interop()
     except Exception as exc:   # a failure here must not cost the sweep below

@@ -83,6 +83,29 @@ def test_time_call_statistics_on_a_manual_clock():
     assert t.kind == "rehearsal" and t.device == rehearsal.DEVICE_NAME
 
 
+def test_timed_calls_run_with_frees_deferred(monkeypatch):
+    # Before: arrays fn() allocates could be freed by numba (a synchronising cuMemFree) inside a timed sample.
+    import contextlib
+
+    from numba import cuda
+
+    state = {"deferred": False}
+
+    @contextlib.contextmanager
+    def defer_cleanup():
+        state["deferred"] = True
+        try:
+            yield
+        finally:
+            state["deferred"] = False
+
+    monkeypatch.setattr(cuda, "defer_cleanup", defer_cleanup)
+    seen = []
+    with pretend_gpu(ManualClock()):
+        bench.time_call(lambda: seen.append(state["deferred"]), repeats=3, warmup=2)
+    assert seen == [False, False, True, True, True]      # warm-ups free normally; every timed call deferred
+
+
 def test_spin_length_is_measured_not_assumed(monkeypatch):
     clock = ManualClock()
 

@@ -53,7 +53,7 @@ def kernel_line(skip: set, depth: int = 2) -> str:
     return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} ({f.f_code.co_name})"
 
 
-_state = {"installed": False, "warned": False, "stock_block_manager": None, "problem": None}
+_state = {"installed": False, "warned": False, "stock_block_manager": None, "stock_getitem": None, "problem": None}
 
 
 _LAZY = {  # name -> (submodule, attribute or None for the module itself), imported on first use
@@ -107,6 +107,21 @@ def _source_problem(kernel, kernelapi):
     return None
 
 
+def _checked_getitem(stock):
+    """``kernel[grid, block]`` that refuses what a GPU refuses: the stock simulator runs a grid of 100,000 blocks
+    on y, or 2,048 threads per block, where CUDA fails the launch."""
+
+    def __getitem__(self, configuration):
+        out = stock(self, configuration)
+        from ..common import check_launch_dims
+
+        check_launch_dims(self.fn.__name__, tuple(self.grid_dim), tuple(self.block_dim))
+        return out
+
+    __getitem__.__wrapped__ = stock
+    return __getitem__
+
+
 def install() -> bool:
     """Patch the simulator (fast barrier + warp intrinsics).  Idempotent; a no-op returning False in GPU mode.
 
@@ -137,6 +152,8 @@ def install() -> bool:
 
     _state["stock_block_manager"] = kernel.BlockManager
     kernel.BlockManager = FastBlockManager
+    _state["stock_getitem"] = kernel.FakeCUDAKernel.__getitem__
+    kernel.FakeCUDAKernel.__getitem__ = _checked_getitem(kernel.FakeCUDAKernel.__getitem__)
     warp.install(kernelapi.FakeCUDAModule)
     _state["installed"] = True
     _state["problem"] = None
@@ -151,6 +168,7 @@ def uninstall() -> None:
         from . import warp
 
         kernel.BlockManager = _state["stock_block_manager"]
+        kernel.FakeCUDAKernel.__getitem__ = _state["stock_getitem"]
         warp.uninstall(kernelapi.FakeCUDAModule)
         _state["installed"] = False
     _state["warned"] = False
