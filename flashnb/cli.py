@@ -332,6 +332,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"head dim d, 1..{MAX_HEAD_DIM} (default {d})")
         p.add_argument("--no-causal", dest="causal", action="store_false",
                        help="dense attention (default: causal, aligned bottom-right)")
+    sa = sub.add_parser("sass", help="SASS instruction mix of a registered kernel (FFMA share, shared-load widths, "
+                        "local memory), its hot loop, no GPU needed",
+                        description="Compile a registered kernel (compile_ptx + ptxas) and disassemble it with "
+                                    "nvdisasm: the instruction mix of the whole kernel and of its hot loop.")
+    sa.add_argument("kernel", help="a registered kernel name, e.g. fa2.forward (see 'flashnb inspect')")
+    sa.add_argument("--config", default=None, help="its configuration as JSON, e.g. "
+                    "'{\"Br\": 64, \"Bc\": 32, \"warps\": 4, \"d\": 64, \"causal\": false}' (default: the first "
+                    "the PTX guard compiles)")
+    sa.add_argument("--cc", default="90", choices=("75", "80", "90"), help="architecture (default 90)")
+    sa.add_argument("--hot", action="store_true", help="also print the hot loop's instructions")
     course = sub.add_parser("course", help="graded assignments: make the student release, grade submissions",
                             description="Graded assignments (assignments/README.md): 'release' builds the student "
                                         "notebooks and autograder bundles from the masters; 'grade' grades a folder "
@@ -346,6 +356,28 @@ def build_parser() -> argparse.ArgumentParser:
     gr.add_argument("--out", default="scores.csv", help="the CSV to write (default ./scores.csv); feedback goes "
                     "into a 'feedback' folder beside it")
     return parser
+
+
+def cmd_sass(args) -> int:
+    import json
+
+    from .registry import KERNELS
+    from .sass import sass
+
+    if args.kernel not in KERNELS:
+        print(f"flashnb sass: unknown kernel {args.kernel!r}; registered: {', '.join(sorted(KERNELS))}",
+              file=sys.stderr)
+        return 2
+    try:
+        config = json.loads(args.config) if args.config else None
+    except json.JSONDecodeError as exc:
+        print(f"flashnb sass: --config is not JSON ({exc})", file=sys.stderr)
+        return 2
+    s = sass(args.kernel, cc=(int(args.cc[0]), int(args.cc[1])), config=config)
+    print(s.table())
+    if args.hot:
+        print("\n".join(str(i) for i in s.hot_loop))
+    return 0
 
 
 def cmd_course(args) -> int:
@@ -397,6 +429,8 @@ def main(argv=None) -> int:
         return cmd_profile(args)
     if args.command == "course":
         return cmd_course(args)
+    if args.command == "sass":
+        return cmd_sass(args)
     return 2
 
 

@@ -54,7 +54,7 @@ STAGE_OF_MODULE = {
     "test_ptx_guard": "stage0", "test_cli": "stage0", "test_notebooks": "stage0", "test_readme": "stage0",
     "test_rehearsal": "stage0", "test_sim_racecheck": "stage0", "test_sim_sanitizer": "stage0",
     "test_sim_memprofile": "stage0", "test_inspect_user_kernels": "stage0", "test_course": "stage0",
-    "test_gpu_path_bugs": "stage0",
+    "test_gpu_path_bugs": "stage0", "test_sass": "stage0",
     "test_traffic_tools": "stage0", "test_api_checks": "stage0", "test_cli_args": "stage0",
     "test_exercises": "stage0", "test_registry_variant": "stage0",
     "test_causal_alignment": "stage0", "test_torch": "stage0",

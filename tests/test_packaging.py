@@ -27,6 +27,7 @@ PIP_TO_CONDA = {
     "numpy": ("numpy",),
     "matplotlib": ("matplotlib",),
     "tqdm": ("tqdm",),
+    "nvidia-cuda-nvdisasm": ("cuda-nvdisasm",),   # flashnb.sass; conda-forge's follows cuda-version
 }
 # (pip distribution, extra) -> conda-forge package(s) that the extra pulls in.
 EXTRA_TO_CONDA = {

@@ -1,0 +1,110 @@
+"""flashnb.sass: SASS and its instruction mix without a GPU.  Parsing is checked on hand-written SASS whose
+counts are known; compiling, on small kernels whose instructions can be counted by hand (4 dependent FFMAs; a
+loop with a multiply-add; a float64 literal; a run-time-indexed local array)."""
+
+import pytest
+from numba import cuda, float32
+
+import flashnb  # noqa: F401
+from flashnb import sass
+
+SNIPPET = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   S2R R0, SR_TID.X ;
+.L_x_1:
+        /*0020*/                   LDS.128 R4, [R2] ;
+        /*0030*/                   LDS R8, [R2+0x200] ;
+        /*0040*/                   FFMA R10, R4, R8, R10 ;
+        /*0050*/                   FFMA R11, R5, R8, R11 ;
+        /*0060*/                   SHFL.IDX PT, R9, R8, RZ, 0x1f ;
+        /*0070*/                   IADD3 R2, R2, 0x4, RZ ;
+        /*0080*/                   ISETP.NE.AND P0, PT, R2, R3, PT ;
+        /*0090*/               @P0 BRA `(.L_x_1) ;
+        /*00a0*/                   DADD R12, R12, 1 ;
+        /*00b0*/                   STL [R1], R10 ;
+        /*00c0*/                   STG.E [R6.64], R10 ;
+        /*00d0*/                   EXIT ;
+"""
+
+
+def test_parse_hand_written_sass():
+    s = sass.parse(SNIPPET, "snippet")
+    assert len(s.instructions) == 14 and s.loops == [(2, 9)]
+    hot = s.hot_loop
+    assert [i.opcode for i in hot] == ["LDS", "LDS", "FFMA", "FFMA", "SHFL", "IADD3", "ISETP", "BRA"]
+    assert s.mix(hot) == dict(ffma=2, fp32=0, fp64=0, lds=2, sts=0, ldg=0, stg=0, atom=0, ldl=0, stl=0, shfl=1,
+                              int=2, control=1)
+    assert s.fma_fraction(hot) == 2 / 8 and s.load_widths(hot) == {32: 1, 128: 1}
+    whole = s.mix()
+    assert (whole["fp64"], whole["stl"], whole["stg"], whole["int"], whole["control"]) == (1, 1, 1, 3, 3)
+
+
+@cuda.jit
+def four_fmas(x, out):
+    v, a, b = x[0], x[1], x[2]
+    v = cuda.fma(v, a, b)
+    v = cuda.fma(v, a, b)
+    v = cuda.fma(v, a, b)
+    v = cuda.fma(v, a, b)
+    out[0] = v
+
+
+@cuda.jit
+def dot_loop(x, y, out):
+    acc = float32(0)
+    for i in range(x.shape[0]):
+        acc += x[i] * y[i]
+    out[0] = acc
+
+
+@cuda.jit
+def leaks_float64(x, out):
+    out[0] = x[0] * 0.1          # 0.1 is a float64 (not exact in float32): the product is computed in float64
+
+
+@cuda.jit
+def local_array(x, out):
+    a = cuda.local.array(64, float32)
+    t = cuda.threadIdx.x
+    for i in range(64):
+        a[(i * t) % 64] = x[i]             # written and read at run-time indices: it must live in local memory
+    out[0] = a[(t * 7) % 64]
+
+
+SIG1 = "void(float32[::1], float32[::1])"
+SIG2 = "void(float32[::1], float32[::1], float32[::1])"
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return {k.py_func.__name__: sass.sass(k, sig) for k, sig in
+            ((four_fmas, SIG1), (dot_loop, SIG2), (leaks_float64, SIG1), (local_array, SIG1))}
+
+
+def test_small_kernels_counted_by_hand(compiled):
+    four = compiled["four_fmas"]
+    assert four.mix()["ffma"] == 4 and four.loops == []        # a dependent chain: nothing to fold or merge
+    dot = compiled["dot_loop"]
+    assert dot.loops and dot.mix(dot.hot_loop)["ffma"] >= 1 and dot.mix(dot.hot_loop)["ldg"] >= 2
+    assert compiled["leaks_float64"].mix()["fp64"] >= 1 and four.mix()["fp64"] == 0
+    loc = compiled["local_array"].mix()
+    assert loc["ldl"] >= 1 and loc["stl"] >= 1 and four.mix()["ldl"] == 0
+
+
+def test_registered_kernel_and_table():
+    s = sass.sass("fa2.forward", config=dict(Br=16, Bc=16, warps=2, d=16, causal=False), cc=(8, 0))
+    assert s.cc == (8, 0) and s.loops and s.mix(s.hot_loop)["ffma"] > 0
+    text = s.table()
+    assert "FFMA %" in text and "hot loop" in text
+    assert set(s.summary()) >= {"kernel", "hot_loop_ffma_fraction", "hot_ffma", "hot_lds_bits", "local"}
+
+
+def test_cli(capsys):
+    from flashnb import cli
+
+    cfg = '{"Br": 16, "Bc": 16, "warps": 2, "d": 16, "causal": true}'
+    assert cli.main(["sass", "fa2.forward", "--config", cfg, "--cc", "80", "--hot"]) == 0
+    out = capsys.readouterr().out
+    assert "fa2.forward" in out and "'causal': True" in out and "on sm_80" in out and "FFMA" in out
+    assert cli.main(["sass", "no.such.kernel"]) == 2
+    assert cli.main(["sass", "fa2.forward", "--config", "{oops"]) == 2
