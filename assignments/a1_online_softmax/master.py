@@ -42,10 +42,10 @@ import math  # noqa: F401  -- for your kernels (math.exp)
 import os
 
 os.environ.setdefault("FLASHNB_DEVICE", "sim")   # the CUDA simulator: no GPU needed
+import flashnb  # noqa: E402,I001  -- first: it selects the simulator before numba.cuda is imported
 import numpy as np
 from numba import cuda, float32  # noqa: F401  -- float32 for your kernels
 
-import flashnb  # noqa: F401
 from flashnb import course, registry, softmax
 from flashnb.course import criteria
 from flashnb.softmax import NEG_INF, ONE, ZERO  # noqa: F401  -- for your kernels

@@ -83,6 +83,20 @@ def cut(source: str, start: str, end: str, hint: str) -> tuple[str, list[str]]:
     return "\n".join(lines[:i] + _todo(indent, hint, removed) + lines[j + 1:]) + "\n", removed
 
 
+def _assigned_names(body: list[str]) -> list[str]:
+    """When a solution region is only assignments at its own indentation (``x = ...`` answers, possibly with
+    helper names), the names its *last* assignments define, in order; else []."""
+    text = textwrap.dedent("\n".join(body))
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return []
+    if not tree.body or not all(isinstance(n, ast.Assign) and len(n.targets) == 1
+                                and isinstance(n.targets[0], ast.Name) for n in tree.body):
+        return []
+    return list(dict.fromkeys(n.targets[0].id for n in tree.body))
+
+
 def _regions(source: str) -> tuple[str, str, list[list[str]]]:
     """A cell with ``### BEGIN SOLUTION [hint]`` / ``### END SOLUTION`` regions -> (solution, student, removed)."""
     out_sol, out_stu, removed = [], [], []
@@ -101,7 +115,12 @@ def _regions(source: str) -> tuple[str, str, list[list[str]]]:
             if k == len(lines):
                 raise MasterError(f"{BEGIN} without {END}")
             out_sol.extend(body)
-            out_stu.extend(_todo(indent, hint, [b for b in body if not b.strip().startswith("#")]))
+            names = _assigned_names(body)
+            if names:      # numeric answers: the release keeps `name = ...` (not attempted), never a raise
+                out_stu.append(f"{indent}# TODO: {hint}")
+                out_stu.extend(f"{indent}{n} = ..." for n in names)
+            else:
+                out_stu.extend(_todo(indent, hint, [b for b in body if not b.strip().startswith("#")]))
             removed.append(body)
         else:
             out_sol.append(ln)

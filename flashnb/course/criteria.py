@@ -68,7 +68,8 @@ def close(got, want, *, what: str, rows_per_tile: int | None = None, atol: float
         bad = int(np.flatnonzero((np.isfinite(got) != finite) | (~finite & (got != want)))[0])
         raise Fail(f"{what}{at}: {where(bad)} is {got.flat[bad]!r}, expected {want.flat[bad]!r} (a fully masked "
                    "row has lse = -inf and o = 0)")
-    err = np.where(finite, np.abs(got - want), 0.0)
+    with np.errstate(invalid="ignore"):      # -inf - -inf where both are masked: compared above, zeroed here
+        err = np.where(finite, np.abs(got - want), 0.0)
     bound = atol + rtol * np.abs(np.where(finite, want, 0.0))
     if (err > bound).any():
         worst = int(np.argmax(err - bound))
@@ -87,7 +88,8 @@ def numeric(value, want: float, *, what: str, rtol: float = 0.02, atol: float = 
     except (TypeError, ValueError):
         raise Fail(f"{what}: expected a number, got {value!r}") from None
     if not abs(x - want) <= atol + rtol * abs(want):
-        raise Fail(f"{what}: {x:.6g} is not within {rtol:.0%} of the expected value; recount from the model")
+        raise Fail(f"{what}: {x:.6g} is not within {rtol:.3g} (relative) of the expected value; recount from the "
+                   "model")
 
 
 @contextlib.contextmanager
