@@ -176,9 +176,9 @@ def _(ns):
 @course.test("q1", points=2, name="Nq != Nk, a block row with no allowed tile (o = 0, lse = -inf), two heads "
                                   "with their own masks", requires=_Q1_OK)
 def _(ns):
-    heads = bs.BlockMask(np.array([[[1, 0, 0, 1, 1], [0, 0, 0, 0, 0], [0, 1, 1, 0, 1]],
-                                   [[0, 1, 0, 0, 0], [1, 1, 0, 0, 1], [0, 0, 0, 0, 0]]], dtype=bool), 16, 16)
-    _check_forward(ns, 7, 2, 40, 72, 12, heads, case="2 heads, Nq = 40, Nk = 72, d = 12, per-head masks")
+    heads = bs.BlockMask(np.array([[[1, 0, 0, 1], [0, 0, 0, 0], [0, 1, 1, 1]],
+                                   [[0, 1, 0, 0], [1, 1, 0, 1], [0, 0, 0, 0]]], dtype=bool), 16, 16)
+    _check_forward(ns, 7, 2, 40, 64, 12, heads, case="2 heads, Nq = 40, Nk = 64, d = 12, per-head masks")
 
 
 @course.test("q1", points=1, name="causal with Nq > Nk (query blocks that see no key) and Nq < Nk",
