@@ -305,7 +305,7 @@ def _(ns):
 #    needed by the block or not: the natural unit of skipping is the $B_r \times B_c$ tile. With a per-row mask
 #    the block would have to load $K_j, V_j$ whenever *any* of its rows needs them (an OR over the rows, itself
 #    a reduction per tile) and mask the others' scores element by element: no IO saved unless whole tiles are
-#    empty, and extra reads of a mask $B_r / 1$ times larger. A block mask at the tile size makes the test one
+#    empty, and a mask $B_r$ times larger to read. A block mask at the tile size makes the test one
 #    byte per tile (per warp) and the saving exact: the skipped tile is never loaded.
 # 2. What does not shrink: the $Nd$ term -- $Q$ read once ($N d$), $O$ written once ($N d$), $L$ ($N$) -- since
 #    every query block runs even when it visits no tile; and the mask reads, one byte per warp for every tile
