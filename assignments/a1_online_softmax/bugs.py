@@ -24,6 +24,15 @@ BUGS = [
             "other shapes: one chunk, one element per chunk, empty last chunks")],
         says="differ from the float64 reference",
         why="block c owns elements c·C .. (c+1)·C - 1 of the row only"),
+    Bug("imports flashnb's kernel instead of writing it", cell=2,
+        replace=[("def make_online_partials(TPB):", "from flashnb.softmax import make_online_partials  # noqa\n\n\n"
+                  "def _mine(TPB):")],
+        loses=[Q2_OK] + [f"q2: {t}" for t in (
+            "your kernel runs, not the library's", "IO budget: X read once, one state written per chunk",
+            "race-free", "compiles for sm_80 and sm_90 (no float64, no spills)",
+            "other shapes: one chunk, one element per chunk, empty last chunks")],
+        says="is flashnb's own factory (softmax.py), not yours",
+        why="the grader runs the factory written in the answer cell; importing the library's scores nothing"),
     Bug("three passes: a separate max pass before the online pass (right answer, one read too many)", cell=3,
         replace=[("        for j in range(tid, n, TPB):                       # pass 1",
                   "        for j in range(tid, n, TPB):\n            m = max(m, X[row, j])\n"

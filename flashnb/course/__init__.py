@@ -97,7 +97,7 @@ def test(question: str, *, points: float, name: str, hidden: bool | None = None,
 
     def register(fn):
         t = Test(question, name, float(points), fn, _HIDDEN_DEFAULT["value"] if hidden is None else hidden,
-                 float(timeout), tuple(r if ":" in r else f"{question}: {r}" for r in requires))
+                 float(timeout), tuple(resolve(r, question) for r in requires))
         TESTS[t.id] = t
         return fn
 
@@ -112,6 +112,17 @@ def manual(question: str, *, points: float, rubric: str) -> None:
     points as manual, with this rubric, in the feedback and the CSV."""
     MANUAL[:] = [m for m in MANUAL if m["question"] != question]
     MANUAL.append(dict(question=question, points=float(points), rubric=rubric))
+
+
+def resolve(requirement: str, question: str) -> str:
+    """A ``requires=`` entry as a test id: a registered id as given (``"q1: merge ..."``), else the name of a
+    test of the same question (names may contain colons).  An entry that names no registered test is an error
+    -- a requirement silently ignored would let an untouched skeleton earn points."""
+    for candidate in (requirement, f"{question}: {requirement}"):
+        if candidate in TESTS:
+            return candidate
+    raise ValueError(f"requires={requirement!r} (question {question}) names no test registered before this one; "
+                     f"registered: {list(TESTS)}")
 
 
 def _message(exc: BaseException) -> str:

@@ -176,6 +176,13 @@ def variant_from(ns: dict, name: str, factory, *, names: dict | None = None):
         raise Fail(f"{name} is not defined: run your answer cell (it defines {name})")
     if not callable(fn) or not hasattr(fn, "__code__"):
         raise Fail(f"{name} must be the kernel factory function of your answer cell, got {type(fn).__name__}")
+    import os
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code_file = os.path.abspath(getattr(_inspect.unwrap(fn), "__code__").co_filename)
+    if hasattr(fn, "__wrapped__") or code_file.startswith(package + os.sep):
+        raise Fail(f"{name} is flashnb's own factory ({os.path.basename(code_file)}), not yours: write it in your "
+                   "answer cell")
     try:
         source = _inspect.getsource(fn)
     except (OSError, TypeError) as exc:
