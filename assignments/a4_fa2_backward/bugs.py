@@ -60,8 +60,9 @@ BUGS = [
                   "acc += dSs[c, r] * (K[z, j0 + c, k] if j0 + c < Nk else ZERO)")],
         loses=[Q2_IO],
         says="reads of 'K'",
-        why="K_j is already in shared memory (KsT); reading it from HBM again for every dQ element multiplies the "
-            "K traffic by Br per visited tile: right values, the IO model says no"),
+        why="K_j is already in shared memory (KsT); reading it from HBM for every dQ element reads the whole K_j "
+            "tile again for each of the Br query rows of every visited tile: right values, Br·d·Bc extra reads of K "
+            "per tile (and fewer shared reads), so the counts differ from the model"),
     Bug("float64 literal in the kernel", cell=2,
         replace=[("                pv = ZERO\n", "                pv = 0.0\n")],
         loses=[Q2_COMPILE],
