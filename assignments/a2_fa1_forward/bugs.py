@@ -45,6 +45,15 @@ BUGS = [
         why="Alg. 1 puts K/V in the outer loop so that each K_j, V_j crosses HBM once (line 6); it is Q_i, O_i, "
             "l_i, m_i that are re-read per key tile. Loading K_j inside the loop over i gives the same numbers "
             "and Tr times the K and V traffic"),
+    Bug("no barrier between the statistics (line 11) and the O_i update (line 12)", cell=1,
+        replace=[("                    l_i[r] = ln\n                cuda.syncthreads()\n",
+                  "                    l_i[r] = ln\n")],
+        loses=ALL,
+        says="differ from the float64 reference",
+        why="line 12 is element-parallel and reads the weights a_i[r], l_w[v, r] that one thread per row wrote in "
+            "line 11: without cuda.syncthreads() between them a thread may read a row's weights before they are "
+            "written. The simulator runs a block's threads in turn, so here the race shows as wrong numbers; on a "
+            "GPU it would come and go with timing. The race checker names both accesses (race-free test)"),
     Bug("float64 literals in the statistics update", cell=1,
         replace=[("inv = float32(1.0) / ln if ln > float32(0.0) else float32(0.0)",
                   "inv = 1.0 / ln if ln > 0.0 else 0.0")],
