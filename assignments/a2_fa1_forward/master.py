@@ -61,10 +61,10 @@ import math  # noqa: F401  -- for your kernel (math.exp)
 import os
 
 os.environ.setdefault("FLASHNB_DEVICE", "sim")   # the CUDA simulator: no GPU needed
+import flashnb  # noqa: I001  -- first: it selects the simulator before anything imports numba.cuda
 import numpy as np  # noqa: F401  -- for your experiments
 from numba import cuda, float32  # noqa: F401  -- for your kernel
 
-import flashnb
 from flashnb import course, fa1, reference, registry
 from flashnb.common import NEG_INF, ZERO, causal_allowed  # noqa: F401  -- for your kernel
 from flashnb.course import criteria

@@ -53,10 +53,10 @@ import math  # noqa: F401  -- for your kernel (math.exp, math.log)
 import os
 
 os.environ.setdefault("FLASHNB_DEVICE", "sim")   # the CUDA simulator: no GPU needed
+import flashnb  # noqa: I001  -- first: it selects the simulator before anything imports numba.cuda
 import numpy as np  # noqa: F401  -- for your experiments
 from numba import cuda, float32, int32  # noqa: F401  -- for your kernel
 
-import flashnb
 from flashnb import course, fa2, reference, registry
 from flashnb.common import NEG_INF, ONE, ZERO  # noqa: F401  -- for your kernel
 from flashnb.course import criteria
