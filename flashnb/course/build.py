@@ -177,7 +177,11 @@ def build(master_path, out_dir) -> dict:
             solution.cells.append(nbformat.v4.new_code_cell(sol, metadata=copy.deepcopy(cell["metadata"])))
             student.cells.append(nbformat.v4.new_code_cell(stu, metadata=copy.deepcopy(cell["metadata"])))
             continue
-        solution.cells.append(copy.deepcopy(cell))
+        sol_cell = copy.deepcopy(cell)
+        if "hidden-tests" in t:    # so that the solution notebook, run in Jupyter, registers them as hidden too
+            sol_cell["source"] = ("course._HIDDEN_DEFAULT['value'] = True\n" + sol_cell["source"]
+                                  + "\ncourse._HIDDEN_DEFAULT['value'] = False\n")
+        solution.cells.append(sol_cell)
         if "setup" in t:
             setup.append(_cell_code(cell))
         if "tests" in t or "hidden-tests" in t:

@@ -101,13 +101,26 @@ def launches():
         yield t
 
 
-def io_budget(run, model, *, budget: float | None = None, hint: str = "") -> None:
-    """``run()`` launches the student's kernels; their counted traffic must equal ``model`` (``budget=None``)
-    or stay within ``budget`` of it, launch by launch and array by array."""
+def io_budget(run, model, *, budget: float | None = None, hint: str = "", shared: bool = False) -> None:
+    """``run()`` launches the student's kernels; their counted HBM traffic must equal ``model`` (``budget=None``)
+    or stay within ``budget`` of it, launch by launch and array by array.  Shared-memory accesses are compared
+    too only with ``shared=True``: the IO complexity is about HBM, and a correct kernel may read its own shared
+    tiles in another order or number."""
     from .. import traffic
 
     with traffic.count() as t:
         run()
+    model = [model] if isinstance(model, dict) else list(model)
+    if not shared:     # the model's shared counts replaced by the counted ones: only global traffic is compared
+        counted = t.summary()
+        adjusted = []
+        for i, m in enumerate(model):
+            m = dict(m)
+            if i < len(counted):
+                for key in ("shared_reads", "shared_writes", "shared_atomics"):
+                    m[key] = counted[i].get(key, 0)
+            adjusted.append(m)
+        model = adjusted
     diffs = t.check_model(model, budget=budget, raise_on_mismatch=False)
     if diffs:
         rule = "exactly" if budget is None else f"within {budget:.0%}"
@@ -117,9 +130,10 @@ def io_budget(run, model, *, budget: float | None = None, hint: str = "") -> Non
                    + (f"\n{hint}" if hint else ""))
 
 
-def ran_student_kernels(run, *, expect: int | None = None) -> list:
-    """Every launch ``run()`` makes must run a kernel written by the student (its code comes from the
-    submission, not from the installed flashnb); returns the launches."""
+def ran_student_kernels(run, *, expect: int | None = None, labels=None) -> list:
+    """Every launch ``run()`` makes -- or, with ``labels``, every launch with one of those labels (a launcher may
+    also run given helper kernels, e.g. FA1's init) -- must run a kernel written by the student (its code comes
+    from the submission, not from the installed flashnb); returns the launches."""
     import os
 
     from .. import traffic
@@ -129,7 +143,10 @@ def ran_student_kernels(run, *, expect: int | None = None) -> list:
     if not t.launches:
         raise Fail("no kernel was launched")
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    theirs = [lt for lt in t.launches if lt.source and os.path.abspath(lt.source).startswith(package + os.sep)]
+    checked = [lt for lt in t.launches if labels is None or lt.label in labels]
+    if labels is not None and not checked:
+        raise Fail(f"no launch labelled {sorted(labels)}; launched: {[lt.label for lt in t.launches]}")
+    theirs = [lt for lt in checked if lt.source and os.path.abspath(lt.source).startswith(package + os.sep)]
     if theirs:
         lt = theirs[0]
         raise Fail(f"launch {lt.label!r} ran flashnb's own kernel {lt.kernel} ({os.path.basename(lt.source)}), not "
@@ -148,7 +165,8 @@ def race_free(run) -> None:
     if report.races:
         shown = "\n".join("  " + str(r) for r in report.races[:3])
         raise Fail(f"{len(report.races)} data race(s) -- a GPU may run these accesses in either order:\n{shown}\n"
-                   "a cuda.syncthreads() is missing between the write and the read (or the next write)")
+                   "within a block: a cuda.syncthreads() is missing between the two accesses, or two threads write "
+                   "one element; across blocks: sums need cuda.atomic.add")
 
 
 def compiles(kernels, ccs=((8, 0), (9, 0))) -> None:
