@@ -350,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     rel = csub.add_parser("release", help="build student notebooks and autograder bundles from the masters")
     rel.add_argument("masters", nargs="*", help="master.py files (default: assignments/*/master.py)")
     rel.add_argument("--out", default="release", help="output folder (default ./release)")
+    rel.add_argument("--install", default=None, metavar="PIP_SPEC",
+                     help="a pip requirement for the course's copy of flashnb (e.g. \"flashnb[course] @ "
+                          "git+https://...\"): adds a first cell that installs it where flashnb is missing (Colab)")
     gr = csub.add_parser("grade", help="grade a folder of submissions into a CSV plus feedback files")
     gr.add_argument("bundle", help="an assignment's autograder folder, e.g. release/a1_online_softmax/autograder")
     gr.add_argument("submissions", help="folder of submitted notebooks (<student>.ipynb)")
@@ -390,7 +393,7 @@ def cmd_course(args) -> int:
         if not masters:
             print("no masters given and none in ./assignments/*/master.py", file=sys.stderr)
             return 2
-        for m in release(masters, args.out):
+        for m in release(masters, args.out, install=args.install):
             pts = sum(t["points"] for t in m["tests"])
             hidden = sum(t["points"] for t in m["tests"] if t["hidden"])
             print(f"{m['name']}: {len(m['tests'])} tests, {pts:g} points ({hidden:g} hidden) -> "

@@ -99,3 +99,14 @@ def test_student_workflow_in_jupyter(tmp_path):
     public = [ln for ln in outputs["solution"].splitlines() if ln.startswith("public tests:")]
     assert public and public[0].split()[2].split("/")[0] == public[0].split()[2].split("/")[1], public
     assert "✗" not in outputs["solution"]
+
+
+def test_release_with_an_install_cell_for_colab(tmp_path):
+    build.build(ROOT / "assignments" / "a1_online_softmax" / "master.py", tmp_path / "rel",
+                install="flashnb[course] @ git+https://example.invalid/flashnb")
+    nb = nbformat.read(str(tmp_path / "rel" / "student" / "a1_online_softmax.ipynb"), as_version=4)
+    first = next(c for c in nb.cells if c["cell_type"] == "code")
+    assert "find_spec(\"flashnb\") is None" in first["source"] and "example.invalid" in first["source"]
+    ns: dict = {}
+    exec(compile(first["source"], "<install cell>", "exec"), ns)   # flashnb is installed here: it does nothing
+    assert "answer" not in first["metadata"].get("tags", []) and "setup" not in first["metadata"].get("tags", [])

@@ -151,8 +151,21 @@ def _cell_code(cell) -> str:
     return "\n".join(ln for ln in cell["source"].splitlines() if not ln.lstrip().startswith(("%", "!")))
 
 
-def build(master_path, out_dir) -> dict:
-    """Build one assignment: ``out_dir/student/<name>.ipynb`` and ``out_dir/autograder/``; returns the manifest."""
+COLAB_CELL = """# Colab (or any fresh runtime without flashnb): install the course's copy of flashnb first.
+import importlib.util
+import subprocess
+import sys
+
+if importlib.util.find_spec("flashnb") is None:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", {spec!r}], check=True)
+"""
+
+
+def build(master_path, out_dir, *, install: str | None = None) -> dict:
+    """Build one assignment: ``out_dir/student/<name>.ipynb`` and ``out_dir/autograder/``; returns the manifest.
+
+    ``install`` (a pip requirement, e.g. ``"flashnb[course] @ git+https://<your course's copy>"``) adds a first
+    cell to the student notebook that installs flashnb where it is missing -- Colab, a fresh runtime."""
     import nbformat
 
     from .. import course
@@ -189,6 +202,9 @@ def build(master_path, out_dir) -> dict:
         if "hidden-tests" in t or "solution-only" in t:
             continue
         student.cells.append(copy.deepcopy(cell))
+    if install:
+        first = next(i for i, c in enumerate(student.cells) if c["cell_type"] == "code")
+        student.cells.insert(first, nbformat.v4.new_code_cell(COLAB_CELL.format(spec=install)))
     for c in student.cells + solution.cells:
         if c["cell_type"] == "code":
             c["outputs"], c["execution_count"] = [], None
@@ -245,9 +261,9 @@ def solution_leaks(student_nb, solution_nb, removed: list[list[str]]) -> list[st
     return sorted(s for s in inside if len(s) >= 12 and student[s] > solution[s] - inside[s])
 
 
-def release(masters, out_dir) -> list[dict]:
+def release(masters, out_dir, *, install: str | None = None) -> list[dict]:
     """Build every master into ``out_dir/<name>/``."""
-    return [build(m, Path(out_dir) / Path(m).parent.name) for m in masters]
+    return [build(m, Path(out_dir) / Path(m).parent.name, install=install) for m in masters]
 
 
 __all__ = ["build", "release", "cut", "expand", "solution_leaks", "MasterError", "Fail"]
