@@ -61,7 +61,7 @@ from .registry import KERNELS, KernelSpec
 __all__ = [
     "SMLimits", "SM_LIMITS", "Occupancy", "Resources", "occupancy", "resources", "resources_for",
     "resources_many", "resources_of", "guard_kernel", "problems", "report", "format_report", "main_inspect",
-    "find_ptxas", "retarget_ptx", "normalized_ptx", "MAX_STATIC_SHARED", "launched", "sass",
+    "find_ptxas", "retarget_ptx", "normalized_ptx", "MAX_STATIC_SHARED", "launched",
 ]
 
 MAX_STATIC_SHARED = 48 * 1024  # bytes of *static* shared memory one block may declare (all cc >= 2.0)
@@ -886,13 +886,6 @@ def launched(kernel) -> list[dict]:
                  shared_bytes=k.shared_mem_per_block, local_bytes=k.local_mem_per_thread,
                  const_bytes=k.const_mem_size, max_threads_per_block=k.max_threads_per_block)
             for args, k in overloads.items()]
-
-
-def sass(kernel, signature_or_example_args=None, cc=(9, 0), *, config=None):
-    """The kernel's SASS and instruction mix (:func:`flashnb.sass.sass`, here beside the resource report)."""
-    from .sass import sass as _sass
-
-    return _sass(kernel, signature_or_example_args, cc, config=config)
 
 
 def guard_kernel(spec: KernelSpec | str, config: Mapping | None = None, cc=(9, 0)) -> list[str]:
