@@ -1,0 +1,307 @@
+"""Stage 6 -- from readable to fast: the FA2 forward (FA2 Alg. 1) tuned against its SASS.
+
+Same algorithm, same grid and the same split-Q warps as :mod:`flashnb.fa2` (stage 4, kept readable); what
+changes is only *how* each thread's share of the work reaches the arithmetic units.  Every change answers a
+finding of the stage-4 audit (``flashnb sass fa2.forward``, ``flashnb profile fa2``):
+
+1. **Everything the compiler must unroll is a compile-time constant.**  ``d`` (padded), ``Br``, ``Bc``, the
+   micro-tile ``TM × TN`` and the swizzle width are closure constants of the factory, and the register
+   arrays (``S``, ``O~``, ``m``, ``l``) are only ever indexed by ``range(CONST)`` loop variables.  LLVM then
+   unrolls those loops completely and SROA turns the arrays into registers: no local memory (``ldl``/``stl``)
+   in the hot loop, no negative-index wraparound code (indices are non-negative constants).
+2. **Contiguous micro-tiles, 128-bit shared loads.**  Lane ``(lr, lc)`` of warp ``w`` owns the ``TM``
+   *consecutive* query rows ``w·TM·LR + lr·TM + a`` and the ``TN`` consecutive key columns ``lc·TN + b`` of
+   ``S_ij`` (stage 4 strides them by ``LR``/``LC``), and the head-dim columns ``32·g + 4·lc + t`` of ``O~``.
+   Each read of ``Q_i``, ``K_j`` or ``V_j`` is then four consecutive floats at a 16-byte aligned address,
+   which the compiler issues as one ``LDS.128``.
+3. **Swizzled transposed tiles: no bank conflicts, ideal sectors.**  ``Q_i`` and ``K_j`` are stored
+   transposed (``k`` major) so the inner loop of line 8 reads rows of them.  A plain transposed store is a
+   32-way bank conflict; here a warp loads a ``4 rows × 8 k`` patch of the tile (four full 32-byte sectors of
+   HBM, the ideal) and stores float ``(k, r)`` at column chunk ``(r // 4) XOR (k mod SW)`` of row ``k``: the
+   32 stores hit 32 different banks, and the 128-bit reads (which undo the XOR with the same constant) stay
+   conflict-free.  ``V_j`` stays row-major (its reads are already rows).
+4. **Branch-free tile loads for full tiles.**  Only the last (partial) K/V tile and the last Q tile check
+   bounds; a tile that lies inside the sequence is copied without a test per element.  The padded head-dim
+   columns (odd ``d`` is padded to ``Dq = ⌈d/8⌉·8`` for line 8 and ``Dp = ⌈d/32⌉·32`` for ``O``) are zeros.
+5. **Masking only where it can matter** (as stage 4): the causal / ``Nk`` test runs only on a tile that
+   crosses the diagonal or the end of the keys; whole tiles above the (bottom-right aligned) diagonal are
+   never visited.
+
+``P~_ij`` still travels from its owner lane by ``shfl_sync`` (never through shared memory), and the row max
+and row sum are shuffle butterflies inside the 8 lanes of a row group -- no warp needs another warp's
+result, so the only block barriers are the two around the K/V tile load (FA2's split-Q argument).
+
+Kernel: :func:`make_forward` (``"fa2_fast.forward"``).  Impl: ``impl="fa2-fast"`` -- this forward, and the
+stage-4 backward (:func:`flashnb.fa2.backward`, FA2 Alg. 2), which needs only ``(O, L)`` and so works from this
+forward's outputs unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32, uint32
+
+from . import fa2
+from .common import NEG_INF, ONE, ZERO, causal_diag, cdiv, check_shared_fit, empty, launch
+from .registry import kernel_factory, register_impl
+
+__all__ = ["make_forward", "forward", "backward", "model_forward", "default_tiles", "geometry", "shared_bytes",
+           "LR", "LC", "VEC"]
+
+LR = 4                  # lanes of a warp along its rows
+LC = 8                  # lanes of a warp along the key columns of S (and the head-dim chunks of O)
+VEC = 4                 # floats per 128-bit shared load
+PAD = 4                 # Q_i, K_j rows padded by one 16-byte chunk: row r starts at bank 4r mod 32
+FULL_MASK = 0xFFFFFFFF
+
+_A3 = "float32[:, :, ::1]"
+_A2 = "float32[:, ::1]"
+_FWD_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, float32, int32)"
+
+# Tiles per head-dim class, chosen with `flashnb sass` (hot-loop FFMA share) and `flashnb inspect`
+# (registers, no spills, static shared memory <= 48 KiB).
+_DEFAULTS = {32: dict(Br=64, Bc=32, warps=4), 64: dict(Br=64, Bc=32, warps=4), 128: dict(Br=32, Bc=16, warps=2)}
+
+
+def default_tiles(d: int) -> dict:
+    """The default ``Br, Bc, warps`` for head dim ``d`` (the table for the smallest listed d >= d)."""
+    for dmax in sorted(_DEFAULTS):
+        if d <= dmax:
+            return dict(_DEFAULTS[dmax])
+    raise ValueError(f"head dim d must be <= {max(_DEFAULTS)}, got {d}")
+
+
+def geometry(Br: int, Bc: int, d: int, warps: int) -> dict:
+    """Per-lane micro-tile and padded sizes: ``TM`` rows × ``TN`` key columns of S, ``DN`` columns of O;
+    ``Dq`` (line 8's k range) and ``Dp`` (O's columns) are ``d`` padded; ``SW`` the swizzle width."""
+    if warps < 1 or Br % (warps * LR):
+        raise ValueError(f"Br={Br} must be a multiple of {LR}·warps = {LR * warps} (each warp owns Br/warps rows, "
+                         f"{LR} lanes along them)")
+    if Bc % LC:
+        raise ValueError(f"Bc={Bc} must be a multiple of {LC} (the lanes of a row group)")
+    if not 1 <= d <= 128:
+        raise ValueError(f"head dim d must be in 1..128, got {d}")
+    Dp = cdiv(d, LC * VEC) * LC * VEC
+    return dict(TM=Br // (warps * LR), TN=Bc // LC, DN=Dp // LC, Dp=Dp, threads=32 * warps)
+
+
+def shared_bytes(Br, Bc, d, warps):
+    g = geometry(Br, Bc, d, warps)
+    return 4 * ((g["Dp"] + PAD) * (Br + Bc) + g["Dp"] * Bc)
+
+
+def _configs():
+    return ([dict(**default_tiles(d), d=d, causal=c) for d, c in ((32, False), (64, False), (64, True),
+                                                                   (128, False), (128, True))]
+            + [dict(Br=32, Bc=32, d=20, warps=2, causal=True), dict(Br=64, Bc=32, d=1, warps=4, causal=False)])
+
+
+@kernel_factory("fa2_fast.forward", stage="6", signature=_FWD_SIG, configs=_configs(),
+                threads=lambda warps, **_: 32 * warps)
+def make_forward(Br, Bc, d, warps, causal):
+    """FA2 Alg. 1 for one (Br, Bc, d, warps, causal); grid ``(Tr, BH)``, block ``32·warps`` threads."""
+    g = geometry(Br, Bc, d, warps)
+    TM, TN, DN, Dp, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["threads"]
+    CD = DN // VEC                                      # 128-bit chunks of O~ per lane
+    KC = Dp // VEC                                      # 128-bit chunks along k (line 8's loop)
+    LD = Dp + PAD                                       # padded row length of Q_i, K_j in shared memory
+
+    @cuda.jit(device=True, inline="always")
+    def load_tile(X, Xs, z, r0, N, ROWS, full, tid):
+        """Alg. 1 lines 4 / 7: rows ``r0 .. r0+ROWS`` of ``X[z]`` into ``Xs`` (row-major, chunk-swizzled):
+        consecutive threads copy consecutive floats of a row (ideal sectors, distinct banks)."""
+        for e in range(tid, ROWS * Dp, NT):
+            r = e // Dp
+            k = e - r * Dp
+            if full and d == Dp:                        # a full tile: no test per element
+                x = X[z, r0 + r, k]
+            else:
+                x = X[z, r0 + r, k] if r0 + r < N and k < d else ZERO
+            Xs[r, k] = x
+
+    @cuda.jit
+    def fa2_fast_forward(Q, K, V, O, L, scale, diag):
+        Qs = cuda.shared.array((Br, LD), float32)      # Q_i, rows padded by 4 floats
+        Ks = cuda.shared.array((Bc, LD), float32)      # K_j, rows padded by 4 floats
+        Vs = cuda.shared.array((Bc, Dp), float32)      # V_j, plain rows (zero-padded to Dp columns)
+        S = cuda.local.array((TM, TN), float32)        # registers (constant indices only)
+        Oi = cuda.local.array((TM, DN), float32)
+        m = cuda.local.array(TM, float32)
+        l = cuda.local.array(TM, float32)
+        qv = cuda.local.array((TM, VEC), float32)
+        kv = cuda.local.array((TN, VEC), float32)
+        p = cuda.local.array(TM, float32)
+        z = cuda.blockIdx.y
+        i0 = cuda.blockIdx.x * Br
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        lr = lane // LC
+        lc = lane % LC
+        rw = (tid // 32) * (TM * LR) + lr              # this lane's rows: rw + LR·a (columns: lc + LC·b)
+        rq = uint32(rw)                                # unsigned shared indices: no negative-index fix-ups
+        lcu = uint32(lc)
+        lc4 = uint32(lc * VEC)
+        Nq = Q.shape[1]
+        Nk = K.shape[1]
+        load_tile(Q, Qs, z, i0, Nq, Br, i0 + Br <= Nq, tid)             # line 4: Q_i once
+        for a in range(TM):                            # line 5: O~ = 0, l = 0, m = -inf
+            m[a] = NEG_INF
+            l[a] = ZERO
+            for c in range(DN):
+                Oi[a, c] = ZERO
+        n_tiles = (Nk + Bc - 1) // Bc
+        if causal:                                     # skip K/V blocks entirely above the diagonal
+            last = min(i0 + Br, Nq) - 1 + diag
+            n_tiles = min(n_tiles, last // Bc + 1) if last >= 0 else 0
+        for jt in range(n_tiles):                      # line 6
+            j0 = jt * Bc
+            full = j0 + Bc <= Nk
+            cuda.syncthreads()                         # every warp is done with K_{j-1}, V_{j-1}
+            load_tile(K, Ks, z, j0, Nk, Bc, full, tid)                  # line 7: K_j, V_j
+            for e in range(tid, Bc * Dp, NT):
+                c = e // Dp
+                k = e - c * Dp
+                if full and d == Dp:
+                    Vs[c, k] = V[z, j0 + c, k]
+                else:
+                    Vs[c, k] = V[z, j0 + c, k] if j0 + c < Nk and k < d else ZERO
+            cuda.syncthreads()
+            for a in range(TM):
+                for b in range(TN):
+                    S[a, b] = ZERO
+            kc = 0
+            while kc < KC:                             # line 8: S = Q_i K_jᵀ, 4 k per step
+                k = uint32(kc * VEC)
+                kc += 1
+                for a in range(TM):                    # one LDS.128 per row ...
+                    for t in range(VEC):
+                        qv[a, t] = Qs[rq + uint32(LR * a), k + uint32(t)]
+                for b in range(TN):                    # ... and per key column
+                    for t in range(VEC):
+                        kv[b, t] = Ks[lcu + uint32(LC * b), k + uint32(t)]
+                for t in range(VEC):                   # 4·TM·TN FFMAs per TM + TN loads
+                    for a in range(TM):
+                        for b in range(TN):
+                            S[a, b] += qv[a, t] * kv[b, t]
+            crossing = not full or (causal and j0 + Bc - 1 > i0 + diag)
+            for a in range(TM):                        # line 9: m_new, P~ = exp(S - m_new), l
+                mx = NEG_INF
+                row = i0 + rw + LR * a
+                for b in range(TN):
+                    s = scale * S[a, b]
+                    if crossing:
+                        col = j0 + lc + LC * b
+                        if col >= Nk or (causal and col > row + diag):
+                            s = NEG_INF
+                    S[a, b] = s
+                    mx = max(mx, s)
+                mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, 1))   # row max over the row group's 8 lanes
+                mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, 2))
+                mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, 4))
+                m_new = max(m[a], mx)
+                alpha = ONE
+                rs = ZERO
+                if m_new != NEG_INF:
+                    alpha = float32(math.exp(m[a] - m_new))
+                    for b in range(TN):
+                        pb = float32(math.exp(S[a, b] - m_new))
+                        S[a, b] = pb
+                        rs += pb
+                else:
+                    for b in range(TN):
+                        S[a, b] = ZERO
+                l[a] = alpha * l[a] + rs               # this lane's partial row sum
+                m[a] = m_new
+                for c in range(DN):                    # line 10: O~ = diag(e^(m_old - m_new)) O~ ...
+                    Oi[a, c] *= alpha
+            for src in range(LC):                      # ... + P~ V_j; P~_ij from its owner lane
+                for b in range(TN):
+                    for a in range(TM):
+                        p[a] = cuda.shfl_sync(FULL_MASK, S[a, b], lr * LC + src)
+                    j = uint32(src + LC * b)
+                    for c4 in range(CD):               # one LDS.128 of V_j feeds 4·TM FFMAs
+                        for t in range(VEC):
+                            vj = Vs[j, lc4 + uint32(c4 * LC * VEC + t)]
+                            for a in range(TM):
+                                Oi[a, c4 * VEC + t] += p[a] * vj
+        for a in range(TM):                            # lines 12-14: O_i = diag(l)^-1 O~_i, L_i = m + log l
+            ls = l[a]
+            ls += cuda.shfl_xor_sync(FULL_MASK, ls, 1)
+            ls += cuda.shfl_xor_sync(FULL_MASK, ls, 2)
+            ls += cuda.shfl_xor_sync(FULL_MASK, ls, 4)
+            row = i0 + rw + LR * a
+            inv = ONE / ls if ls > ZERO else ZERO
+            if row < Nq:
+                for c4 in range(CD):
+                    for t in range(VEC):
+                        col = (c4 * LC + lc) * VEC + t
+                        if col < d:
+                            O[z, row, col] = Oi[a, c4 * VEC + t] * inv
+                if lc == 0:
+                    L[z, row] = m[a] + float32(math.log(ls)) if ls > ZERO else NEG_INF
+
+    return fa2_fast_forward
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _tiles(d, Br, Bc, warps):
+    t = default_tiles(d)
+    for name, value in (("Br", Br), ("Bc", Bc), ("warps", warps)):
+        if value is not None:
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            t[name] = int(value)
+    geometry(t["Br"], t["Bc"], d, t["warps"])
+    check_shared_fit("fa2-fast forward", f"Br={t['Br']}, Bc={t['Bc']} at d={d}",
+                     shared_bytes(t["Br"], t["Bc"], d, t["warps"]), "choose smaller Br/Bc")
+    return t
+
+
+def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None):
+    """Device arrays in, ``(O, L)`` out (FA2 Alg. 1); ``Br, Bc, warps`` default to :func:`default_tiles`."""
+    BH, Nq, d = q.shape
+    Nk = k.shape[1]
+    t = _tiles(d, Br, Bc, warps)
+    O = empty((BH, Nq, d))
+    L = empty((BH, Nq))
+    kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal))
+    launch(kernel, (cdiv(Nq, t["Br"]), BH), 32 * t["warps"], q, k, v, O, L, scale, causal_diag(causal, Nq, Nk),
+           label="FA2 fast forward")
+    return O, L
+
+
+def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warps=None):
+    """The stage-4 backward (FA2 Alg. 2, :func:`flashnb.fa2.backward` with its own default tiles): it needs
+    only ``(O, L)``, which this forward computes exactly as stage 4 does.  The forward's tile options are
+    not passed on (the backward's tiles are the transposed problem's)."""
+    return fa2.backward(q, k, v, o, lse, do, causal=causal, scale=scale)
+
+
+register_impl("fa2-fast", stage="6",
+              description="FA2 forward tuned by its SASS: unrolled register micro-tiles, 128-bit swizzled shared "
+                          "loads, no local memory (backward: stage 4's)",
+              forward=forward, backward=backward, options=("Br", "Bc", "warps"))
+
+
+# --------------------------------------------------------------------------- analytic model
+
+
+def model_forward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None):
+    """Element accesses of :func:`forward` (one launch): Q, O, L once; K_j, V_j once per visited tile.
+
+    Shared: per thread block ``Dq·Br`` (Q_i, padded); per tile ``Dq·Bc + Bc·Dp`` written (K_j, V_j) and, per
+    thread, ``Dq·(TM + TN)`` (line 8) and ``Bc·DN`` (line 10) elements read."""
+    t = _tiles(d, Br, Bc, warps)
+    g = geometry(t["Br"], t["Bc"], d, t["warps"])
+    visited = fa2.tiles_visited(Nq, Nk, t["Br"], t["Bc"], causal)
+    n = BH * len(visited)
+    kv = BH * sum(cols for _, _, _, cols in visited) * d
+    per_tile_reads = g["threads"] * (g["Dp"] * (g["TM"] + g["TN"]) + t["Bc"] * g["DN"])
+    return [dict(launch="FA2 fast forward", reads={"Q": BH * Nq * d, "K": kv, "V": kv},
+                 writes={"O": BH * Nq * d, "L": BH * Nq}, atomics={},
+                 shared_reads=n * per_tile_reads,
+                 shared_writes=BH * cdiv(Nq, t["Br"]) * t["Br"] * g["Dp"] + n * t["Bc"] * (g["Dp"] + g["Dp"]))]
