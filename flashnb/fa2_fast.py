@@ -106,26 +106,32 @@ def make_forward(Br, Bc, d, warps, causal):
     TM, TN, DN, Dp, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["threads"]
     CD = DN // VEC                                      # 128-bit chunks of O~ per lane
     KC = Dp // VEC                                      # 128-bit chunks along k (line 8's loop)
-    LD = Dp + PAD                                       # padded row length of Q_i, K_j in shared memory
+    LD = Dp + PAD                                       # row length of Q_i, K_j in shared memory
+    LDO = Dp + 1                                        # row length of O_i staged in Q_i's space (odd)
+    QN, KN, VN = Br * LD, Bc * LD, Bc * Dp              # shared array sizes (floats)
 
     @cuda.jit(device=True, inline="always")
-    def load_tile(X, Xs, z, r0, N, ROWS, full, tid):
-        """Alg. 1 lines 4 / 7: rows ``r0 .. r0+ROWS`` of ``X[z]`` into ``Xs`` (row-major, chunk-swizzled):
-        consecutive threads copy consecutive floats of a row (ideal sectors, distinct banks)."""
-        for e in range(tid, ROWS * Dp, NT):
-            r = e // Dp
-            k = e - r * Dp
+    def load_tile(X, Xs, ld, z, r0, N, ROWS, full, tid):
+        """Alg. 1 lines 4 / 7: rows ``r0 .. r0+ROWS`` of ``X[z]`` into ``Xs`` (rows of ``ld`` floats, zeros
+        beyond ``d`` and ``N``).  Consecutive threads copy consecutive floats of a row: ideal sectors, and
+        consecutive banks.  Unsigned indices: no negative-index fix-ups in the address arithmetic."""
+        e = uint32(tid)
+        while e < uint32(ROWS * Dp):
+            r = e // uint32(Dp)
+            k = e - r * uint32(Dp)
+            row = uint32(r0) + r
             if full and d == Dp:                        # a full tile: no test per element
-                x = X[z, r0 + r, k]
+                x = X[z, row, k]
             else:
-                x = X[z, r0 + r, k] if r0 + r < N and k < d else ZERO
-            Xs[r, k] = x
+                x = X[z, row, k] if row < uint32(N) and k < uint32(d) else ZERO
+            Xs[r * uint32(ld) + k] = x
+            e += uint32(NT)
 
     @cuda.jit
     def fa2_fast_forward(Q, K, V, O, L, scale, diag):
-        Qs = cuda.shared.array((Br, LD), float32)      # Q_i, rows padded by 4 floats
-        Ks = cuda.shared.array((Bc, LD), float32)      # K_j, rows padded by 4 floats
-        Vs = cuda.shared.array((Bc, Dp), float32)      # V_j, plain rows (zero-padded to Dp columns)
+        Qs = cuda.shared.array(QN, float32)          # Q_i: rows of LD = Dp + 4 floats; at the end O_i
+        Ks = cuda.shared.array(KN, float32)          # K_j: rows of LD floats
+        Vs = cuda.shared.array(VN, float32)          # V_j: rows of Dp floats (zero-padded beyond d)
         S = cuda.local.array((TM, TN), float32)        # registers (constant indices only)
         Oi = cuda.local.array((TM, DN), float32)
         m = cuda.local.array(TM, float32)
@@ -139,13 +145,13 @@ def make_forward(Br, Bc, d, warps, causal):
         lane = tid % 32
         lr = lane // LC
         lc = lane % LC
-        rw = (tid // 32) * (TM * LR) + lr              # this lane's rows: rw + LR·a (columns: lc + LC·b)
-        rq = uint32(rw)                                # unsigned shared indices: no negative-index fix-ups
-        lcu = uint32(lc)
-        lc4 = uint32(lc * VEC)
+        rw = (tid // 32) * (TM * LR) + lr              # this lane's rows: rw + LR·a (key columns: lc + LC·b)
+        qrow = uint32(rw * LD)                         # unsigned shared offsets: no negative-index fix-ups
+        kcol = uint32(lc * LD)
+        vcol = uint32(lc * VEC)                        # O~ columns: vcol + 32·c4 + t
         Nq = Q.shape[1]
         Nk = K.shape[1]
-        load_tile(Q, Qs, z, i0, Nq, Br, i0 + Br <= Nq, tid)             # line 4: Q_i once
+        load_tile(Q, Qs, LD, z, i0, Nq, Br, i0 + Br <= Nq, tid)         # line 4: Q_i once
         for a in range(TM):                            # line 5: O~ = 0, l = 0, m = -inf
             m[a] = NEG_INF
             l[a] = ZERO
@@ -159,14 +165,8 @@ def make_forward(Br, Bc, d, warps, causal):
             j0 = jt * Bc
             full = j0 + Bc <= Nk
             cuda.syncthreads()                         # every warp is done with K_{j-1}, V_{j-1}
-            load_tile(K, Ks, z, j0, Nk, Bc, full, tid)                  # line 7: K_j, V_j
-            for e in range(tid, Bc * Dp, NT):
-                c = e // Dp
-                k = e - c * Dp
-                if full and d == Dp:
-                    Vs[c, k] = V[z, j0 + c, k]
-                else:
-                    Vs[c, k] = V[z, j0 + c, k] if j0 + c < Nk and k < d else ZERO
+            load_tile(K, Ks, LD, z, j0, Nk, Bc, full, tid)              # line 7: K_j, V_j
+            load_tile(V, Vs, Dp, z, j0, Nk, Bc, full, tid)
             cuda.syncthreads()
             for a in range(TM):
                 for b in range(TN):
@@ -177,10 +177,10 @@ def make_forward(Br, Bc, d, warps, causal):
                 kc += 1
                 for a in range(TM):                    # one LDS.128 per row ...
                     for t in range(VEC):
-                        qv[a, t] = Qs[rq + uint32(LR * a), k + uint32(t)]
+                        qv[a, t] = Qs[qrow + uint32(LR * a * LD + t) + k]
                 for b in range(TN):                    # ... and per key column
                     for t in range(VEC):
-                        kv[b, t] = Ks[lcu + uint32(LC * b), k + uint32(t)]
+                        kv[b, t] = Ks[kcol + uint32(LC * b * LD + t) + k]
                 for t in range(VEC):                   # 4·TM·TN FFMAs per TM + TN loads
                     for a in range(TM):
                         for b in range(TN):
@@ -220,27 +220,35 @@ def make_forward(Br, Bc, d, warps, causal):
                 for b in range(TN):
                     for a in range(TM):
                         p[a] = cuda.shfl_sync(FULL_MASK, S[a, b], lr * LC + src)
-                    j = uint32(src + LC * b)
+                    j = uint32((src + LC * b) * Dp)
                     for c4 in range(CD):               # one LDS.128 of V_j feeds 4·TM FFMAs
                         for t in range(VEC):
-                            vj = Vs[j, lc4 + uint32(c4 * LC * VEC + t)]
+                            vj = Vs[j + vcol + uint32(c4 * LC * VEC + t)]
                             for a in range(TM):
                                 Oi[a, c4 * VEC + t] += p[a] * vj
+        cuda.syncthreads()                             # every warp is done with Q_i: its space takes O_i
         for a in range(TM):                            # lines 12-14: O_i = diag(l)^-1 O~_i, L_i = m + log l
             ls = l[a]
             ls += cuda.shfl_xor_sync(FULL_MASK, ls, 1)
             ls += cuda.shfl_xor_sync(FULL_MASK, ls, 2)
             ls += cuda.shfl_xor_sync(FULL_MASK, ls, 4)
-            row = i0 + rw + LR * a
             inv = ONE / ls if ls > ZERO else ZERO
-            if row < Nq:
-                for c4 in range(CD):
-                    for t in range(VEC):
-                        col = (c4 * LC + lc) * VEC + t
-                        if col < d:
-                            O[z, row, col] = Oi[a, c4 * VEC + t] * inv
-                if lc == 0:
-                    L[z, row] = m[a] + float32(math.log(ls)) if ls > ZERO else NEG_INF
+            orow = uint32((rw + LR * a) * LDO)         # rows of odd length: the 32 lanes hit 32 banks
+            for c4 in range(CD):
+                for t in range(VEC):
+                    Qs[orow + vcol + uint32(c4 * LC * VEC + t)] = Oi[a, c4 * VEC + t] * inv
+            row = i0 + rw + LR * a
+            if lc == 0 and row < Nq:
+                L[z, row] = m[a] + float32(math.log(ls)) if ls > ZERO else NEG_INF
+        cuda.syncthreads()
+        e = uint32(tid)                                # line 13: O_i to HBM, row by row (ideal sectors)
+        while e < uint32(Br * Dp):
+            r = e // uint32(Dp)
+            k = e - r * uint32(Dp)
+            row = uint32(i0) + r
+            if row < uint32(Nq) and k < uint32(d):
+                O[z, row, k] = Qs[r * uint32(LDO) + k]
+            e += uint32(NT)
 
     return fa2_fast_forward
 
