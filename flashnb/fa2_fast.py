@@ -62,7 +62,7 @@ _FWD_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, float32, int32)"
 
 # Tiles per head-dim class, chosen with `flashnb sass` (hot-loop FFMA share) and `flashnb inspect`
 # (registers, no spills, static shared memory <= 48 KiB).
-_DEFAULTS = {32: dict(Br=64, Bc=32, warps=4), 64: dict(Br=64, Bc=32, warps=4), 128: dict(Br=32, Bc=16, warps=2)}
+_DEFAULTS = {32: dict(Br=64, Bc=32, warps=2), 64: dict(Br=64, Bc=32, warps=2), 128: dict(Br=32, Bc=16, warps=2)}
 
 
 def default_tiles(d: int) -> dict:
@@ -301,15 +301,18 @@ register_impl("fa2-fast", stage="6",
 def model_forward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None):
     """Element accesses of :func:`forward` (one launch): Q, O, L once; K_j, V_j once per visited tile.
 
-    Shared: per thread block ``Dq·Br`` (Q_i, padded); per tile ``Dq·Bc + Bc·Dp`` written (K_j, V_j) and, per
-    thread, ``Dq·(TM + TN)`` (line 8) and ``Bc·DN`` (line 10) elements read."""
+    Shared, per thread block: ``Br·Dp`` written (Q_i, zero-padded), then ``Br·Dp`` written and ``rows·d`` read
+    back (O_i staged for the row-by-row store); per visited tile ``2·Bc·Dp`` written (K_j, V_j) and, per
+    thread, ``Dp·(TM + TN)`` (line 8) and ``Bc·DN`` (line 10) elements read.  The padding columns of the rows
+    (``LD - Dp``) are never touched."""
     t = _tiles(d, Br, Bc, warps)
     g = geometry(t["Br"], t["Bc"], d, t["warps"])
     visited = fa2.tiles_visited(Nq, Nk, t["Br"], t["Bc"], causal)
     n = BH * len(visited)
     kv = BH * sum(cols for _, _, _, cols in visited) * d
+    blocks = BH * cdiv(Nq, t["Br"])
     per_tile_reads = g["threads"] * (g["Dp"] * (g["TM"] + g["TN"]) + t["Bc"] * g["DN"])
     return [dict(launch="FA2 fast forward", reads={"Q": BH * Nq * d, "K": kv, "V": kv},
                  writes={"O": BH * Nq * d, "L": BH * Nq}, atomics={},
-                 shared_reads=n * per_tile_reads,
-                 shared_writes=BH * cdiv(Nq, t["Br"]) * t["Br"] * g["Dp"] + n * t["Bc"] * (g["Dp"] + g["Dp"]))]
+                 shared_reads=n * per_tile_reads + BH * Nq * d,
+                 shared_writes=2 * blocks * t["Br"] * g["Dp"] + n * 2 * t["Bc"] * g["Dp"])]
