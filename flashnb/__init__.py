@@ -21,5 +21,5 @@ from . import reference, traffic, roofline, bench, inspect, rehearsal  # noqa: E
 __version__ = "0.1.0"
 
 __all__ = ["MODE", "is_simulator", "attention", "attention_forward", "attention_backward", "registry", "common",
-           "runtime", "sim", "naive", "softmax", "fa1", "fa2", "fa2_steps", "block_sparse", "fa2_fast", "reference", "traffic",
-           "roofline", "bench", "inspect", "rehearsal", "__version__"]
+           "runtime", "sim", "naive", "softmax", "fa1", "fa2", "fa2_steps", "block_sparse", "fa2_fast", "reference",
+           "traffic", "roofline", "bench", "inspect", "rehearsal", "__version__"]

@@ -47,8 +47,8 @@ from . import fa2
 from .common import NEG_INF, ONE, ZERO, causal_diag, cdiv, check_shared_fit, empty, launch
 from .registry import kernel_factory, register_impl
 
-__all__ = ["make_forward", "forward", "backward", "model_forward", "default_tiles", "geometry", "shared_bytes",
-           "LR", "LC", "VEC"]
+__all__ = ["make_forward", "forward", "backward", "model_forward", "model_backward", "default_tiles", "geometry",
+           "shared_bytes", "LR", "LC", "VEC", "PAD"]
 
 LR = 4                  # lanes of a warp along its rows
 LC = 8                  # lanes of a warp along the key columns of S (and the head-dim chunks of O)
@@ -316,3 +316,9 @@ def model_forward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None):
                  writes={"O": BH * Nq * d, "L": BH * Nq}, atomics={},
                  shared_reads=n * per_tile_reads + BH * Nq * d,
                  shared_writes=2 * blocks * t["Br"] * g["Dp"] + n * 2 * t["Bc"] * g["Dp"])]
+
+
+def model_backward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None):
+    """The impl's backward is stage 4's with its default tiles (the forward's tile options are not passed on):
+    :func:`flashnb.fa2.model_backward`."""
+    return fa2.model_backward(BH, Nq, Nk, d, causal=causal)
