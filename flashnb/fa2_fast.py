@@ -149,6 +149,7 @@ def make_forward(Br, Bc, d, warps, causal):
         qrow = uint32(rw * LD)                         # unsigned shared offsets: no negative-index fix-ups
         kcol = uint32(lc * LD)
         vcol = uint32(lc * VEC)                        # O~ columns: vcol + 32·c4 + t
+        lane8 = uint32(lr * LC)                        # lane (lr, 0): the first of this lane's row group
         Nq = Q.shape[1]
         Nk = K.shape[1]
         load_tile(Q, Qs, LD, z, i0, Nq, Br, i0 + Br <= Nq, tid)         # line 4: Q_i once
@@ -171,10 +172,8 @@ def make_forward(Br, Bc, d, warps, causal):
             for a in range(TM):
                 for b in range(TN):
                     S[a, b] = ZERO
-            kc = 0
-            while kc < KC:                             # line 8: S = Q_i K_jᵀ, 4 k per step
-                k = uint32(kc * VEC)
-                kc += 1
+            k = uint32(0)
+            while k < uint32(Dp):                      # line 8: S = Q_i K_jᵀ, 4 k per step (32-bit counter)
                 for a in range(TM):                    # one LDS.128 per row ...
                     for t in range(VEC):
                         qv[a, t] = Qs[qrow + uint32(LR * a * LD + t) + k]
@@ -185,6 +184,7 @@ def make_forward(Br, Bc, d, warps, causal):
                     for a in range(TM):
                         for b in range(TN):
                             S[a, b] += qv[a, t] * kv[b, t]
+                k = uint32(k + VEC)
             crossing = not full or (causal and j0 + Bc - 1 > i0 + diag)
             for a in range(TM):                        # line 9: m_new, P~ = exp(S - m_new), l
                 mx = NEG_INF
@@ -216,16 +216,18 @@ def make_forward(Br, Bc, d, warps, causal):
                 m[a] = m_new
                 for c in range(DN):                    # line 10: O~ = diag(e^(m_old - m_new)) O~ ...
                     Oi[a, c] *= alpha
-            for src in range(LC):                      # ... + P~ V_j; P~_ij from its owner lane
+            src = uint32(0)
+            while src < uint32(LC):                    # ... + P~ V_j; P~_ij from its owner lane
                 for b in range(TN):
                     for a in range(TM):
-                        p[a] = cuda.shfl_sync(FULL_MASK, S[a, b], lr * LC + src)
-                    j = uint32((src + LC * b) * Dp)
+                        p[a] = cuda.shfl_sync(FULL_MASK, S[a, b], lane8 + src)
+                    j = uint32(src * Dp + LC * b * Dp)
                     for c4 in range(CD):               # one LDS.128 of V_j feeds 4·TM FFMAs
                         for t in range(VEC):
                             vj = Vs[j + vcol + uint32(c4 * LC * VEC + t)]
                             for a in range(TM):
                                 Oi[a, c4 * VEC + t] += p[a] * vj
+                src = uint32(src + 1)
         cuda.syncthreads()                             # every warp is done with Q_i: its space takes O_i
         for a in range(TM):                            # lines 12-14: O_i = diag(l)^-1 O~_i, L_i = m + log l
             ls = l[a]
