@@ -39,8 +39,9 @@ so the block barriers are the two around the K/V tile load, plus two around the 
 
 What the compiler makes of it (``flashnb sass fa2_fast.forward --config '{"Br": 64, "Bc": 32, "warps": 2,
 "d": 64, "causal": false}'``, sm_90): hot loop (line 10) 84.8% FFMA, only ``LDS.128``; line 8's loop 87%.
-At d = 128 (Br = 32, Bc = 16): hot loop 84.8%, line 8 65% (``TN = 2``: a 32-wide K/V tile with padded rows
-would need 49 KiB of shared memory).  Stage 4 at the same d: 65% and 56%, ``LDS.32`` only, local memory.
+At d = 128 (Br = 24, Bc = 32: with padded rows, Br = Bc = 32 would need 49 KiB of shared memory, and
+Bc = 16 leaves line 8 at 65%): hot loop 85.0%, line 8 77%.  Stage 4 (its default tiles): hot loop 65% at
+d = 64 and 56% at d = 128, ``LDS.32`` only, local memory in the hot loop.
 
 Kernel: :func:`make_forward` (``"fa2_fast.forward"``).  Impl ``"fa2-fast"``: this forward, and stage 4's
 backward (:func:`flashnb.fa2.backward`, FA2 Alg. 2), which needs only ``(O, L)`` -- the same quantities,
@@ -71,9 +72,9 @@ _A3 = "float32[:, :, ::1]"
 _A2 = "float32[:, ::1]"
 _FWD_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, float32, int32)"
 
-# Tiles per head-dim class, chosen with `flashnb sass` (hot-loop FFMA share) and `flashnb inspect`
-# (registers, no spills, static shared memory <= 48 KiB).
-_DEFAULTS = {32: dict(Br=64, Bc=32, warps=2), 64: dict(Br=64, Bc=32, warps=2), 128: dict(Br=32, Bc=16, warps=2)}
+# Tiles per head-dim class, chosen with `flashnb sass` (FFMA share of both inner loops) and `flashnb inspect`
+# (registers, no spills, static shared memory <= 48 KiB).  Two warps: TM = Br/8 rows × TN = Bc/8 columns.
+_DEFAULTS = {32: dict(Br=64, Bc=32, warps=2), 64: dict(Br=64, Bc=32, warps=2), 128: dict(Br=24, Bc=32, warps=2)}
 
 
 def default_tiles(d: int) -> dict:
