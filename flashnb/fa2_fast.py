@@ -13,7 +13,9 @@ answers a finding of the stage-4 audit (``flashnb sass fa2.forward``, ``flashnb 
    and its iterator's bookkeeping, about 10 integer instructions per iteration of the hot loop.
 2. **128-bit shared loads.**  ``Q_i`` and ``K_j`` are stored *row-major* (stage 4 stores them transposed);
    in each step of line 8 a lane reads 4 consecutive ``k`` of each of its ``TM`` query rows and ``TN`` key
-   rows -- one ``LDS.128`` each, feeding ``4·TM·TN`` FFMAs.  Lane ``(lr, lc)`` of warp ``w`` owns query rows
+   rows -- one ``LDS.128`` each, feeding ``4·TM·TN`` FFMAs.  (The PTX has four 32-bit ``ld.shared``; ptxas
+   merges them, because it places the shared arrays itself and so knows the address is 16-byte aligned:
+   row lengths and offsets must stay multiples of 4 floats.)  Lane ``(lr, lc)`` of warp ``w`` owns query rows
    ``w·TM·LR + lr + LR·a`` and key columns ``lc + LC·b`` (as stage 4) and the head-dim columns
    ``32·c + 4·lc + t`` of ``O~`` (4 consecutive per 32), so line 10 reads ``V_j`` 4 floats at a time too.
 3. **Padding instead of transposed stores: no bank conflicts.**  Rows of ``Q_i`` and ``K_j`` are ``Dp + 4``
