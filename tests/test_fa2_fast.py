@@ -38,6 +38,15 @@ def test_forward_matches_reference(rng, lead, Nq, Nk, d, tiles, causal):
     assert_close(lse, lse_ref, **FWD, what="lse")
 
 
+def test_default_tiles_at_d128(rng):
+    """d = 128's default tiles (Br = 24, not a power of two; Bc = 32), causal with Nq < Nk."""
+    q, k, v = qkv(rng, (1, 30, 128), 50)
+    o, lse = flashnb.attention_forward(q, k, v, causal=True, impl="fa2-fast")
+    o_ref, lse_ref = reference.attention_forward(q, k, v, causal=True)
+    assert_close(o, o_ref, **FWD, what="o")
+    assert_close(lse, lse_ref, **FWD, what="lse")
+
+
 def test_scale_and_backward_through_the_impl(rng):
     """A non-default scale; the impl's backward (stage 4's, from this forward's O and L) matches too."""
     q, k, v, do = qkv(rng, (1, 21, 12), 30, do=True)
