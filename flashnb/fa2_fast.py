@@ -30,10 +30,13 @@ answers a finding of the stage-4 audit (``flashnb sass fa2.forward``, ``flashnb 
 5. **Coalesced epilogue.**  With 4 consecutive columns per lane, storing ``O_i`` straight to HBM would touch
    4x the ideal sectors; ``O_i`` is staged in ``Q_i``'s shared space (rows of odd length ``Dp + 1``: the 32
    lanes' stores hit 32 banks) and written row by row (Alg. 1 line 13, ideal sectors).
-6. **No per-element tests on full tiles.**  A K/V tile inside the sequence (and ``d = Dp``) is copied
-   without a bounds test; only the last tile is checked and zero-filled.  As in stage 4, the causal/``Nk``
-   mask runs only on tiles that cross the diagonal or the end of the keys, and tiles entirely above the
-   (bottom-right aligned) diagonal are never visited.
+6. **Cheap tile loads.**  A thread keeps its columns and steps its rows by a constant, and a tile inside the
+   sequence (with ``d = Dp``) is copied without a bounds test: a full K/V tile compiles to an unrolled run of
+   LDG + STS pairs, about 4 instructions per float (stage 4's K_j loop at d = 64: 238 SASS instructions per 4
+   floats, the 64-bit index arithmetic of ``e // d``, ``e % d`` and the negative-index fix-ups).  Only
+   the last tile is checked and zero-filled.  As in stage 4, the causal/``Nk`` mask runs only on tiles that
+   cross the diagonal or the end of the keys, and tiles entirely above the (bottom-right aligned) diagonal
+   are never visited.
 
 ``P~_ij`` still travels from its owner lane by ``shfl_sync`` (never through shared memory), and the row max
 and row sum are shuffle butterflies inside the 8 lanes of a row group: no warp needs another warp's result,
@@ -108,11 +111,12 @@ def shared_bytes(Br, Bc, d, warps):
 
 
 def _configs():
-    """What the PTX guard compiles: the default tiles of every head-dim class (causal on and off), an odd
-    head dim with a partial-width O layout, d = 1 with four warps."""
+    """What the PTX guard compiles: the default tiles of every head-dim class (causal on and off), odd head
+    dims (d = 20, 1; d = 70 pads to Dp = 96, which 64 threads load with the general loop), four warps."""
     return ([dict(**default_tiles(d), d=d, causal=c) for d, c in ((32, False), (64, False), (64, True),
                                                                    (128, False), (128, True))]
-            + [dict(Br=32, Bc=32, d=20, warps=2, causal=True), dict(Br=64, Bc=32, d=1, warps=4, causal=False)])
+            + [dict(Br=32, Bc=32, d=20, warps=2, causal=True), dict(Br=64, Bc=32, d=1, warps=4, causal=False),
+               dict(Br=24, Bc=32, d=70, warps=2, causal=True)])
 
 
 @kernel_factory("fa2_fast.forward", stage="6", signature=_FWD_SIG, configs=_configs(),
@@ -125,23 +129,39 @@ def make_forward(Br, Bc, d, warps, causal):
     LD = Dp + PAD                                       # row length of Q_i, K_j in shared memory
     LDO = Dp + 1                                        # row length of O_i staged in Q_i's space (odd)
     QN, KN, VN = Br * LD, Bc * LD, Bc * Dp              # shared array sizes (floats)
+    # tile loads: a pass of the NT threads covers RSTEP whole rows, or a row takes KREP whole passes (else 0, 0:
+    # the general loop)
+    RSTEP, KREP = (NT // Dp, 1) if NT % Dp == 0 else (1, Dp // NT) if Dp % NT == 0 else (0, 0)
 
     @cuda.jit(device=True, inline="always")
     def load_tile(X, Xs, ld, z, r0, N, ROWS, full, tid):
         """Alg. 1 lines 4 / 7: rows ``r0 .. r0+ROWS`` of ``X[z]`` into ``Xs`` (rows of ``ld`` floats, zeros
         beyond ``d`` and ``N``).  Consecutive threads copy consecutive floats of a row: ideal sectors, and
-        consecutive banks.  Unsigned indices: no negative-index fix-ups in the address arithmetic."""
-        e = uint32(tid)
-        while e < uint32(ROWS * Dp):
-            r = e // uint32(Dp)
-            k = e - r * uint32(Dp)
-            row = uint32(r0) + r
-            if full and d == Dp:                        # a full tile: no test per element
-                x = X[z, row, k]
-            else:
-                x = X[z, row, k] if row < uint32(N) and k < uint32(d) else ZERO
-            Xs[r * uint32(ld) + k] = x
-            e += uint32(NT)
+        consecutive banks.  A thread keeps its columns (``k0 + NT·c``) and steps its row by ``RSTEP``;
+        unsigned indices: no negative-index fix-ups in the address arithmetic."""
+        if RSTEP == 0:                                  # NT and Dp do not divide one another (Dp = 96)
+            e = uint32(tid)
+            while e < uint32(ROWS * Dp):
+                r = e // uint32(Dp)
+                k = e - r * uint32(Dp)
+                row = uint32(r0) + r
+                Xs[r * uint32(ld) + k] = X[z, row, k] if row < uint32(N) and k < uint32(d) else ZERO
+                e += uint32(NT)
+            return
+        r = uint32(tid // Dp) if RSTEP > 1 else uint32(0)
+        k0 = uint32(tid % Dp) if RSTEP > 1 else uint32(tid)
+        if full and d == Dp:                            # a full tile: no test per element
+            while r < uint32(ROWS):
+                for c in range(KREP):
+                    Xs[r * uint32(ld) + k0 + uint32(c * NT)] = X[z, uint32(r0) + r, k0 + uint32(c * NT)]
+                r = uint32(r + RSTEP)
+        else:
+            while r < uint32(ROWS):
+                row = uint32(r0) + r
+                for c in range(KREP):
+                    k = k0 + uint32(c * NT)
+                    Xs[r * uint32(ld) + k] = X[z, row, k] if row < uint32(N) and k < uint32(d) else ZERO
+                r = uint32(r + RSTEP)
 
     @cuda.jit
     def fa2_fast_forward(Q, K, V, O, L, scale, diag):

@@ -17,13 +17,15 @@ BWD = dict(atol=1e-4, rtol=1e-4)
 ONE_WARP = dict(Br=16, Bc=8, warps=1)      # cheap on the simulator: 32 threads, TM = 4, TN = 1
 
 # (leading axes, Nq, Nk, d, tiles): Nq != Nk both ways (fully masked causal rows when Nq > Nk), lengths that
-# are not multiples of the tiles, N = 1, odd head dims (padded to 32 internally), two warps, the defaults.
+# are not multiples of the tiles, N = 1, odd head dims (padded to Dp = 32·⌈d/32⌉ internally), two warps, the
+# defaults; the tile loads' three shapes (rows per pass, passes per row, neither).
 SHAPES = [
     ((1,), 1, 1, 1, ONE_WARP),
     ((2,), 19, 37, 5, ONE_WARP),
     ((1, 2), 33, 20, 7, dict(Br=16, Bc=16, warps=2)),
     ((1,), 24, 40, 64, ONE_WARP),
     ((1,), 70, 45, 33, {}),                  # default tiles (Br = 64, Bc = 32, two warps)
+    ((1,), 20, 40, 70, {}),                  # Dp = 96: the general tile-load loop (64 threads, 96 columns)
 ]
 IDS = [f"{'x'.join(map(str, s[0]))}-{s[1]}x{s[2]}-d{s[3]}" for s in SHAPES]
 
