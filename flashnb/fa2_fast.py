@@ -45,7 +45,7 @@ so the block barriers are the two around the K/V tile load, plus two around the 
 What the compiler makes of it (``flashnb sass fa2_fast.forward --config '{"Br": 64, "Bc": 32, "warps": 2,
 "d": 64, "causal": false}'``, sm_90): hot loop (line 10) 84.8% FFMA, only ``LDS.128``; line 8's loop 87%.
 At d = 128 (Br = 24, Bc = 32: with padded rows, Br = Bc = 32 would need 49 KiB of shared memory, and
-Bc = 16 leaves line 8 at 65%): hot loop 85.0%, line 8 77%.  Stage 4 (its default tiles): hot loop 65% at
+Bc = 16 leaves line 8 at 65%): hot loop 84.6%, line 8 77%.  Stage 4 (its default tiles): hot loop 65% at
 d = 64 and 56% at d = 128, ``LDS.32`` only, local memory in the hot loop.
 
 Kernel: :func:`make_forward` (``"fa2_fast.forward"``).  Impl ``"fa2-fast"``: this forward, and stage 4's

@@ -117,7 +117,7 @@ def test_full_tiles_are_conflict_free_and_ideally_coalesced(rng):
 
 # The configurations tuned with `flashnb sass fa2_fast.forward --config ...`: the default tiles at d = 64 and
 # d = 128.  The hot loop (the innermost loop with the most FFMAs) is line 10's P~V loop; line 8's loop is
-# the other loop with FFMAs.  Measured on sm_90: hot loop 84.8% FFMA at d = 64, 85.0% at d = 128; line 8:
+# the other loop with FFMAs.  Measured on sm_90: hot loop 84.8% FFMA at d = 64, 84.6% at d = 128; line 8:
 # 87% and 77%.  Stage 4: hot loop 65% and 56%, 32-bit shared loads, local memory.
 TUNED = [dict(Br=64, Bc=32, warps=2, d=64, causal=False), dict(Br=24, Bc=32, warps=2, d=128, causal=True)]
 
