@@ -1,0 +1,362 @@
+"""Stage 6 -- from readable to fast: the FA2 forward (FA2 Alg. 1) tuned against its SASS.
+
+Same algorithm, grid ``(Tr, BH)``, split-Q warps and register micro-tiles as :mod:`flashnb.fa2` (stage 4,
+kept readable); what changes is *how* each thread's share of the work reaches the FP32 units.  Every change
+answers a finding of the stage-4 audit (``flashnb sass fa2.forward``, ``flashnb profile fa2``):
+
+1. **Registers, not the stack.**  ``d`` (padded to ``Dp``), ``Br``, ``Bc`` and the micro-tile ``TM × TN``
+   are closure constants of the factory, and the per-lane arrays (``S``, ``O~``, ``m``, ``l``, the loaded
+   ``q``/``k`` vectors, ``P~``) are only ever indexed by ``range(CONST)`` loop variables.  LLVM unrolls
+   those loops completely and SROA turns the arrays into registers: no ``ldl``/``stl`` anywhere in the
+   kernel.  The two loops that stay loops -- over ``k`` in line 8 and over the 8 source lanes in line 10 --
+   count in 32-bit unsigned integers (``while k < uint32(Dp)``): numba's ``range`` keeps a 64-bit counter
+   and its iterator's bookkeeping, about 10 integer instructions per iteration of the hot loop.
+2. **128-bit shared loads.**  ``Q_i`` and ``K_j`` are stored *row-major* (stage 4 stores them transposed);
+   in each step of line 8 a lane reads 4 consecutive ``k`` of each of its ``TM`` query rows and ``TN`` key
+   rows -- one ``LDS.128`` each, feeding ``4·TM·TN`` FFMAs.  (The PTX has four 32-bit ``ld.shared``; ptxas
+   merges them, because it places the shared arrays itself and so knows the address is 16-byte aligned:
+   row lengths and offsets must stay multiples of 4 floats.)  Lane ``(lr, lc)`` of warp ``w`` owns query rows
+   ``w·TM·LR + lr + LR·a`` and key columns ``lc + LC·b`` (as stage 4) and the head-dim columns
+   ``32·c + 4·lc + t`` of ``O~`` (4 consecutive per 32), so line 10 reads ``V_j`` 4 floats at a time too.
+3. **Padding instead of transposed stores: no bank conflicts.**  Rows of ``Q_i`` and ``K_j`` are ``Dp + 4``
+   floats long (``PAD``), so row ``r`` starts in bank ``4r mod 32``: the 4 rows that a warp's row groups read
+   at once, and the 8 key rows its column lanes read at once, fall in distinct banks.  The copies into
+   shared memory are plain row copies: consecutive threads, consecutive words (conflict-free) and
+   consecutive floats of HBM (ideal sectors).  Stage 4's transposed stores are 32-way conflicts.
+4. **Unsigned shared indices.**  numba fixes up negative indices (``if i < 0: i += n``) for signed
+   integers; with ``uint32`` indices that code disappears and each load is a base register plus an
+   immediate offset.  (Never compare a ``uint`` with a signed int in numba: the comparison is done in
+   float64 -- the PTX guard's ``.f64`` check catches it.)
+5. **Coalesced epilogue.**  With 4 consecutive columns per lane, storing ``O_i`` straight to HBM would touch
+   4x the ideal sectors; ``O_i`` is staged in ``Q_i``'s shared space (rows of odd length ``Dp + 1``: the 32
+   lanes' stores hit 32 banks) and written row by row (Alg. 1 line 13, ideal sectors).
+6. **Cheap tile loads.**  A thread keeps its columns and steps its rows by a constant, and a tile inside the
+   sequence (with ``d = Dp``) is copied without a bounds test: a full K/V tile compiles to an unrolled run of
+   LDG + STS pairs, about 4 instructions per float (stage 4's K_j loop at d = 64: 238 SASS instructions per 4
+   floats, the 64-bit index arithmetic of ``e // d``, ``e % d`` and the negative-index fix-ups).  Only
+   the last tile is checked and zero-filled.  As in stage 4, the causal/``Nk`` mask runs only on tiles that
+   cross the diagonal or the end of the keys, and tiles entirely above the (bottom-right aligned) diagonal
+   are never visited.
+
+``P~_ij`` still travels from its owner lane by ``shfl_sync`` (never through shared memory), and the row max
+and row sum are shuffle butterflies inside the 8 lanes of a row group: no warp needs another warp's result,
+so the block barriers are the two around the K/V tile load, plus two around the ``O_i`` staging.
+
+What the compiler makes of it (``flashnb sass fa2_fast.forward --config '{"Br": 64, "Bc": 32, "warps": 2,
+"d": 64, "causal": false}'``, sm_90): hot loop (line 10) 84.8% FFMA, only ``LDS.128``; line 8's loop 87%.
+At d = 128 (Br = 24, Bc = 32: with padded rows, Br = Bc = 32 would need 49 KiB of shared memory, and
+Bc = 16 leaves line 8 at 65%): hot loop 84.6%, line 8 77%.  Stage 4 (its default tiles): hot loop 65% at
+d = 64 and 56% at d = 128, ``LDS.32`` only, local memory in the hot loop.
+
+Kernel: :func:`make_forward` (``"fa2_fast.forward"``).  Impl ``"fa2-fast"``: this forward, and stage 4's
+backward (:func:`flashnb.fa2.backward`, FA2 Alg. 2), which needs only ``(O, L)`` -- the same quantities,
+computed the same way -- so it works from this forward's outputs unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32, uint32
+
+from . import fa2
+from .common import NEG_INF, ONE, ZERO, causal_diag, cdiv, check_shared_fit, empty, launch
+from .registry import kernel_factory, register_impl
+
+__all__ = ["make_forward", "forward", "backward", "model_forward", "model_backward", "default_tiles", "geometry",
+           "shared_bytes", "LR", "LC", "VEC", "PAD"]
+
+LR = 4                  # lanes of a warp along its rows
+LC = 8                  # lanes of a warp along the key columns of S (and the head-dim chunks of O)
+VEC = 4                 # floats per 128-bit shared load
+PAD = 4                 # Q_i, K_j rows padded by one 16-byte chunk: row r starts at bank 4r mod 32
+FULL_MASK = 0xFFFFFFFF
+
+_A3 = "float32[:, :, ::1]"
+_A2 = "float32[:, ::1]"
+_FWD_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, float32, int32)"
+
+# Tiles per head-dim class, chosen with `flashnb sass` (FFMA share of both inner loops) and `flashnb inspect`
+# (registers, no spills, static shared memory <= 48 KiB).  Two warps: TM = Br/8 rows × TN = Bc/8 columns.
+_DEFAULTS = {32: dict(Br=64, Bc=32, warps=2), 64: dict(Br=64, Bc=32, warps=2), 128: dict(Br=24, Bc=32, warps=2)}
+
+
+def default_tiles(d: int) -> dict:
+    """The default ``Br, Bc, warps`` for head dim ``d`` (the table for the smallest listed d >= d)."""
+    for dmax in sorted(_DEFAULTS):
+        if d <= dmax:
+            return dict(_DEFAULTS[dmax])
+    raise ValueError(f"head dim d must be <= {max(_DEFAULTS)}, got {d}")
+
+
+def geometry(Br: int, Bc: int, d: int, warps: int) -> dict:
+    """Per-lane micro-tile and padded sizes: ``TM`` rows × ``TN`` key columns of S, ``DN`` columns of O~;
+    ``Dp = ⌈d/32⌉·32`` is ``d`` padded with zero columns (8 lanes × 4 consecutive columns)."""
+    if warps < 1 or Br % (warps * LR):
+        raise ValueError(f"Br={Br} must be a multiple of {LR}·warps = {LR * warps} (each warp owns Br/warps rows, "
+                         f"{LR} lanes along them)")
+    if Bc % LC:
+        raise ValueError(f"Bc={Bc} must be a multiple of {LC} (the lanes of a row group)")
+    if not 1 <= d <= 128:
+        raise ValueError(f"head dim d must be in 1..128, got {d}")
+    Dp = cdiv(d, LC * VEC) * LC * VEC
+    return dict(TM=Br // (warps * LR), TN=Bc // LC, DN=Dp // LC, Dp=Dp, threads=32 * warps)
+
+
+def shared_bytes(Br, Bc, d, warps):
+    """Static shared memory of one thread block, in bytes: Q_i and K_j in rows of ``Dp + PAD``, V_j in ``Dp``."""
+    g = geometry(Br, Bc, d, warps)
+    return 4 * ((g["Dp"] + PAD) * (Br + Bc) + g["Dp"] * Bc)
+
+
+def _configs():
+    """What the PTX guard compiles: the default tiles of every head-dim class (causal on and off), odd head
+    dims (d = 20, 1; d = 70 pads to Dp = 96, which 64 threads load with the general loop), four warps."""
+    return ([dict(**default_tiles(d), d=d, causal=c) for d, c in ((32, False), (64, False), (64, True),
+                                                                   (128, False), (128, True))]
+            + [dict(Br=32, Bc=32, d=20, warps=2, causal=True), dict(Br=64, Bc=32, d=1, warps=4, causal=False),
+               dict(Br=24, Bc=32, d=70, warps=2, causal=True)])
+
+
+@kernel_factory("fa2_fast.forward", stage="6", signature=_FWD_SIG, configs=_configs(),
+                threads=lambda warps, **_: 32 * warps)
+def make_forward(Br, Bc, d, warps, causal):
+    """FA2 Alg. 1 for one (Br, Bc, d, warps, causal); grid ``(Tr, BH)``, block ``32·warps`` threads."""
+    g = geometry(Br, Bc, d, warps)
+    TM, TN, DN, Dp, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["threads"]
+    CD = DN // VEC                                      # 128-bit chunks of O~ per lane
+    LD = Dp + PAD                                       # row length of Q_i, K_j in shared memory
+    LDO = Dp + 1                                        # row length of O_i staged in Q_i's space (odd)
+    QN, KN, VN = Br * LD, Bc * LD, Bc * Dp              # shared array sizes (floats)
+    # tile loads: a pass of the NT threads covers RSTEP whole rows, or a row takes KREP whole passes (else 0, 0:
+    # the general loop)
+    RSTEP, KREP = (NT // Dp, 1) if NT % Dp == 0 else (1, Dp // NT) if Dp % NT == 0 else (0, 0)
+
+    @cuda.jit(device=True, inline="always")
+    def load_tile(X, Xs, ld, z, r0, N, ROWS, full, tid):
+        """Alg. 1 lines 4 / 7: rows ``r0 .. r0+ROWS`` of ``X[z]`` into ``Xs`` (rows of ``ld`` floats, zeros
+        beyond ``d`` and ``N``).  Consecutive threads copy consecutive floats of a row: ideal sectors, and
+        consecutive banks.  A thread keeps its columns (``k0 + NT·c``) and steps its row by ``RSTEP``;
+        unsigned indices: no negative-index fix-ups in the address arithmetic."""
+        if RSTEP == 0:                                  # NT and Dp do not divide one another (Dp = 96)
+            e = uint32(tid)
+            while e < uint32(ROWS * Dp):
+                r = e // uint32(Dp)
+                k = e - r * uint32(Dp)
+                row = uint32(r0) + r
+                Xs[r * uint32(ld) + k] = X[z, row, k] if row < uint32(N) and k < uint32(d) else ZERO
+                e += uint32(NT)
+            return
+        r = uint32(tid // Dp) if RSTEP > 1 else uint32(0)
+        k0 = uint32(tid % Dp) if RSTEP > 1 else uint32(tid)
+        if full and d == Dp:                            # a full tile: no test per element
+            while r < uint32(ROWS):
+                for c in range(KREP):
+                    Xs[r * uint32(ld) + k0 + uint32(c * NT)] = X[z, uint32(r0) + r, k0 + uint32(c * NT)]
+                r = uint32(r + RSTEP)
+        else:
+            while r < uint32(ROWS):
+                row = uint32(r0) + r
+                for c in range(KREP):
+                    k = k0 + uint32(c * NT)
+                    Xs[r * uint32(ld) + k] = X[z, row, k] if row < uint32(N) and k < uint32(d) else ZERO
+                r = uint32(r + RSTEP)
+
+    @cuda.jit
+    def fa2_fast_forward(Q, K, V, O, L, scale, diag):
+        Qs = cuda.shared.array(QN, float32)            # Q_i: rows of LD = Dp + 4 floats; at the end O_i
+        Ks = cuda.shared.array(KN, float32)            # K_j: rows of LD floats
+        Vs = cuda.shared.array(VN, float32)            # V_j: rows of Dp floats (zero-padded beyond d)
+        S = cuda.local.array((TM, TN), float32)        # registers (constant indices only)
+        Oi = cuda.local.array((TM, DN), float32)
+        m = cuda.local.array(TM, float32)
+        l = cuda.local.array(TM, float32)
+        qv = cuda.local.array((TM, VEC), float32)
+        kv = cuda.local.array((TN, VEC), float32)
+        p = cuda.local.array(TM, float32)
+        z = cuda.blockIdx.y
+        i0 = cuda.blockIdx.x * Br
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        lr = lane // LC
+        lc = lane % LC
+        rw = (tid // 32) * (TM * LR) + lr              # this lane's rows: rw + LR·a (key columns: lc + LC·b)
+        qrow = uint32(rw * LD)                         # unsigned shared offsets: no negative-index fix-ups
+        kcol = uint32(lc * LD)
+        vcol = uint32(lc * VEC)                        # O~ columns: vcol + 32·c4 + t
+        lane8 = uint32(lr * LC)                        # lane (lr, 0): the first of this lane's row group
+        Nq = Q.shape[1]
+        Nk = K.shape[1]
+        load_tile(Q, Qs, LD, z, i0, Nq, Br, i0 + Br <= Nq, tid)         # line 4: Q_i once
+        for a in range(TM):                            # line 5: O~ = 0, l = 0, m = -inf
+            m[a] = NEG_INF
+            l[a] = ZERO
+            for c in range(DN):
+                Oi[a, c] = ZERO
+        n_tiles = (Nk + Bc - 1) // Bc
+        if causal:                                     # skip K/V blocks entirely above the diagonal
+            last = min(i0 + Br, Nq) - 1 + diag
+            n_tiles = min(n_tiles, last // Bc + 1) if last >= 0 else 0
+        for jt in range(n_tiles):                      # line 6
+            j0 = jt * Bc
+            full = j0 + Bc <= Nk
+            cuda.syncthreads()                         # every warp is done with K_{j-1}, V_{j-1}
+            load_tile(K, Ks, LD, z, j0, Nk, Bc, full, tid)              # line 7: K_j, V_j
+            load_tile(V, Vs, Dp, z, j0, Nk, Bc, full, tid)
+            cuda.syncthreads()
+            for a in range(TM):
+                for b in range(TN):
+                    S[a, b] = ZERO
+            k = uint32(0)
+            while k < uint32(Dp):                      # line 8: S = Q_i K_jᵀ, 4 k per step (32-bit counter)
+                for a in range(TM):                    # one LDS.128 per row ...
+                    for t in range(VEC):
+                        qv[a, t] = Qs[qrow + uint32(LR * a * LD + t) + k]
+                for b in range(TN):                    # ... and per key column
+                    for t in range(VEC):
+                        kv[b, t] = Ks[kcol + uint32(LC * b * LD + t) + k]
+                for t in range(VEC):                   # 4·TM·TN FFMAs per TM + TN loads
+                    for a in range(TM):
+                        for b in range(TN):
+                            S[a, b] += qv[a, t] * kv[b, t]
+                k = uint32(k + VEC)
+            crossing = not full or (causal and j0 + Bc - 1 > i0 + diag)
+            for a in range(TM):                        # line 9: m_new, P~ = exp(S - m_new), l
+                mx = NEG_INF
+                row = i0 + rw + LR * a
+                for b in range(TN):
+                    s = scale * S[a, b]
+                    if crossing:
+                        col = j0 + lc + LC * b
+                        if col >= Nk or (causal and col > row + diag):
+                            s = NEG_INF
+                    S[a, b] = s
+                    mx = max(mx, s)
+                mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, 1))   # row max over the row group's 8 lanes
+                mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, 2))
+                mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, 4))
+                m_new = max(m[a], mx)
+                alpha = ONE
+                rs = ZERO
+                if m_new != NEG_INF:
+                    alpha = float32(math.exp(m[a] - m_new))
+                    for b in range(TN):
+                        pb = float32(math.exp(S[a, b] - m_new))
+                        S[a, b] = pb
+                        rs += pb
+                else:
+                    for b in range(TN):
+                        S[a, b] = ZERO
+                l[a] = alpha * l[a] + rs               # this lane's partial row sum
+                m[a] = m_new
+                for c in range(DN):                    # line 10: O~ = diag(e^(m_old - m_new)) O~ ...
+                    Oi[a, c] *= alpha
+            src = uint32(0)
+            while src < uint32(LC):                    # ... + P~ V_j; P~_ij from its owner lane
+                for b in range(TN):
+                    for a in range(TM):
+                        p[a] = cuda.shfl_sync(FULL_MASK, S[a, b], lane8 + src)
+                    j = uint32(src * Dp + LC * b * Dp)
+                    for c4 in range(CD):               # one LDS.128 of V_j feeds 4·TM FFMAs
+                        for t in range(VEC):
+                            vj = Vs[j + vcol + uint32(c4 * LC * VEC + t)]
+                            for a in range(TM):
+                                Oi[a, c4 * VEC + t] += p[a] * vj
+                src = uint32(src + 1)
+        cuda.syncthreads()                             # every warp is done with Q_i: its space takes O_i
+        for a in range(TM):                            # lines 12-14: O_i = diag(l)^-1 O~_i, L_i = m + log l
+            ls = l[a]
+            ls += cuda.shfl_xor_sync(FULL_MASK, ls, 1)
+            ls += cuda.shfl_xor_sync(FULL_MASK, ls, 2)
+            ls += cuda.shfl_xor_sync(FULL_MASK, ls, 4)
+            inv = ONE / ls if ls > ZERO else ZERO
+            orow = uint32((rw + LR * a) * LDO)         # rows of odd length: the 32 lanes hit 32 banks
+            for c4 in range(CD):
+                for t in range(VEC):
+                    Qs[orow + vcol + uint32(c4 * LC * VEC + t)] = Oi[a, c4 * VEC + t] * inv
+            row = i0 + rw + LR * a
+            if lc == 0 and row < Nq:
+                L[z, row] = m[a] + float32(math.log(ls)) if ls > ZERO else NEG_INF
+        cuda.syncthreads()
+        e = uint32(tid)                                # line 13: O_i to HBM, row by row (ideal sectors)
+        while e < uint32(Br * Dp):
+            r = e // uint32(Dp)
+            k = e - r * uint32(Dp)
+            row = uint32(i0) + r
+            if row < uint32(Nq) and k < uint32(d):
+                O[z, row, k] = Qs[r * uint32(LDO) + k]
+            e += uint32(NT)
+
+    return fa2_fast_forward
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _tiles(d, Br, Bc, warps):
+    t = default_tiles(d)
+    for name, value in (("Br", Br), ("Bc", Bc), ("warps", warps)):
+        if value is not None:
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            t[name] = int(value)
+    geometry(t["Br"], t["Bc"], d, t["warps"])
+    check_shared_fit("fa2-fast forward", f"Br={t['Br']}, Bc={t['Bc']} at d={d}",
+                     shared_bytes(t["Br"], t["Bc"], d, t["warps"]), "choose smaller Br/Bc")
+    return t
+
+
+def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None):
+    """Device arrays in, ``(O, L)`` out (FA2 Alg. 1); ``Br, Bc, warps`` default to :func:`default_tiles`."""
+    BH, Nq, d = q.shape
+    Nk = k.shape[1]
+    t = _tiles(d, Br, Bc, warps)
+    O = empty((BH, Nq, d))
+    L = empty((BH, Nq))
+    kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal))
+    launch(kernel, (cdiv(Nq, t["Br"]), BH), 32 * t["warps"], q, k, v, O, L, scale, causal_diag(causal, Nq, Nk),
+           label="FA2 fast forward")
+    return O, L
+
+
+def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warps=None):
+    """The stage-4 backward (FA2 Alg. 2, :func:`flashnb.fa2.backward` with its own default tiles): it needs
+    only ``(O, L)``, which this forward computes exactly as stage 4 does.  The forward's tile options are
+    not passed on (the backward's tiles are the transposed problem's)."""
+    return fa2.backward(q, k, v, o, lse, do, causal=causal, scale=scale)
+
+
+register_impl("fa2-fast", stage="6",
+              description="FA2 forward tuned by its SASS: unrolled register micro-tiles, 128-bit conflict-free "
+                          "shared loads, no local memory (backward: stage 4's)",
+              forward=forward, backward=backward, options=("Br", "Bc", "warps"))
+
+
+# --------------------------------------------------------------------------- analytic model
+
+
+def model_forward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None):
+    """Element accesses of :func:`forward` (one launch): Q, O, L once; K_j, V_j once per visited tile.
+
+    Shared, per thread block: ``Br·Dp`` written (Q_i, zero-padded), then ``Br·Dp`` written and ``rows·d`` read
+    back (O_i staged for the row-by-row store); per visited tile ``2·Bc·Dp`` written (K_j, V_j) and, per
+    thread, ``Dp·(TM + TN)`` (line 8) and ``Bc·DN`` (line 10) elements read.  The padding columns of the rows
+    (``LD - Dp``) are never touched."""
+    t = _tiles(d, Br, Bc, warps)
+    g = geometry(t["Br"], t["Bc"], d, t["warps"])
+    visited = fa2.tiles_visited(Nq, Nk, t["Br"], t["Bc"], causal)
+    n = BH * len(visited)
+    kv = BH * sum(cols for _, _, _, cols in visited) * d
+    blocks = BH * cdiv(Nq, t["Br"])
+    per_tile_reads = g["threads"] * (g["Dp"] * (g["TM"] + g["TN"]) + t["Bc"] * g["DN"])
+    return [dict(launch="FA2 fast forward", reads={"Q": BH * Nq * d, "K": kv, "V": kv},
+                 writes={"O": BH * Nq * d, "L": BH * Nq}, atomics={},
+                 shared_reads=n * per_tile_reads + BH * Nq * d,
+                 shared_writes=2 * blocks * t["Br"] * g["Dp"] + n * 2 * t["Bc"] * g["Dp"])]
+
+
+def model_backward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None):
+    """The impl's backward is stage 4's with its default tiles (the forward's tile options are not passed on):
+    :func:`flashnb.fa2.model_backward`."""
+    return fa2.model_backward(BH, Nq, Nk, d, causal=causal)

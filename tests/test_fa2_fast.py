@@ -1,0 +1,137 @@
+"""Stage 6 (fa2-fast): the tuned FA2 forward against the float64 reference, every output element written,
+counted traffic equal to the model, race-free, conflict-free and ideally coalesced on full tiles -- and the
+speed properties of its SASS (hot-loop FFMA share, 128-bit shared loads, no local memory), so that they
+cannot regress silently."""
+
+import numpy as np
+import pytest
+from conftest import assert_close, qkv
+
+import flashnb
+from flashnb import common, fa2_fast, reference, sass, sim, traffic
+from flashnb.sim import racecheck
+
+FWD = dict(atol=2e-5, rtol=2e-5)     # as tests/test_fa2.py: float32 sums of <= 128 products of O(1) values
+BWD = dict(atol=1e-4, rtol=1e-4)
+
+ONE_WARP = dict(Br=16, Bc=8, warps=1)      # cheap on the simulator: 32 threads, TM = 4, TN = 1
+
+# (leading axes, Nq, Nk, d, tiles): Nq != Nk both ways (fully masked causal rows when Nq > Nk), lengths that
+# are not multiples of the tiles, N = 1, odd head dims (padded to Dp = 32·⌈d/32⌉ internally), two warps, the
+# defaults; the tile loads' three shapes (rows per pass, passes per row, neither).
+SHAPES = [
+    ((1,), 1, 1, 1, ONE_WARP),
+    ((2,), 19, 37, 5, ONE_WARP),
+    ((1, 2), 33, 20, 7, dict(Br=16, Bc=16, warps=2)),
+    ((1,), 24, 40, 64, ONE_WARP),
+    ((1,), 70, 45, 33, {}),                  # default tiles (Br = 64, Bc = 32, two warps)
+    ((1,), 20, 40, 70, {}),                  # Dp = 96: the general tile-load loop (64 threads, 96 columns)
+]
+IDS = [f"{'x'.join(map(str, s[0]))}-{s[1]}x{s[2]}-d{s[3]}" for s in SHAPES]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("lead, Nq, Nk, d, tiles", SHAPES, ids=IDS)
+def test_forward_matches_reference(rng, lead, Nq, Nk, d, tiles, causal):
+    q, k, v = qkv(rng, (*lead, Nq, d), Nk)
+    o, lse = flashnb.attention_forward(q, k, v, causal=causal, impl="fa2-fast", **tiles)
+    o_ref, lse_ref = reference.attention_forward(q, k, v, causal=causal)
+    assert_close(o, o_ref, **FWD, what="o")   # also: no NaN poison left, -inf exactly where expected
+    assert_close(lse, lse_ref, **FWD, what="lse")
+
+
+def test_default_tiles_at_d128(rng):
+    """d = 128's default tiles (Br = 24, not a power of two; Bc = 32), causal with Nq < Nk."""
+    q, k, v = qkv(rng, (1, 30, 128), 50)
+    o, lse = flashnb.attention_forward(q, k, v, causal=True, impl="fa2-fast")
+    o_ref, lse_ref = reference.attention_forward(q, k, v, causal=True)
+    assert_close(o, o_ref, **FWD, what="o")
+    assert_close(lse, lse_ref, **FWD, what="lse")
+
+
+def test_scale_and_backward_through_the_impl(rng):
+    """A non-default scale; the impl's backward (stage 4's, from this forward's O and L) matches too."""
+    q, k, v, do = qkv(rng, (1, 21, 12), 30, do=True)
+    o, lse = flashnb.attention_forward(q, k, v, causal=True, scale=0.3, impl="fa2-fast", **ONE_WARP)
+    o_ref, lse_ref = reference.attention_forward(q, k, v, causal=True, scale=0.3)
+    assert_close(o, o_ref, **FWD, what="o")
+    assert_close(lse, lse_ref, **FWD, what="lse")
+    grads = flashnb.attention_backward(q, k, v, o, lse, do, causal=True, scale=0.3, impl="fa2-fast", **ONE_WARP)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads,
+                              reference.attention_backward(q, k, v, do, causal=True, scale=0.3)):
+        assert_close(g, g_ref, **BWD, what=name)
+
+
+def test_bad_tiles_are_refused():
+    q = common.to_device(np.zeros((1, 8, 8), dtype=np.float32))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        fa2_fast.forward(q, q, q, scale=1.0, Br=16, Bc=12, warps=1)
+    with pytest.raises(ValueError, match="multiple of"):
+        fa2_fast.forward(q, q, q, scale=1.0, Br=24, Bc=8, warps=4)
+    with pytest.raises(ValueError, match="48 KiB"):
+        fa2_fast.forward(common.to_device(np.zeros((1, 8, 128), np.float32)), *[common.to_device(
+            np.zeros((1, 8, 128), np.float32))] * 2, scale=1.0, Br=64, Bc=32, warps=4)
+
+
+# --------------------------------------------------------------------------- traffic, races, memory profile
+
+
+def _dev(*arrays):
+    return [common.to_device(np.asarray(a, dtype=np.float32)) for a in arrays]
+
+
+@pytest.mark.parametrize("BH, Nq, Nk, d, causal, tiles", [
+    (2, 24, 40, 12, False, dict(Br=16, Bc=8, warps=2)),
+    (1, 33, 47, 16, True, dict(Br=16, Bc=16, warps=2)),
+])
+def test_counted_traffic_equals_model(rng, BH, Nq, Nk, d, causal, tiles):
+    q, k, v = qkv(rng, (BH, Nq, d), Nk)
+    with traffic.count() as t:
+        fa2_fast.forward(*_dev(q, k, v), causal=causal, scale=0.25, **tiles)
+    assert t.summary() == fa2_fast.model_forward(BH, Nq, Nk, d, causal=causal, **tiles)
+
+
+def test_race_free_with_several_warps_and_tiles(rng):
+    # two warps, three K/V tiles (the last one partial), the Q_i space reused for O_i at the end
+    q, k, v = qkv(rng, (1, 20, 8), 20)
+    with racecheck.check(raise_on_race=False) as report:
+        flashnb.attention_forward(q, k, v, causal=True, impl="fa2-fast", Br=16, Bc=8, warps=2)
+    assert report.launches == 1 and not report.races
+
+
+def test_full_tiles_are_conflict_free_and_ideally_coalesced(rng):
+    # default tiles at d = 32 (Br = 64, Bc = 32, two warps), two full K/V tiles: every shared-memory request
+    # (the row copies, the line-8 and line-10 reads, the O_i staging) is one wavefront, every global request
+    # touches exactly its ideal sectors -- where stage 4 has 32-way conflicts storing Q_i and K_j transposed
+    q, k, v = qkv(rng, (1, 64, 32), 64)
+    with sim.profile() as prof:
+        flashnb.attention_forward(q, k, v, impl="fa2-fast")
+    lines = prof.select(launch="FA2 fast forward")
+    assert {s.array for s in lines} == {"Q", "K", "V", "O", "L", "Qs", "Ks", "Vs"}
+    for s in lines:
+        assert s.cost == s.ideal, (s.array, s.op, s.line, s.cost, s.ideal)
+
+
+# --------------------------------------------------------------------------- SASS (the speed properties)
+
+
+# The configurations tuned with `flashnb sass fa2_fast.forward --config ...`: the default tiles at d = 64 and
+# d = 128.  The hot loop (the innermost loop with the most FFMAs) is line 10's P~V loop; line 8's loop is
+# the other loop with FFMAs.  Measured on sm_90: hot loop 84.8% FFMA at d = 64, 84.6% at d = 128; line 8:
+# 87% and 77%.  Stage 4: hot loop 65% and 56%, 32-bit shared loads, local memory.
+TUNED = [dict(Br=64, Bc=32, warps=2, d=64, causal=False), dict(Br=24, Bc=32, warps=2, d=128, causal=True)]
+
+
+@pytest.mark.parametrize("config", TUNED, ids=["d64", "d128-causal"])
+def test_sass_hot_loop_is_mostly_ffma_with_no_local_memory(config):
+    s = sass.sass("fa2_fast.forward", config=config)
+    hot = s.hot_loop
+    assert s.fma_fraction(hot) >= 0.75, s.table()
+    mix = s.mix()
+    assert mix["ldl"] == mix["stl"] == 0 and mix["fp64"] == 0, s.table()    # registers only, float32 only
+    assert s.load_widths(hot) == {128: s.mix(hot)["lds"]}, s.table()        # only 128-bit shared loads
+    ffma_loops = [s.instructions[a:b + 1] for a, b in s.innermost_loops()
+                  if any(i.category == "ffma" for i in s.instructions[a:b + 1])]
+    assert len(ffma_loops) == 2, s.table()                                  # line 8 and line 10, unrolled
+    for loop in ffma_loops:
+        assert s.fma_fraction(loop) >= 0.7 and set(s.load_widths(loop)) == {128}
