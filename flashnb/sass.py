@@ -208,7 +208,7 @@ def sass(kernel, signature_or_example_args=None, cc=(9, 0), *, config=None) -> S
     config=dict(Br=64, Bc=32, warps=4, d=64, causal=False))``), or a ``@cuda.jit`` kernel with its signature
     or example arguments (as :func:`flashnb.inspect.resources`).  Needs ptxas and nvdisasm (both installed
     with flashnb's pinned toolchain); no GPU."""
-    from . import inspect as fi   # flashnb.inspect never imports this module (no import cycle)
+    from . import inspect as fi  # flashnb.inspect never imports this module (no import cycle)
     from .registry import KERNELS
 
     if isinstance(kernel, str):
