@@ -5,6 +5,7 @@ tests/test_course_a*.py (see tests/course_grading.py)."""
 from pathlib import Path
 
 import nbformat
+import pytest
 
 from flashnb.course import build, grade
 
@@ -110,3 +111,35 @@ def test_release_with_an_install_cell_for_colab(tmp_path):
     ns: dict = {}
     exec(compile(first["source"], "<install cell>", "exec"), ns)   # flashnb is installed here: it does nothing
     assert "answer" not in first["metadata"].get("tags", []) and "setup" not in first["metadata"].get("tags", [])
+
+
+def test_compile_verdicts_are_cached_by_kernel_source_and_never_reused_for_a_changed_kernel(tmp_path, monkeypatch):
+    import linecache
+
+    from numba import cuda  # noqa: F401  (the cells below use it)
+
+    from flashnb import inspect as fi
+    from flashnb.course import Fail, criteria
+
+    calls = []
+    real = fi.resources_of
+    monkeypatch.setattr(fi, "resources_of", lambda jobs, **kw: calls.append(len(jobs)) or real(jobs, **kw))
+    monkeypatch.setenv("FLASHNB_COURSE_CACHE", str(tmp_path / "cache"))
+
+    def cell(name, body):
+        src = f"from numba import cuda, float32\n@cuda.jit\ndef k(x):\n    x[0] = {body}\n"
+        linecache.cache[name] = (len(src), None, src.splitlines(True), name)
+        ns: dict = {}
+        exec(compile(src, name, "exec"), ns)
+        return ns["k"]
+
+    sig = "void(float32[::1])"
+    criteria.compiles([(cell("<answer cell A>", "x[0] * float32(2)"), sig)])
+    criteria.compiles([(cell("<answer cell B>", "x[0] * float32(2)"), sig)])     # the same source text: cached
+    assert calls == [2]
+    with pytest.raises(Fail, match="float64"):                                   # one character changed
+        criteria.compiles([(cell("<answer cell A>", "x[0] * 0.1"), sig)])
+    assert calls == [2, 2]
+    with pytest.raises(Fail, match="float64"):                                   # its verdict is cached too
+        criteria.compiles([(cell("<answer cell C>", "x[0] * 0.1"), sig)])
+    assert calls == [2, 2]

@@ -169,18 +169,76 @@ def race_free(run) -> None:
                    "one element; across blocks: sums need cuda.atomic.add")
 
 
+def _read(path) -> str:
+    if not path:
+        return ""
+    with open(path) as f:
+        return f.read()
+
+
+def _compile_key(kernel, sig, ccs) -> str | None:
+    """A key that changes whenever the compiled code could: the whole source file of the kernel (a cell, a
+    variant), its qualified name, the values it closes over, the source of the module whose globals it uses,
+    the signature, the architectures and the toolchain's versions.  None when any part cannot be read."""
+    import hashlib
+    import linecache
+    import sys
+
+    import numba
+
+    try:
+        fn = getattr(kernel, "py_func", kernel)
+        parts = ["".join(linecache.getlines(fn.__code__.co_filename)), fn.__qualname__, sig, repr(ccs),
+                 numba.__version__, getattr(numba.cuda, "__version__", ""),
+                 _read(getattr(sys.modules.get(fn.__module__), "__file__", None))]
+        for cell in fn.__closure__ or ():
+            v = cell.cell_contents
+            parts.append(getattr(getattr(v, "py_func", v), "__qualname__", None) or repr(v))
+        if not parts[0]:
+            return None
+    except Exception:   # noqa: BLE001 -- no key, no cache: compile
+        return None
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
 def compiles(kernels, ccs=((8, 0), (9, 0))) -> None:
     """Each ``(kernel, signature)`` compiles for every cc in ``ccs`` with no float64 instruction, shared
-    memory within 48 KiB and no register spills (the PTX guard every library kernel passes)."""
+    memory within 48 KiB and no register spills (the PTX guard every library kernel passes).
+
+    Inside ``flashnb course grade`` the verdicts are cached on disk for the batch (``$FLASHNB_COURSE_CACHE``),
+    keyed by :func:`_compile_key`: a submission whose kernel is the same as an earlier one's is not compiled
+    again, and any change to the kernel's source, closure values or toolchain is a new key."""
+    import json
+    import os
+
     from .. import inspect as fi
 
-    jobs = [(k, sig, cc) for k, sig in kernels for cc in ccs]
-    for (k, sig, cc), res in zip(jobs, fi.resources_of(jobs, keep_ptx=False)):
-        bad = fi.problems(res)
-        if bad:
-            raise Fail("would not run well on a GPU: " + "; ".join(bad)
-                       + ("\n(a Python float literal such as 0.0 or -math.inf makes float64 code: write "
-                          "float32(0) )" if any("f64" in b or "float64" in b for b in bad) else ""))
+    cache = os.environ.get("FLASHNB_COURSE_CACHE")
+    todo = []
+    for k, sig in kernels:
+        key = _compile_key(k, sig, ccs) if cache else None
+        path = os.path.join(cache, key + ".json") if key else None
+        if path and os.path.exists(path):
+            _gpu_verdict(json.loads(open(path).read()))
+            continue
+        todo.append((k, sig, path))
+    jobs = [(k, sig, cc) for k, sig, _ in todo for cc in ccs]
+    results = fi.resources_of(jobs, keep_ptx=False) if jobs else []
+    for n, (k, sig, path) in enumerate(todo):
+        bad = [p for res in results[n * len(ccs):(n + 1) * len(ccs)] for p in fi.problems(res)]
+        if path:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path + ".tmp", "w") as f:
+                json.dump(bad, f)
+            os.replace(path + ".tmp", path)
+        _gpu_verdict(bad)
+
+
+def _gpu_verdict(bad: list) -> None:
+    if bad:
+        raise Fail("would not run well on a GPU: " + "; ".join(bad)
+                   + ("\n(a Python float literal such as 0.0 or -math.inf makes float64 code: write "
+                      "float32(0) )" if any("f64" in b or "float64" in b for b in bad) else ""))
 
 
 def variant_from(ns: dict, name: str, factory, *, names: dict | None = None):

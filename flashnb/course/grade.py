@@ -106,7 +106,7 @@ def _read(path: Path) -> list[dict]:
     return out
 
 
-def grade_one(bundle, submission, work) -> dict:
+def grade_one(bundle, submission, work, *, cache_dir=None) -> dict:
     """Grade one submission; returns ``dict(student, results=[Result dicts], cpu_s, wall_s, problems)``."""
     from . import Result
 
@@ -136,6 +136,8 @@ def grade_one(bundle, submission, work) -> dict:
         cmd = [sys.executable, "-m", "flashnb.course.grade", "--child", str(bundle), str(work / "answers.json"),
                str(out), str(done_path), *results]
         env = dict(os.environ, FLASHNB_DEVICE="sim", PYTHONUNBUFFERED="1")
+        if cache_dir is not None:      # compile verdicts shared by the batch (criteria.compiles)
+            env["FLASHNB_COURSE_CACHE"] = str(cache_dir)
         err_path = work / f"stderr{attempts}.txt"
         with open(err_path, "w") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
@@ -238,7 +240,7 @@ def grade(bundle, submissions, out_csv, *, feedback_dir=None, work_dir=None, pro
     work_root = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="flashnb-grade-"))
     graded = []
     for sub in subs:
-        g = grade_one(bundle, sub, work_root / sub.stem)
+        g = grade_one(bundle, sub, work_root / sub.stem, cache_dir=work_root / "compile-cache")
         graded.append(g)
         (feedback_dir / f"{g['student']}.txt").write_text(feedback(g, manifest))
         got = sum(r["earned"] for r in g["results"])
