@@ -97,6 +97,7 @@ REUSE_SAMPLE = [("fa2.forward", KERNELS["fa2.forward"].configs[-1]),
                 ("fa2.backward", KERNELS["fa2.backward"].configs[-1])]
 
 
+@pytest.mark.slow   # ~20 s of extra NVVM passes; the guard itself (every kernel, every cc) runs in CI
 def test_one_nvvm_pass_serves_every_architecture(compiled):
     """The guard's sm_80 and sm_90 results come from the sm_75 PTX retargeted; a separate NVVM pass per cc
     must give the same PTX (up to .target and symbol names) and the same ptxas report, or the reuse is wrong."""

@@ -270,6 +270,7 @@ FAKE_NCU = textwrap.dedent('''\
 ''')
 
 
+@pytest.mark.slow   # ~45 s: run with `pytest -m slow tests/test_rehearsal.py` before a GPU session (CONTRIBUTING)
 def test_gpu_check_rehearsal(tmp_path, monkeypatch):
     spec_path = ROOT / "scripts" / "gpu_check.py"
     import importlib.util
