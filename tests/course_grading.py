@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import nbformat
+import pytest
 
 from flashnb.course import bugs as course_bugs
 from flashnb.course import build, grade
@@ -93,3 +94,33 @@ def check_scores_csv_and_feedback(graded):
     assert float(rows["untouched"]["autograded"]) == 0
     text = (out / "feedback" / "untouched.txt").read_text()
     assert "TODO" in text and "autograded: 0/" in text
+
+
+def install_tests(namespace: dict, name: str) -> None:
+    """Define, in a test module's ``namespace``, the module-scoped ``graded`` fixture of assignment ``name`` and
+    its tests (the default run grades the first three bugs; the ``slow`` test grades every one)."""
+
+    @pytest.fixture(scope="module")
+    def graded(tmp_path_factory):
+        return graded_assignment(name, tmp_path_factory)
+
+    def test_release_holds_no_solution_code(graded):
+        check_release_holds_no_solution_code(graded)
+
+    def test_solution_gets_full_marks(graded):
+        check_solution_gets_full_marks(graded)
+
+    def test_untouched_release_gets_zero(graded):
+        check_untouched_release_gets_zero_and_the_batch_goes_on(graded)
+
+    def test_bugs_lose_exactly_their_points(graded):
+        check_each_bug_loses_exactly_its_points(graded)
+
+    def test_scores_csv_and_feedback(graded):
+        check_scores_csv_and_feedback(graded)
+
+    @pytest.mark.slow
+    def test_every_bug_loses_exactly_its_points(tmp_path_factory):
+        check_each_bug_loses_exactly_its_points(graded_assignment(name, tmp_path_factory, all_bugs=True))
+
+    namespace.update({k: v for k, v in locals().items() if k == "graded" or k.startswith("test_")})
