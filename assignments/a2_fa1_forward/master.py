@@ -65,7 +65,7 @@ import flashnb  # noqa: I001  -- first: it selects the simulator before anything
 import numpy as np  # noqa: F401  -- for your experiments
 from numba import cuda, float32  # noqa: F401  -- for your kernel
 
-from flashnb import course, fa1, reference, registry
+from flashnb import course, fa1, registry
 from flashnb.common import NEG_INF, ZERO, causal_allowed  # noqa: F401  -- for your kernel
 from flashnb.course import criteria
 from flashnb.fa1 import WARP, exp_diff, load_rows, load_vec, store_rows, store_vec  # noqa: F401
@@ -105,13 +105,8 @@ def _run(ns, q, k, v, causal, tiles=TILES):
 
 
 def _check(ns, seed, BH, Nq, Nk, d, causal, tiles=TILES):
-    q, k, v = criteria.qkv(seed, BH, Nq, Nk, d)
-    o, lse = _run(ns, q, k, v, causal, tiles)
-    want_o, want_lse = reference.attention_forward(q, k, v, causal=causal)
-    case = (f"BH={BH}, Nq={Nq}, Nk={Nk}, d={d}, causal={causal}, Br={tiles['Br']}, Bc={tiles['Bc']}, "
-            f"warps={tiles['warps']}")
-    criteria.close(o, want_o, what="o", rows_per_tile=tiles["Br"], case=case)
-    criteria.close(lse, want_lse, what="lse", rows_per_tile=tiles["Br"], case=case)
+    criteria.forward_close(lambda q, k, v: _run(ns, q, k, v, causal, tiles), seed, BH, Nq, Nk, d, causal=causal,
+                           tiles=tiles)
 
 
 def _ran_yours(run, label):

@@ -19,8 +19,8 @@ import numpy as np
 
 from . import Fail
 
-__all__ = ["close", "io_budget", "ran_student_kernels", "race_free", "compiles", "variant_from", "numeric",
-           "qkv", "launches"]
+__all__ = ["close", "forward_close", "io_budget", "ran_student_kernels", "race_free", "compiles", "variant_from",
+           "numeric", "qkv", "launches"]
 
 #: float32 kernels against the float64 reference.  Attention outputs are convex combinations of v (|v| ~ 1
 #: here) after d-term dot products and N-term sums; float32 rounds each term at 6e-8 relative, so errors stay
@@ -77,6 +77,20 @@ def close(got, want, *, what: str, rows_per_tile: int | None = None, atol: float
         raise Fail(f"{what}{at}: {int((err > bound).sum())} of {got.size} elements differ from the float64 "
                    f"reference by more than {atol:g} + {rtol:g}·|ref|; first {where(first)}: got "
                    f"{got.flat[first]:.6g}, expected {want.flat[first]:.6g}; worst error {err.flat[worst]:.3g}")
+
+
+def forward_close(run, seed: int, BH: int, Nq: int, Nk: int, d: int, *, causal, tiles: dict) -> None:
+    """``run(q, k, v)`` (the student's forward through the library's launcher, returning ``(o, lse)``) against
+    :func:`flashnb.reference.attention_forward` on seeded inputs: :func:`close` on both, naming the case."""
+    from .. import reference
+
+    q, k, v = qkv(seed, BH, Nq, Nk, d)
+    o, lse = run(q, k, v)
+    want_o, want_lse = reference.attention_forward(q, k, v, causal=causal)
+    case = (f"BH={BH}, Nq={Nq}, Nk={Nk}, d={d}, causal={causal}, "
+            + ", ".join(f"{k_}={v_}" for k_, v_ in tiles.items()))
+    close(o, want_o, what="o", rows_per_tile=tiles["Br"], case=case)
+    close(lse, want_lse, what="lse", rows_per_tile=tiles["Br"], case=case)
 
 
 def numeric(value, want: float, *, what: str, rtol: float = 0.02, atol: float = 0.0) -> None:
