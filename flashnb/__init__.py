@@ -16,10 +16,11 @@ from . import fa2  # noqa: E402,F401  (stage 4 registers impl="fa2")
 from . import fa2_steps  # noqa: E402,F401  (stage 4, step by step: impl="fa2-rows", "fa2-splitq")
 from . import block_sparse  # noqa: E402,F401  (stage 5 registers impl="fa2-sparse"; fa2 takes block_mask=)
 from . import fa2_fast  # noqa: E402,F401  (stage 6 registers impl="fa2-fast")
+from . import fa2_fast_steps  # noqa: E402,F401  (stage 6, step by step: the line-8 kernels of notebook 08)
 from . import reference, traffic, roofline, bench, inspect, rehearsal  # noqa: E402,F401  (reference and measurement)
 
 __version__ = "0.1.0"
 
 __all__ = ["MODE", "is_simulator", "attention", "attention_forward", "attention_backward", "registry", "common",
-           "runtime", "sim", "naive", "softmax", "fa1", "fa2", "fa2_steps", "block_sparse", "fa2_fast", "reference",
-           "traffic", "roofline", "bench", "inspect", "rehearsal", "__version__"]
+           "runtime", "sim", "naive", "softmax", "fa1", "fa2", "fa2_steps", "block_sparse", "fa2_fast",
+           "fa2_fast_steps", "reference", "traffic", "roofline", "bench", "inspect", "rehearsal", "__version__"]

@@ -725,3 +725,29 @@ def model_backward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None,
                    shared_reads=n * per_tile_reads,
                    shared_writes=BH * cdiv(Nk, Bc_) * 2 * d * Bc_ + n * per_tile_writes)
     return [pre, main]
+
+
+# --------------------------------------------------------------------------- the SASS time model's inputs
+
+
+def sass_config(d, causal, Br=None, Bc=None, warps=None) -> dict:
+    """The forward kernel's configuration at head dim ``d`` (default tiles unless given)."""
+    t = _tiles(d, "forward", Br, Bc, warps)
+    return dict(Br=t["Br"], Bc=t["Bc"], d=d, warps=t["warps"], causal=bool(causal))
+
+
+def sass_shape(config):
+    """The fields of a :class:`flashnb.sass_model.KernelShape` for the forward kernel, per thread: FFMAs of line 8
+    (``TM·TN·d``) and of line 10 (``TM·DN·Bc``) per K/V tile; iterations of the K_j and V_j copy loops
+    (``Bc·d`` and ``Bc·Dp`` elements over the block's threads), of the Q_i copy; the O_i stores."""
+    g = geometry(config["Br"], config["Bc"], config["d"], config["warps"])
+    NT, d, Bc, Br = g["threads"], config["d"], config["Bc"], config["Br"]
+    return dict(phases=(g["TM"] * g["TN"] * d, g["TM"] * g["DN"] * Bc),
+                tile_loads=cdiv(Bc * d, NT) + cdiv(Bc * g["Dp"], NT), prologue_loads=cdiv(Br * d, NT),
+                epilogue_stores=g["TM"] * (g["DN"] + 1))
+
+
+def launch_order(Tr, causal):
+    """The Q block each ``blockIdx.x`` computes, in launch order: stage 4 runs block ``i`` as ``blockIdx.x = i``
+    -- with a causal mask, the lightest blocks (fewest K/V tiles) first."""
+    return list(range(Tr))

@@ -177,6 +177,8 @@ def make_forward(Br, Bc, d, warps, causal):
         p = cuda.local.array(TM, float32)
         z = cuda.blockIdx.y
         i0 = cuda.blockIdx.x * Br
+        if causal:                                     # heavy first: the last Q block sees the most K/V tiles
+            i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * Br
         tid = cuda.threadIdx.x
         lane = tid % 32
         lr = lane // LC
@@ -360,3 +362,28 @@ def model_backward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None)
     """The impl's backward is stage 4's with its default tiles (the forward's tile options are not passed on):
     :func:`flashnb.fa2.model_backward`."""
     return fa2.model_backward(BH, Nq, Nk, d, causal=causal)
+
+
+# --------------------------------------------------------------------------- the SASS time model's inputs
+
+
+def sass_config(d, causal, Br=None, Bc=None, warps=None) -> dict:
+    """The forward kernel's configuration at head dim ``d`` (default tiles unless given)."""
+    t = _tiles(d, Br, Bc, warps)
+    return dict(Br=t["Br"], Bc=t["Bc"], d=d, warps=t["warps"], causal=bool(causal))
+
+
+def sass_shape(config):
+    """The fields of a :class:`flashnb.sass_model.KernelShape` for the forward kernel, per thread: FFMAs of line 8
+    (``TM·TN·Dp``) and line 10 (``TM·DN·Bc``) per K/V tile; K_j and V_j words copied (``2·Bc·Dp`` over the
+    block's threads), Q_i's; the O_i words stored row by row, and L."""
+    g = geometry(config["Br"], config["Bc"], config["d"], config["warps"])
+    NT, Dp, Bc, Br = g["threads"], g["Dp"], config["Bc"], config["Br"]
+    return dict(phases=(g["TM"] * g["TN"] * Dp, g["TM"] * g["DN"] * Bc), tile_loads=cdiv(2 * Bc * Dp, NT),
+                prologue_loads=cdiv(Br * Dp, NT), epilogue_stores=cdiv(Br * Dp, NT) + g["TM"])
+
+
+def launch_order(Tr, causal):
+    """The Q block each ``blockIdx.x`` computes, in launch order: with a causal mask the heaviest first (the
+    last Q block sees the most K/V tiles), so the light ones fill the gaps at the end of the launch."""
+    return list(range(Tr))[::-1] if causal else list(range(Tr))

@@ -31,7 +31,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["sass", "Sass", "Instruction", "find_nvdisasm", "classify", "CATEGORIES"]
+__all__ = ["sass", "sass_many", "Sass", "Instruction", "find_nvdisasm", "classify", "CATEGORIES"]
 
 CATEGORIES = ("ffma", "fp32", "fp64", "lds", "sts", "ldg", "stg", "atom", "ldl", "stl", "shfl", "int", "control")
 
@@ -96,6 +96,7 @@ class Sass:
     instructions: list = field(repr=False)
     loops: list = field(repr=False)          # (start index, end index) of each backward-branch loop
     text: str = field(default="", repr=False)
+    resources: object = field(default=None, repr=False)   # ptxas's report for the same compile (when known)
 
     def mix(self, instructions=None) -> dict:
         """Instructions per category (all :data:`CATEGORIES`, zeros included) of ``instructions`` (default:
@@ -203,24 +204,10 @@ def parse(text: str, name: str = "kernel", cc=(9, 0)) -> Sass:
     return Sass(name, tuple(cc), instructions, loops, text)
 
 
-def sass(kernel, signature_or_example_args=None, cc=(9, 0), *, config=None) -> Sass:
-    """SASS of a kernel for ``cc``: a registered kernel's name and ``config`` (``sass("fa2.forward",
-    config=dict(Br=64, Bc=32, warps=4, d=64, causal=False))``), or a ``@cuda.jit`` kernel with its signature
-    or example arguments (as :func:`flashnb.inspect.resources`).  Needs ptxas and nvdisasm (both installed
-    with flashnb's pinned toolchain); no GPU."""
+def _disassemble(res, name: str, cc) -> Sass:
+    """ptxas + nvdisasm on the PTX of ``res`` (a :class:`flashnb.inspect.Resources` kept with its PTX)."""
     from . import inspect as fi  # flashnb.inspect never imports this module (no import cycle)
-    from .registry import KERNELS
 
-    if isinstance(kernel, str):
-        spec = KERNELS[kernel]
-        cfg = dict(config if config is not None else spec.configs[0])
-        res = fi.resources_for(kernel, cfg, cc, keep_ptx=True)
-        name = f"{kernel} {cfg}"
-    else:
-        if signature_or_example_args is None:
-            raise TypeError("pass the kernel's signature (or example arguments) with a @cuda.jit kernel")
-        res = fi.resources(kernel, signature_or_example_args, cc, keep_ptx=True)
-        name = getattr(getattr(kernel, "py_func", kernel), "__name__", str(kernel))
     if res.ptx is None:
         raise RuntimeError(f"{name}: no PTX ({res.error})")
     ptxas, nvdisasm = fi.find_ptxas(), find_nvdisasm()
@@ -237,4 +224,36 @@ def sass(kernel, signature_or_example_args=None, cc=(9, 0), *, config=None) -> S
         p = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True)
         if p.returncode != 0:
             raise RuntimeError(f"{name}: nvdisasm failed: {p.stderr.strip()[-400:]}")
-    return parse(p.stdout, name, cc)
+    out = parse(p.stdout, name, cc)
+    out.resources = res
+    return out
+
+
+def sass_many(jobs, cc=(9, 0)) -> list:
+    """:func:`sass` of many registered ``(name, config)`` at once: one compile batch (on the simulator, one
+    child process instead of one per kernel), then ptxas and nvdisasm per kernel."""
+    from . import inspect as fi
+
+    jobs = [(n, dict(c)) for n, c in jobs]
+    res = fi.resources_many([(n, c, tuple(cc)) for n, c in jobs], keep_ptx=True)
+    return [_disassemble(r, f"{n} {c}", tuple(cc)) for (n, c), r in zip(jobs, res)]
+
+
+def sass(kernel, signature_or_example_args=None, cc=(9, 0), *, config=None) -> Sass:
+    """SASS of a kernel for ``cc``: a registered kernel's name and ``config`` (``sass("fa2.forward",
+    config=dict(Br=64, Bc=32, warps=4, d=64, causal=False))``), or a ``@cuda.jit`` kernel with its signature
+    or example arguments (as :func:`flashnb.inspect.resources`).  Needs ptxas and nvdisasm (both installed
+    with flashnb's pinned toolchain); no GPU.  The result's ``resources`` are ptxas's (registers, shared
+    memory, spills) for the same compile."""
+    from . import inspect as fi  # flashnb.inspect never imports this module (no import cycle)
+    from .registry import KERNELS
+
+    if isinstance(kernel, str):
+        spec = KERNELS[kernel]
+        cfg = dict(config if config is not None else spec.configs[0])
+        return sass_many([(kernel, cfg)], cc)[0]
+    if signature_or_example_args is None:
+        raise TypeError("pass the kernel's signature (or example arguments) with a @cuda.jit kernel")
+    res = fi.resources(kernel, signature_or_example_args, cc, keep_ptx=True)
+    name = getattr(getattr(kernel, "py_func", kernel), "__name__", str(kernel))
+    return _disassemble(res, name, tuple(cc))

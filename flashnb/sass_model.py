@@ -1,0 +1,289 @@
+"""A modelled time from the machine code: what a kernel's SASS costs on a GPU's pipes, without a GPU.
+
+The roofline (:mod:`flashnb.roofline`) says how fast a kernel *could* run from its FLOPs and HBM bytes.  It
+cannot tell a kernel whose inner loop is 85 % FFMA from one at 25 %: both do the same FLOPs.  This model
+counts the instructions the kernel *issues* -- from its SASS (:mod:`flashnb.sass`) -- and charges each one
+to the pipes of an SM (NVIDIA's published per-SM throughputs, CUDA C++ Programming Guide, "Arithmetic
+Instructions", cc 8.0 / 9.0):
+
+=============  =====================================  =========================================================
+pipe           per SM per clock                       what is charged
+=============  =====================================  =========================================================
+``issue``      4 warp-instructions (4 schedulers)     every instruction
+``fp32``       FP32 lanes / 32 warp-instructions      FFMA, FADD, FMUL, FMNMX, FSETP, ... (128 lanes on
+                                                      cc 9.0: 4 per clock; 64 on cc 8.0: 2)
+``mufu``       16 lanes: 0.5 warp-instructions        MUFU (``exp2``, ``rcp``, ``lg2``)
+``mio``        128 bytes of shared memory (one        LDS/STS: 32 lanes x width / 128 B wavefronts (LDS.128:
+               wavefront); one shuffle                4), assuming no bank conflicts; SHFL: 1
+=============  =====================================  =========================================================
+
+and HBM is charged the bytes of the kernel's analytic traffic model at the datasheet bandwidth.
+
+**How many times each instruction runs** (the SASS is static; the count is not).  A FlashAttention kernel is
+a prologue (load ``Q_i``), a loop over K/V tiles -- the *tile loop*, the loop with the most FFMAs that holds
+other loops -- and an epilogue (store ``O_i``).  Inside the tile loop, the loops that did not unroll are
+given trip counts by *conservation*: the kernel module says how many FFMAs per thread each matmul of a tile
+needs (``phases``, in source order: ``S = Q_i K_jᵀ``, then ``P V_j``), and the FFMA loops, in address order,
+get ``trips = phase / FFMAs per iteration`` (checked to divide exactly).  Loops that only load or store get
+the trips that make the global words a thread loads (or stores) per tile -- or in the prologue / epilogue --
+equal what the algorithm needs, after the unrolled code outside loops is counted; when that code already
+covers the need, they are the partial-tile paths and get 0.  Everything outside loops counts once per tile
+(or per block), **including the branches an interior tile never takes** (masking, partial tiles): the
+instruction count is an upper bound for full, non-crossing tiles.
+
+**Time.**  A block of ``warps`` warps needs, per pipe, ``warps · (prologue + tiles · tile + epilogue)``
+pipe-cycles; ``occ`` resident blocks share an SM, so a block lasts ``occ · max over pipes`` cycles.  Blocks
+are dispatched in launch order onto ``SMs · occ`` slots, each to the slot that frees first (list scheduling:
+what makes heavy-first causal scheduling pay), and the kernel lasts until the last block ends, or as long as
+its HBM traffic needs at the datasheet bandwidth, whichever is longer.
+
+What it leaves out (so it is an *upper bound on speed* for the issue-bound kernels it is meant for): latency
+the warps cannot hide (it assumes every scheduler finds a ready instruction every cycle -- plausible with
+many independent FFMAs per loop body, optimistic at low occupancy), bank conflicts and instruction-cache
+misses, L2, launch overhead.  A measured GPU time is the only proof: see ``scripts/gpu_check.py``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .roofline import GPU, get_gpu
+
+__all__ = ["KernelShape", "Counts", "SassCounts", "SassTime", "count", "modelled_time", "forward_time", "PIPES"]
+
+PIPES = ("issue", "fp32", "mufu", "mio")
+_FP32_PIPE = {"ffma", "fp32"}
+
+
+def _per_clock(gpu: GPU) -> dict:
+    """Warp-instructions (or wavefronts) each pipe of one SM takes per clock."""
+    return {"issue": 4.0, "fp32": gpu.fp32_lanes_per_sm / 32, "mufu": 0.5, "mio": 1.0}
+
+
+@dataclass(frozen=True)
+class KernelShape:
+    """What the algorithm needs per thread, which the SASS alone cannot say (see the module docstring).
+
+    ``phases``: FFMAs per thread per K/V tile of each matmul, in source order.  ``tile_loads``: 32-bit
+    global words one thread loads per tile (``K_j``, ``V_j``); ``prologue_loads`` / ``epilogue_stores``:
+    per block, before and after the tile loop (``Q_i``; ``O_i``)."""
+
+    phases: tuple
+    tile_loads: int
+    prologue_loads: int = 0
+    epilogue_stores: int = 0
+
+
+@dataclass
+class Counts:
+    """Per-warp dynamic counts of one region: instructions by category, and demand on each pipe."""
+
+    categories: dict = field(default_factory=dict)
+    pipes: dict = field(default_factory=lambda: dict.fromkeys(PIPES, 0))
+
+    def add(self, ins, times: int = 1) -> None:
+        if times == 0:
+            return
+        self.categories[ins.category] = self.categories.get(ins.category, 0) + times
+        self.pipes["issue"] += times
+        if ins.opcode == "MUFU":
+            self.pipes["mufu"] += times
+        elif ins.category in _FP32_PIPE:
+            self.pipes["fp32"] += times
+        if ins.category in ("lds", "sts"):
+            self.pipes["mio"] += times * max(1, ins.bits // 32)
+        elif ins.category == "shfl":
+            self.pipes["mio"] += times
+
+    @property
+    def ffma(self) -> int:
+        return self.categories.get("ffma", 0)
+
+    @property
+    def issued(self) -> int:
+        return self.pipes["issue"]
+
+
+@dataclass
+class SassCounts:
+    """A kernel's per-warp counts for one block's prologue, one K/V tile and the epilogue, and the trip count
+    given to every loop (``(first, last instruction index, trips, role)``)."""
+
+    name: str
+    prologue: Counts
+    tile: Counts
+    epilogue: Counts
+    loops: list
+
+    @property
+    def tile_ffma_fraction(self) -> float:
+        """FFMAs / instructions issued per K/V tile (the steady state's share of useful work)."""
+        return self.tile.ffma / self.tile.issued if self.tile.issued else 0.0
+
+
+def _words(ins, kinds) -> int:
+    return ins.bits // 32 if ins.category in kinds else 0
+
+
+def _conserve(s, loops, body_outside, need, kinds):
+    """Trip counts for the load/store-only ``loops`` so a thread moves ``need`` words of ``kinds``."""
+    have = sum(_words(i, kinds) for i in body_outside)
+    per_iter = sum(sum(_words(i, kinds) for i in s.instructions[a:b + 1]) for a, b in loops)
+    if not loops or have >= need or per_iter == 0:
+        return dict.fromkeys(loops, 0)
+    trips = math.ceil((need - have) / per_iter)
+    return dict.fromkeys(loops, trips)
+
+
+def _region(s, lo, hi, loops):
+    """Instructions of ``[lo, hi]`` outside every loop in ``loops``."""
+    inside = set()
+    for a, b in loops:
+        inside.update(range(a, b + 1))
+    return [s.instructions[i] for i in range(lo, hi + 1) if i not in inside]
+
+
+def count(s, shape: KernelShape) -> SassCounts:
+    """Per-warp dynamic counts of the kernel whose SASS is ``s`` (a :class:`flashnb.sass.Sass`)."""
+    ends = [k for k, i in enumerate(s.instructions) if i.opcode == "EXIT"]
+    last = ends[-1] if ends else len(s.instructions) - 1   # after the last EXIT: padding, never run
+    ffma_in = lambda lp: sum(i.category == "ffma" for i in s.instructions[lp[0]:lp[1] + 1])
+    outer = [lp for lp in s.loops if any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in s.loops)]
+    if not outer:
+        raise ValueError(f"{s.name}: no loop holds another loop: no K/V tile loop to model")
+    tile_loop = max(outer, key=lambda lp: (ffma_in(lp), lp[1] - lp[0]))
+    t0, t1 = tile_loop
+    inner = [lp for lp in s.loops if lp != tile_loop and t0 <= lp[0] and lp[1] <= t1]
+    if any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for lp in inner for o in inner):
+        raise ValueError(f"{s.name}: loops nested two deep inside the tile loop; this model handles one level")
+    rest = [lp for lp in s.loops if lp != tile_loop and lp not in inner]
+    if any(lp[0] <= t0 and t1 <= lp[1] for lp in rest):
+        raise ValueError(f"{s.name}: the tile loop sits inside another loop; this model handles one tile loop")
+    trips, roles = {}, {}
+    ffma_loops = [lp for lp in inner if ffma_in(lp)]
+    if len(ffma_loops) > len(shape.phases):
+        raise ValueError(f"{s.name}: {len(ffma_loops)} FFMA loops in the tile loop, {len(shape.phases)} phases")
+    # FFMA loops in address order take the phases in source order (a phase fully unrolled has no loop: the
+    # phases left over are the ones with the largest FFMA counts that the loops can divide)
+    phases = list(shape.phases)
+    for lp in ffma_loops:
+        per = ffma_in(lp)
+        k = next((n for n, ph in enumerate(phases) if ph % per == 0), None)
+        if k is None:
+            raise ValueError(f"{s.name}: a loop of {per} FFMAs per iteration divides no phase of {phases}")
+        trips[lp], roles[lp] = phases[k] // per, f"matmul phase {shape.phases.index(phases[k]) + 1}"
+        phases = phases[k + 1:]
+    tile_body = _region(s, t0, t1, inner)
+    mem = [lp for lp in inner if not ffma_in(lp)]
+    for lp, n in _conserve(s, mem, tile_body, shape.tile_loads, ("ldg",)).items():
+        trips[lp], roles[lp] = n, "tile load" if n else "partial-tile path (0 on full tiles)"
+    pro = [lp for lp in rest if lp[1] < t0]
+    epi = [lp for lp in rest if lp[0] > t1 and lp[1] <= last]
+    for loops, lo, hi, need, kinds, role in ((pro, 0, t0 - 1, shape.prologue_loads, ("ldg",), "prologue load"),
+                                             (epi, t1 + 1, last, shape.epilogue_stores,
+                                              ("stg",), "epilogue store")):
+        moving = [lp for lp in loops if any(_words(i, kinds) for i in s.instructions[lp[0]:lp[1] + 1])]
+        for lp, n in _conserve(s, moving, _region(s, lo, hi, loops), need, kinds).items():
+            trips[lp], roles[lp] = n, role if n else f"{role}: partial path (0 when full)"
+        for lp in loops:
+            if lp not in trips:
+                trips[lp], roles[lp] = 1, "other (counted once)"
+
+    def counts(lo, hi, loops):
+        c = Counts()
+        for ins in _region(s, lo, hi, loops):
+            c.add(ins)
+        for a, b in loops:
+            for ins in s.instructions[a:b + 1]:
+                c.add(ins, trips[(a, b)])
+        return c
+
+    tile = counts(t0, t1, inner)
+    if tile.ffma < sum(shape.phases):
+        raise ValueError(f"{s.name}: {tile.ffma} FFMAs counted per tile, the matmuls need {sum(shape.phases)}")
+    loops = sorted((a, b, n, roles[(a, b)]) for (a, b), n in trips.items()) + [(t0, t1, None, "tile loop")]
+    return SassCounts(s.name, counts(0, t0 - 1, pro), tile, counts(t1 + 1, last, epi), loops)
+
+
+@dataclass
+class SassTime:
+    """The modelled time of one launch (seconds) and what bounds it."""
+
+    name: str
+    gpu: str
+    seconds: float
+    flops: float
+    bound: str                 # the pipe (or "hbm") that sets the time
+    blocks: int
+    blocks_per_sm: int
+    pipe_seconds: dict         # each pipe's busiest-SM time, and HBM's
+    tile_ffma_fraction: float
+
+    @property
+    def tflops(self) -> float:
+        return self.flops / self.seconds / 1e12
+
+    def fraction_of_peak(self, gpu: str | GPU | None = None) -> float:
+        return self.flops / self.seconds / get_gpu(gpu or self.gpu).fp32_peak
+
+
+def modelled_time(c: SassCounts, *, tiles_per_block: Sequence[int], warps: int, blocks_per_sm: int,
+                  hbm_bytes: float, flops: float, gpu: str | GPU = "H100 SXM") -> SassTime:
+    """List-schedule the blocks (``tiles_per_block`` in launch order) on ``gpu`` and return the modelled
+    time (see the module docstring for what it assumes)."""
+    g = get_gpu(gpu)
+    if blocks_per_sm < 1:
+        raise ValueError(f"blocks_per_sm must be >= 1 (the kernel must fit on an SM), got {blocks_per_sm}")
+    rate = _per_clock(g)
+    slots = g.sm_count * blocks_per_sm
+    busy = dict.fromkeys(PIPES, 0.0)      # pipe-cycles of the whole launch, per pipe
+    heap = [0.0] * slots                  # when each slot frees (cycles)
+    for tiles in tiles_per_block:
+        need = {p: warps * (c.prologue.pipes[p] + tiles * c.tile.pipes[p] + c.epilogue.pipes[p]) / rate[p]
+                for p in PIPES}
+        for p in PIPES:
+            busy[p] += need[p]
+        start = heapq.heappop(heap)
+        heapq.heappush(heap, start + blocks_per_sm * max(need.values()))
+    compute = max(heap) / g.boost_clock_hz if tiles_per_block else 0.0
+    pipe_seconds = {p: busy[p] / slots * blocks_per_sm / g.boost_clock_hz for p in PIPES}
+    pipe_seconds["hbm"] = hbm_bytes / g.hbm_bandwidth
+    seconds = max(compute, pipe_seconds["hbm"])
+    bound = "hbm" if pipe_seconds["hbm"] >= compute else max(PIPES, key=lambda p: pipe_seconds[p])
+    return SassTime(c.name, g.name, seconds, flops, bound, len(tiles_per_block), blocks_per_sm, pipe_seconds,
+                    c.tile_ffma_fraction)
+
+
+def forward_time(kernel: str, BH: int, Nq: int, Nk: int, d: int, *, causal: bool = False,
+                 gpu: str | GPU = "H100 SXM", cc=None, **tiles) -> SassTime:
+    """The modelled time of an FA2-style forward (``kernel``: ``"fa2.forward"`` or ``"fa2_fast.forward"``)
+    at ``(BH, Nq, Nk, d)``: its SASS for ``gpu``'s architecture, its module's :class:`KernelShape`
+    (``sass_shape``), its analytic HBM traffic (``model_forward``), its occupancy (ptxas's registers and
+    shared memory), and its blocks in launch order (``launch_order``: heavy-first or not)."""
+    import importlib
+
+    from . import inspect as fi
+    from . import roofline, sass
+    from .fa2 import tiles_visited
+
+    g = get_gpu(gpu)
+    cc = tuple(cc or g.cc)
+    module = importlib.import_module(f"flashnb.{kernel.split('.')[0]}")
+    config = module.sass_config(d, causal, **tiles)
+    s = sass.sass(kernel, config=config, cc=cc)
+    c = count(s, KernelShape(**module.sass_shape(config)))
+    res = fi.resources_for(kernel, config, cc)
+    occ = res.occupancy(32 * config["warps"], cc).blocks_per_sm
+    per_i = {}
+    for i, _, _, _ in tiles_visited(Nq, Nk, config["Br"], config["Bc"], causal):
+        per_i[i] = per_i.get(i, 0) + 1
+    order = module.launch_order(-(-Nq // config["Br"]), causal)
+    tiles_per_block = [per_i.get(i, 0) for _ in range(BH) for i in order]
+    model = module.model_forward(BH, Nq, Nk, d, causal=causal, **{k: config[k] for k in ("Br", "Bc", "warps")})
+    hbm = 4 * sum(sum(x.get("reads", {}).values()) + sum(x.get("writes", {}).values())
+                  + sum(x.get("atomics", {}).values()) for x in model)
+    return modelled_time(c, tiles_per_block=tiles_per_block, warps=config["warps"], blocks_per_sm=occ,
+                         hbm_bytes=hbm, flops=roofline.flops_forward(1, BH, Nq, Nk, d, causal), gpu=g)
