@@ -235,8 +235,16 @@ def sass_many(jobs, cc=(9, 0)) -> list:
     from . import inspect as fi
 
     jobs = [(n, dict(c)) for n, c in jobs]
-    res = fi.resources_many([(n, c, tuple(cc)) for n, c in jobs], keep_ptx=True)
-    return [_disassemble(r, f"{n} {c}", tuple(cc)) for (n, c), r in zip(jobs, res)]
+    key = lambda n, c: (n, tuple(sorted(c.items())), tuple(cc))
+    todo = [(n, c) for n, c in jobs if key(n, c) not in _SASS]
+    if todo:
+        res = fi.resources_many([(n, c, tuple(cc)) for n, c in todo], keep_ptx=True)
+        for (n, c), r in zip(todo, res):
+            _SASS[key(n, c)] = _disassemble(r, f"{n} {c}", tuple(cc))
+    return [_SASS[key(n, c)] for n, c in jobs]
+
+
+_SASS: dict = {}     # (name, config, cc) -> Sass: a registered kernel's code is fixed for the process
 
 
 def sass(kernel, signature_or_example_args=None, cc=(9, 0), *, config=None) -> Sass:
