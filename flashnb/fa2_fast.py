@@ -119,16 +119,8 @@ def _configs():
                dict(Br=24, Bc=32, d=70, warps=2, causal=True)])
 
 
-@kernel_factory("fa2_fast.forward", stage="6", signature=_FWD_SIG, configs=_configs(),
-                threads=lambda warps, **_: 32 * warps)
-def make_forward(Br, Bc, d, warps, causal):
-    """FA2 Alg. 1 for one (Br, Bc, d, warps, causal); grid ``(Tr, BH)``, block ``32·warps`` threads."""
-    g = geometry(Br, Bc, d, warps)
-    TM, TN, DN, Dp, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["threads"]
-    CD = DN // VEC                                      # 128-bit chunks of O~ per lane
-    LD = Dp + PAD                                       # row length of Q_i, K_j in shared memory
-    LDO = Dp + 1                                        # row length of O_i staged in Q_i's space (odd)
-    QN, KN, VN = Br * LD, Bc * LD, Bc * Dp              # shared array sizes (floats)
+def _make_load_tile(d, Dp, NT):
+    """The tile copy of both directions (a device function of the compile-time ``d``, ``Dp`` and ``NT``)."""
     # tile loads: a pass of the NT threads covers RSTEP whole rows, or a row takes KREP whole passes (else 0, 0:
     # the general loop)
     RSTEP, KREP = (NT // Dp, 1) if NT % Dp == 0 else (1, Dp // NT) if Dp % NT == 0 else (0, 0)
@@ -162,6 +154,21 @@ def make_forward(Br, Bc, d, warps, causal):
                     k = k0 + uint32(c * NT)
                     Xs[r * uint32(ld) + k] = X[z, row, k] if row < uint32(N) and k < uint32(d) else ZERO
                 r = uint32(r + RSTEP)
+
+    return load_tile
+
+
+@kernel_factory("fa2_fast.forward", stage="6", signature=_FWD_SIG, configs=_configs(),
+                threads=lambda warps, **_: 32 * warps)
+def make_forward(Br, Bc, d, warps, causal):
+    """FA2 Alg. 1 for one (Br, Bc, d, warps, causal); grid ``(Tr, BH)``, block ``32·warps`` threads."""
+    g = geometry(Br, Bc, d, warps)
+    TM, TN, DN, Dp, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["threads"]
+    CD = DN // VEC                                      # 128-bit chunks of O~ per lane
+    LD = Dp + PAD                                       # row length of Q_i, K_j in shared memory
+    LDO = Dp + 1                                        # row length of O_i staged in Q_i's space (odd)
+    QN, KN, VN = Br * LD, Bc * LD, Bc * Dp              # shared array sizes (floats)
+    load_tile = _make_load_tile(d, Dp, NT)
 
     @cuda.jit
     def fa2_fast_forward(Q, K, V, O, L, scale, diag):
