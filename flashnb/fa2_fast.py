@@ -64,8 +64,9 @@ from . import fa2
 from .common import NEG_INF, ONE, ZERO, causal_diag, cdiv, check_shared_fit, empty, launch
 from .registry import kernel_factory, register_impl
 
-__all__ = ["make_forward", "forward", "backward", "model_forward", "model_backward", "default_tiles", "geometry",
-           "shared_bytes", "LR", "LC", "VEC", "PAD"]
+__all__ = ["make_forward", "make_backward", "forward", "backward", "model_forward", "model_backward", "default_tiles",
+           "bwd_default_tiles", "geometry", "bwd_geometry", "shared_bytes", "bwd_shared_bytes", "LR", "LC", "VEC",
+           "PAD"]
 
 LR = 4                  # lanes of a warp along its rows
 LC = 8                  # lanes of a warp along the key columns of S (and the head-dim chunks of O)
@@ -76,10 +77,13 @@ FULL_MASK = 0xFFFFFFFF
 _A3 = "float32[:, :, ::1]"
 _A2 = "float32[:, ::1]"
 _FWD_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, float32, int32)"
+_BWD_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, {_A2}, {_A3}, {_A3}, {_A3}, float32, int32)"
 
 # Tiles per head-dim class, chosen with `flashnb sass` (FFMA share of both inner loops) and `flashnb inspect`
 # (registers, no spills, static shared memory <= 48 KiB).  Two warps: TM = Br/8 rows × TN = Bc/8 columns.
 _DEFAULTS = {32: dict(Br=64, Bc=32, warps=2), 64: dict(Br=64, Bc=32, warps=2), 128: dict(Br=24, Bc=32, warps=2)}
+# The backward's (FA2 Alg. 2: Br query rows per Q tile, Bc key rows per thread block; the warps split the keys).
+_BWD_DEFAULTS = {32: dict(Br=32, Bc=32, warps=2), 64: dict(Br=32, Bc=32, warps=2), 128: dict(Br=16, Bc=24, warps=2)}
 
 
 def default_tiles(d: int) -> dict:
@@ -298,6 +302,222 @@ def make_forward(Br, Bc, d, warps, causal):
     return fa2_fast_forward
 
 
+# --------------------------------------------------------------------------- backward kernel (FA2 Alg. 2)
+
+
+def bwd_geometry(Br, Bc, d, warps):
+    """The backward's per-lane micro-tiles.  The warps split the ``Bc`` *key* rows: lane ``(lr, lc)`` of warp
+    ``w`` owns key rows ``w·TM·LR + lr + LR·a`` (``a < TM``) and query columns ``lc + LC·b`` (``b < TN``) of
+    Sᵀ and dPᵀ, and the ``TM × DN`` micro-tiles of dK_j, dV_j (head-dim columns ``32·c + 4·lc + t``).  For
+    line 15 the warps split the ``Br`` query rows instead: ``TQ`` rows × the ``E`` columns ``lane + 32·e``
+    of dQ_i (consecutive lanes, consecutive columns: coalesced atomics)."""
+    if warps < 1 or Bc % (warps * LR):
+        raise ValueError(f"Bc={Bc} must be a multiple of {LR}·warps = {LR * warps} (each warp owns Bc/warps key "
+                         f"rows, {LR} lanes along them)")
+    if Br % LC or Br % warps:
+        raise ValueError(f"Br={Br} must be a multiple of {LC} (the lanes of a row group) and of warps={warps} "
+                         f"(each warp owns Br/warps rows of dQ_i)")
+    if not 1 <= d <= 128:
+        raise ValueError(f"head dim d must be in 1..128, got {d}")
+    Dp = cdiv(d, LC * VEC) * LC * VEC
+    return dict(TM=Bc // (warps * LR), TN=Br // LC, DN=Dp // LC, Dp=Dp, TQ=Br // warps, E=Dp // 32,
+                threads=32 * warps)
+
+
+def _ds_row(Bc):
+    """Row length of dS_ij in shared memory: ``Bc + 4`` or ``Bc + 8``, whichever is an odd number of 16-byte
+    chunks (the 4 × 8 lanes' stores then hit 32 distinct banks)."""
+    return Bc + PAD if (Bc // VEC) % 2 == 0 else Bc + 2 * PAD
+
+
+def bwd_shared_bytes(Br, Bc, d, warps):
+    """Static shared memory of one backward block: K_j, V_j, Q_i, dO_i in rows of ``Dp + PAD``; dS_ij; L_i, D_i."""
+    g = bwd_geometry(Br, Bc, d, warps)
+    return 4 * ((g["Dp"] + PAD) * 2 * (Br + Bc) + Br * _ds_row(Bc) + 2 * Br)
+
+
+def bwd_default_tiles(d: int) -> dict:
+    """The backward's default ``Br, Bc, warps`` for head dim ``d``."""
+    for dmax in sorted(_BWD_DEFAULTS):
+        if d <= dmax:
+            return dict(_BWD_DEFAULTS[dmax])
+    raise ValueError(f"head dim d must be <= {max(_BWD_DEFAULTS)}, got {d}")
+
+
+def _bwd_configs():
+    """What the PTX guard compiles: default tiles per head-dim class (causal on and off), odd head dims
+    (d = 20 with one warp; d = 70: Dp = 96, which 64 threads load with the general loop)."""
+    return ([dict(**bwd_default_tiles(d), d=d, causal=c) for d, c in ((32, False), (64, False), (64, True),
+                                                                       (128, False), (128, True))]
+            + [dict(Br=16, Bc=8, d=20, warps=1, causal=True), dict(Br=16, Bc=16, d=70, warps=2, causal=False)])
+
+
+@kernel_factory("fa2_fast.backward", stage="6", signature=_BWD_SIG, configs=_bwd_configs(),
+                threads=lambda warps, **_: 32 * warps)
+def make_backward(Br, Bc, d, warps, causal):
+    """FA2 Alg. 2 for one (Br, Bc, d, warps, causal); grid ``(Tc, BH)``, block ``32·warps`` threads."""
+    g = bwd_geometry(Br, Bc, d, warps)
+    TM, TN, DN, Dp, TQ, E, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["TQ"], g["E"], g["threads"]
+    CD = DN // VEC                                      # 128-bit chunks of a dK_j / dV_j row per lane
+    LD = Dp + PAD                                       # row length of K_j, V_j, Q_i, dO_i in shared memory
+    LDO = Dp + 1                                        # dK_j, dV_j staged in K_j's, V_j's space (odd rows)
+    LS = _ds_row(Bc)                                    # row length of dS_ij
+    KN, QN, SN = Bc * LD, Br * LD, Br * LS              # shared array sizes (floats)
+    load_tile = _make_load_tile(d, Dp, NT)
+
+    @cuda.jit
+    def fa2_fast_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag):
+        Ks = cuda.shared.array(KN, float32)            # K_j (at the end: dK_j), rows of LD = Dp + 4 floats
+        Vs = cuda.shared.array(KN, float32)            # V_j (at the end: dV_j)
+        Qs = cuda.shared.array(QN, float32)            # Q_i
+        dOs = cuda.shared.array(QN, float32)           # dO_i
+        dSs = cuda.shared.array(SN, float32)           # dS_ij, row-major: the one exchange between warps
+        Ls = cuda.shared.array(Br, float32)
+        Ds = cuda.shared.array(Br, float32)
+        S = cuda.local.array((TM, TN), float32)        # Sᵀ, then Pᵀ (registers: constant indices only)
+        dP = cuda.local.array((TM, TN), float32)       # dPᵀ, then dSᵀ
+        dKj = cuda.local.array((TM, DN), float32)
+        dVj = cuda.local.array((TM, DN), float32)
+        dQi = cuda.local.array((TQ, E), float32)
+        kv = cuda.local.array((TM, VEC), float32)
+        vv = cuda.local.array((TM, VEC), float32)
+        qv = cuda.local.array((TN, VEC), float32)
+        ov = cuda.local.array((TN, VEC), float32)
+        p = cuda.local.array(TM, float32)
+        ds = cuda.local.array(TM, float32)
+        kq = cuda.local.array((E, VEC), float32)
+        sv = cuda.local.array(VEC, float32)
+        z = cuda.blockIdx.y
+        j0 = cuda.blockIdx.x * Bc
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        lr = lane // LC
+        lc = lane % LC
+        c0 = (tid // 32) * (TM * LR) + lr              # this lane's key rows: c0 + LR·a (query columns lc + LC·b)
+        krow = uint32(c0 * LD)                         # unsigned shared offsets: no negative-index fix-ups
+        qcol = uint32(lc * LD)
+        vcol = uint32(lc * VEC)                        # dK_j, dV_j columns: vcol + 32·c4 + t
+        lane8 = uint32(lr * LC)                        # lane (lr, 0): the first of this lane's row group
+        q0 = (tid // 32) * TQ                          # line 15: this warp's rows q0 + q of dQ_i
+        srow = uint32(q0 * LS)
+        Nq = Q.shape[1]
+        Nk = K.shape[1]
+        kfull = j0 + Bc <= Nk
+        load_tile(K, Ks, LD, z, j0, Nk, Bc, kfull, tid)                 # Alg. 2 line 6: K_j, V_j once
+        load_tile(V, Vs, LD, z, j0, Nk, Bc, kfull, tid)
+        for a in range(TM):                            # line 7: dK_j = dV_j = 0 (registers)
+            for c in range(DN):
+                dKj[a, c] = ZERO
+                dVj[a, c] = ZERO
+        i_first = 0
+        if causal:                                     # skip Q blocks whose rows all precede key j0
+            first = j0 - diag
+            i_first = first // Br if first > 0 else 0
+        for it in range(i_first, (Nq + Br - 1) // Br):  # line 8
+            i0 = it * Br
+            qfull = i0 + Br <= Nq
+            cuda.syncthreads()                         # every warp is done with Q_{i-1}, dO_{i-1}, dS
+            load_tile(Q, Qs, LD, z, i0, Nq, Br, qfull, tid)             # line 9: Q_i, dO_i, L_i, D_i
+            load_tile(dO, dOs, LD, z, i0, Nq, Br, qfull, tid)
+            for r in range(tid, Br, NT):
+                Ls[r] = L[z, i0 + r] if i0 + r < Nq else NEG_INF
+                Ds[r] = D[z, i0 + r] if i0 + r < Nq else ZERO
+            cuda.syncthreads()
+            for a in range(TM):
+                for b in range(TN):
+                    S[a, b] = ZERO
+                    dP[a, b] = ZERO
+            k = uint32(0)
+            while k < uint32(Dp):                      # line 10: Sᵀ = K_j Q_iᵀ; line 13: dPᵀ = V_j dO_iᵀ
+                for a in range(TM):                    # one LDS.128 per key row ...
+                    for t in range(VEC):
+                        kv[a, t] = Ks[krow + uint32(LR * a * LD + t) + k]
+                        vv[a, t] = Vs[krow + uint32(LR * a * LD + t) + k]
+                for b in range(TN):                    # ... and per query row
+                    for t in range(VEC):
+                        qv[b, t] = Qs[qcol + uint32(LC * b * LD + t) + k]
+                        ov[b, t] = dOs[qcol + uint32(LC * b * LD + t) + k]
+                for t in range(VEC):                   # 8·TM·TN FFMAs per 2·(TM + TN) loads
+                    for a in range(TM):
+                        for b in range(TN):
+                            S[a, b] += kv[a, t] * qv[b, t]
+                            dP[a, b] += vv[a, t] * ov[b, t]
+                k = uint32(k + VEC)
+            crossing = not (qfull and kfull) or (causal and j0 + Bc - 1 > i0 + diag)
+            for b in range(TN):                        # line 11: P = exp(scale·S - L); line 14: dS = P∘(dP - D)
+                r = lc + LC * b
+                Lr = Ls[r]
+                Dr = Ds[r]
+                for a in range(TM):
+                    pv = ZERO
+                    if crossing:                       # padded rows (L = -inf), keys beyond Nk, the causal mask
+                        key = j0 + c0 + LR * a
+                        if Lr != NEG_INF and key < Nk and not (causal and key > i0 + r + diag):
+                            pv = float32(math.exp(scale * S[a, b] - Lr))
+                    else:
+                        pv = float32(math.exp(scale * S[a, b] - Lr))
+                    S[a, b] = pv
+                    dP[a, b] = pv * (dP[a, b] - Dr)
+                    dSs[uint32(r * LS + c0 + LR * a)] = dP[a, b]      # for line 15
+            src = uint32(0)
+            while src < uint32(LC):                    # line 12: dV_j += Pᵀ dO_i; line 16: dK_j += dSᵀ Q_i
+                for b in range(TN):                    # query row src + LC·b: P, dS from their owner lane
+                    for a in range(TM):
+                        p[a] = cuda.shfl_sync(FULL_MASK, S[a, b], lane8 + src)
+                        ds[a] = cuda.shfl_sync(FULL_MASK, dP[a, b], lane8 + src)
+                    j = uint32(src * LD + LC * b * LD)
+                    for c4 in range(CD):               # one LDS.128 of dO_i and one of Q_i feed 8·TM FFMAs
+                        for t in range(VEC):
+                            o = dOs[j + vcol + uint32(c4 * LC * VEC + t)]
+                            q = Qs[j + vcol + uint32(c4 * LC * VEC + t)]
+                            for a in range(TM):
+                                dVj[a, c4 * VEC + t] += p[a] * o
+                                dKj[a, c4 * VEC + t] += ds[a] * q
+                src = uint32(src + 1)
+            cuda.syncthreads()                         # dS_ij complete (every warp wrote its key columns)
+            for q in range(TQ):
+                for e in range(E):
+                    dQi[q, e] = ZERO
+            c = uint32(0)
+            while c < uint32(Bc):                      # line 15: dQ_i += dS_ij K_j, 4 keys per step
+                for e in range(E):                     # K_j[c + t, lane + 32·e]: consecutive lanes, banks
+                    for t in range(VEC):
+                        kq[e, t] = Ks[c * uint32(LD) + uint32(t * LD + 32 * e + lane)]
+                for q in range(TQ):                    # dS_ij[q0 + q, c .. c+3]: one LDS.128, a broadcast
+                    for t in range(VEC):
+                        sv[t] = dSs[srow + uint32(q * LS + t) + c]
+                    for t in range(VEC):
+                        for e in range(E):
+                            dQi[q, e] += sv[t] * kq[e, t]
+                c = uint32(c + VEC)
+            for q in range(TQ):                        # atomically into HBM (other column blocks add too)
+                row = i0 + q0 + q
+                if row < Nq:
+                    for e in range(E):
+                        col = lane + 32 * e
+                        if col < d:
+                            cuda.atomic.add(dQ, (z, row, col), scale * dQi[q, e])
+        cuda.syncthreads()                             # every warp is done with K_j, V_j: they take dK_j, dV_j
+        for a in range(TM):                            # line 17 (dK_j gets its factor scale here, once)
+            orow = uint32((c0 + LR * a) * LDO)         # rows of odd length: the 32 lanes hit 32 banks
+            for c4 in range(CD):
+                for t in range(VEC):
+                    Ks[orow + vcol + uint32(c4 * LC * VEC + t)] = scale * dKj[a, c4 * VEC + t]
+                    Vs[orow + vcol + uint32(c4 * LC * VEC + t)] = dVj[a, c4 * VEC + t]
+        cuda.syncthreads()
+        e = uint32(tid)                                # line 18: dK_j, dV_j to HBM, row by row (ideal sectors)
+        while e < uint32(Bc * Dp):
+            r = e // uint32(Dp)
+            k = e - r * uint32(Dp)
+            row = uint32(j0) + r
+            if row < uint32(Nk) and k < uint32(d):
+                dK[z, row, k] = Ks[r * uint32(LDO) + k]
+                dV[z, row, k] = Vs[r * uint32(LDO) + k]
+            e += uint32(NT)
+
+    return fa2_fast_backward
+
+
 # --------------------------------------------------------------------------- launchers
 
 
@@ -327,16 +547,42 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None):
     return O, L
 
 
+def _bwd_tiles(d, Br, Bc, warps):
+    t = bwd_default_tiles(d)
+    for name, value in (("Br", Br), ("Bc", Bc), ("warps", warps)):
+        if value is not None:
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            t[name] = int(value)
+    bwd_geometry(t["Br"], t["Bc"], d, t["warps"])
+    check_shared_fit("fa2-fast backward", f"Br={t['Br']}, Bc={t['Bc']} at d={d}",
+                     bwd_shared_bytes(t["Br"], t["Bc"], d, t["warps"]), "choose smaller Br/Bc")
+    return t
+
+
 def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warps=None):
-    """The stage-4 backward (FA2 Alg. 2, :func:`flashnb.fa2.backward` with its own default tiles): it needs
-    only ``(O, L)``, which this forward computes exactly as stage 4 does.  The forward's tile options are
-    not passed on (the backward's tiles are the transposed problem's)."""
-    return fa2.backward(q, k, v, o, lse, do, causal=causal, scale=scale)
+    """FA2 Alg. 2: stage 4's preprocessing launch (``D = rowsum(dO∘O)``, dQ zeroed), then :func:`make_backward`,
+    one thread block per K/V block.  ``Br, Bc, warps`` (Alg. 2's names: Br query rows per Q tile, Bc keys per
+    block) default to :func:`bwd_default_tiles`; given, they must suit the backward (``Bc`` a multiple of
+    ``4·warps``, ``Br`` of 8 and of ``warps``, shared memory <= 48 KiB)."""
+    BH, Nq, d = q.shape
+    Nk = k.shape[1]
+    t = _bwd_tiles(d, Br, Bc, warps)
+    D = empty((BH, Nq))
+    dQ = empty((BH, Nq, d))
+    launch(fa2.make_preprocess(), (cdiv(Nq, fa2.PRE_WARPS), BH), 32 * fa2.PRE_WARPS, o, do, D, dQ,
+           label="D = rowsum(dO∘O)")
+    dK = empty((BH, Nk, d))
+    dV = empty((BH, Nk, d))
+    kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], bool(causal))
+    launch(kernel, (cdiv(Nk, t["Bc"]), BH), 32 * t["warps"], q, k, v, do, lse, D, dQ, dK, dV, scale,
+           causal_diag(causal, Nq, Nk), label="FA2 fast backward")
+    return dQ, dK, dV
 
 
 register_impl("fa2-fast", stage="6",
-              description="FA2 forward tuned by its SASS: unrolled register micro-tiles, 128-bit conflict-free "
-                          "shared loads, no local memory (backward: stage 4's)",
+              description="FA2 forward and backward tuned by their SASS: unrolled register micro-tiles, 128-bit "
+                          "conflict-free shared loads, no local memory",
               forward=forward, backward=backward, options=("Br", "Bc", "warps"))
 
 
@@ -364,6 +610,29 @@ def model_forward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None):
 
 
 def model_backward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None):
-    """The impl's backward is stage 4's with its default tiles (the forward's tile options are not passed on):
-    :func:`flashnb.fa2.model_backward`."""
-    return fa2.model_backward(BH, Nq, Nk, d, causal=causal)
+    """Element accesses of :func:`backward`: stage 4's preprocessing launch (O, dO read; D, dQ = 0 written),
+    then the main launch -- K_j, V_j once per block; Q_i, dO_i, L_i, D_i once per visited tile; ``rows·d``
+    atomic adds into dQ per visited tile; dK, dV written once.
+
+    Shared, per block: ``2·Bc·Dp`` written (K_j, V_j), then ``2·Bc·Dp`` written and ``2·keys·d`` read back
+    (dK_j, dV_j staged).  Per visited tile: ``2·Br·Dp + 2·Br`` written (Q_i, dO_i, L_i, D_i) and ``Br·Bc``
+    (dS_ij); per thread ``2·Dp·(TM + TN)`` (lines 10, 13), ``2·TN`` (L, D), ``2·Br·DN`` (lines 12, 16) and
+    ``Bc·(TQ + E)`` (line 15) elements read."""
+    t = _bwd_tiles(d, Br, Bc, warps)
+    Br_, Bc_ = t["Br"], t["Bc"]
+    g = bwd_geometry(Br_, Bc_, d, t["warps"])
+    visited = fa2.tiles_visited(Nq, Nk, Br_, Bc_, causal, "backward")
+    n = BH * len(visited)
+    q_rows = BH * sum(rows for _, _, rows, _ in visited)
+    blocks = BH * cdiv(Nk, Bc_)
+    pre = dict(launch="D = rowsum(dO∘O)", reads={"O": BH * Nq * d, "dO": BH * Nq * d},
+               writes={"D": BH * Nq, "dQ": BH * Nq * d}, atomics={}, shared_reads=0, shared_writes=0)
+    per_tile_reads = g["threads"] * (2 * g["Dp"] * (g["TM"] + g["TN"]) + 2 * g["TN"] + 2 * Br_ * g["DN"]
+                                     + Bc_ * (g["TQ"] + g["E"]))
+    main = dict(launch="FA2 fast backward",
+                reads={a: x for a, x in (("Q", q_rows * d), ("K", BH * Nk * d), ("V", BH * Nk * d),
+                                         ("dO", q_rows * d), ("L", q_rows), ("D", q_rows)) if x},
+                writes={"dK": BH * Nk * d, "dV": BH * Nk * d}, atomics={"dQ": q_rows * d} if q_rows else {},
+                shared_reads=n * per_tile_reads + 2 * BH * Nk * d,
+                shared_writes=blocks * 4 * Bc_ * g["Dp"] + n * (2 * Br_ * g["Dp"] + 2 * Br_ + Br_ * Bc_))
+    return [pre, main]
