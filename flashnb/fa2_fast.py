@@ -400,6 +400,7 @@ def make_backward(Br, Bc, d, warps, causal):
         lane8 = uint32(lr * LC)                        # lane (lr, 0): the first of this lane's row group
         q0 = (tid // 32) * TQ                          # line 15: this warp's rows q0 + q of dQ_i
         srow = uint32(q0 * LS)
+        klane = uint32(lane)                           # ... and columns lane + 32·e
         Nq = Q.shape[1]
         Nk = K.shape[1]
         kfull = j0 + Bc <= Nk
@@ -479,10 +480,11 @@ def make_backward(Br, Bc, d, warps, causal):
                 for e in range(E):
                     dQi[q, e] = ZERO
             c = uint32(0)
+            cK = uint32(0)                             # c·LD: row c of K_j (base + immediate offsets)
             while c < uint32(Bc):                      # line 15: dQ_i += dS_ij K_j, 4 keys per step
                 for e in range(E):                     # K_j[c + t, lane + 32·e]: consecutive lanes, banks
                     for t in range(VEC):
-                        kq[e, t] = Ks[c * uint32(LD) + uint32(t * LD + 32 * e + lane)]
+                        kq[e, t] = Ks[klane + uint32(t * LD + 32 * e) + cK]
                 for q in range(TQ):                    # dS_ij[q0 + q, c .. c+3]: one LDS.128, a broadcast
                     for t in range(VEC):
                         sv[t] = dSs[srow + uint32(q * LS + t) + c]
@@ -490,6 +492,7 @@ def make_backward(Br, Bc, d, warps, causal):
                         for e in range(E):
                             dQi[q, e] += sv[t] * kq[e, t]
                 c = uint32(c + VEC)
+                cK = uint32(cK + VEC * LD)
             for q in range(TQ):                        # atomically into HBM (other column blocks add too)
                 row = i0 + q0 + q
                 if row < Nq:
