@@ -48,9 +48,43 @@ At d = 128 (Br = 24, Bc = 32: with padded rows, Br = Bc = 32 would need 49 KiB o
 Bc = 16 leaves line 8 at 65%): hot loop 84.6%, line 8 77%.  Stage 4 (its default tiles): hot loop 65% at
 d = 64 and 56% at d = 128, ``LDS.32`` only, local memory in the hot loop.
 
-Kernel: :func:`make_forward` (``"fa2_fast.forward"``).  Impl ``"fa2-fast"``: this forward, and stage 4's
-backward (:func:`flashnb.fa2.backward`, FA2 Alg. 2), which needs only ``(O, L)`` -- the same quantities,
-computed the same way -- so it works from this forward's outputs unchanged.
+**The backward** (FA2 Alg. 2, :func:`make_backward`, issue #14) applies the same six techniques to stage 4's
+algorithm and grid ``(Tc, BH)``: each thread block keeps ``K_j, V_j`` and streams ``Q_i, dO_i, L_i, D_i``
+(stage 4's preprocessing kernel computes ``D = rowsum(dO ∘ O)``); the warps split the ``Bc`` key rows.
+
+* Lines 10 and 13 (``Sᵀ = K_j Q_iᵀ``, ``dPᵀ = V_j dO_iᵀ``) are one loop over ``k`` (4 per step, ``uint32``):
+  lane ``(lr, lc)`` reads its ``TM`` key rows of ``K_j`` and ``V_j`` and its ``TN`` query rows of ``Q_i`` and
+  ``dO_i`` with one ``LDS.128`` each (all four tiles row-major in rows of ``Dp + 4``: no bank conflicts) and
+  does ``8·TM·TN`` FFMAs on a register micro-tile of each.
+* Lines 11 and 14 (``P = exp(scale·S - L)``, ``dS = P ∘ (dP - D)``) stay in registers; the mask (padded rows,
+  keys beyond ``Nk``, the causal diagonal) runs only on tiles that cross an edge.
+* Lines 12 and 16 (``dV_j += Pᵀ dO_i``, ``dK_j += dSᵀ Q_i``) are the forward's line-10 loop twice over: ``P`` and
+  ``dS`` travel from their owner lane by ``shfl_sync``, and one ``LDS.128`` of a row of ``dO_i`` (or ``Q_i``)
+  feeds ``4·TM`` FFMAs into the ``TM × DN`` register tiles of ``dV_j`` (``dK_j``), columns ``32·c + 4·lc + t``.
+* Line 15 (``dQ_i += dS K_j``) needs every warp's ``dS``: it goes to shared memory once per tile (row-major,
+  rows of ``Bc + 4`` or ``Bc + 8`` floats, an odd number of 16-byte chunks: the stores are conflict-free), then
+  each warp computes ``Br/warps`` whole rows of ``dQ_i`` in registers -- ``dS`` 4 keys at a time by one
+  broadcast ``LDS.128``, ``K_j`` at columns ``lane + 32·e`` -- and adds them into HBM with atomics whose 32 lanes
+  hit 32 consecutive floats (ideal sectors).
+* Line 18: ``dK_j, dV_j`` are staged in ``K_j``'s and ``V_j``'s space (rows of odd length ``Dp + 1``) and
+  stored row by row, as the forward's ``O_i``.
+
+What the compiler makes of it (``flashnb sass fa2_fast.backward --config '{"Br": 32, "Bc": 32, "warps": 2,
+"d": 64, "causal": false}'``, sm_90; the three loops with FFMAs are the innermost loops the tool lists): lines
+10/13 84.8% FFMA, lines 12/16 (the hot loop) 82.6%, line 15 80.0%, only ``LDS.128`` in the first two (line 15
+adds 8 ``LDS.32`` of ``K_j`` per 16 ``LDS.128``).  At d = 128 (``Br = 16, Bc = 24``: ``K_j, V_j, Q_i, dO_i`` in
+padded rows fill 43 KiB) 73.8%, 85.0% and 80.0%.  Counted statically, the whole tile loop of line 8 is 20%
+(d = 64) and 16% (d = 128) FFMA: its body also holds both versions of each tile load, the masked and unmasked
+exponentials and the ``TQ·E`` atomics, while the three inner loops run ``Dp/4``, 8 and ``Bc/4`` times per tile.
+``flashnb inspect --kernel fa2_fast.backward``: no spills, no stack; 216 registers at d = 64 (246 causal), 228
+at d = 128, 156 at d = 32 (sm_90); static shared memory 23,296 B (d = 32), 39,680 B (d = 64), 44,160 B
+(d = 128).
+
+Kernels: :func:`make_forward` (``"fa2_fast.forward"``) and :func:`make_backward` (``"fa2_fast.backward"``).
+Impl ``"fa2-fast"``: this forward and this backward.  Its options ``Br, Bc, warps`` go to both, as for stage 4
+(FA2 names the tiles alike in Alg. 1 and Alg. 2); the backward's defaults are :func:`bwd_default_tiles`, and
+tiles that suit the forward but not the backward (``Bc`` a multiple of ``4·warps``, ``Br`` of 8 and of
+``warps``, 48 KiB) are refused by the backward with a ValueError naming them.
 """
 
 from __future__ import annotations
@@ -501,7 +535,7 @@ def make_backward(Br, Bc, d, warps, causal):
                         if col < d:
                             cuda.atomic.add(dQ, (z, row, col), scale * dQi[q, e])
         cuda.syncthreads()                             # every warp is done with K_j, V_j: they take dK_j, dV_j
-        for a in range(TM):                            # line 17 (dK_j gets its factor scale here, once)
+        for a in range(TM):                            # line 18 (dK_j gets its factor scale here, once)
             orow = uint32((c0 + LR * a) * LDO)         # rows of odd length: the 32 lanes hit 32 banks
             for c4 in range(CD):
                 for t in range(VEC):
