@@ -73,12 +73,13 @@ What the compiler makes of it (``flashnb sass fa2_fast.backward --config '{"Br":
 "d": 64, "causal": false}'``, sm_90; the three loops with FFMAs are the innermost loops the tool lists): lines
 10/13 84.8% FFMA, lines 12/16 (the hot loop) 82.6%, line 15 80.0%, only ``LDS.128`` in the first two (line 15
 adds 8 ``LDS.32`` of ``K_j`` per 16 ``LDS.128``).  At d = 128 (``Br = 16, Bc = 24``: ``K_j, V_j, Q_i, dO_i`` in
-padded rows fill 43 KiB) 73.8%, 85.0% and 80.0%.  Counted statically, the whole tile loop of line 8 is 20%
-(d = 64) and 16% (d = 128) FFMA: its body also holds both versions of each tile load, the masked and unmasked
-exponentials and the ``TQ·E`` atomics, while the three inner loops run ``Dp/4``, 8 and ``Bc/4`` times per tile.
-``flashnb inspect --kernel fa2_fast.backward``: no spills, no stack; 216 registers at d = 64 (246 causal), 228
-at d = 128, 156 at d = 32 (sm_90); static shared memory 23,296 B (d = 32), 39,680 B (d = 64), 44,160 B
-(d = 128).
+padded rows fill 43 KiB) 73.8%, 85.0% and 80.0%.  Counted statically, the whole tile loop of line 8 is 21.5%
+(d = 64) and 18.3% (d = 128) FFMA: its body also holds both versions of each tile load, the masked and unmasked
+exponentials and the ``TQ·E`` atomics (unsigned indices, the ``col < d`` test compiled out when ``d = Dp``),
+while the three inner loops run ``Dp/4``, 8 and ``Bc/4`` times per tile.
+``flashnb inspect --kernel fa2_fast.backward --cc 9.0``: no spills, no stack; 188 registers at d = 64 (244
+causal), 220 at d = 128 (212 causal), 160 at d = 32; static shared memory 23,296 B (d = 32), 39,680 B (d = 64),
+44,160 B (d = 128).
 
 Kernels: :func:`make_forward` (``"fa2_fast.forward"``) and :func:`make_backward` (``"fa2_fast.backward"``).
 Impl ``"fa2-fast"``: this forward and this backward.  Its options ``Br, Bc, warps`` go to both, as for stage 4
@@ -528,11 +529,11 @@ def make_backward(Br, Bc, d, warps, causal):
                 c = uint32(c + VEC)
                 cK = uint32(cK + VEC * LD)
             for q in range(TQ):                        # atomically into HBM (other column blocks add too)
-                row = i0 + q0 + q
-                if row < Nq:
+                row = uint32(i0 + q0 + q)              # unsigned indices: no negative-index fix-ups
+                if qfull or row < uint32(Nq):
                     for e in range(E):
-                        col = lane + 32 * e
-                        if col < d:
+                        col = klane + uint32(32 * e)
+                        if d == Dp or col < uint32(d):  # (a compile-time True when d = Dp)
                             cuda.atomic.add(dQ, (z, row, col), scale * dQi[q, e])
         cuda.syncthreads()                             # every warp is done with K_j, V_j: they take dK_j, dV_j
         for a in range(TM):                            # line 18 (dK_j gets its factor scale here, once)
