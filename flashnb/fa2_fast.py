@@ -1,4 +1,4 @@
-"""Stage 6 -- from readable to fast: the FA2 forward (FA2 Alg. 1) tuned against its SASS.
+"""Stage 6 -- from readable to fast: the FA2 forward (FA2 Alg. 1) and backward (Alg. 2) tuned against their SASS.
 
 Same algorithm, grid ``(Tr, BH)``, split-Q warps and register micro-tiles as :mod:`flashnb.fa2` (stage 4,
 kept readable); what changes is *how* each thread's share of the work reaches the FP32 units.  Every change
