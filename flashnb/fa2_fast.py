@@ -1,4 +1,4 @@
-"""Stage 6 -- from readable to fast: the FA2 forward (FA2 Alg. 1) tuned against its SASS.
+"""Stage 6 -- from readable to fast: the FA2 forward (FA2 Alg. 1) and backward (Alg. 2) tuned against their SASS.
 
 Same algorithm, grid ``(Tr, BH)``, split-Q warps and register micro-tiles as :mod:`flashnb.fa2` (stage 4,
 kept readable); what changes is *how* each thread's share of the work reaches the FP32 units.  Every change
@@ -48,9 +48,44 @@ At d = 128 (Br = 24, Bc = 32: with padded rows, Br = Bc = 32 would need 49 KiB o
 Bc = 16 leaves line 8 at 65%): hot loop 84.6%, line 8 77%.  Stage 4 (its default tiles): hot loop 65% at
 d = 64 and 56% at d = 128, ``LDS.32`` only, local memory in the hot loop.
 
-Kernel: :func:`make_forward` (``"fa2_fast.forward"``).  Impl ``"fa2-fast"``: this forward, and stage 4's
-backward (:func:`flashnb.fa2.backward`, FA2 Alg. 2), which needs only ``(O, L)`` -- the same quantities,
-computed the same way -- so it works from this forward's outputs unchanged.
+**The backward** (FA2 Alg. 2, :func:`make_backward`, issue #14) applies the same six techniques to stage 4's
+algorithm and grid ``(Tc, BH)``: each thread block keeps ``K_j, V_j`` and streams ``Q_i, dO_i, L_i, D_i``
+(stage 4's preprocessing kernel computes ``D = rowsum(dO ∘ O)``); the warps split the ``Bc`` key rows.
+
+* Lines 10 and 13 (``Sᵀ = K_j Q_iᵀ``, ``dPᵀ = V_j dO_iᵀ``) are one loop over ``k`` (4 per step, ``uint32``):
+  lane ``(lr, lc)`` reads its ``TM`` key rows of ``K_j`` and ``V_j`` and its ``TN`` query rows of ``Q_i`` and
+  ``dO_i`` with one ``LDS.128`` each (all four tiles row-major in rows of ``Dp + 4``: no bank conflicts) and
+  does ``8·TM·TN`` FFMAs on a register micro-tile of each.
+* Lines 11 and 14 (``P = exp(scale·S - L)``, ``dS = P ∘ (dP - D)``) stay in registers; the mask (padded rows,
+  keys beyond ``Nk``, the causal diagonal) runs only on tiles that cross an edge.
+* Lines 12 and 16 (``dV_j += Pᵀ dO_i``, ``dK_j += dSᵀ Q_i``) are the forward's line-10 loop twice over: ``P`` and
+  ``dS`` travel from their owner lane by ``shfl_sync``, and one ``LDS.128`` of a row of ``dO_i`` (or ``Q_i``)
+  feeds ``4·TM`` FFMAs into the ``TM × DN`` register tiles of ``dV_j`` (``dK_j``), columns ``32·c + 4·lc + t``.
+* Line 15 (``dQ_i += dS K_j``) needs every warp's ``dS``: it goes to shared memory once per tile (row-major,
+  rows of ``Bc + 4`` or ``Bc + 8`` floats, an odd number of 16-byte chunks: the stores are conflict-free), then
+  each warp computes ``Br/warps`` whole rows of ``dQ_i`` in registers -- ``dS`` 4 keys at a time by one
+  broadcast ``LDS.128``, ``K_j`` at columns ``lane + 32·e`` -- and adds them into HBM with atomics whose 32 lanes
+  hit 32 consecutive floats (ideal sectors).
+* Line 18: ``dK_j, dV_j`` are staged in ``K_j``'s and ``V_j``'s space (rows of odd length ``Dp + 1``) and
+  stored row by row, as the forward's ``O_i``.
+
+What the compiler makes of it (``flashnb sass fa2_fast.backward --config '{"Br": 32, "Bc": 32, "warps": 2,
+"d": 64, "causal": false}'``, sm_90; the three loops with FFMAs are the innermost loops the tool lists): lines
+10/13 84.8% FFMA, lines 12/16 (the hot loop) 82.6%, line 15 80.0%, only ``LDS.128`` in the first two (line 15
+adds 8 ``LDS.32`` of ``K_j`` per 16 ``LDS.128``).  At d = 128 (``Br = 16, Bc = 24``: ``K_j, V_j, Q_i, dO_i`` in
+padded rows fill 43 KiB) 73.8%, 85.0% and 80.0%.  Counted statically, the whole tile loop of line 8 is 21.5%
+(d = 64) and 18.3% (d = 128) FFMA: its body also holds both versions of each tile load, the masked and unmasked
+exponentials and the ``TQ·E`` atomics (unsigned indices, the ``col < d`` test compiled out when ``d = Dp``),
+while the three inner loops run ``Dp/4``, 8 and ``Bc/4`` times per tile.
+``flashnb inspect --kernel fa2_fast.backward --cc 9.0``: no spills, no stack; 188 registers at d = 64 (244
+causal), 220 at d = 128 (212 causal), 160 at d = 32; static shared memory 23,296 B (d = 32), 39,680 B (d = 64),
+44,160 B (d = 128).
+
+Kernels: :func:`make_forward` (``"fa2_fast.forward"``) and :func:`make_backward` (``"fa2_fast.backward"``).
+Impl ``"fa2-fast"``: this forward and this backward.  Its options ``Br, Bc, warps`` go to both, as for stage 4
+(FA2 names the tiles alike in Alg. 1 and Alg. 2); the backward's defaults are :func:`bwd_default_tiles`, and
+tiles that suit the forward but not the backward (``Bc`` a multiple of ``4·warps``, ``Br`` of 8 and of
+``warps``, 48 KiB) are refused by the backward with a ValueError naming them.
 """
 
 from __future__ import annotations
@@ -64,8 +99,9 @@ from . import fa2
 from .common import NEG_INF, ONE, ZERO, causal_diag, cdiv, check_shared_fit, empty, launch
 from .registry import kernel_factory, register_impl
 
-__all__ = ["make_forward", "forward", "backward", "model_forward", "model_backward", "default_tiles", "geometry",
-           "shared_bytes", "LR", "LC", "VEC", "PAD"]
+__all__ = ["make_forward", "make_backward", "forward", "backward", "model_forward", "model_backward", "default_tiles",
+           "bwd_default_tiles", "geometry", "bwd_geometry", "shared_bytes", "bwd_shared_bytes", "LR", "LC", "VEC",
+           "PAD"]
 
 LR = 4                  # lanes of a warp along its rows
 LC = 8                  # lanes of a warp along the key columns of S (and the head-dim chunks of O)
@@ -76,10 +112,13 @@ FULL_MASK = 0xFFFFFFFF
 _A3 = "float32[:, :, ::1]"
 _A2 = "float32[:, ::1]"
 _FWD_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, float32, int32)"
+_BWD_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, {_A2}, {_A3}, {_A3}, {_A3}, float32, int32)"
 
 # Tiles per head-dim class, chosen with `flashnb sass` (FFMA share of both inner loops) and `flashnb inspect`
 # (registers, no spills, static shared memory <= 48 KiB).  Two warps: TM = Br/8 rows × TN = Bc/8 columns.
 _DEFAULTS = {32: dict(Br=64, Bc=32, warps=2), 64: dict(Br=64, Bc=32, warps=2), 128: dict(Br=24, Bc=32, warps=2)}
+# The backward's (FA2 Alg. 2: Br query rows per Q tile, Bc key rows per thread block; the warps split the keys).
+_BWD_DEFAULTS = {32: dict(Br=32, Bc=32, warps=2), 64: dict(Br=32, Bc=32, warps=2), 128: dict(Br=16, Bc=24, warps=2)}
 
 
 def default_tiles(d: int) -> dict:
@@ -119,16 +158,8 @@ def _configs():
                dict(Br=24, Bc=32, d=70, warps=2, causal=True)])
 
 
-@kernel_factory("fa2_fast.forward", stage="6", signature=_FWD_SIG, configs=_configs(),
-                threads=lambda warps, **_: 32 * warps)
-def make_forward(Br, Bc, d, warps, causal):
-    """FA2 Alg. 1 for one (Br, Bc, d, warps, causal); grid ``(Tr, BH)``, block ``32·warps`` threads."""
-    g = geometry(Br, Bc, d, warps)
-    TM, TN, DN, Dp, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["threads"]
-    CD = DN // VEC                                      # 128-bit chunks of O~ per lane
-    LD = Dp + PAD                                       # row length of Q_i, K_j in shared memory
-    LDO = Dp + 1                                        # row length of O_i staged in Q_i's space (odd)
-    QN, KN, VN = Br * LD, Bc * LD, Bc * Dp              # shared array sizes (floats)
+def _make_load_tile(d, Dp, NT):
+    """The tile copy of both directions (a device function of the compile-time ``d``, ``Dp`` and ``NT``)."""
     # tile loads: a pass of the NT threads covers RSTEP whole rows, or a row takes KREP whole passes (else 0, 0:
     # the general loop)
     RSTEP, KREP = (NT // Dp, 1) if NT % Dp == 0 else (1, Dp // NT) if Dp % NT == 0 else (0, 0)
@@ -162,6 +193,21 @@ def make_forward(Br, Bc, d, warps, causal):
                     k = k0 + uint32(c * NT)
                     Xs[r * uint32(ld) + k] = X[z, row, k] if row < uint32(N) and k < uint32(d) else ZERO
                 r = uint32(r + RSTEP)
+
+    return load_tile
+
+
+@kernel_factory("fa2_fast.forward", stage="6", signature=_FWD_SIG, configs=_configs(),
+                threads=lambda warps, **_: 32 * warps)
+def make_forward(Br, Bc, d, warps, causal):
+    """FA2 Alg. 1 for one (Br, Bc, d, warps, causal); grid ``(Tr, BH)``, block ``32·warps`` threads."""
+    g = geometry(Br, Bc, d, warps)
+    TM, TN, DN, Dp, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["threads"]
+    CD = DN // VEC                                      # 128-bit chunks of O~ per lane
+    LD = Dp + PAD                                       # row length of Q_i, K_j in shared memory
+    LDO = Dp + 1                                        # row length of O_i staged in Q_i's space (odd)
+    QN, KN, VN = Br * LD, Bc * LD, Bc * Dp              # shared array sizes (floats)
+    load_tile = _make_load_tile(d, Dp, NT)
 
     @cuda.jit
     def fa2_fast_forward(Q, K, V, O, L, scale, diag):
@@ -293,6 +339,225 @@ def make_forward(Br, Bc, d, warps, causal):
     return fa2_fast_forward
 
 
+# --------------------------------------------------------------------------- backward kernel (FA2 Alg. 2)
+
+
+def bwd_geometry(Br, Bc, d, warps):
+    """The backward's per-lane micro-tiles.  The warps split the ``Bc`` *key* rows: lane ``(lr, lc)`` of warp
+    ``w`` owns key rows ``w·TM·LR + lr + LR·a`` (``a < TM``) and query columns ``lc + LC·b`` (``b < TN``) of
+    Sᵀ and dPᵀ, and the ``TM × DN`` micro-tiles of dK_j, dV_j (head-dim columns ``32·c + 4·lc + t``).  For
+    line 15 the warps split the ``Br`` query rows instead: ``TQ`` rows × the ``E`` columns ``lane + 32·e``
+    of dQ_i (consecutive lanes, consecutive columns: coalesced atomics)."""
+    if warps < 1 or Bc % (warps * LR):
+        raise ValueError(f"Bc={Bc} must be a multiple of {LR}·warps = {LR * warps} (each warp owns Bc/warps key "
+                         f"rows, {LR} lanes along them)")
+    if Br % LC or Br % warps:
+        raise ValueError(f"Br={Br} must be a multiple of {LC} (the lanes of a row group) and of warps={warps} "
+                         f"(each warp owns Br/warps rows of dQ_i)")
+    if not 1 <= d <= 128:
+        raise ValueError(f"head dim d must be in 1..128, got {d}")
+    Dp = cdiv(d, LC * VEC) * LC * VEC
+    return dict(TM=Bc // (warps * LR), TN=Br // LC, DN=Dp // LC, Dp=Dp, TQ=Br // warps, E=Dp // 32,
+                threads=32 * warps)
+
+
+def _ds_row(Bc):
+    """Row length of dS_ij in shared memory: ``Bc + 4`` or ``Bc + 8``, whichever is an odd number of 16-byte
+    chunks (the 4 × 8 lanes' stores then hit 32 distinct banks)."""
+    return Bc + PAD if (Bc // VEC) % 2 == 0 else Bc + 2 * PAD
+
+
+def bwd_shared_bytes(Br, Bc, d, warps):
+    """Static shared memory of one backward block: K_j, V_j, Q_i, dO_i in rows of ``Dp + PAD``; dS_ij; L_i, D_i."""
+    g = bwd_geometry(Br, Bc, d, warps)
+    return 4 * ((g["Dp"] + PAD) * 2 * (Br + Bc) + Br * _ds_row(Bc) + 2 * Br)
+
+
+def bwd_default_tiles(d: int) -> dict:
+    """The backward's default ``Br, Bc, warps`` for head dim ``d``."""
+    for dmax in sorted(_BWD_DEFAULTS):
+        if d <= dmax:
+            return dict(_BWD_DEFAULTS[dmax])
+    raise ValueError(f"head dim d must be <= {max(_BWD_DEFAULTS)}, got {d}")
+
+
+def _bwd_configs():
+    """What the PTX guard compiles: default tiles per head-dim class (causal on and off), odd head dims
+    (d = 20 with one warp; d = 70: Dp = 96, which 64 threads load with the general loop)."""
+    return ([dict(**bwd_default_tiles(d), d=d, causal=c) for d, c in ((32, False), (64, False), (64, True),
+                                                                       (128, False), (128, True))]
+            + [dict(Br=16, Bc=8, d=20, warps=1, causal=True), dict(Br=16, Bc=16, d=70, warps=2, causal=False)])
+
+
+@kernel_factory("fa2_fast.backward", stage="6", signature=_BWD_SIG, configs=_bwd_configs(),
+                threads=lambda warps, **_: 32 * warps)
+def make_backward(Br, Bc, d, warps, causal):
+    """FA2 Alg. 2 for one (Br, Bc, d, warps, causal); grid ``(Tc, BH)``, block ``32·warps`` threads."""
+    g = bwd_geometry(Br, Bc, d, warps)
+    TM, TN, DN, Dp, TQ, E, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["TQ"], g["E"], g["threads"]
+    CD = DN // VEC                                      # 128-bit chunks of a dK_j / dV_j row per lane
+    LD = Dp + PAD                                       # row length of K_j, V_j, Q_i, dO_i in shared memory
+    LDO = Dp + 1                                        # dK_j, dV_j staged in K_j's, V_j's space (odd rows)
+    LS = _ds_row(Bc)                                    # row length of dS_ij
+    KN, QN, SN = Bc * LD, Br * LD, Br * LS              # shared array sizes (floats)
+    load_tile = _make_load_tile(d, Dp, NT)
+
+    @cuda.jit
+    def fa2_fast_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag):
+        Ks = cuda.shared.array(KN, float32)            # K_j (at the end: dK_j), rows of LD = Dp + 4 floats
+        Vs = cuda.shared.array(KN, float32)            # V_j (at the end: dV_j)
+        Qs = cuda.shared.array(QN, float32)            # Q_i
+        dOs = cuda.shared.array(QN, float32)           # dO_i
+        dSs = cuda.shared.array(SN, float32)           # dS_ij, row-major: the one exchange between warps
+        Ls = cuda.shared.array(Br, float32)
+        Ds = cuda.shared.array(Br, float32)
+        S = cuda.local.array((TM, TN), float32)        # Sᵀ, then Pᵀ (registers: constant indices only)
+        dP = cuda.local.array((TM, TN), float32)       # dPᵀ, then dSᵀ
+        dKj = cuda.local.array((TM, DN), float32)
+        dVj = cuda.local.array((TM, DN), float32)
+        dQi = cuda.local.array((TQ, E), float32)
+        kv = cuda.local.array((TM, VEC), float32)
+        vv = cuda.local.array((TM, VEC), float32)
+        qv = cuda.local.array((TN, VEC), float32)
+        ov = cuda.local.array((TN, VEC), float32)
+        p = cuda.local.array(TM, float32)
+        ds = cuda.local.array(TM, float32)
+        kq = cuda.local.array((E, VEC), float32)
+        sv = cuda.local.array(VEC, float32)
+        z = cuda.blockIdx.y
+        j0 = cuda.blockIdx.x * Bc
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        lr = lane // LC
+        lc = lane % LC
+        c0 = (tid // 32) * (TM * LR) + lr              # this lane's key rows: c0 + LR·a (query columns lc + LC·b)
+        krow = uint32(c0 * LD)                         # unsigned shared offsets: no negative-index fix-ups
+        qcol = uint32(lc * LD)
+        vcol = uint32(lc * VEC)                        # dK_j, dV_j columns: vcol + 32·c4 + t
+        lane8 = uint32(lr * LC)                        # lane (lr, 0): the first of this lane's row group
+        q0 = (tid // 32) * TQ                          # line 15: this warp's rows q0 + q of dQ_i
+        srow = uint32(q0 * LS)
+        klane = uint32(lane)                           # ... and columns lane + 32·e
+        Nq = Q.shape[1]
+        Nk = K.shape[1]
+        kfull = j0 + Bc <= Nk
+        load_tile(K, Ks, LD, z, j0, Nk, Bc, kfull, tid)                 # Alg. 2 line 6: K_j, V_j once
+        load_tile(V, Vs, LD, z, j0, Nk, Bc, kfull, tid)
+        for a in range(TM):                            # line 7: dK_j = dV_j = 0 (registers)
+            for c in range(DN):
+                dKj[a, c] = ZERO
+                dVj[a, c] = ZERO
+        i_first = 0
+        if causal:                                     # skip Q blocks whose rows all precede key j0
+            first = j0 - diag
+            i_first = first // Br if first > 0 else 0
+        for it in range(i_first, (Nq + Br - 1) // Br):  # line 8
+            i0 = it * Br
+            qfull = i0 + Br <= Nq
+            cuda.syncthreads()                         # every warp is done with Q_{i-1}, dO_{i-1}, dS
+            load_tile(Q, Qs, LD, z, i0, Nq, Br, qfull, tid)             # line 9: Q_i, dO_i, L_i, D_i
+            load_tile(dO, dOs, LD, z, i0, Nq, Br, qfull, tid)
+            for r in range(tid, Br, NT):
+                Ls[r] = L[z, i0 + r] if i0 + r < Nq else NEG_INF
+                Ds[r] = D[z, i0 + r] if i0 + r < Nq else ZERO
+            cuda.syncthreads()
+            for a in range(TM):
+                for b in range(TN):
+                    S[a, b] = ZERO
+                    dP[a, b] = ZERO
+            k = uint32(0)
+            while k < uint32(Dp):                      # line 10: Sᵀ = K_j Q_iᵀ; line 13: dPᵀ = V_j dO_iᵀ
+                for a in range(TM):                    # one LDS.128 per key row ...
+                    for t in range(VEC):
+                        kv[a, t] = Ks[krow + uint32(LR * a * LD + t) + k]
+                        vv[a, t] = Vs[krow + uint32(LR * a * LD + t) + k]
+                for b in range(TN):                    # ... and per query row
+                    for t in range(VEC):
+                        qv[b, t] = Qs[qcol + uint32(LC * b * LD + t) + k]
+                        ov[b, t] = dOs[qcol + uint32(LC * b * LD + t) + k]
+                for t in range(VEC):                   # 8·TM·TN FFMAs per 2·(TM + TN) loads
+                    for a in range(TM):
+                        for b in range(TN):
+                            S[a, b] += kv[a, t] * qv[b, t]
+                            dP[a, b] += vv[a, t] * ov[b, t]
+                k = uint32(k + VEC)
+            crossing = not (qfull and kfull) or (causal and j0 + Bc - 1 > i0 + diag)
+            for b in range(TN):                        # line 11: P = exp(scale·S - L); line 14: dS = P∘(dP - D)
+                r = lc + LC * b
+                Lr = Ls[r]
+                Dr = Ds[r]
+                for a in range(TM):
+                    pv = ZERO
+                    if crossing:                       # padded rows (L = -inf), keys beyond Nk, the causal mask
+                        key = j0 + c0 + LR * a
+                        if Lr != NEG_INF and key < Nk and not (causal and key > i0 + r + diag):
+                            pv = float32(math.exp(scale * S[a, b] - Lr))
+                    else:
+                        pv = float32(math.exp(scale * S[a, b] - Lr))
+                    S[a, b] = pv
+                    dP[a, b] = pv * (dP[a, b] - Dr)
+                    dSs[uint32(r * LS + c0 + LR * a)] = dP[a, b]      # for line 15
+            src = uint32(0)
+            while src < uint32(LC):                    # line 12: dV_j += Pᵀ dO_i; line 16: dK_j += dSᵀ Q_i
+                for b in range(TN):                    # query row src + LC·b: P, dS from their owner lane
+                    for a in range(TM):
+                        p[a] = cuda.shfl_sync(FULL_MASK, S[a, b], lane8 + src)
+                        ds[a] = cuda.shfl_sync(FULL_MASK, dP[a, b], lane8 + src)
+                    j = uint32(src * LD + LC * b * LD)
+                    for c4 in range(CD):               # one LDS.128 of dO_i and one of Q_i feed 8·TM FFMAs
+                        for t in range(VEC):
+                            o = dOs[j + vcol + uint32(c4 * LC * VEC + t)]
+                            q = Qs[j + vcol + uint32(c4 * LC * VEC + t)]
+                            for a in range(TM):
+                                dVj[a, c4 * VEC + t] += p[a] * o
+                                dKj[a, c4 * VEC + t] += ds[a] * q
+                src = uint32(src + 1)
+            cuda.syncthreads()                         # dS_ij complete (every warp wrote its key columns)
+            for q in range(TQ):
+                for e in range(E):
+                    dQi[q, e] = ZERO
+            c = uint32(0)
+            cK = uint32(0)                             # c·LD: row c of K_j (base + immediate offsets)
+            while c < uint32(Bc):                      # line 15: dQ_i += dS_ij K_j, 4 keys per step
+                for e in range(E):                     # K_j[c + t, lane + 32·e]: consecutive lanes, banks
+                    for t in range(VEC):
+                        kq[e, t] = Ks[klane + uint32(t * LD + 32 * e) + cK]
+                for q in range(TQ):                    # dS_ij[q0 + q, c .. c+3]: one LDS.128, a broadcast
+                    for t in range(VEC):
+                        sv[t] = dSs[srow + uint32(q * LS + t) + c]
+                    for t in range(VEC):
+                        for e in range(E):
+                            dQi[q, e] += sv[t] * kq[e, t]
+                c = uint32(c + VEC)
+                cK = uint32(cK + VEC * LD)
+            for q in range(TQ):                        # atomically into HBM (other column blocks add too)
+                row = uint32(i0 + q0 + q)              # unsigned indices: no negative-index fix-ups
+                if qfull or row < uint32(Nq):
+                    for e in range(E):
+                        col = klane + uint32(32 * e)
+                        if d == Dp or col < uint32(d):  # (a compile-time True when d = Dp)
+                            cuda.atomic.add(dQ, (z, row, col), scale * dQi[q, e])
+        cuda.syncthreads()                             # every warp is done with K_j, V_j: they take dK_j, dV_j
+        for a in range(TM):                            # line 18 (dK_j gets its factor scale here, once)
+            orow = uint32((c0 + LR * a) * LDO)         # rows of odd length: the 32 lanes hit 32 banks
+            for c4 in range(CD):
+                for t in range(VEC):
+                    Ks[orow + vcol + uint32(c4 * LC * VEC + t)] = scale * dKj[a, c4 * VEC + t]
+                    Vs[orow + vcol + uint32(c4 * LC * VEC + t)] = dVj[a, c4 * VEC + t]
+        cuda.syncthreads()
+        e = uint32(tid)                                # line 18: dK_j, dV_j to HBM, row by row (ideal sectors)
+        while e < uint32(Bc * Dp):
+            r = e // uint32(Dp)
+            k = e - r * uint32(Dp)
+            row = uint32(j0) + r
+            if row < uint32(Nk) and k < uint32(d):
+                dK[z, row, k] = Ks[r * uint32(LDO) + k]
+                dV[z, row, k] = Vs[r * uint32(LDO) + k]
+            e += uint32(NT)
+
+    return fa2_fast_backward
+
+
 # --------------------------------------------------------------------------- launchers
 
 
@@ -322,16 +587,42 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None):
     return O, L
 
 
+def _bwd_tiles(d, Br, Bc, warps):
+    t = bwd_default_tiles(d)
+    for name, value in (("Br", Br), ("Bc", Bc), ("warps", warps)):
+        if value is not None:
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            t[name] = int(value)
+    bwd_geometry(t["Br"], t["Bc"], d, t["warps"])
+    check_shared_fit("fa2-fast backward", f"Br={t['Br']}, Bc={t['Bc']} at d={d}",
+                     bwd_shared_bytes(t["Br"], t["Bc"], d, t["warps"]), "choose smaller Br/Bc")
+    return t
+
+
 def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warps=None):
-    """The stage-4 backward (FA2 Alg. 2, :func:`flashnb.fa2.backward` with its own default tiles): it needs
-    only ``(O, L)``, which this forward computes exactly as stage 4 does.  The forward's tile options are
-    not passed on (the backward's tiles are the transposed problem's)."""
-    return fa2.backward(q, k, v, o, lse, do, causal=causal, scale=scale)
+    """FA2 Alg. 2: stage 4's preprocessing launch (``D = rowsum(dO∘O)``, dQ zeroed), then :func:`make_backward`,
+    one thread block per K/V block.  ``Br, Bc, warps`` (Alg. 2's names: Br query rows per Q tile, Bc keys per
+    block) default to :func:`bwd_default_tiles`; given, they must suit the backward (``Bc`` a multiple of
+    ``4·warps``, ``Br`` of 8 and of ``warps``, shared memory <= 48 KiB)."""
+    BH, Nq, d = q.shape
+    Nk = k.shape[1]
+    t = _bwd_tiles(d, Br, Bc, warps)
+    D = empty((BH, Nq))
+    dQ = empty((BH, Nq, d))
+    launch(fa2.make_preprocess(), (cdiv(Nq, fa2.PRE_WARPS), BH), 32 * fa2.PRE_WARPS, o, do, D, dQ,
+           label="D = rowsum(dO∘O)")
+    dK = empty((BH, Nk, d))
+    dV = empty((BH, Nk, d))
+    kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], bool(causal))
+    launch(kernel, (cdiv(Nk, t["Bc"]), BH), 32 * t["warps"], q, k, v, do, lse, D, dQ, dK, dV, scale,
+           causal_diag(causal, Nq, Nk), label="FA2 fast backward")
+    return dQ, dK, dV
 
 
 register_impl("fa2-fast", stage="6",
-              description="FA2 forward tuned by its SASS: unrolled register micro-tiles, 128-bit conflict-free "
-                          "shared loads, no local memory (backward: stage 4's)",
+              description="FA2 forward and backward tuned by their SASS: unrolled register micro-tiles, 128-bit "
+                          "conflict-free shared loads, no local memory",
               forward=forward, backward=backward, options=("Br", "Bc", "warps"))
 
 
@@ -359,9 +650,32 @@ def model_forward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None):
 
 
 def model_backward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None):
-    """The impl's backward is stage 4's with its default tiles (the forward's tile options are not passed on):
-    :func:`flashnb.fa2.model_backward`."""
-    return fa2.model_backward(BH, Nq, Nk, d, causal=causal)
+    """Element accesses of :func:`backward`: stage 4's preprocessing launch (O, dO read; D, dQ = 0 written),
+    then the main launch -- K_j, V_j once per block; Q_i, dO_i, L_i, D_i once per visited tile; ``rows·d``
+    atomic adds into dQ per visited tile; dK, dV written once.
+
+    Shared, per block: ``2·Bc·Dp`` written (K_j, V_j), then ``2·Bc·Dp`` written and ``2·keys·d`` read back
+    (dK_j, dV_j staged).  Per visited tile: ``2·Br·Dp + 2·Br`` written (Q_i, dO_i, L_i, D_i) and ``Br·Bc``
+    (dS_ij); per thread ``2·Dp·(TM + TN)`` (lines 10, 13), ``2·TN`` (L, D), ``2·Br·DN`` (lines 12, 16) and
+    ``Bc·(TQ + E)`` (line 15) elements read."""
+    t = _bwd_tiles(d, Br, Bc, warps)
+    Br_, Bc_ = t["Br"], t["Bc"]
+    g = bwd_geometry(Br_, Bc_, d, t["warps"])
+    visited = fa2.tiles_visited(Nq, Nk, Br_, Bc_, causal, "backward")
+    n = BH * len(visited)
+    q_rows = BH * sum(rows for _, _, rows, _ in visited)
+    blocks = BH * cdiv(Nk, Bc_)
+    pre = dict(launch="D = rowsum(dO∘O)", reads={"O": BH * Nq * d, "dO": BH * Nq * d},
+               writes={"D": BH * Nq, "dQ": BH * Nq * d}, atomics={}, shared_reads=0, shared_writes=0)
+    per_tile_reads = g["threads"] * (2 * g["Dp"] * (g["TM"] + g["TN"]) + 2 * g["TN"] + 2 * Br_ * g["DN"]
+                                     + Bc_ * (g["TQ"] + g["E"]))
+    main = dict(launch="FA2 fast backward",
+                reads={a: x for a, x in (("Q", q_rows * d), ("K", BH * Nk * d), ("V", BH * Nk * d),
+                                         ("dO", q_rows * d), ("L", q_rows), ("D", q_rows)) if x},
+                writes={"dK": BH * Nk * d, "dV": BH * Nk * d}, atomics={"dQ": q_rows * d} if q_rows else {},
+                shared_reads=n * per_tile_reads + 2 * BH * Nk * d,
+                shared_writes=blocks * 4 * Bc_ * g["Dp"] + n * (2 * Br_ * g["Dp"] + 2 * Br_ + Br_ * Bc_))
+    return [pre, main]
 
 
 # --------------------------------------------------------------------------- the SASS time model's inputs

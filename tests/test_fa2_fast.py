@@ -1,6 +1,6 @@
-"""Stage 6 (fa2-fast): the tuned FA2 forward against the float64 reference, every output element written,
-counted traffic equal to the model, race-free, conflict-free and ideally coalesced on full tiles -- and the
-speed properties of its SASS (hot-loop FFMA share, 128-bit shared loads, no local memory), so that they
+"""Stage 6 (fa2-fast): the tuned FA2 forward and backward against the float64 reference, every output element
+written, counted traffic equal to the model, race-free, conflict-free and ideally coalesced on full tiles -- and
+the speed properties of their SASS (hot-loop FFMA share, 128-bit shared loads, no local memory), so that they
 cannot regress silently."""
 
 import numpy as np
@@ -12,6 +12,9 @@ from flashnb import common, fa2_fast, reference, sass, sim, traffic
 from flashnb.sim import racecheck
 
 FWD = dict(atol=2e-5, rtol=2e-5)     # as tests/test_fa2.py: float32 sums of <= 128 products of O(1) values
+# as tests/test_fa2.py: each gradient is a float32 sum over <= 64 keys or queries of products of P, dP - D (itself a
+# float32 sum of d products) and O(1) inputs, partial sums added atomically in any order: measured errors are
+# ~1e-6, and 1e-4 leaves room for the summation order without hiding a wrong term (a missing tile is O(0.1))
 BWD = dict(atol=1e-4, rtol=1e-4)
 
 ONE_WARP = dict(Br=16, Bc=8, warps=1)      # cheap on the simulator: 32 threads, TM = 4, TN = 1
@@ -50,7 +53,7 @@ def test_default_tiles_at_d128(rng):
 
 
 def test_scale_and_backward_through_the_impl(rng):
-    """A non-default scale; the impl's backward (stage 4's, from this forward's O and L) matches too."""
+    """A non-default scale; the impl's backward (from this forward's O and L) matches too."""
     q, k, v, do = qkv(rng, (1, 21, 12), 30, do=True)
     o, lse = flashnb.attention_forward(q, k, v, causal=True, scale=0.3, impl="fa2-fast", **ONE_WARP)
     o_ref, lse_ref = reference.attention_forward(q, k, v, causal=True, scale=0.3)
@@ -135,3 +138,96 @@ def test_sass_hot_loop_is_mostly_ffma_with_no_local_memory(config):
     assert len(ffma_loops) == 2, s.table()                                  # line 8 and line 10, unrolled
     for loop in ffma_loops:
         assert s.fma_fraction(loop) >= 0.7 and set(s.load_widths(loop)) == {128}
+
+
+# --------------------------------------------------------------------------- backward (FA2 Alg. 2)
+
+
+# (leading axes, Nq, Nk, d, tiles, causal): Nq < Nk and Nq > Nk (fully masked causal rows: L = -inf), odd head
+# dims, lengths that are not multiples of the tiles, one and two warps, the default tiles (full tiles: the
+# unchecked tile loads), Dp = 96 (the general tile-load loop), and "upper_left" with Nq < Nk: key blocks that
+# no query sees, whose dK_j, dV_j must still be written (zeros)
+BWD_SHAPES = [
+    ((1,), 19, 37, 5, dict(Br=16, Bc=8, warps=1), True),
+    ((1,), 33, 20, 7, dict(Br=16, Bc=16, warps=2), True),
+    ((1,), 32, 40, 32, {}, False),           # default tiles at d = 32: Br = Bc = 32, two warps
+    ((1,), 12, 20, 70, dict(Br=8, Bc=16, warps=2), False),
+    ((1,), 8, 40, 3, dict(Br=8, Bc=8, warps=1), "upper_left"),
+]
+BWD_IDS = [f"{'x'.join(map(str, s[0]))}-{s[1]}x{s[2]}-d{s[3]}-{s[5]}" for s in BWD_SHAPES]
+
+
+@pytest.mark.parametrize("lead, Nq, Nk, d, tiles, causal", BWD_SHAPES, ids=BWD_IDS)
+def test_backward_matches_reference(rng, lead, Nq, Nk, d, tiles, causal):
+    q, k, v, do = qkv(rng, (*lead, Nq, d), Nk, do=True)
+    o, lse = reference.attention_forward(q, k, v, causal=causal)     # O, L as the forward returns them
+    grads = flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, impl="fa2-fast", **tiles)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, reference.attention_backward(q, k, v, do, causal=causal)):
+        assert_close(g, g_ref, **BWD, what=name)          # also: no NaN poison left
+
+
+def test_backward_tiles_are_checked():
+    q = common.to_device(np.zeros((1, 8, 8), dtype=np.float32))
+    lse = common.to_device(np.zeros((1, 8), dtype=np.float32))
+    with pytest.raises(ValueError, match="Bc=12 must be a multiple of 4·warps = 8"):
+        fa2_fast.backward(q, q, q, q, lse, q, scale=1.0, Br=16, Bc=12, warps=2)
+    with pytest.raises(ValueError, match="Br=12 must be a multiple of 8"):
+        fa2_fast.backward(q, q, q, q, lse, q, scale=1.0, Br=12, Bc=8, warps=1)
+    with pytest.raises(ValueError, match="48 KiB"):
+        fa2_fast.backward(*[common.to_device(np.zeros((1, 8, 128), np.float32))] * 4, lse,
+                          common.to_device(np.zeros((1, 8, 128), np.float32)), scale=1.0, Br=32, Bc=32, warps=2)
+
+
+@pytest.mark.parametrize("BH, Nq, Nk, d, causal, tiles", [
+    (2, 12, 20, 12, False, dict(Br=8, Bc=8, warps=2)),
+    (1, 17, 20, 16, True, dict(Br=8, Bc=8, warps=1)),
+])
+def test_backward_counted_traffic_equals_model(rng, BH, Nq, Nk, d, causal, tiles):
+    q, k, v, do = qkv(rng, (BH, Nq, d), Nk, do=True)
+    o, lse = reference.attention_forward(q, k, v, causal=causal)
+    args = _dev(q, k, v, o, lse, do)
+    with traffic.count() as t:
+        fa2_fast.backward(*args, causal=causal, scale=0.25, **tiles)
+    assert t.summary() == fa2_fast.model_backward(BH, Nq, Nk, d, causal=causal, **tiles)
+
+
+def test_backward_race_free_with_several_warps_and_tiles(rng):
+    # two warps, three Q tiles per K/V block (the last partial): Q_i, dO_i, L_i, D_i and dS_ij reloaded by
+    # every warp, dS_ij exchanged between the warps, K_j's and V_j's space reused for dK_j, dV_j at the end
+    q, k, v, do = qkv(rng, (1, 20, 8), 12, do=True)
+    o, lse = reference.attention_forward(q, k, v, causal=True)
+    with racecheck.check(raise_on_race=False) as report:
+        flashnb.attention_backward(q, k, v, o, lse, do, causal=True, impl="fa2-fast", Br=8, Bc=8, warps=2)
+    assert report.launches == 2 and not report.races
+
+
+def test_backward_full_tiles_are_conflict_free_and_ideally_coalesced(rng):
+    # default tiles at d = 32 (Br = Bc = 32, two warps), one full tile: every shared-memory request (the row
+    # copies, lines 10-16's reads, the dS_ij exchange, the dK_j/dV_j staging) is one wavefront, every global
+    # request (the dQ atomics included) touches exactly its ideal sectors
+    q, k, v, do = qkv(rng, (1, 32, 32), 32, do=True)
+    o, lse = reference.attention_forward(q, k, v)
+    with sim.profile() as prof:
+        flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2-fast")
+    lines = prof.select(launch="FA2 fast backward")
+    assert {s.array for s in lines} == {"Q", "K", "V", "dO", "L", "D", "dQ", "dK", "dV",
+                                        "Ks", "Vs", "Qs", "dOs", "dSs", "Ls", "Ds"}
+    for s in lines:
+        assert s.cost == s.ideal, (s.array, s.op, s.line, s.cost, s.ideal)
+
+
+# `flashnb sass fa2_fast.backward --config '{"Br": 32, "Bc": 32, "warps": 2, "d": 64, "causal": false}'`: the
+# three loops with FFMAs are lines 10/13 (Sᵀ, dPᵀ), lines 12/16 (dV_j, dK_j; the hot loop) and line 15 (dQ_i).
+# Measured on sm_90: 84.8%, 82.6% and 80.0% FFMA; at d = 128 (Br = 16, Bc = 24) 73.8%, 85.0% and 80.0%.
+def test_backward_sass_loops_are_mostly_ffma_with_no_local_memory():
+    s = sass.sass("fa2_fast.backward", config=dict(Br=32, Bc=32, warps=2, d=64, causal=False))
+    hot = s.hot_loop
+    assert s.fma_fraction(hot) >= 0.5, s.table()
+    mix = s.mix()
+    assert mix["ldl"] == mix["stl"] == 0 and mix["fp64"] == 0, s.table()    # registers only, float32 only
+    assert s.load_widths(hot) == {128: s.mix(hot)["lds"]}, s.table()        # only 128-bit shared loads
+    ffma_loops = [s.instructions[a:b + 1] for a, b in s.innermost_loops()
+                  if any(i.category == "ffma" for i in s.instructions[a:b + 1])]
+    assert len(ffma_loops) == 3, s.table()
+    for loop in ffma_loops:
+        assert s.fma_fraction(loop) >= 0.5 and 128 in s.load_widths(loop), s.table()
