@@ -31,7 +31,7 @@ def _bwd_config(module, d):
         return dict(fa2.default_tiles(d, "backward"), d=d, causal=False)
     if "fa2_fast.backward" not in KERNELS:
         return None
-    return dict(fa2_fast.default_backward_tiles(d), d=d, causal=False)
+    return dict(fa2_fast.bwd_default_tiles(d), d=d, causal=False)
 
 
 def rows():
@@ -53,8 +53,11 @@ def rows():
                 continue
             s = sass.sass(kernel, config=cfg, cc=CC)
             f = s.fma_fraction(s.hot_loop)
+            inner = [s.instructions[a:b + 1] for a, b in s.innermost_loops()]
+            worst = min(s.fma_fraction(i) for i in inner if any(x.category == "ffma" for x in i))
             goal = kernel.startswith("fa2_fast")
-            out.append((f"backward hot loop FFMA share, d={d}", kernel, ">= 50 %", f"{100 * f:.1f} %",
+            out.append((f"backward hot loop FFMA share, d={d}", kernel, ">= 50 %",
+                        f"{100 * f:.1f} % (every FFMA loop >= {100 * worst:.1f} %)",
                         mark(f >= 0.50) if goal else "(stage 4)", str(cfg)))
     for kernel, configs in (("fa2_fast.forward", [fa2_fast.sass_config(d, c) for d in (64, 128) for c in (0, 1)]),
                             ("fa2_fast.backward", [_bwd_config(fa2_fast, d) for d in (64, 128)])):
