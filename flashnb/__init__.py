@@ -15,6 +15,7 @@ from . import fa1  # noqa: E402,F401  (stage 3 registers impl="fa1")
 from . import fa2  # noqa: E402,F401  (stage 4 registers impl="fa2")
 from . import fa2_steps  # noqa: E402,F401  (stage 4, step by step: impl="fa2-rows", "fa2-splitq")
 from . import block_sparse  # noqa: E402,F401  (stage 5 registers impl="fa2-sparse"; fa2 takes block_mask=)
+from . import flex  # noqa: E402,F401  (attention modifiers: score_mod / mask_mod on fa2, the gallery)
 from . import fa2_fast  # noqa: E402,F401  (stage 6 registers impl="fa2-fast")
 from . import reference, traffic, roofline, bench, inspect, rehearsal  # noqa: E402,F401  (reference and measurement)
 
