@@ -500,37 +500,39 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
         if causal:                                   # skip Q blocks whose rows all precede key j0
             first = j0 - diag                        # first query row that may see key j0
             i_first = first // Br if first > 0 else 0
-        G = Q.shape[0] // K.shape[0] if gqa else 1   # GQA: the G query heads sharing K/V head z
-        for zq in range(z * G, z * G + G):           # ... one after another (G = 1: zq = z)
-            for it in range(i_first, cdiv_dev(Nq, Br)):  # line 8
-                mij = int32(FULL)
-                if sparse:                           # FA1 Alg. 5: if M_ij != 0 (lane 0 reads, the warp shares)
-                    mij = cuda.shfl_sync(FULL_MASK, int32(M[zq, it, cuda.blockIdx.x]) if lane == 0 else int32(0), 0)
-                    if mij == EMPTY:
-                        continue                     # block-uniform: Q_i, dO_i, L_i, D_i never loaded
-                i0 = it * Br
-                cuda.syncthreads()
-                for e in range(tid, Br * Dp, NT):    # line 9: load Q_i, dO_i, L_i, D_i
-                    r = e // Dp
-                    k = e - r * Dp
-                    inside = i0 + r < Nq and k < d
-                    QsT[k, r] = Q[zq, i0 + r, k] if inside else ZERO
-                    dOsT[k, r] = dO[zq, i0 + r, k] if inside else ZERO
-                for r in range(tid, Br, NT):
-                    Ls[r] = L[zq, i0 + r] if i0 + r < Nq else NEG_INF
-                    Ds[r] = D[zq, i0 + r] if i0 + r < Nq else ZERO
-                cuda.syncthreads()
-                fa2_bwd_tile(QsT, KsT, VsT, dOsT, Ls, Ds, dSs, S, dP, dKj, dVj, kv, vv, qv, ov,
-                             c0, lr, lc, i0, j0, Nk, scale, diag, zq, mij)
-                cuda.syncthreads()                   # dSs complete (written by every warp)
-                for e in range(tid, Br * d, NT):     # line 15: dQ_i += scale · dS K_j (atomic, HBM)
-                    r = e // d
-                    k = e - r * d
-                    acc = ZERO
-                    for c in range(Bc):
-                        acc += dSs[c, r] * KsT[k, c]
-                    if i0 + r < Nq:
-                        cuda.atomic.add(dQ, (zq, i0 + r, k), scale * acc)
+        n_q = cdiv_dev(Nq, Br)
+        G = Q.shape[0] // K.shape[0] if gqa else 1   # GQA: the G query heads sharing K/V head z, one after another
+        for t in range(i_first, n_q + (G - 1) * (n_q - i_first) if gqa else n_q):  # line 8
+            zq = z * G + (t - i_first) // (n_q - i_first) if gqa else z   # the query head (z without GQA)
+            it = t - (zq - z * G) * (n_q - i_first) if gqa else t         # the Q tile
+            mij = int32(FULL)
+            if sparse:                               # FA1 Alg. 5: if M_ij != 0 (lane 0 reads, the warp shares)
+                mij = cuda.shfl_sync(FULL_MASK, int32(M[zq, it, cuda.blockIdx.x]) if lane == 0 else int32(0), 0)
+                if mij == EMPTY:
+                    continue                         # block-uniform: Q_i, dO_i, L_i, D_i never loaded
+            i0 = it * Br
+            cuda.syncthreads()
+            for e in range(tid, Br * Dp, NT):        # line 9: load Q_i, dO_i, L_i, D_i
+                r = e // Dp
+                k = e - r * Dp
+                inside = i0 + r < Nq and k < d
+                QsT[k, r] = Q[zq, i0 + r, k] if inside else ZERO
+                dOsT[k, r] = dO[zq, i0 + r, k] if inside else ZERO
+            for r in range(tid, Br, NT):
+                Ls[r] = L[zq, i0 + r] if i0 + r < Nq else NEG_INF
+                Ds[r] = D[zq, i0 + r] if i0 + r < Nq else ZERO
+            cuda.syncthreads()
+            fa2_bwd_tile(QsT, KsT, VsT, dOsT, Ls, Ds, dSs, S, dP, dKj, dVj, kv, vv, qv, ov,
+                         c0, lr, lc, i0, j0, Nk, scale, diag, zq, mij)
+            cuda.syncthreads()                       # dSs complete (written by every warp)
+            for e in range(tid, Br * d, NT):         # line 15: dQ_i += scale · dS K_j (atomic, HBM)
+                r = e // d
+                k = e - r * d
+                acc = ZERO
+                for c in range(Bc):
+                    acc += dSs[c, r] * KsT[k, c]
+                if i0 + r < Nq:
+                    cuda.atomic.add(dQ, (zq, i0 + r, k), scale * acc)
         for a in range(TM):                          # line 18: write dK_j, dV_j once
             key = j0 + c0 + LR * a
             if key < Nk:
