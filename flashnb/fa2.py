@@ -227,6 +227,7 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
     read ``M`` (the launcher passes a 1×1×1 dummy).  ``score_mod``, ``mask_mod``, ``H``, ``gqa``: see the
     module docstring (attention modifiers, grouped-query attention)."""
     flex, H = _flex_options(score_mod, mask_mod, sparse, H)
+    partial_tiles = mask_mod is not None             # M has partial tiles (mask_mod per element)
     modify = make_modify(score_mod, mask_mod, H)
     g = geometry(Br, Bc, d, warps)
     TM, TN, DN, Dp, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["threads"]
@@ -324,11 +325,12 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
             last = min(i0 + Br, Nq) - 1 + diag       # last key any row of this block may see
             n_tiles = min(n_tiles, last // Bc + 1) if last >= 0 else 0
         for jt in range(n_tiles):                    # line 6
-            mij = int32(FULL)
             if sparse:                               # FA1 Alg. 5: if M_ij != 0 (lane 0 reads, the warp shares)
-                mij = cuda.shfl_sync(FULL_MASK, int32(M[z, cuda.blockIdx.x, jt]) if lane == 0 else int32(0), 0)
-                if mij == EMPTY:
+                if cuda.shfl_sync(FULL_MASK, int32(M[z, cuda.blockIdx.x, jt]) if lane == 0 else int32(0), 0) == 0:
                     continue                         # block-uniform: K_j, V_j never loaded
+            mij = int32(FULL)
+            if partial_tiles:                        # flex: full or partial? (M read again, only for mask_mod)
+                mij = cuda.shfl_sync(FULL_MASK, int32(M[z, i0 // Br, jt]) if lane == 0 else int32(0), 0)
             j0 = jt * Bc
             cuda.syncthreads()                       # every warp is done with K_{j-1}, V_{j-1}
             for e in range(tid, Bc * d, NT):         # line 7: load K_j, V_j
@@ -404,6 +406,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
             raise ValueError(f"score_mod {getattr(python_modifier(score_mod), '__name__', score_mod)!r} has no "
                              "derivative: pass score_mod_grad (d score_mod / d score, same arguments)")
     flex_p_ds = make_modify_grad(score_mod, score_mod_grad, mask_mod, H)
+    partial_tiles = mask_mod is not None             # M has partial tiles (mask_mod per element)
     g = geometry(Bc, Br, d, warps)
     TM, TN, DN, Dp, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["threads"]
     BrP, BcP = Br + 1, Bc + 1   # padded leading dimensions of the transposed shared tiles
@@ -434,7 +437,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
             for a in range(TM):
                 key = j0 + c0 + LR * a
                 if flex:                             # flex: P of the modified score, dS times d score_mod / ds
-                    ok = Lr != NEG_INF and key < Nk and not (causal and key > i0 + r + diag)
+                    ok = Lr != NEG_INF and key < Nk and not (causal and key - diag > i0 + r)   # as below
                     S[a, b], dP[a, b] = flex_p_ds(scale * S[a, b], dP[a, b], Lr, Dr, ok, zq, i0 + r, key, mij)
                     continue
                 pv = ZERO
@@ -477,7 +480,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
         vv = cuda.local.array(TM, float32)
         qv = cuda.local.array(TN, float32)
         ov = cuda.local.array(TN, float32)
-        z = cuda.blockIdx.y
+        kz = cuda.blockIdx.y                         # the K/V head (without GQA also the query head z)
         j0 = cuda.blockIdx.x * Bc
         tid = cuda.threadIdx.x
         lane = tid % 32
@@ -490,8 +493,8 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
             c = e // d
             k = e - c * d
             inside = j0 + c < Nk
-            KsT[k, c] = K[z, j0 + c, k] if inside else ZERO
-            VsT[k, c] = V[z, j0 + c, k] if inside else ZERO
+            KsT[k, c] = K[kz, j0 + c, k] if inside else ZERO
+            VsT[k, c] = V[kz, j0 + c, k] if inside else ZERO
         for a in range(TM):                          # line 7: dK_j = dV_j = 0 (on chip)
             for c in range(DN):
                 dKj[a, c] = ZERO
@@ -501,29 +504,30 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
             first = j0 - diag                        # first query row that may see key j0
             i_first = first // Br if first > 0 else 0
         n_q = cdiv_dev(Nq, Br)
-        G = Q.shape[0] // K.shape[0] if gqa else 1   # GQA: the G query heads sharing K/V head z, one after another
+        G = Q.shape[0] // K.shape[0] if gqa else 1   # GQA: the G query heads sharing K/V head kz, one after another
         for t in range(i_first, n_q + (G - 1) * (n_q - i_first) if gqa else n_q):  # line 8
-            zq = z * G + (t - i_first) // (n_q - i_first) if gqa else z   # the query head (z without GQA)
-            it = t - (zq - z * G) * (n_q - i_first) if gqa else t         # the Q tile
-            mij = int32(FULL)
+            z = kz * G + (t - i_first) // (n_q - i_first) if gqa else kz   # the query head (kz without GQA)
+            it = t - (z - kz * G) * (n_q - i_first) if gqa else t          # the Q tile
             if sparse:                               # FA1 Alg. 5: if M_ij != 0 (lane 0 reads, the warp shares)
-                mij = cuda.shfl_sync(FULL_MASK, int32(M[zq, it, cuda.blockIdx.x]) if lane == 0 else int32(0), 0)
-                if mij == EMPTY:
+                if cuda.shfl_sync(FULL_MASK, int32(M[z, it, cuda.blockIdx.x]) if lane == 0 else int32(0), 0) == 0:
                     continue                         # block-uniform: Q_i, dO_i, L_i, D_i never loaded
+            mij = int32(FULL)
+            if partial_tiles:                        # flex: full or partial? (M read again, only for mask_mod)
+                mij = cuda.shfl_sync(FULL_MASK, int32(M[z, it, cuda.blockIdx.x]) if lane == 0 else int32(0), 0)
             i0 = it * Br
             cuda.syncthreads()
             for e in range(tid, Br * Dp, NT):        # line 9: load Q_i, dO_i, L_i, D_i
                 r = e // Dp
                 k = e - r * Dp
                 inside = i0 + r < Nq and k < d
-                QsT[k, r] = Q[zq, i0 + r, k] if inside else ZERO
-                dOsT[k, r] = dO[zq, i0 + r, k] if inside else ZERO
+                QsT[k, r] = Q[z, i0 + r, k] if inside else ZERO
+                dOsT[k, r] = dO[z, i0 + r, k] if inside else ZERO
             for r in range(tid, Br, NT):
-                Ls[r] = L[zq, i0 + r] if i0 + r < Nq else NEG_INF
-                Ds[r] = D[zq, i0 + r] if i0 + r < Nq else ZERO
+                Ls[r] = L[z, i0 + r] if i0 + r < Nq else NEG_INF
+                Ds[r] = D[z, i0 + r] if i0 + r < Nq else ZERO
             cuda.syncthreads()
             fa2_bwd_tile(QsT, KsT, VsT, dOsT, Ls, Ds, dSs, S, dP, dKj, dVj, kv, vv, qv, ov,
-                         c0, lr, lc, i0, j0, Nk, scale, diag, zq, mij)
+                         c0, lr, lc, i0, j0, Nk, scale, diag, z, mij)
             cuda.syncthreads()                       # dSs complete (written by every warp)
             for e in range(tid, Br * d, NT):         # line 15: dQ_i += scale · dS K_j (atomic, HBM)
                 r = e // d
@@ -532,15 +536,15 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
                 for c in range(Bc):
                     acc += dSs[c, r] * KsT[k, c]
                 if i0 + r < Nq:
-                    cuda.atomic.add(dQ, (zq, i0 + r, k), scale * acc)
+                    cuda.atomic.add(dQ, (z, i0 + r, k), scale * acc)
         for a in range(TM):                          # line 18: write dK_j, dV_j once
             key = j0 + c0 + LR * a
             if key < Nk:
                 for c in range(DN):
                     col = lc + LC * c
                     if col < d:
-                        dK[z, key, col] = scale * dKj[a, c]
-                        dV[z, key, col] = dVj[a, c]
+                        dK[kz, key, col] = scale * dKj[a, c]
+                        dV[kz, key, col] = dVj[a, c]
 
     return fa2_backward
 
@@ -947,19 +951,21 @@ def model_forward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None, 
     Shared: Q_i written once per block (``Br·d``), K_j and V_j per tile (``Bc·d + Bc·Dp``); per tile each of
     the ``32·warps`` threads reads ``d·(TM + TN)`` (S) and ``Bc·DN`` (V) elements.
     Block-sparse (``block_mask``): visited tiles = those with ``M_ij = 1``, and lane 0 of each warp reads
-    ``M_ij`` (one byte, shuffled to the other lanes) once per tile the causal limit lets it reach.
-    ``mask_mod`` (with ``heads``, or a ``block_mask`` from :func:`flashnb.flex.create_block_mask`): the visited
-    tiles are the non-empty ones; a modifier's per-element work and captured arrays (constant memory on a GPU)
-    are no global traffic.  ``group`` (GQA, ``BH_q / BH_kv``) changes nothing here: every query head's blocks
-    stream their K/V tiles, the group's heads read the same (smaller) K/V tensors."""
+    ``M_ij`` (one byte, shuffled to the other lanes) once per tile the causal limit lets it reach, and, with a
+    ``mask_mod``, once more per visited tile (full or partial?).  ``mask_mod`` (with ``heads``, or a
+    ``block_mask`` from :func:`flashnb.flex.create_block_mask`): the visited tiles are the non-empty ones; a
+    modifier's per-element work and captured arrays (constant memory on a GPU) are no global traffic.
+    ``group`` (GQA, ``BH_q / BH_kv``) changes nothing here: every query head's blocks stream their K/V
+    tiles, the group's heads read the same (smaller) K/V tensors."""
     block_mask = _model_mask("forward", block_mask, mask_mod, heads, BH, Nq, Nk, d, Br, Bc)
     t, M = block_tiles(d, "forward", Br, Bc, warps, block_mask, BH, Nq, Nk)
     g = geometry(t["Br"], t["Bc"], d, t["warps"])
     per_head, checked = _visited_per_head(Nq, Nk, t, causal, "forward", M, BH)
     kv = sum(cols for visited in per_head for _, _, _, cols in visited) * d
     n = sum(len(visited) for visited in per_head)
+    again = n * t["warps"] if getattr(block_mask, "mask_mod", None) is not None else 0   # flex: full or partial?
     per_tile_reads = g["threads"] * (d * (g["TM"] + g["TN"]) + t["Bc"] * g["DN"])
-    return [_launch("FA2 forward", {"Q": BH * Nq * d, "K": kv, "V": kv, "M": BH * checked * t["warps"]},
+    return [_launch("FA2 forward", {"Q": BH * Nq * d, "K": kv, "V": kv, "M": BH * checked * t["warps"] + again},
                     {"O": BH * Nq * d, "L": BH * Nq},
                     shared_reads=n * per_tile_reads,
                     shared_writes=BH * cdiv(Nq, t["Br"]) * t["Br"] * d + n * t["Bc"] * (d + g["Dp"]))]
@@ -981,13 +987,14 @@ def model_backward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None,
     per_head, checked = _visited_per_head(Nq, Nk, t, causal, "backward", M, BH)
     q_rows = sum(rows for visited in per_head for _, _, rows, _ in visited)
     n = sum(len(visited) for visited in per_head)
+    again = n * t["warps"] if getattr(block_mask, "mask_mod", None) is not None else 0   # flex: full or partial?
     pre = _launch("D = rowsum(dO∘O)", {"O": BH * Nq * d, "dO": BH * Nq * d}, {"D": BH * Nq, "dQ": BH * Nq * d})
     per_tile_reads = (g["threads"] * (2 * d * (g["TM"] + g["TN"]) + 2 * g["TN"] + 2 * Br_ * g["DN"])
                       + 2 * Br_ * d * Bc_)
     per_tile_writes = 2 * g["Dp"] * Br_ + 2 * Br_ + Bc_ * Br_
     main = _launch("FA2 backward",
                    {"Q": q_rows * d, "K": BHkv * Nk * d, "V": BHkv * Nk * d, "dO": q_rows * d,
-                    "L": q_rows, "D": q_rows, "M": BH * checked * t["warps"]},
+                    "L": q_rows, "D": q_rows, "M": BH * checked * t["warps"] + again},
                    {"dK": BHkv * Nk * d, "dV": BHkv * Nk * d}, {"dQ": q_rows * d},
                    shared_reads=n * per_tile_reads,
                    shared_writes=BHkv * cdiv(Nk, Bc_) * 2 * d * Bc_ + n * per_tile_writes)
