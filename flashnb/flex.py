@@ -51,8 +51,22 @@ modifiers, its derivative ``.grad``): :func:`causal`, :func:`sliding_window`, :f
 :func:`numpy_modifier` (vectorised through NumPy broadcasting when the function allows, checked on sample
 points, else element by element).
 
-Grouped-query attention (``k``, ``v`` with fewer heads than ``q``) is independent of modifiers: see
-:mod:`flashnb.fa2` (only ``impl="fa2"`` supports it and modifiers).
+Deviations from the design brief, and why:
+
+* The kernels read the three-state entry ``M_ij`` twice per visited tile when a ``mask_mod`` is given (once by
+  stage 5's unchanged ``if M_ij != 0`` test, once for full/partial), so that stage 5's lines -- which the
+  course (assignments A4/A5) cuts out and whose "bugs" edit them -- stay verbatim and the default kernels' PTX
+  is byte-identical; one byte per warp per tile, counted in ``fa2.model_forward``/``model_backward``.
+* The GQA backward sums dK, dV over the group *on chip* (its grid runs over the K/V heads and each block loops
+  over its group's query heads) rather than per-query-head dK/dV plus a reduction kernel, or atomics: K and V
+  are then read, and dK, dV written, once per K/V head (the counted saving), deterministically.  The forward's
+  counted K/V reads do not change with GQA (each query head's blocks stream their K/V tiles); what sharing
+  saves there is the K/V size (and DRAM traffic when L2 serves the group), which the element counter does not
+  model.
+* ``causal()`` in the gallery is top-left aligned by default (``q_idx >= kv_idx``, as FlexAttention and SDPA);
+  ``causal(offset=Nk - Nq)`` is flashnb's bottom-right ``causal=True``.  ``causal=`` and ``mask_mod`` combine by AND.
+* Only ``impl="fa2"`` takes modifiers and GQA; the others (``fa2-fast`` included) refuse them with an error
+  naming the impl.
 """
 
 from __future__ import annotations
