@@ -70,6 +70,11 @@ def _as_real_array(name: str, x: Any) -> np.ndarray:
 SCORE_LIMIT = F32_MAX / 2
 
 
+def _per_query_head(a: np.ndarray, BH: int) -> np.ndarray:
+    """K/V ``(BH_kv, N, d)`` repeated to ``BH`` query heads (grouped-query attention; unchanged otherwise)."""
+    return a if a.shape[0] == BH else np.repeat(a, BH // a.shape[0], axis=0)
+
+
 def _check_score_range(q3: np.ndarray, k3: np.ndarray, scale: float) -> None:
     """Refuse inputs whose scores float32 cannot hold: ``|Σ_l q_il k_jl|`` (every partial sum) and
     ``|scale · q_i·k_j|`` must stay within :data:`SCORE_LIMIT` (else the kernels give inf, then NaN).
@@ -77,7 +82,7 @@ def _check_score_range(q3: np.ndarray, k3: np.ndarray, scale: float) -> None:
     Cheap first (Cauchy-Schwarz: every partial sum is at most ``‖q_i‖·‖k_j‖``, O(N·d)); only when that bound
     is over the limit the exact bound ``max (|q| |k|ᵀ)`` is computed (float64, one matmul per head)."""
     q64 = q3.astype(np.float64)
-    k64 = k3.astype(np.float64)
+    k64 = _per_query_head(k3, q3.shape[0]).astype(np.float64)
     qn = np.sqrt(np.einsum("bnd,bnd->bn", q64, q64)).max(axis=1)
     kn = np.sqrt(np.einsum("bnd,bnd->bn", k64, k64)).max(axis=1)
     bound = float((qn * kn).max())
@@ -113,7 +118,7 @@ def _check_sum_range(v3: np.ndarray, do3: np.ndarray | None = None) -> None:
     if float(do64.sum(axis=1).max()) > SCORE_LIMIT:
         raise ValueError(f"do: a column sums to {float(do64.sum(axis=1).max()):.3g} in magnitude over the queries, "
                          f"beyond {SCORE_LIMIT:.3g}, so dV = Pᵀ·do would overflow float32; scale do down")
-    dp = max(float((dob @ vb.T).max()) for dob, vb in zip(do64, v64))
+    dp = max(float((dob @ vb.T).max()) for dob, vb in zip(do64, _per_query_head(v64, do64.shape[0])))
     if dp > SCORE_LIMIT:
         raise ValueError(f"do and v: the products dP = do·vᵀ reach {dp:.3g} in magnitude, beyond {SCORE_LIMIT:.3g} "
                          "(half the float32 range), so the float32 backward would give inf and NaN; scale do or v "
@@ -130,6 +135,33 @@ def _check_impl(impl: str, need_backward: bool = False):
     return entry
 
 
+_MODIFIERS = ("score_mod", "mask_mod", "score_mod_grad")
+
+
+def _check_options(entry, impl: str, options: dict, q, k) -> dict:
+    """Options the impl accepts; modifiers and grouped-query K/V only for impls that support them.  Adds
+    ``heads`` (q's H, for ``b = z // H``, ``h = z % H``) when a modifier or a block mask with one is given; a
+    caller whose q is already flattened to (B·H, N, d) passes ``heads=H`` itself (as ``flashnb.torch`` does)."""
+    unknown = set(options) - set(entry.options) - ({"heads"} if "score_mod" in entry.options else set())
+    if unknown:
+        mods = sorted(unknown & set(_MODIFIERS))
+        if mods:
+            have = sorted(n for n, e in IMPLS.items() if "score_mod" in e.options)
+            raise TypeError(f"impl {impl!r} does not take attention modifiers ({', '.join(mods)}); use one of "
+                            f"{have}")
+        raise TypeError(f"impl {impl!r} got unexpected option(s) {sorted(unknown)}; it accepts {list(entry.options)}")
+    if q.ndim >= 3 and k.shape[-3] != q.shape[-3] and not entry.gqa:
+        have = sorted(n for n, e in IMPLS.items() if e.gqa)
+        raise ValueError(f"q and k must share the leading (batch, heads) axes: impl {impl!r} does not support "
+                         f"grouped-query attention (q has {q.shape[-3]} heads, k and v have {k.shape[-3]}); use one "
+                         f"of {have}, or repeat k and v to q's heads")
+    if any(options.get(n) is not None for n in _MODIFIERS) or \
+            getattr(options.get("block_mask"), "mask_mod", None) is not None:
+        if options.get("heads") is None:
+            options = dict(options, heads=q.shape[-3] if q.ndim >= 3 else 1)
+    return options
+
+
 def _check_qkv(q, k, v):
     q = _as_real_array("q", q)
     k = _as_real_array("k", k)
@@ -143,7 +175,11 @@ def _check_qkv(q, k, v):
         raise ValueError(f"q, k, v must have the same ndim, got {q.ndim}, {k.ndim}, {v.ndim}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape (..., Nk, d), got k {k.shape} and v {v.shape}")
-    if q.shape[:-2] != k.shape[:-2]:
+    if q.ndim >= 3 and q.shape[:-3] == k.shape[:-3] and q.shape[-3] != k.shape[-3]:
+        if q.shape[-3] % k.shape[-3]:
+            raise ValueError(f"grouped-query attention: q's heads ({q.shape[-3]}, q {q.shape}) must be a multiple "
+                             f"of k's and v's heads ({k.shape[-3]}, k {k.shape})")
+    elif q.shape[:-2] != k.shape[:-2]:
         raise ValueError(f"q and k must share the leading (batch, heads) axes, got q {q.shape} and k {k.shape}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must have the same head dim d (last axis), got q {q.shape} and k {k.shape}")
@@ -183,7 +219,15 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
             allowed keys; negative: the smallest score weighs most).  ``|scale · q·k|`` must stay within
             :data:`SCORE_LIMIT` (half the float32 range), else ValueError.
         impl: a registered implementation (``flashnb.registry.IMPLS``), e.g. ``"naive"``.
-        **options: implementation-specific options (tile sizes, ``block_mask``, ...).
+        **options: implementation-specific options (tile sizes, ``block_mask``, ...).  ``impl="fa2"`` also takes
+            attention modifiers (:mod:`flashnb.flex`): ``score_mod(score, b, h, q_idx, kv_idx)`` (float32),
+            ``mask_mod(b, h, q_idx, kv_idx)`` (bool; becomes a block mask whose empty tiles are skipped),
+            ``block_mask=flashnb.flex.create_block_mask(mask_mod, ...)``, and for the backward
+            ``score_mod_grad`` (d score_mod / d score; the gallery's modifiers carry it as ``.grad``).  ``b``,
+            ``h`` index q's leading axes (B, H).
+
+    Grouped-/multi-query attention: with ``impl="fa2"``, k and v may have fewer heads (axis -3) than q, a
+    divisor of q's heads; query head ``h`` uses K/V head ``h // (H_q / H_kv)``.
 
     Inputs of any real dtype are converted to float32 (the kernels compute in float32), and may be
     non-contiguous.  Returns ``o`` with q's shape and ``lse`` (log-sum-exp of each scaled score row) with
@@ -195,9 +239,7 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
     for name, a in (("q", q), ("k", k), ("v", v)):
         _check_finite(name, a)
     s = _check_scale(scale, q.shape[-1])
-    unknown = set(options) - set(entry.options)
-    if unknown:
-        raise TypeError(f"impl {impl!r} got unexpected option(s) {sorted(unknown)}; it accepts {list(entry.options)}")
+    options = _check_options(entry, impl, options, q, k)
     causal = _check_causal(causal, q.shape[-2], k.shape[-2])
     q3, k3, v3 = (_to3(a) for a in (q, k, v))
     _check_score_range(q3, k3, s)
@@ -250,9 +292,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale=None,
     s = _check_scale(scale, q.shape[-1])
     if not isinstance(check_forward, (bool, np.bool_)):
         raise TypeError(f"check_forward must be True or False, got {check_forward!r}")
-    unknown = set(options) - set(entry.options)
-    if unknown:
-        raise TypeError(f"impl {impl!r} got unexpected option(s) {sorted(unknown)}; it accepts {list(entry.options)}")
+    options = _check_options(entry, impl, options, q, k)
     causal = _check_causal(causal)
     q3, k3, v3, o3 = (_to3(a) for a in (q, k, v, o))
     lse2 = np.ascontiguousarray(lse.reshape(-1, q.shape[-2]), dtype=np.float32)
@@ -273,7 +313,13 @@ def _mask_rows(entry, options: dict, BH: int, Nq: int, Nk: int, d: int, causal: 
     causal rule (bottom-right aligned) and the impl's own mask (``Impl.mask_for``, or fa2's ``block_mask``)."""
     full = entry.mask_for(Nq, Nk, d, causal, **options) if entry.reference_mask is not None else None
     blocks = None
-    if full is None and options.get("block_mask") is not None:
+    mask_mod = options.get("mask_mod") or getattr(options.get("block_mask"), "mask_mod", None)
+    if mask_mod is not None:                 # flex: the element mask is mask_mod's (the block mask follows it)
+        from .flex import mask_array
+
+        H = options.get("heads", 1)
+        full = mask_array(mask_mod, BH // H, H, Nq, Nk).reshape(BH, Nq, Nk)
+    elif full is None and options.get("block_mask") is not None:
         from . import fa2
         from .fa2 import BlockMask
 
@@ -311,7 +357,13 @@ def _check_forward_outputs(entry, q3, k3, v3, o3, lse2, causal, scale, options) 
     inputs (see :func:`attention_backward`)."""
     BH, Nq, d = q3.shape
     Nk = k3.shape[1]
+    k3, v3 = _per_query_head(k3, BH), _per_query_head(v3, BH)
     row_mask = _mask_rows(entry, options, BH, Nq, Nk, d, causal)
+    score_mod = options.get("score_mod")
+    if score_mod is not None:
+        from .flex import numpy_modifier
+
+        score_mod, H = numpy_modifier(score_mod), options.get("heads", 1)
     small = BH * Nq <= CHECK_ALL_ROWS and BH * Nq * Nk * d <= 1 << 22
     for b in range(BH) if small else sorted({0, BH - 1}):
         K, V = k3[b].astype(np.float64), v3[b].astype(np.float64)
@@ -324,6 +376,8 @@ def _check_forward_outputs(entry, q3, k3, v3, o3, lse2, causal, scale, options) 
                 want_lse, want_o, tol = -np.inf, np.zeros(d), 1e-6
             else:
                 s = scale * (K[ok] @ qi)
+                if score_mod is not None:   # the same modifier in float64, on this row's allowed keys
+                    s = np.asarray(score_mod(s, b // H, b % H, i, np.flatnonzero(ok)), dtype=np.float64)
                 m = s.max()
                 p = np.exp(s - m)
                 want_lse = m + math.log(p.sum())

@@ -25,6 +25,16 @@ Kernels (arrays float32, C-contiguous, ``(BH, N, d)``; ``L``/``D`` are ``(BH, N)
 * :func:`make_forward` -- FA2 Alg. 1, grid ``(Tr, BH)``, ``32·warps`` threads.
 * :func:`make_preprocess` -- FA2 Alg. 2 line 4 (``D = rowsum(dO ∘ O)``), also zeroes the dQ accumulator.
 * :func:`make_backward` -- FA2 Alg. 2, grid ``(Tc, BH)``; the warps split the *key* rows of the block.
+
+Attention modifiers (:mod:`flashnb.flex`, issue #16).  Both kernel factories take compile-time
+``score_mod`` / ``mask_mod`` (device functions of the user's Python functions, or ``None`` = the plain kernel,
+unchanged) and ``H`` (query heads, for ``b = z // H``, ``h = z % H``); the per-element work is one call of
+:func:`make_modify` (forward) or :func:`make_modify_grad` (backward).  ``mask_mod`` needs ``sparse``: the
+block mask then has three states, ``M_ij = 0`` empty (skipped, never loaded), ``1`` full (no per-element
+work), ``2`` partial (``mask_mod`` per element).  ``gqa``: K and V have fewer heads than Q (grouped- and
+multi-query attention, ``G = BH_q / BH_kv`` read from the shapes); the forward reads K/V head ``z // G``;
+the backward's grid runs over the K/V heads and each block loops over its ``G`` query heads, so K_j, V_j are
+loaded once per group and dK, dV are summed over the group on chip (no reduction kernel, no atomics).
 """
 
 from __future__ import annotations
@@ -41,12 +51,14 @@ from .registry import kernel_factory, register_impl
 __all__ = ["BlockMask", "PreparedMask", "prepare_block_mask",
            "make_forward", "make_preprocess", "make_backward", "forward", "backward", "model_forward",
            "model_backward", "default_tiles", "block_tiles", "geometry", "tiles_visited", "LR", "LC", "FULL_MASK",
-           "fmas_per_shared_read", "shared_bytes"]
+           "fmas_per_shared_read", "shared_bytes",
+           "EMPTY", "FULL", "PARTIAL", "make_modify", "make_modify_grad"]
 
 LR = 4                 # lanes of a warp along the rows it owns
 LC = 8                 # lanes of a warp along the columns (key columns of S, head-dim columns of O)
 FULL_MASK = 0xFFFFFFFF  # every lane takes part in every shuffle (no divergence around them)
 PRE_WARPS = 4          # preprocessing kernel: one warp per query row, 4 rows per thread block
+EMPTY, FULL, PARTIAL = 0, 1, 2   # block-mask entries: skip the tile / no per-element work / apply mask_mod
 
 _A3 = "float32[:, :, ::1]"
 _A2 = "float32[:, ::1]"
@@ -79,7 +91,15 @@ def _configs(direction):
     :mod:`flashnb.block_sparse`) with causal off and on, smallest and largest head dim."""
     return ([dict(**default_tiles(d, direction), d=d, causal=c) for d, c in ((32, False), (64, True), (128, True))]
             + [dict(Br=16, Bc=16, d=20, warps=1, causal=False)]
-            + [dict(**default_tiles(d, direction), d=d, causal=c, sparse=True) for d, c in ((32, False), (128, True))])
+            + [dict(**default_tiles(d, direction), d=d, causal=c, sparse=True) for d, c in ((32, False), (128, True))]
+            + [dict(**default_tiles(d, direction), d=d, causal=c, sparse=True, H=4, gqa=True, **mods)
+               for d, c, mods in ((64, False, _GUARD_MODS), (128, True, _GUARD_MODS_2))])
+
+
+# Modifiers the PTX guard compiles into the kernels (gallery entries, named "module:attr" so the guard's
+# JSON configs can carry them): ALiBi + sliding window, tanh soft-capping + document mask (a captured array).
+_GUARD_MODS = dict(score_mod="flashnb.flex:GUARD_ALIBI", mask_mod="flashnb.flex:GUARD_WINDOW")
+_GUARD_MODS_2 = dict(score_mod="flashnb.flex:GUARD_SOFTCAP", mask_mod="flashnb.flex:GUARD_DOCUMENT")
 
 
 def geometry(rows: int, cols: int, d: int, warps: int) -> dict:
@@ -102,19 +122,118 @@ def cdiv_dev(a, b):
     return (a + b - 1) // b
 
 
+# --------------------------------------------------------------------------- attention modifiers (flex)
+
+_DEVICE_FNS: dict = {}
+
+
+def python_modifier(fn):
+    """The Python function of a modifier: ``fn`` itself, the ``py_func`` of a ``cuda.jit`` device function, or
+    the object a ``"module:attr"`` string names (how the PTX guard's JSON configs name gallery modifiers)."""
+    if isinstance(fn, str):
+        import importlib
+
+        module, _, attr = fn.partition(":")
+        fn = getattr(importlib.import_module(module), attr)
+    return getattr(fn, "py_func", fn)
+
+
+def device_modifier(fn):
+    """``fn`` compiled as an inlined device function, one per Python function (so every kernel that uses it
+    shares it); ``None`` stays ``None``."""
+    if fn is None:
+        return None
+    fn = python_modifier(fn)
+    if fn not in _DEVICE_FNS:
+        _DEVICE_FNS[fn] = cuda.jit(device=True, inline="always")(fn)
+    return _DEVICE_FNS[fn]
+
+
+@cuda.jit(device=True, inline="always")
+def keep_score(s, b, h, q_idx, kv_idx):
+    """The score_mod of a kernel without one (never called: the kernels call modifiers only when given)."""
+    return s
+
+
+@cuda.jit(device=True, inline="always")
+def allow_all(b, h, q_idx, kv_idx):
+    """The mask_mod of a kernel without one (never called on a dense tile)."""
+    return True
+
+
+@cuda.jit(device=True, inline="always")
+def unit_grad(s, b, h, q_idx, kv_idx):
+    return ONE
+
+
+def make_modify(score_mod, mask_mod, H):
+    """flex, forward: the modified score of element ``(row, col)`` of batch·head ``z`` -- ``score_mod`` on the
+    scaled score, then, on a partial tile (``mij == PARTIAL``), ``-inf`` where ``mask_mod`` is False.  Rows and
+    columns outside ``Nq × Nk`` are left to the kernel's own masking (a modifier indexing a captured array by
+    ``q_idx``/``kv_idx`` never sees them).  Indices reach the modifiers as int32, as :mod:`flashnb.flex` compiles
+    them."""
+    sm = device_modifier(score_mod) or keep_score
+    mm = device_modifier(mask_mod) or allow_all
+
+    @cuda.jit(device=True, inline="always")
+    def modify(s, z, row, col, Nq, Nk, mij):
+        if row < Nq and col < Nk:
+            b = int32(z // H)
+            h = int32(z - b * H)
+            s = float32(sm(s, b, h, int32(row), int32(col)))
+            if mij == PARTIAL and not mm(b, h, int32(row), int32(col)):
+                s = NEG_INF
+        return s
+
+    return modify
+
+
+def make_modify_grad(score_mod, score_mod_grad, mask_mod, H):
+    """flex, backward (FA2 Alg. 2 lines 11 and 14 with modifiers): ``(P, dS)`` of one element from its scaled
+    score ``s``, ``dP``, ``L`` and ``D`` of its row: ``P = exp(score_mod(s) - L)``, ``dS = P ∘ (dP - D) ·
+    score_mod_grad(s)`` (the chain rule through the modifier); ``(0, 0)`` where the element is not ``ok`` (out
+    of range, causal-masked, a row without keys) or a partial tile's ``mask_mod`` is False."""
+    sm = device_modifier(score_mod) or keep_score
+    sg = device_modifier(score_mod_grad) or unit_grad
+    mm = device_modifier(mask_mod) or allow_all
+
+    @cuda.jit(device=True, inline="always")
+    def flex_p_ds(s, dp, Lr, Dr, ok, z, row, col, mij):
+        if not ok:
+            return ZERO, ZERO
+        b = int32(z // H)
+        h = int32(z - b * H)
+        if mij == PARTIAL and not mm(b, h, int32(row), int32(col)):
+            return ZERO, ZERO
+        p = float32(math.exp(float32(sm(s, b, h, int32(row), int32(col))) - Lr))
+        return p, p * (dp - Dr) * float32(sg(s, b, h, int32(row), int32(col)))
+
+    return flex_p_ds
+
+
+def _flex_options(score_mod, mask_mod, sparse, H):
+    if mask_mod is not None and not sparse:
+        raise ValueError("mask_mod needs sparse=True: the kernel reads which tiles are partial from the block mask")
+    return score_mod is not None or mask_mod is not None, positive_int("H", H)
+
+
 @kernel_factory("fa2.forward", stage="4", signature=_FWD_SIG, configs=_configs("forward"),
                 threads=lambda warps, **_: 32 * warps)
-def make_forward(Br, Bc, d, warps, causal, sparse=False):
+def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mod=None, H=1, gqa=False):
     """FA2 Alg. 1 for one (Br, Bc, d, warps, causal); grid ``(Tr, BH)``, block ``32·warps`` threads.
 
     ``sparse``: block-sparse FlashAttention (FA1 Alg. 5 = Alg. 2 with ``if M_ij != 0``): a K/V tile whose
     block-mask entry ``M[z, i, j]`` is 0 is skipped -- never loaded, never computed.  Dense kernels never
-    read ``M`` (the launcher passes a 1×1×1 dummy)."""
+    read ``M`` (the launcher passes a 1×1×1 dummy).  ``score_mod``, ``mask_mod``, ``H``, ``gqa``: see the
+    module docstring (attention modifiers, grouped-query attention)."""
+    flex, H = _flex_options(score_mod, mask_mod, sparse, H)
+    partial_tiles = mask_mod is not None             # M has partial tiles (mask_mod per element)
+    modify = make_modify(score_mod, mask_mod, H)
     g = geometry(Br, Bc, d, warps)
     TM, TN, DN, Dp, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["threads"]
 
     @cuda.jit(device=True, inline="always")
-    def fa2_tile(QsT, KsT, Vs, S, Oi, m, l, qv, kv, p, r0, lr, lc, i0, j0, Nk, scale, diag):
+    def fa2_tile(QsT, KsT, Vs, S, Oi, m, l, qv, kv, p, r0, lr, lc, i0, j0, Nk, scale, diag, z, Nq, mij):
         """Alg. 1 lines 8-10 for one K/V tile, on this lane's micro-tile (no other warp involved)."""
         for a in range(TM):
             for b in range(TN):
@@ -132,6 +251,8 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False):
             mx = NEG_INF
             for b in range(TN):
                 s = scale * S[a, b]
+                if flex:                             # flex: score_mod, and mask_mod on a partial tile
+                    s = modify(s, z, i0 + r0 + LR * a, j0 + lc + LC * b, Nq, Nk, mij)
                 if crossing:
                     col = j0 + lc + LC * b
                     if col >= Nk or (causal and col > i0 + r0 + LR * a + diag):
@@ -189,6 +310,7 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False):
         r0 = (tid // 32) * (TM * LR) + lr            # this lane's rows: r0 + LR·a
         Nq = Q.shape[1]
         Nk = K.shape[1]
+        kz = z // (Q.shape[0] // K.shape[0]) if gqa else z   # GQA: the K/V head of query head z
         for e in range(tid, Br * d, NT):             # Alg. 1 line 4: load Q_i once (coalesced)
             r = e // d
             k = e - r * d
@@ -206,18 +328,21 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False):
             if sparse:                               # FA1 Alg. 5: if M_ij != 0 (lane 0 reads, the warp shares)
                 if cuda.shfl_sync(FULL_MASK, int32(M[z, cuda.blockIdx.x, jt]) if lane == 0 else int32(0), 0) == 0:
                     continue                         # block-uniform: K_j, V_j never loaded
+            mij = int32(FULL)
+            if partial_tiles:                        # flex: full or partial? (M read again, only for mask_mod)
+                mij = cuda.shfl_sync(FULL_MASK, int32(M[z, i0 // Br, jt]) if lane == 0 else int32(0), 0)
             j0 = jt * Bc
             cuda.syncthreads()                       # every warp is done with K_{j-1}, V_{j-1}
             for e in range(tid, Bc * d, NT):         # line 7: load K_j, V_j
                 c = e // d
                 k = e - c * d
-                KsT[k, c] = K[z, j0 + c, k] if j0 + c < Nk else ZERO
+                KsT[k, c] = K[kz, j0 + c, k] if j0 + c < Nk else ZERO
             for e in range(tid, Bc * Dp, NT):
                 c = e // Dp
                 k = e - c * Dp
-                Vs[c, k] = V[z, j0 + c, k] if j0 + c < Nk and k < d else ZERO
+                Vs[c, k] = V[kz, j0 + c, k] if j0 + c < Nk and k < d else ZERO
             cuda.syncthreads()
-            fa2_tile(QsT, KsT, Vs, S, Oi, m, l, qv, kv, p, r0, lr, lc, i0, j0, Nk, scale, diag)
+            fa2_tile(QsT, KsT, Vs, S, Oi, m, l, qv, kv, p, r0, lr, lc, i0, j0, Nk, scale, diag, z, Nq, mij)
         for a in range(TM):                          # lines 12-14: O_i = diag(l)^-1 O~_i, L_i = m + log l
             ls = l[a]
             off = LC // 2
@@ -266,18 +391,29 @@ def make_preprocess():
 
 @kernel_factory("fa2.backward", stage="4", signature=_BWD_SIG, configs=_configs("backward"),
                 threads=lambda warps, **_: 32 * warps)
-def make_backward(Br, Bc, d, warps, causal, sparse=False):
+def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mod=None, H=1, gqa=False,
+                  score_mod_grad=None):
     """FA2 Alg. 2 for one configuration; grid ``(Tc, BH)``.  The warps split the Bc *key* rows (each lane
     owns ``TM`` key rows × ``TN`` query columns of Sᵀ and ``TM × DN`` of dK_j, dV_j); dS goes through
     shared memory once per tile so that all threads can form dQ_i = dS K_j and add it into HBM.
-    ``sparse``: Q tiles whose block-mask entry ``M[z, i, j]`` is 0 are skipped (FA1 Alg. 5's backward)."""
+    ``sparse``: Q tiles whose block-mask entry ``M[z, i, j]`` is 0 are skipped (FA1 Alg. 5's backward).
+    ``score_mod_grad``: ``d score_mod / d score`` (default: the ``grad`` attribute of ``score_mod``, as the
+    gallery of :mod:`flashnb.flex` sets it); ``gqa``: grid ``(Tc, BH_kv)``, each block loops over its query heads."""
+    flex, H = _flex_options(score_mod, mask_mod, sparse, H)
+    if score_mod is not None and score_mod_grad is None:
+        score_mod_grad = getattr(python_modifier(score_mod), "grad", None)
+        if score_mod_grad is None:
+            raise ValueError(f"score_mod {getattr(python_modifier(score_mod), '__name__', score_mod)!r} has no "
+                             "derivative: pass score_mod_grad (d score_mod / d score, same arguments)")
+    flex_p_ds = make_modify_grad(score_mod, score_mod_grad, mask_mod, H)
+    partial_tiles = mask_mod is not None             # M has partial tiles (mask_mod per element)
     g = geometry(Bc, Br, d, warps)
     TM, TN, DN, Dp, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["threads"]
     BrP, BcP = Br + 1, Bc + 1   # padded leading dimensions of the transposed shared tiles
 
     @cuda.jit(device=True, inline="always")
     def fa2_bwd_tile(QsT, KsT, VsT, dOsT, Ls, Ds, dSs, S, dP, dKj, dVj, kv, vv, qv, ov,
-                     c0, lr, lc, i0, j0, Nk, scale, diag):
+                     c0, lr, lc, i0, j0, Nk, scale, diag, zq, mij):
         """Alg. 2 lines 10-16 for one Q tile on this lane's micro-tile of the transposed scores."""
         for a in range(TM):
             for b in range(TN):
@@ -300,6 +436,10 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False):
             Dr = Ds[r]
             for a in range(TM):
                 key = j0 + c0 + LR * a
+                if flex:                             # flex: P of the modified score, dS times d score_mod / ds
+                    ok = Lr != NEG_INF and key < Nk and not (causal and key - diag > i0 + r)   # as below
+                    S[a, b], dP[a, b] = flex_p_ds(scale * S[a, b], dP[a, b], Lr, Dr, ok, zq, i0 + r, key, mij)
+                    continue
                 pv = ZERO
                 if Lr != NEG_INF and key < Nk and not (causal and key > i0 + r + diag):
                     pv = float32(math.exp(scale * S[a, b] - Lr))
@@ -340,7 +480,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False):
         vv = cuda.local.array(TM, float32)
         qv = cuda.local.array(TN, float32)
         ov = cuda.local.array(TN, float32)
-        z = cuda.blockIdx.y
+        kz = cuda.blockIdx.y                         # the K/V head (without GQA also the query head z)
         j0 = cuda.blockIdx.x * Bc
         tid = cuda.threadIdx.x
         lane = tid % 32
@@ -353,8 +493,8 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False):
             c = e // d
             k = e - c * d
             inside = j0 + c < Nk
-            KsT[k, c] = K[z, j0 + c, k] if inside else ZERO
-            VsT[k, c] = V[z, j0 + c, k] if inside else ZERO
+            KsT[k, c] = K[kz, j0 + c, k] if inside else ZERO
+            VsT[k, c] = V[kz, j0 + c, k] if inside else ZERO
         for a in range(TM):                          # line 7: dK_j = dV_j = 0 (on chip)
             for c in range(DN):
                 dKj[a, c] = ZERO
@@ -363,10 +503,17 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False):
         if causal:                                   # skip Q blocks whose rows all precede key j0
             first = j0 - diag                        # first query row that may see key j0
             i_first = first // Br if first > 0 else 0
-        for it in range(i_first, cdiv_dev(Nq, Br)):  # line 8
+        n_q = cdiv_dev(Nq, Br)
+        G = Q.shape[0] // K.shape[0] if gqa else 1   # GQA: the G query heads sharing K/V head kz, one after another
+        for t in range(i_first, n_q + (G - 1) * (n_q - i_first) if gqa else n_q):  # line 8
+            z = kz * G + (t - i_first) // (n_q - i_first) if gqa else kz   # the query head (kz without GQA)
+            it = t - (z - kz * G) * (n_q - i_first) if gqa else t          # the Q tile
             if sparse:                               # FA1 Alg. 5: if M_ij != 0 (lane 0 reads, the warp shares)
                 if cuda.shfl_sync(FULL_MASK, int32(M[z, it, cuda.blockIdx.x]) if lane == 0 else int32(0), 0) == 0:
                     continue                         # block-uniform: Q_i, dO_i, L_i, D_i never loaded
+            mij = int32(FULL)
+            if partial_tiles:                        # flex: full or partial? (M read again, only for mask_mod)
+                mij = cuda.shfl_sync(FULL_MASK, int32(M[z, it, cuda.blockIdx.x]) if lane == 0 else int32(0), 0)
             i0 = it * Br
             cuda.syncthreads()
             for e in range(tid, Br * Dp, NT):        # line 9: load Q_i, dO_i, L_i, D_i
@@ -380,7 +527,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False):
                 Ds[r] = D[z, i0 + r] if i0 + r < Nq else ZERO
             cuda.syncthreads()
             fa2_bwd_tile(QsT, KsT, VsT, dOsT, Ls, Ds, dSs, S, dP, dKj, dVj, kv, vv, qv, ov,
-                         c0, lr, lc, i0, j0, Nk, scale, diag)
+                         c0, lr, lc, i0, j0, Nk, scale, diag, z, mij)
             cuda.syncthreads()                       # dSs complete (written by every warp)
             for e in range(tid, Br * d, NT):         # line 15: dQ_i += scale · dS K_j (atomic, HBM)
                 r = e // d
@@ -396,8 +543,8 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False):
                 for c in range(DN):
                     col = lc + LC * c
                     if col < d:
-                        dK[z, key, col] = scale * dKj[a, c]
-                        dV[z, key, col] = dVj[a, c]
+                        dK[kz, key, col] = scale * dKj[a, c]
+                        dV[kz, key, col] = dVj[a, c]
 
     return fa2_backward
 
@@ -410,11 +557,18 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False):
 @dataclass(frozen=True, eq=False)
 class BlockMask:
     """A boolean block mask ``(..., Tr, Tc)`` (True = compute the block) and the tiles ``Br × Bc`` it was
-    built for.  Leading axes, if any, are the problem's leading (batch, head) axes, flattened or not."""
+    built for.  Leading axes, if any, are the problem's leading (batch, head) axes, flattened or not.
+
+    From a ``mask_mod`` (:func:`flashnb.flex.create_block_mask`) it has three states: ``partial`` (boolean, a
+    subset of ``mask``) marks the computed blocks where ``mask_mod`` is applied per element; the other computed
+    blocks are full (every element allowed: no per-element work), the rest empty (never loaded).  Such a mask
+    keeps its ``mask_mod`` and leading axes ``(B, H)``, so that it is recomputed exactly at finer tiles."""
 
     mask: np.ndarray
     Br: int
     Bc: int
+    partial: np.ndarray | None = None
+    mask_mod: object = None
 
     def __post_init__(self):
         a = np.asarray(self.mask)
@@ -422,6 +576,14 @@ class BlockMask:
             raise TypeError(f"block_mask must be a boolean array (True = compute the block), got dtype {a.dtype}")
         if a.ndim < 2:
             raise ValueError(f"block_mask must have shape (..., ceil(Nq/Br), ceil(Nk/Bc)), got {a.shape}")
+        if (self.partial is None) != (self.mask_mod is None):
+            raise ValueError("block_mask: partial blocks and mask_mod come together (flashnb.flex.create_block_mask)")
+        if self.partial is not None:
+            p = np.asarray(self.partial)
+            if p.dtype != np.bool_ or p.shape != a.shape or np.any(p & ~a):
+                raise ValueError(f"block_mask.partial must be a boolean array of the mask's shape {a.shape} marking "
+                                 "computed blocks only")
+            object.__setattr__(self, "partial", p)
         object.__setattr__(self, "mask", a)
         object.__setattr__(self, "Br", positive_int("Br", self.Br))
         object.__setattr__(self, "Bc", positive_int("Bc", self.Bc))
@@ -446,13 +608,28 @@ class BlockMask:
                              f"Nq={Nq}, Nk={Nk} and the tiles Br={self.Br}, Bc={self.Bc} it is read at{heads}; "
                              f"got {self.mask.shape}")
 
+    @property
+    def states(self) -> np.ndarray:
+        """uint8 entries as the kernels read them: ``EMPTY`` (0), ``FULL`` (1), ``PARTIAL`` (2)."""
+        m = self.mask.astype(np.uint8)
+        return m if self.partial is None else m + self.partial.astype(np.uint8)
+
     def at_tiles(self, Br: int, Bc: int, Nq: int, Nk: int, BH: int) -> np.ndarray:
         """The mask at finer tiles ``Br × Bc`` (dividing this mask's): uint8 ``(BH, ceil(Nq/Br), ceil(Nk/Bc))``,
-        each entry repeated over the tiles inside its block."""
+        each entry repeated over the tiles inside its block (one with a ``mask_mod`` is recomputed from it at
+        those tiles: a partial block may hold empty and full tiles)."""
         self.check(Nq, Nk, BH)
         if self.Br % Br or self.Bc % Bc:
             raise ValueError(f"block_mask built for Br={self.Br}, Bc={self.Bc} cannot be read at tiles "
                              f"Br={Br}, Bc={Bc} (they must divide {self.Br}, {self.Bc})")
+        if self.mask_mod is not None:
+            from . import flex
+
+            B, H = self.mask.shape[:2] if self.mask.ndim == 4 else (1, 1)
+            m = self.states if (Br, Bc) == (self.Br, self.Bc) else \
+                flex.create_block_mask(self.mask_mod, B, H, Nq, Nk, Br=Br, Bc=Bc).states
+            m = m.reshape((-1,) + m.shape[-2:])
+            return np.ascontiguousarray(np.broadcast_to(m, (BH,) + m.shape[1:]), dtype=np.uint8)
         m = self.mask.reshape((-1,) + self.mask.shape[-2:])
         m = np.repeat(np.repeat(m, self.Br // Br, axis=1), self.Bc // Bc, axis=2)[:, :cdiv(Nq, Br), :cdiv(Nk, Bc)]
         return np.ascontiguousarray(np.broadcast_to(m, (BH,) + m.shape[1:]), dtype=np.uint8)
@@ -462,6 +639,11 @@ class BlockMask:
         from .reference import expand_block_mask
 
         self.check(Nq, Nk)
+        if self.mask_mod is not None:
+            from . import flex
+
+            B, H = self.mask.shape[:2] if self.mask.ndim == 4 else (1, 1)
+            return flex.mask_array(self.mask_mod, B, H, Nq, Nk).reshape(self.mask.shape[:-2] + (Nq, Nk))
         return expand_block_mask(self.mask, Nq, Nk, self.Br, self.Bc)
 
     def __and__(self, other: "BlockMask") -> "BlockMask":
@@ -473,11 +655,16 @@ class BlockMask:
     def _combine(self, other, op):
         if not isinstance(other, BlockMask) or (other.Br, other.Bc) != (self.Br, self.Bc):
             raise ValueError("block masks combine only with block masks built for the same tiles")
+        if self.mask_mod is not None or other.mask_mod is not None:
+            raise ValueError("block masks made from a mask_mod combine through their mask_mods: "
+                             "flashnb.flex.and_masks / or_masks, then create_block_mask")
         return BlockMask(op(self.mask, other.mask), self.Br, self.Bc)
 
     def __repr__(self):
         Tr, Tc = self.mask.shape[-2:]
-        return f"BlockMask({Tr}x{Tc} blocks of {self.Br}x{self.Bc}, s={self.density:.3f})"
+        flex = "" if self.partial is None else \
+            f", partial={float(self.partial.mean()):.3f}, mask_mod={getattr(self.mask_mod, '__name__', '?')}"
+        return f"BlockMask({Tr}x{Tc} blocks of {self.Br}x{self.Bc}, s={self.density:.3f}{flex})"
 
 
 
@@ -556,6 +743,7 @@ class PreparedMask:
     tiles: dict = field(hash=False)
     M: object = field(hash=False, repr=False)
     shape: tuple = ()   # (BH, Nq, Nk, d) it was prepared for
+    mask_mod: object = None   # the mask_mod of a block mask from flashnb.flex.create_block_mask
 
 
 def prepare_block_mask(block_mask, *, direction, BH, Nq, Nk, d, Br=None, Bc=None, warps=None) -> PreparedMask:
@@ -563,7 +751,7 @@ def prepare_block_mask(block_mask, *, direction, BH, Nq, Nk, d, Br=None, Bc=None
     t, M = block_tiles(d, direction, Br, Bc, warps, block_mask, BH, Nq, Nk)
     if M is None:
         raise ValueError("block_mask is required")
-    return PreparedMask(direction, t, _mask_device(M), (BH, Nq, Nk, d))
+    return PreparedMask(direction, t, _mask_device(M), (BH, Nq, Nk, d), getattr(block_mask, "mask_mod", None))
 
 
 def _tiles_and_mask(direction, Br, Bc, warps, block_mask, BH, Nq, Nk, d):
@@ -577,44 +765,103 @@ def _tiles_and_mask(direction, Br, Bc, warps, block_mask, BH, Nq, Nk, d):
     return t, (None if M is None else _mask_device(M))
 
 
-def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block_mask=None):
+def _group(BH, BHkv, k, v):
+    """GQA's ``G = BH_q / BH_kv`` (1: every query head has its own K/V head)."""
+    if v is not None and tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if BHkv < 1 or BH % BHkv:
+        raise ValueError(f"grouped-query attention: q's batch·heads ({BH}) must be a multiple of k's and v's "
+                         f"({BHkv})")
+    return BH // BHkv
+
+
+def _flex(direction, score_mod, mask_mod, score_mod_grad, block_mask, heads, BH, Nq, Nk, d, Br, Bc):
+    """``(block_mask, mask_mod, H)`` of a launch with modifiers (:mod:`flashnb.flex`): the modifiers checked
+    (compiled alone for a GPU, once per function), the block mask built from ``mask_mod`` when none is given
+    (at the forward's tiles; the backward's are recomputed from ``mask_mod``), or ``mask_mod`` taken from a
+    block mask that carries one.  Without modifiers: ``(block_mask, None, 1)``."""
+    bm_mod = getattr(block_mask, "mask_mod", None)
+    if score_mod is None and mask_mod is None and bm_mod is None:
+        if score_mod_grad is not None:
+            raise ValueError("score_mod_grad is given without a score_mod")
+        return block_mask, None, 1
+    from . import flex
+
+    H = positive_int("heads", heads)
+    if BH % H:
+        raise ValueError(f"heads={H} must divide batch·heads = {BH} (q's leading axes)")
+    if direction == "backward" and score_mod is not None and score_mod_grad is None \
+            and getattr(python_modifier(score_mod), "grad", None) is None:
+        raise ValueError(f"score_mod {flex.name_of(score_mod)!r} has no derivative: pass score_mod_grad "
+                         "(a function of the same arguments returning d score_mod / d score, as float32), or "
+                         "give the function a .grad attribute")
+    flex.check_modifiers(score_mod=score_mod, mask_mod=mask_mod if mask_mod is not None else bm_mod,
+                         score_mod_grad=score_mod_grad if direction == "backward" else None)
+    if mask_mod is None:
+        return block_mask, bm_mod, H
+    if block_mask is None:
+        fwd = default_tiles(d, "forward")
+        block_mask = flex.create_block_mask(mask_mod, BH // H, H, Nq, Nk, Br=fwd["Br"] if Br is None else Br,
+                                            Bc=fwd["Bc"] if Bc is None else Bc)
+    elif bm_mod is None or python_modifier(bm_mod) is not python_modifier(mask_mod):
+        raise ValueError(f"block_mask was not made from mask_mod {flex.name_of(mask_mod)!r}: pass "
+                         "block_mask=flashnb.flex.create_block_mask(mask_mod, ...) or leave block_mask out")
+    return block_mask, mask_mod, H
+
+
+def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block_mask=None, score_mod=None,
+            mask_mod=None, heads=1, score_mod_grad=None):
     """Device arrays in, ``(O, L)`` out (FA2 Alg. 1); ``Br, Bc, warps`` default to :func:`default_tiles`.
 
     ``block_mask`` (a :class:`BlockMask` or a boolean array ``(..., ceil(Nq/Br),
     ceil(Nk/Bc))``): block-sparse FlashAttention, tiles with ``M = 0`` are never loaded; see
-    :func:`block_tiles` for how the mask maps onto the kernel's tiles."""
+    :func:`block_tiles` for how the mask maps onto the kernel's tiles.  ``score_mod``, ``mask_mod`` (and
+    ``heads``, the H of ``z = b·H + h``): attention modifiers, see :mod:`flashnb.flex`.  ``k`` and ``v`` may have
+    fewer batch·heads than ``q`` (grouped-query attention: query head ``z`` reads K/V head ``z // G``).
+    ``score_mod_grad`` is the backward's (accepted here so that one set of options serves both)."""
     BH, Nq, d = q.shape
     Nk = k.shape[1]
+    G = _group(BH, k.shape[0], k, v)
+    block_mask, mask_mod, H = _flex("forward", score_mod, mask_mod, None, block_mask, heads, BH, Nq, Nk, d, Br, Bc)
     t, M = _tiles_and_mask("forward", Br, Bc, warps, block_mask, BH, Nq, Nk, d)
     O = empty((BH, Nq, d))
     L = empty((BH, Nq))
-    kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal), M is not None)
+    kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal), M is not None, score_mod, mask_mod, H, G > 1)
     launch(kernel, (cdiv(Nq, t["Br"]), BH), 32 * t["warps"], q, k, v, O, L, scale, causal_diag(causal, Nq, Nk),
            _mask_device(None) if M is None else M, label="FA2 forward")
     return O, L
 
 
-def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warps=None, block_mask=None):
+def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warps=None, block_mask=None,
+             score_mod=None, mask_mod=None, heads=1, score_mod_grad=None):
     """FA2 Alg. 2: the D preprocessing launch, then one thread block per K/V column block.  ``block_mask``
-    as in :func:`forward` (Q tiles with ``M = 0`` are skipped)."""
+    as in :func:`forward` (Q tiles with ``M = 0`` are skipped).  ``score_mod_grad``: ``d score_mod / d score``
+    (default: ``score_mod.grad``, which the gallery sets).  Grouped-query attention: one thread block per K/V
+    column block *of a K/V head*, looping over the query heads of its group; dK, dV are summed on chip."""
     BH, Nq, d = q.shape
     Nk = k.shape[1]
+    G = _group(BH, k.shape[0], k, v)
+    block_mask, mask_mod, H = _flex("backward", score_mod, mask_mod, score_mod_grad, block_mask, heads, BH, Nq, Nk,
+                                    d, Br, Bc)
     t, M = _tiles_and_mask("backward", Br, Bc, warps, block_mask, BH, Nq, Nk, d)
     D = empty((BH, Nq))
     dQ = empty((BH, Nq, d))
     launch(make_preprocess(), (cdiv(Nq, PRE_WARPS), BH), 32 * PRE_WARPS, o, do, D, dQ,
            label="D = rowsum(dO∘O)")
-    dK = empty((BH, Nk, d))
-    dV = empty((BH, Nk, d))
-    kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], bool(causal), M is not None)
-    launch(kernel, (cdiv(Nk, t["Bc"]), BH), 32 * t["warps"], q, k, v, do, lse, D, dQ, dK, dV, scale,
+    dK = empty((BH // G, Nk, d))
+    dV = empty((BH // G, Nk, d))
+    kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], bool(causal), M is not None, score_mod, mask_mod, H,
+                           G > 1, score_mod_grad)
+    launch(kernel, (cdiv(Nk, t["Bc"]), BH // G), 32 * t["warps"], q, k, v, do, lse, D, dQ, dK, dV, scale,
            causal_diag(causal, Nq, Nk), _mask_device(None) if M is None else M, label="FA2 backward")
     return dQ, dK, dV
 
 
 register_impl("fa2", stage="4",
               description="FlashAttention-2: Q-block grid, split-Q warps, delayed rescaling; dQ by atomics",
-              forward=forward, backward=backward, options=("Br", "Bc", "warps", "block_mask"))
+              forward=forward, backward=backward,
+              options=("Br", "Bc", "warps", "block_mask", "score_mod", "mask_mod", "score_mod_grad"),
+              gqa=True)
 
 
 # --------------------------------------------------------------------------- analytic model
@@ -684,46 +931,73 @@ def _visited_per_head(Nq, Nk, t, causal, direction, M, BH):
     return [memo[M[z].tobytes()] for z in range(BH)], len(checked)
 
 
-def model_forward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None, block_mask=None):
+def _model_mask(direction, block_mask, mask_mod, heads, BH, Nq, Nk, d, Br, Bc):
+    """The block mask a launch with ``mask_mod`` builds (as :func:`forward` does; no modifier check)."""
+    if mask_mod is None:
+        return block_mask
+    from . import flex
+
+    if block_mask is None:
+        fwd = default_tiles(d, "forward")
+        block_mask = flex.create_block_mask(mask_mod, BH // heads, heads, Nq, Nk, Br=fwd["Br"] if Br is None else Br,
+                                            Bc=fwd["Bc"] if Bc is None else Bc)
+    return block_mask
+
+
+def model_forward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None, block_mask=None, mask_mod=None,
+                  heads=1, group=1):
     """Element accesses of :func:`forward` (one launch): Q, O, L once; K_j, V_j once per visited tile.
 
     Shared: Q_i written once per block (``Br·d``), K_j and V_j per tile (``Bc·d + Bc·Dp``); per tile each of
     the ``32·warps`` threads reads ``d·(TM + TN)`` (S) and ``Bc·DN`` (V) elements.
     Block-sparse (``block_mask``): visited tiles = those with ``M_ij = 1``, and lane 0 of each warp reads
-    ``M_ij`` (one byte, shuffled to the other lanes) once per tile the causal limit lets it reach."""
+    ``M_ij`` (one byte, shuffled to the other lanes) once per tile the causal limit lets it reach, and, with a
+    ``mask_mod``, once more per visited tile (full or partial?).  ``mask_mod`` (with ``heads``, or a
+    ``block_mask`` from :func:`flashnb.flex.create_block_mask`): the visited tiles are the non-empty ones; a
+    modifier's per-element work and captured arrays (constant memory on a GPU) are no global traffic.
+    ``group`` (GQA, ``BH_q / BH_kv``) changes nothing here: every query head's blocks stream their K/V
+    tiles, the group's heads read the same (smaller) K/V tensors."""
+    block_mask = _model_mask("forward", block_mask, mask_mod, heads, BH, Nq, Nk, d, Br, Bc)
     t, M = block_tiles(d, "forward", Br, Bc, warps, block_mask, BH, Nq, Nk)
     g = geometry(t["Br"], t["Bc"], d, t["warps"])
     per_head, checked = _visited_per_head(Nq, Nk, t, causal, "forward", M, BH)
     kv = sum(cols for visited in per_head for _, _, _, cols in visited) * d
     n = sum(len(visited) for visited in per_head)
+    again = n * t["warps"] if getattr(block_mask, "mask_mod", None) is not None else 0   # flex: full or partial?
     per_tile_reads = g["threads"] * (d * (g["TM"] + g["TN"]) + t["Bc"] * g["DN"])
-    return [_launch("FA2 forward", {"Q": BH * Nq * d, "K": kv, "V": kv, "M": BH * checked * t["warps"]},
+    return [_launch("FA2 forward", {"Q": BH * Nq * d, "K": kv, "V": kv, "M": BH * checked * t["warps"] + again},
                     {"O": BH * Nq * d, "L": BH * Nq},
                     shared_reads=n * per_tile_reads,
                     shared_writes=BH * cdiv(Nq, t["Br"]) * t["Br"] * d + n * t["Bc"] * (d + g["Dp"]))]
 
 
-def model_backward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None, block_mask=None):
+def model_backward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None, block_mask=None, mask_mod=None,
+                   heads=1, group=1):
     """Element accesses of :func:`backward`: the preprocessing launch (O, dO read, D and dQ = 0 written),
     then the main launch -- K_j, V_j once per column block; Q_i, dO_i, L_i, D_i once per visited tile;
     ``rows·d`` atomic adds into dQ per visited tile; dK, dV written once.  Block-sparse: as in
-    :func:`model_forward` (visited = ``M_ij = 1``, plus one one-byte read of ``M`` per warp per tile)."""
+    :func:`model_forward` (visited = ``M_ij = 1``, plus one one-byte read of ``M`` per warp per tile).
+    ``group`` (GQA): one block per K/V column block of each of the ``BH/group`` K/V heads, looping over the group's
+    query heads -- K, V read and dK, dV written once per K/V head, not per query head."""
+    block_mask = _model_mask("backward", block_mask, mask_mod, heads, BH, Nq, Nk, d, Br, Bc)
     t, M = block_tiles(d, "backward", Br, Bc, warps, block_mask, BH, Nq, Nk)
+    BHkv = BH // positive_int("group", group)
     Br_, Bc_ = t["Br"], t["Bc"]
     g = geometry(Bc_, Br_, d, t["warps"])
     per_head, checked = _visited_per_head(Nq, Nk, t, causal, "backward", M, BH)
     q_rows = sum(rows for visited in per_head for _, _, rows, _ in visited)
     n = sum(len(visited) for visited in per_head)
+    again = n * t["warps"] if getattr(block_mask, "mask_mod", None) is not None else 0   # flex: full or partial?
     pre = _launch("D = rowsum(dO∘O)", {"O": BH * Nq * d, "dO": BH * Nq * d}, {"D": BH * Nq, "dQ": BH * Nq * d})
     per_tile_reads = (g["threads"] * (2 * d * (g["TM"] + g["TN"]) + 2 * g["TN"] + 2 * Br_ * g["DN"])
                       + 2 * Br_ * d * Bc_)
     per_tile_writes = 2 * g["Dp"] * Br_ + 2 * Br_ + Bc_ * Br_
     main = _launch("FA2 backward",
-                   {"Q": q_rows * d, "K": BH * Nk * d, "V": BH * Nk * d, "dO": q_rows * d,
-                    "L": q_rows, "D": q_rows, "M": BH * checked * t["warps"]},
-                   {"dK": BH * Nk * d, "dV": BH * Nk * d}, {"dQ": q_rows * d},
+                   {"Q": q_rows * d, "K": BHkv * Nk * d, "V": BHkv * Nk * d, "dO": q_rows * d,
+                    "L": q_rows, "D": q_rows, "M": BH * checked * t["warps"] + again},
+                   {"dK": BHkv * Nk * d, "dV": BHkv * Nk * d}, {"dQ": q_rows * d},
                    shared_reads=n * per_tile_reads,
-                   shared_writes=BH * cdiv(Nk, Bc_) * 2 * d * Bc_ + n * per_tile_writes)
+                   shared_writes=BHkv * cdiv(Nk, Bc_) * 2 * d * Bc_ + n * per_tile_writes)
     return [pre, main]
 
 

@@ -15,6 +15,13 @@ Conventions (shared with :mod:`flashnb.api`; leading axes, e.g. batch and heads,
   ``dS = P ∘ (dP - D)``, ``dQ = scale · dS K``, ``dK = scale · dSᵀ Q``.
 * A row with no allowed key has ``P = 0``: ``o = 0``, ``lse = -inf`` and zero gradients (never NaN,
   and no NumPy warnings).
+* Attention modifiers (:mod:`flashnb.flex`): ``score_mod(S, b, h, q_idx, kv_idx)`` is applied to the scaled
+  scores before the mask, a NumPy function of broadcast arrays (``b``, ``h`` index the leading axes
+  ``(B, H)``; ``(H, N, d)`` inputs have ``b = 0``, ``(N, d)`` ones ``b = h = 0``); the backward multiplies
+  ``dS`` by ``score_mod_grad`` (``d score_mod / d S``, same arguments).  :func:`flashnb.flex.numpy_modifier`
+  turns a user's scalar modifier into such a function.
+* Grouped-query attention: ``k`` and ``v`` may have fewer heads (axis -3) than ``q``, a divisor of them;
+  query head ``h`` uses K/V head ``h // G`` and ``dk``, ``dv`` are summed over each group.
 """
 
 from __future__ import annotations
@@ -81,12 +88,52 @@ __all__ = ["attention_forward", "attention_backward", "attention", "expand_block
            "check_scale", "check_causal", "causal_diag", "CAUSAL_ALIGNMENTS"]
 
 
+def _group(q, k, v):
+    """GQA: ``(k, v, G)`` with K/V heads repeated to q's (``G = 1`` when they match)."""
+    if q.ndim >= 3 and k.ndim == q.ndim and k.shape[:-3] == q.shape[:-3] and k.shape[-3] != q.shape[-3]:
+        Hq, Hkv = q.shape[-3], k.shape[-3]
+        if Hq % Hkv:
+            raise ValueError(f"grouped-query attention needs q's heads ({Hq}) to be a multiple of k's ({Hkv})")
+        G = Hq // Hkv
+        return np.repeat(k, G, axis=-3), np.repeat(v, G, axis=-3), G
+    return k, v, 1
+
+
+def _ungroup(g, G):
+    """Sum a gradient of repeated K/V heads over each group of ``G``."""
+    if G == 1:
+        return g
+    return g.reshape(g.shape[:-3] + (g.shape[-3] // G, G) + g.shape[-2:]).sum(axis=-3)
+
+
+def _indices(shape):
+    """Broadcastable ``b, h, q_idx, kv_idx`` for scores of ``shape`` (..., Nq, Nk) -- see the module docstring."""
+    Nq, Nk = shape[-2:]
+    lead = shape[:-2]
+    if len(lead) > 2:
+        raise ValueError(f"score_mod needs inputs of shape (N, d), (H, N, d) or (B, H, N, d), got scores {shape}")
+    B, H = ((1, 1) + tuple(lead))[-2:]
+    b = np.arange(B).reshape(B, 1, 1, 1)
+    h = np.arange(H).reshape(1, H, 1, 1)
+    qi = np.arange(Nq).reshape(1, 1, Nq, 1)
+    ki = np.arange(Nk).reshape(1, 1, 1, Nk)
+    return b, h, qi, ki
+
+
+def _modified(S, fn):
+    """``fn(S, b, h, q_idx, kv_idx)`` for scores ``S`` (..., Nq, Nk) with at most two leading axes."""
+    S4 = S.reshape((1,) * (4 - S.ndim) + S.shape)
+    out = np.asarray(fn(S4, *_indices(S.shape)), dtype=np.float64)
+    return np.broadcast_to(out, S4.shape).reshape(S.shape)
+
+
 def _check_inputs(q, k, v, arrays=()):
     """float64 copies of q, k, v (and of any extra ``(name, array)`` pairs with q's shape), validated."""
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     for name, a in (("q", q), ("k", k), ("v", v)):
         if a.ndim < 2 or 0 in a.shape:
             raise ValueError(f"{name} must have shape (..., N, d) with every axis >= 1, got {a.shape}")
+    k, v, G = _group(q, k, v)
     if q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q (..., N_q, d) and k (..., N_k, d) must share leading axes and d, got {q.shape}, {k.shape}")
     if k.shape[:-1] != v.shape[:-1]:
@@ -97,7 +144,7 @@ def _check_inputs(q, k, v, arrays=()):
         if a.shape != q.shape[:-1] + v.shape[-1:]:
             raise ValueError(f"{name} must have o's shape {q.shape[:-1] + v.shape[-1:]}, got {a.shape}")
         extra.append(a)
-    return q, k, v, extra
+    return q, k, v, extra, G
 
 
 def _allowed(shape, causal, mask):
@@ -122,10 +169,13 @@ def _allowed(shape, causal, mask):
     return np.broadcast_to(allowed, shape)
 
 
-def _softmax(q, k, causal, scale, mask):
-    """``(P, lse, scale)``: masked row softmax of ``S = scale · Q Kᵀ``; rows with no allowed key give P = 0."""
+def _softmax(q, k, causal, scale, mask, score_mod=None):
+    """``(P, lse, scale, S)``: masked row softmax of ``S = scale · Q Kᵀ`` (then ``score_mod``); rows with no
+    allowed key give P = 0.  ``S`` is the scaled score before ``score_mod``."""
     scale = _check_scale(scale, q.shape[-1])
-    S = scale * (q @ np.swapaxes(k, -1, -2))
+    S = S0 = scale * (q @ np.swapaxes(k, -1, -2))
+    if score_mod is not None:
+        S = _modified(S0, score_mod)
     allowed = _allowed(S.shape, causal, mask)
     S = np.where(allowed, S, -np.inf)
     m = S.max(axis=-1, keepdims=True)                     # -inf on a fully masked row
@@ -135,42 +185,46 @@ def _softmax(q, k, causal, scale, mask):
     has_key = l > 0
     P = E / np.where(has_key, l, 1.0)
     lse = np.where(has_key, m + np.log(np.where(has_key, l, 1.0)), -np.inf)[..., 0]
-    return P, lse, scale
+    return P, lse, scale, S0
 
 
-def attention_forward(q, k, v, *, causal=False, scale=None, mask=None):
+def attention_forward(q, k, v, *, causal=False, scale=None, mask=None, score_mod=None):
     """Reference forward pass; returns ``(o, lse)`` in float64.
 
     ``o = softmax(scale · q kᵀ, masked) v`` has shape (..., N_q, d_v); ``lse`` (..., N_q) is the
     log-sum-exp of each row's allowed scaled scores (``-inf`` for a row with no allowed key, whose
-    ``o`` row is 0).  See the module docstring for the causal/mask conventions.
+    ``o`` row is 0).  See the module docstring for the causal/mask conventions and ``score_mod``.
     """
-    q, k, v, _ = _check_inputs(q, k, v)
-    P, lse, _ = _softmax(q, k, causal, scale, mask)
+    q, k, v, _, _ = _check_inputs(q, k, v)
+    P, lse, _, _ = _softmax(q, k, causal, scale, mask, score_mod)
     return P @ v, lse
 
 
-def attention(q, k, v, *, causal=False, scale=None, mask=None):
+def attention(q, k, v, *, causal=False, scale=None, mask=None, score_mod=None):
     """Reference attention output ``o`` only; see :func:`attention_forward`."""
-    return attention_forward(q, k, v, causal=causal, scale=scale, mask=mask)[0]
+    return attention_forward(q, k, v, causal=causal, scale=scale, mask=mask, score_mod=score_mod)[0]
 
 
-def attention_backward(q, k, v, do, *, causal=False, scale=None, mask=None):
+def attention_backward(q, k, v, do, *, causal=False, scale=None, mask=None, score_mod=None, score_mod_grad=None):
     """Reference gradients ``(dq, dk, dv)`` of ``sum(o * do)``, float64, shapes of q, k, v.
 
     P is recomputed from q and k (nothing from the forward is needed):
     ``dv = Pᵀ do``, ``dP = do vᵀ``, ``dS = P ∘ (dP - rowsum(P ∘ dP))``, ``dq = scale · dS k``,
     ``dk = scale · dSᵀ q``.  Masked entries and fully masked rows have P = 0, so they contribute nothing.
     """
-    q, k, v, (do,) = _check_inputs(q, k, v, [("do", do)])
-    P, _, scale = _softmax(q, k, causal, scale, mask)
+    q, k, v, (do,), G = _check_inputs(q, k, v, [("do", do)])
+    if score_mod is not None and score_mod_grad is None:
+        raise ValueError("score_mod needs score_mod_grad (d score_mod / d score) for the backward")
+    P, _, scale, S0 = _softmax(q, k, causal, scale, mask, score_mod)
     dv = np.swapaxes(P, -1, -2) @ do
     dP = do @ np.swapaxes(v, -1, -2)
     D = (P * dP).sum(axis=-1, keepdims=True)              # D_i = rowsum(P ∘ dP) = rowsum(do ∘ o)
     dS = P * (dP - D)
+    if score_mod is not None:                             # chain rule through the modifier (where P > 0)
+        dS = np.where(P > 0, dS * _modified(S0, score_mod_grad), 0.0)
     dq = scale * (dS @ k)
     dk = scale * (np.swapaxes(dS, -1, -2) @ q)
-    return dq, dk, dv
+    return dq, _ungroup(dk, G), _ungroup(dv, G)
 
 
 def expand_block_mask(block_mask, Nq, Nk, Br, Bc):

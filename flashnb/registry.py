@@ -102,6 +102,7 @@ class Impl:
     backward: Callable[..., Any] | None = None
     options: tuple[str, ...] = ()
     reference_mask: Callable[..., Any] | None = None
+    gqa: bool = False   # takes K, V with fewer batch·heads than Q (grouped-/multi-query attention)
 
     def mask_for(self, Nq: int, Nk: int, d: int, causal: bool, **options):
         """The boolean (Nq, Nk) mask this impl applies beyond ``causal`` (None: dense attention), so it can
@@ -143,6 +144,9 @@ def _per_head_chunks(fn):
         BH, limit = arrays[0].shape[0], common.MAX_GRID[1]
         if BH <= limit:
             return fn(*arrays, **options)
+        if arrays[1].shape[0] != BH:
+            raise ValueError(f"batch·heads = {BH:,} is over {limit:,} (CUDA's gridDim.y limit) with grouped-query "
+                             "K/V: split the batch yourself")
         if options.get("block_mask") is not None:
             raise ValueError(f"batch·heads = {BH:,} is over {limit:,} (CUDA's gridDim.y limit) and a block_mask is "
                              "given: split the batch yourself (a per-head mask would have to be split with it)")
@@ -159,17 +163,19 @@ def _per_head_chunks(fn):
 
 
 def register_impl(name: str, *, stage: str, description: str, forward, backward=None, options=(),
-                  reference_mask=None):
+                  reference_mask=None, gqa=False):
     """Make ``impl=name`` available in the public API, the tour and the benchmarks.
 
     ``reference_mask(Nq, Nk, d, causal, **options)`` is for impls that do not compute dense attention
     (block-sparse ones): it returns the element mask they apply, for checking against the reference.
+    ``gqa``: the impl takes K, V with fewer batch·heads than Q (grouped-query attention: query head ``z`` uses
+    K/V head ``z // G``).
     """
     if name in IMPLS:
         raise ValueError(f"impl {name!r} registered twice")
     forward = _per_head_chunks(forward)
     backward = _per_head_chunks(backward) if backward is not None else None
-    IMPLS[name] = Impl(name, stage, description, forward, backward, tuple(options), reference_mask)
+    IMPLS[name] = Impl(name, stage, description, forward, backward, tuple(options), reference_mask, bool(gqa))
     return IMPLS[name]
 
 

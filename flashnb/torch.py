@@ -3,9 +3,11 @@
 Needs PyTorch (``pip install "flashnb[torch]"``); ``import flashnb`` never imports it -- only
 ``import flashnb.torch`` does.
 
-* :func:`attention` ``(q, k, v, *, causal=False, scale=None, impl="fa2", block_mask=None)`` takes tensors of
+* :func:`attention` ``(q, k, v, *, causal=False, scale=None, impl="fa2", block_mask=None, score_mod=None,
+  mask_mod=None, score_mod_grad=None)`` (attention modifiers: :mod:`flashnb.flex`) takes tensors of
   shape ``(B, H, N, d)`` (or ``(H, N, d)``, ``(N, d)``) like ``torch.nn.functional.scaled_dot_product_attention``
-  and returns ``o`` with q's shape and dtype; gradients flow to q, k and v.
+  and returns ``o`` with q's shape and dtype; gradients flow to q, k and v.  k and v may have fewer heads than q
+  (grouped-/multi-query attention, ``impl="fa2"``; dk, dv are summed over each group).
 * :func:`scaled_dot_product_attention` has SDPA's own signature and semantics (``is_causal`` aligned top-left,
   ``attn_mask`` a ``causal_lower_right``/``causal_upper_left`` bias or None), for a literal drop-in.
 * :class:`FlashAttentionFunction` saves what FlashAttention saves -- q, k, v, O and the log-sum-exp ``L``,
@@ -207,9 +209,12 @@ def _check_tensors(q, k, v, allow_float64):
         if t.dim() not in (2, 3, 4) or 0 in t.shape:
             raise ValueError(f"{name} must have shape (B, H, N, d), (H, N, d) or (N, d) with every axis >= 1, "
                              f"got {tuple(t.shape)}")
-    if not (q.dim() == k.dim() == v.dim()) or q.shape[:-2] != k.shape[:-2]:
-        raise ValueError(f"q, k, v must share their leading (batch, heads) axes, got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)} (flashnb has no broadcasting or GQA)")
+    gqa = q.dim() >= 3 and q.dim() == k.dim() and q.shape[:-3] == k.shape[:-3] and k.shape[-3] >= 1 \
+        and q.shape[-3] % k.shape[-3] == 0
+    if not (q.dim() == k.dim() == v.dim()) or (q.shape[:-2] != k.shape[:-2] and not gqa):
+        raise ValueError(f"q, k, v must share their leading (batch, heads) axes, or k and v have a divisor of q's "
+                         f"heads (grouped-query attention), got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)} (flashnb has no broadcasting)")
     if k.shape != v.shape or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"k and v must have shape (..., Nk, d) with q's d, got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)} (flashnb needs v's head dim == q's)")
@@ -217,8 +222,8 @@ def _check_tensors(q, k, v, allow_float64):
         raise ValueError(f"head dim d must be in 1..{api.MAX_HEAD_DIM}, got {q.shape[-1]}")
 
 
-def attention(q, k, v, *, causal=False, scale=None, impl: str = "fa2", block_mask=None, allow_float64=False,
-              **options):
+def attention(q, k, v, *, causal=False, scale=None, impl: str = "fa2", block_mask=None, score_mod=None,
+              mask_mod=None, score_mod_grad=None, allow_float64=False, **options):
     """flashnb attention on torch tensors, differentiable: ``softmax(scale · q kᵀ [masked]) v``.
 
     Args:
@@ -228,7 +233,11 @@ def attention(q, k, v, *, causal=False, scale=None, impl: str = "fa2", block_mas
         scale: softmax scale, default ``1/sqrt(d)``.
         impl: any impl with a backward (:func:`impls_with_backward`); a forward-only impl when no gradient is
             needed.  Default ``"fa2"``.
-        block_mask: ``impl="fa2"``'s block-sparse mask (see ``flashnb.fa2.block_tiles``).
+        block_mask: ``impl="fa2"``'s block-sparse mask (see ``flashnb.fa2.block_tiles``), or a
+            ``flashnb.flex.create_block_mask`` of a ``mask_mod``.
+        score_mod, mask_mod, score_mod_grad: ``impl="fa2"``'s attention modifiers, as in
+            :func:`flashnb.attention_forward` (:mod:`flashnb.flex`); the backward needs ``score_mod_grad`` or
+            ``score_mod.grad``.  k and v may have fewer heads than q (grouped-query attention, ``impl="fa2"``).
         allow_float64: accept float64 tensors (computed in float32; see the module docstring).
         **options: the impl's tile options (``Br``, ``Bc``, ``warps``, ...).
 
@@ -243,11 +252,20 @@ def attention(q, k, v, *, causal=False, scale=None, impl: str = "fa2", block_mas
     Nq, Nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     c = api._check_causal(causal, Nq, Nk)
     s = api._check_scale(scale, d)
-    if block_mask is not None:
-        options["block_mask"] = block_mask
-    unknown = set(options) - set(entry.options)
-    if unknown:
-        raise TypeError(f"impl {impl!r} got unexpected option(s) {sorted(unknown)}; it accepts {list(entry.options)}")
+    for name, value in (("block_mask", block_mask), ("score_mod", score_mod), ("mask_mod", mask_mod),
+                        ("score_mod_grad", score_mod_grad)):
+        if value is not None:
+            options[name] = value
+    # q is flattened to (B·H, N, d) below: the modifiers' h and b need q's H (api checks it like any option)
+    options = api._check_options(entry, impl, options, q, k)
+    if "heads" in options:
+        from .flex import check_modifiers
+
+        check_modifiers(score_mod=score_mod, mask_mod=mask_mod, score_mod_grad=score_mod_grad)
+        if needs_grad and score_mod is not None and score_mod_grad is None and \
+                getattr(getattr(score_mod, "py_func", score_mod), "grad", None) is None:
+            raise ValueError(f"score_mod {getattr(score_mod, '__name__', score_mod)!r} has no derivative and q, k or "
+                             "v requires grad: pass score_mod_grad (d score_mod / d score, same arguments)")
     dtype = q.dtype
     q3, k3, v3 = (t.to(torch.float32).contiguous().reshape((-1,) + tuple(t.shape[-2:])) for t in (q, k, v))
     o, _ = FlashAttentionFunction.apply(q3, k3, v3, c, s, impl, options)
@@ -259,7 +277,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """``torch.nn.functional.scaled_dot_product_attention``'s signature and semantics on flashnb's kernels:
     ``is_causal=True`` is top-left aligned (``"upper_left"``), ``attn_mask`` may be None or a
     ``torch.nn.attention.bias.causal_lower_right``/``causal_upper_left`` bias.  Anything flashnb does not
-    compute (a tensor ``attn_mask``, ``dropout_p > 0``, grouped-query heads) is an error, never ignored."""
+    compute (a tensor ``attn_mask``, ``dropout_p > 0``) is an error, never ignored; ``enable_gqa=True`` lets k, v
+    have fewer heads than q (``impl="fa2"``)."""
     from torch.nn.attention.bias import CausalBias, CausalVariant
 
     causal = "upper_left" if is_causal else False
@@ -276,6 +295,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         causal = "lower_right" if attn_mask.variant == CausalVariant.LOWER_RIGHT else "upper_left"
     if dropout_p != 0.0:
         raise ValueError(f"flashnb has no attention dropout; dropout_p must be 0.0, got {dropout_p!r}")
-    if enable_gqa and query.shape[:-2] != key.shape[:-2]:
-        raise ValueError("flashnb has no grouped-query attention: q, k, v need the same number of heads")
+    if not enable_gqa and query.shape[:-2] != key.shape[:-2]:
+        raise ValueError("q, k, v need the same number of heads unless enable_gqa=True (as SDPA)")
     return attention(query, key, value, causal=causal, scale=scale, impl=impl, **options)
