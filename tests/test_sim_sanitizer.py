@@ -331,7 +331,7 @@ def test_cli_sanitize_a_script(tmp_path, capsys):
 # are between one iteration's reads of a shared tile and the next iteration's reload of it.
 OPTIONS = {"fa1": dict(Br=8, Bc=16, warps=2), "fa2": dict(Br=16, Bc=16, warps=2),
            "fa2-rows": dict(Br=64, Bc=16), "fa2-splitq": dict(Br=64, Bc=16, warps=2),
-           "fa2-fast": dict(Br=16, Bc=8, warps=2)}
+           "fa2-fast": dict(Br=8, Bc=8, warps=2)}
 
 
 @pytest.mark.parametrize("causal", [False, True])
