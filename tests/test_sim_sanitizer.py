@@ -334,7 +334,9 @@ OPTIONS = {"fa1": dict(Br=8, Bc=16, warps=2), "fa2": dict(Br=16, Bc=16, warps=2)
            "fa2-fast": dict(Br=8, Bc=8, warps=2)}
 
 
-@pytest.mark.parametrize("causal", [False, True])
+# CI runs every impl causal (its masked, partial and skipped tiles are a superset of the non-causal code paths at
+# these shapes: Nk = 40 is not a multiple of any tile); the non-causal runs are `slow` (CI's time budget).
+@pytest.mark.parametrize("causal", [pytest.param(False, marks=pytest.mark.slow), True])
 @pytest.mark.parametrize("name", list(IMPLS))
 def test_every_impl_passes_all_four_tools(name, causal):
     rng = np.random.default_rng(7)
