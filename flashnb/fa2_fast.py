@@ -44,9 +44,52 @@ so the block barriers are the two around the K/V tile load, plus two around the 
 
 What the compiler makes of it (``flashnb sass fa2_fast.forward --config '{"Br": 64, "Bc": 32, "warps": 2,
 "d": 64, "causal": false}'``, sm_90): hot loop (line 10) 84.8% FFMA, only ``LDS.128``; line 8's loop 87%.
-At d = 128 (Br = 24, Bc = 32: with padded rows, Br = Bc = 32 would need 49 KiB of shared memory, and
-Bc = 16 leaves line 8 at 65%): hot loop 84.6%, line 8 77%.  Stage 4 (its default tiles): hot loop 65% at
-d = 64 and 56% at d = 128, ``LDS.32`` only, local memory in the hot loop.
+At d = 128 (``{"Br": 64, "Bc": 64, "warps": 4, "d": 128, "causal": false, "dynamic": true}``, technique 7):
+hot loop 87.5%, line 8 87.1%, only ``LDS.128``, no local memory (the static fallback Br = 24, Bc = 32: 84.6%
+and 77%).  Stage 4 (its default tiles): hot loop 65% at d = 64 and 56% at d = 128, ``LDS.32`` only, local
+memory in the hot loop.
+
+7. **Dynamic shared memory beyond 48 KiB, where it pays** (issue #14).  A block may declare only 48 KiB of
+   *static* shared memory; beyond that (up to 163 KiB on sm_80, 227 KiB on sm_90) it takes *dynamic* shared
+   memory, which a GPU grants a kernel only after the driver opt-in (``common.allow_dynamic_shared``:
+   ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``).  ``make_forward(..., dynamic=True)`` declares one
+   dynamic array and carves ``Q_i, K_j, V_j`` out of it at constant offsets (``KO``, ``VO``).  Two details
+   keep the ``LDS.128``: the array is declared 16-byte aligned (``common.DYNAMIC_SHARED_ALIGN``; ptxas places
+   static arrays itself, but of a dynamic one it knows only the declared alignment -- 4 bytes for float32 --
+   and then emits ``LDS.32``), and the tiles are offsets, not slices (``sm[QN:]``: numba clamps a slice's
+   bounds against the array's run-time length, which hides the alignment; the hot loop at d = 128, Br = Bc = 32
+   was 74.9% FFMA with ``LDS.32`` that way, 86.5% with ``LDS.128`` with offsets).  It is a compile-time flag,
+   used only where the tiles need more than 48 KiB: at d = 64 (Br = 64, Bc = 32) the dynamic build's hot loop
+   is 304 instructions at 84.2% FFMA and 168 registers, the static one's 302 at 84.8% and 164.
+
+   Where it pays, by the SASS time model (``sass_model.forward_time("fa2_fast.forward", BH, 4096, 4096, d,
+   **tiles)``, H100 SXM, the FA2 paper's shapes: BH = 64 at d = 128, 128 at d = 64; % of the FP32 peak, the
+   binding pipe, blocks per SM):
+
+   ===========================  =========  =====================================================
+   d = 128 tiles                shared     model
+   ===========================  =========  =====================================================
+   Br = 24, Bc = 32, 2 warps    45,952 B   45.8 % (mio, 4); causal 43.7 % -- the static fallback
+   Br = Bc = 32, 2 warps        50,176 B   54.6 % (mio, 4); causal 52.4 %
+   Br = 64, Bc = 32, 4 warps    67,072 B   54.8 % (mio, 3)
+   Br = 32, Bc = 64, 2 warps    83,456 B   64.0 % (mio, 2: four warps per SM)
+   **Br = Bc = 64, 4 warps**    100,352 B  **66.4 %** (issue, 2); causal 63.5 %  -- the default
+   Br = 128, Bc = 64, 8 warps   134,144 B  65.0 % (issue, 1)
+   ===========================  =========  =====================================================
+
+   With ``TN = Bc/8 = 8`` key columns per lane, line 8 does 128 FFMAs per 12 ``LDS.128`` (64 per 8 at
+   ``TN = 4``): the shared pipe stops binding; ``Br = 64`` halves the K/V re-reads of Br = 32, and two blocks of
+   four warps keep as many warps per SM (8) as four blocks of two.  ptxas: 168 registers, no spills.  On an
+   A100 (sm_80, 164 KiB per SM) the default leaves one block (four warps) per SM -- the model, which assumes
+   every latency hidden, still says 90.5 % there (FP32-bound); only a measurement can say what four warps per
+   SM really give.  At d = 64 dynamic shared memory does not pay: Br = Bc = 64 with two warps would give 61.0 %
+   (dynamic, 51,200 B) at 254 registers, one short of the limit, against the static default's 59.5 % (issue, 6
+   blocks per SM); four warps give 52.9 %.  The backward stays static (no time model for it yet).
+
+   :func:`forward` runs the dynamic kernel after the opt-in, up to the device's opt-in limit
+   (``common.shared_optin_limit``; explicit tiles beyond it are a ValueError naming tiles and limit).  When the
+   device refuses the *default* tiles (its limit, or the opt-in call), it falls back to the static defaults
+   (``default_tiles(d, static=True)``) with a ``RuntimeWarning``, and :data:`last_forward` says what ran.
 
 **The backward** (FA2 Alg. 2, :func:`make_backward`, issue #14) applies the same six techniques to stage 4's
 algorithm and grid ``(Tc, BH)``: each thread block keeps ``K_j, V_j`` and streams ``Q_i, dO_i, L_i, D_i``

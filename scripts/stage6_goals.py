@@ -31,7 +31,7 @@ def _bwd_config(module, d):
         return dict(fa2.default_tiles(d, "backward"), d=d, causal=False)
     if "fa2_fast.backward" not in KERNELS:
         return None
-    return dict(fa2_fast.default_backward_tiles(d), d=d, causal=False)
+    return dict(fa2_fast.bwd_default_tiles(d), d=d, causal=False)
 
 
 def rows():
