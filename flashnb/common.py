@@ -26,7 +26,7 @@ __all__ = [
     "store_vec",
     "empty", "poisoning", "to_device", "launch", "launch_rows", "row_index", "ROWS_PER_BLOCK", "current_label",
     "launch_hooks", "ShapeOnly", "dry_run", "SHARED_LIMIT_BYTES", "check_shared_fit",
-    "SIM_OPTIN_LIMIT_BYTES", "shared_optin_limit", "allow_dynamic_shared", "DYNAMIC_SHARED_ALIGN", "positive_int",
+    "SIM_OPTIN_LIMIT_BYTES", "shared_optin_limit", "allow_dynamic_shared", "positive_int",
     "CAUSAL_ALIGNMENTS", "causal_diag", "on_stream", "current_stream", "MAX_GRID", "MAX_BLOCK",
     "MAX_THREADS_PER_BLOCK", "check_launch_dims", "OutOfMemory", "available_bytes",
 ]
@@ -66,11 +66,6 @@ def cdiv(a: int, b: int) -> int:
 
 #: Static shared memory one thread block may declare on every GPU flashnb targets (cc >= 2.0, sm_80, sm_90).
 SHARED_LIMIT_BYTES = 48 * 1024
-#: ``alignment=`` of a dynamic shared array (``cuda.shared.array(0, float32, alignment=DYNAMIC_SHARED_ALIGN)``):
-#: 16 bytes on a GPU, so ptxas may merge 4 consecutive floats into one LDS.128 (it places static arrays itself,
-#: but knows only the declared alignment of the dynamic one: 4 for float32 without it).  None on the simulator,
-#: which refuses ``alignment=`` (NumPy buffers have no addresses to align).
-DYNAMIC_SHARED_ALIGN = None if runtime.is_simulator() else 16
 
 
 #: The opt-in limit :func:`shared_optin_limit` answers on the simulator: the A100's (sm_80) 163 KiB, the

@@ -53,12 +53,11 @@ memory in the hot loop.
    *static* shared memory; beyond that (up to 163 KiB on sm_80, 227 KiB on sm_90) it takes *dynamic* shared
    memory, which a GPU grants a kernel only after the driver opt-in (``common.allow_dynamic_shared``:
    ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``).  ``make_forward(..., dynamic=True)`` declares one
-   dynamic array and carves ``Q_i, K_j, V_j`` out of it at constant offsets (``KO``, ``VO``).  Two details
-   keep the ``LDS.128``: the array is declared 16-byte aligned (``common.DYNAMIC_SHARED_ALIGN``; ptxas places
-   static arrays itself, but of a dynamic one it knows only the declared alignment -- 4 bytes for float32 --
-   and then emits ``LDS.32``), and the tiles are offsets, not slices (``sm[QN:]``: numba clamps a slice's
-   bounds against the array's run-time length, which hides the alignment; the hot loop at d = 128, Br = Bc = 32
-   was 74.9% FFMA with ``LDS.32`` that way, 86.5% with ``LDS.128`` with offsets).  It is a compile-time flag,
+   dynamic array and carves ``Q_i, K_j, V_j`` out of it at constant offsets (``KO``, ``VO``, multiples of 4
+   floats).  Offsets, not slices: numba clamps a slice's bounds (``sm[QN:QN + KN]``) against the array's
+   run-time length, so ptxas no longer knows the tile starts 16-byte aligned and emits ``LDS.32`` -- the hot
+   loop at d = 128, Br = Bc = 32 was 74.9% FFMA with 64 ``LDS.32`` that way, 86.5% with 16 ``LDS.128`` with
+   offsets (with or without ``alignment=16`` on the declaration).  It is a compile-time flag,
    used only where the tiles need more than 48 KiB: at d = 64 (Br = 64, Bc = 32) the dynamic build's hot loop
    is 304 instructions at 84.2% FFMA and 168 registers, the static one's 302 at 84.8% and 164.
 
@@ -141,7 +140,6 @@ from numba import cuda, float32, uint32
 
 from . import fa2
 from .common import (
-    DYNAMIC_SHARED_ALIGN,
     NEG_INF,
     ONE,
     SHARED_LIMIT_BYTES,
@@ -301,9 +299,9 @@ def make_forward(Br, Bc, d, warps, causal, dynamic=False):
     @cuda.jit
     def fa2_fast_forward(Q, K, V, O, L, scale, diag):
         if dynamic:                                    # (a compile-time constant: one branch is compiled)
-            Qs = cuda.shared.array(0, float32, alignment=DYNAMIC_SHARED_ALIGN)  # QN + KN + VN floats (launch)
+            Qs = cuda.shared.array(0, float32)         # dynamic: QN + KN + VN floats (given at launch)
             Ks = Qs                                    # K_j from element KO on, V_j from VO on (no slices:
-            Vs = Qs                                    # their clamped bounds would hide the 16-byte alignment)
+            Vs = Qs                                    # their clamped bounds hide the 16-byte alignment)
         else:
             Qs = cuda.shared.array(QN, float32)        # Q_i: rows of LD = Dp + 4 floats; at the end O_i
             Ks = cuda.shared.array(KN, float32)        # K_j: rows of LD floats
