@@ -61,7 +61,8 @@ from .registry import KERNELS, KernelSpec
 __all__ = [
     "SMLimits", "SM_LIMITS", "Occupancy", "Resources", "occupancy", "resources", "resources_for",
     "resources_many", "resources_of", "guard_kernel", "problems", "report", "format_report", "main_inspect",
-    "find_ptxas", "retarget_ptx", "normalized_ptx", "MAX_STATIC_SHARED", "MAX_OPTIN_SHARED", "launched",
+    "find_ptxas", "retarget_ptx", "normalized_ptx", "MAX_STATIC_SHARED", "MAX_OPTIN_SHARED", "OPTIN_CHECKED_CCS",
+    "launched",
 ]
 
 MAX_STATIC_SHARED = 48 * 1024  # bytes of *static* shared memory one block may declare (all cc >= 2.0)
@@ -69,6 +70,10 @@ MAX_STATIC_SHARED = 48 * 1024  # bytes of *static* shared memory one block may d
 # (cudaFuncAttributeMaxDynamicSharedMemorySize; CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN):
 # CUDA C++ Programming Guide, "Technical Specifications per Compute Capability".
 MAX_OPTIN_SHARED = {(7, 5): 64 * 1024, (8, 0): 163 * 1024, (9, 0): 227 * 1024}
+# The architectures whose opt-in limit the PTX guard holds dynamic shared memory to (A100, H100/H200: what the
+# dynamic defaults are chosen for).  Elsewhere (a T4's 64 KiB) the launcher reads the device's own limit at run
+# time and refuses or falls back (``common.shared_optin_limit``); occupancy there says 0 blocks.
+OPTIN_CHECKED_CCS = ((8, 0), (9, 0))
 
 
 # --------------------------------------------------------------------------- per-SM limits
@@ -267,7 +272,8 @@ def problems(res: Resources, *, max_shared: int = MAX_STATIC_SHARED) -> list[str
     if res.shared_bytes is not None and res.shared_bytes > max_shared:
         out.append(f"{where}: {res.shared_bytes} bytes static shared memory > {max_shared} (48 KiB)")
     optin = MAX_OPTIN_SHARED.get(tuple(res.cc), MAX_STATIC_SHARED)
-    if res.dynamic_shared_bytes and (res.shared_bytes or 0) + res.dynamic_shared_bytes > optin:
+    if res.dynamic_shared_bytes and tuple(res.cc) in OPTIN_CHECKED_CCS and \
+            (res.shared_bytes or 0) + res.dynamic_shared_bytes > optin:
         out.append(f"{where}: {res.shared_bytes or 0} bytes static + {res.dynamic_shared_bytes} bytes dynamic shared "
                    f"memory > {optin} (the sm_{res.cc[0]}{res.cc[1]} opt-in limit per block)")
     if res.spill_bytes:
