@@ -59,7 +59,7 @@ memory in the hot loop.
    loop at d = 128, Br = Bc = 32 was 74.9% FFMA with 64 ``LDS.32`` that way, 86.5% with 16 ``LDS.128`` with
    offsets (with or without ``alignment=16`` on the declaration).  It is a compile-time flag,
    used only where the tiles need more than 48 KiB: at d = 64 (Br = 64, Bc = 32) the dynamic build's hot loop
-   is 304 instructions at 84.2% FFMA and 168 registers, the static one's 302 at 84.8% and 164.
+   is 305 instructions at 83.9% FFMA and 168 registers, the static one's 302 at 84.8% and 164 (sm_90).
 
    Where it pays, by the SASS time model (``sass_model.forward_time("fa2_fast.forward", BH, 4096, 4096, d,
    **tiles)``, H100 SXM, the FA2 paper's shapes: BH = 64 at d = 128, 128 at d = 64; % of the FP32 peak, the
@@ -78,7 +78,8 @@ memory in the hot loop.
 
    With ``TN = Bc/8 = 8`` key columns per lane, line 8 does 128 FFMAs per 12 ``LDS.128`` (64 per 8 at
    ``TN = 4``): the shared pipe stops binding; ``Br = 64`` halves the K/V re-reads of Br = 32, and two blocks of
-   four warps keep as many warps per SM (8) as four blocks of two.  ptxas: 168 registers, no spills.  On an
+   four warps keep as many warps per SM (8) as four blocks of two.  ptxas (``flashnb inspect --kernel
+   fa2_fast.forward``): 168 registers on sm_90 (214, causal 248, on sm_80), no spills, no stack.  On an
    A100 (sm_80, 164 KiB per SM) the default leaves one block (four warps) per SM -- the model, which assumes
    every latency hidden, still says 90.5 % there (FP32-bound); only a measurement can say what four warps per
    SM really give.  At d = 64 dynamic shared memory does not pay: Br = Bc = 64 with two warps would give 61.0 %
