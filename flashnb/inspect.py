@@ -8,7 +8,7 @@ Every number here comes from compiling the kernel for a real architecture -- ``n
 * :func:`occupancy` -- resident blocks and warps per SM from those resources and the published per-SM
   limits in :data:`SM_LIMITS`, and which limit binds.
 * :func:`guard_kernel` -- the PTX guard's list of problems (float64 instructions, > 48 KiB static shared
-  memory, spills, compile errors).
+  memory, static + dynamic shared memory over the sm_80 / sm_90 opt-in limit, spills, compile errors).
 * :func:`report` / :func:`main_inspect` -- the table behind ``flashnb inspect``.
 
 In simulator mode ``numba.cuda.compile_ptx`` does not exist (``NUMBA_ENABLE_CUDASIM`` is read once per

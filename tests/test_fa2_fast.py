@@ -78,6 +78,18 @@ def test_dynamic_kernel_at_small_tiles(rng, causal):
     assert_close(L.copy_to_host(), lse_ref, **FWD, what="lse")
 
 
+def test_dynamic_kernel_is_race_free(rng):
+    """Two warps, three K/V tiles (the last partial), Q_i's part of the one dynamic array reused for O_i."""
+    Nq, Nk, d, tiles = 20, 20, 8, dict(Br=16, Bc=8, warps=2)
+    qd, kd, vd = _dev(*qkv(rng, (1, Nq, d), Nk))
+    O, L = common.empty((1, Nq, d)), common.empty((1, Nq))
+    kernel = fa2_fast.make_forward(tiles["Br"], tiles["Bc"], d, tiles["warps"], True, True)
+    with racecheck.check(raise_on_race=False) as report:
+        common.launch(kernel, (common.cdiv(Nq, tiles["Br"]), 1), 64, qd, kd, vd, O, L, 0.5,
+                      common.causal_diag(True, Nq, Nk), shared=fa2_fast.shared_bytes(d=d, **tiles))
+    assert report.launches == 1 and not report.races
+
+
 def test_fallback_to_static_tiles_when_the_device_refuses(rng, monkeypatch):
     """A device whose opt-in limit is below the d = 128 defaults' 100,352 B (a faked limit here), or whose opt-in
     call fails: the launch falls back to the static tiles (Br = 24), warns, and says so in last_forward."""
