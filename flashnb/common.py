@@ -25,7 +25,8 @@ __all__ = [
     "NEG_INF", "ZERO", "ONE", "cdiv", "causal_allowed", "load_tile", "load_rows", "store_rows", "load_vec",
     "store_vec",
     "empty", "poisoning", "to_device", "launch", "launch_rows", "row_index", "ROWS_PER_BLOCK", "current_label",
-    "launch_hooks", "ShapeOnly", "dry_run", "SHARED_LIMIT_BYTES", "check_shared_fit", "positive_int",
+    "launch_hooks", "ShapeOnly", "dry_run", "SHARED_LIMIT_BYTES", "check_shared_fit",
+    "SIM_OPTIN_LIMIT_BYTES", "shared_optin_limit", "allow_dynamic_shared", "positive_int",
     "CAUSAL_ALIGNMENTS", "causal_diag", "on_stream", "current_stream", "MAX_GRID", "MAX_BLOCK",
     "MAX_THREADS_PER_BLOCK", "check_launch_dims", "OutOfMemory", "available_bytes",
 ]
@@ -67,14 +68,68 @@ def cdiv(a: int, b: int) -> int:
 SHARED_LIMIT_BYTES = 48 * 1024
 
 
-def check_shared_fit(impl: str, tiles: str, nbytes: int, hint: str = "choose smaller tiles") -> int:
+#: The opt-in limit :func:`shared_optin_limit` answers on the simulator: the A100's (sm_80) 163 KiB, the
+#: smaller of the two architectures the PTX guard checks dynamic shared memory for (sm_90: 227 KiB).
+SIM_OPTIN_LIMIT_BYTES = 163 * 1024
+
+
+def check_shared_fit(impl: str, tiles: str, nbytes: int, hint: str = "choose smaller tiles", *,
+                     optin: int | None = None) -> int:
     """The one shared-memory check every impl's option validation calls: ValueError naming the impl, its tiles
     and the bytes when a block would declare more than :data:`SHARED_LIMIT_BYTES` (48 KiB) -- a GPU refuses to
-    compile such a kernel, and the simulator would run it for minutes.  Returns ``nbytes``."""
-    if nbytes > SHARED_LIMIT_BYTES:
+    compile such a kernel, and the simulator would run it for minutes.  Returns ``nbytes``.
+
+    A kernel that takes its shared memory as *dynamic* shared memory passes ``optin``, the device's opt-in
+    limit per block (:func:`shared_optin_limit`): up to that many bytes are accepted (the launcher then asks
+    the driver for them, :func:`allow_dynamic_shared`), more is a ValueError naming the tiles and the limit."""
+    if nbytes <= SHARED_LIMIT_BYTES:
+        return nbytes
+    if optin is None:
         raise ValueError(f"{impl}: tiles {tiles} need {nbytes:,} B of static shared memory per block, over the "
                          f"{SHARED_LIMIT_BYTES:,} B (48 KiB) a GPU thread block may declare; {hint}")
+    if nbytes > optin:
+        raise ValueError(f"{impl}: tiles {tiles} need {nbytes:,} B of shared memory per block, over this device's "
+                         f"opt-in limit of {optin:,} B per block (dynamic shared memory); {hint}")
     return nbytes
+
+
+def shared_optin_limit() -> int:
+    """Shared memory one block may use after the driver opt-in, in bytes: the GPU's
+    ``CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN`` (227 KiB on sm_90, 163 KiB on sm_80, 64 KiB on
+    sm_75); on the simulator (which has no limit) :data:`SIM_OPTIN_LIMIT_BYTES`, so tiles that an A100 would
+    refuse are refused here too."""
+    if runtime.MODE != "gpu":
+        return SIM_OPTIN_LIMIT_BYTES
+    return int(cuda.get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+
+
+def _set_max_dynamic_shared(kernel, signature: str, nbytes: int) -> None:
+    """GPU only: compile ``kernel`` for ``signature`` (numba keeps the overload, the launch reuses it) and set
+    ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` on it, as numba-cuda's own
+    ``set_shared_memory_carveout`` sets an attribute (``cuKernelSetAttribute`` on the kernel's handle)."""
+    from cuda.bindings import driver as binding
+    from numba.cuda.cudadrv.driver import driver
+
+    compiled = kernel.compile(signature)
+    cufunc = compiled._codelibrary.get_cufunc()
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attr, int(nbytes), cufunc.handle, cufunc.device.id)
+
+
+def allow_dynamic_shared(kernel, signature: str, nbytes: int) -> None:
+    """Let ``kernel`` (compiled for ``signature``) launch with ``nbytes`` of dynamic shared memory: above
+    48 KiB a GPU needs the per-kernel opt-in; nothing to do at or below it, or on the simulator.  Under
+    :func:`flashnb.rehearsal.pretend_gpu` the request is recorded (``rehearsal.dynamic_shared_requests``)
+    instead of reaching a driver.  Raises what the driver raises (the caller decides whether to fall back)."""
+    if nbytes <= SHARED_LIMIT_BYTES or runtime.MODE != "gpu":
+        return
+    from . import rehearsal
+
+    if rehearsal.active():
+        name = getattr(getattr(kernel, "py_func", kernel), "__name__", str(kernel))
+        rehearsal.dynamic_shared_requests.append((name, signature, int(nbytes)))
+        return
+    _set_max_dynamic_shared(kernel, signature, nbytes)
 
 
 def positive_int(name: str, n) -> int:
@@ -328,8 +383,9 @@ def launch_rows(kernel, BH: int, rows: int, *args, label: str | None = None):
     launch(kernel, (cdiv(rows, ROWS_PER_BLOCK), BH), ROWS_PER_BLOCK, *args, label=label)
 
 
-def launch(kernel, grid, block, *args, label: str | None = None):
-    """Launch ``kernel[grid, block](*args)``.
+def launch(kernel, grid, block, *args, label: str | None = None, shared: int = 0):
+    """Launch ``kernel[grid, block](*args)`` (``kernel[grid, block, stream, shared](*args)`` with ``shared``
+    bytes of dynamic shared memory: above 48 KiB call :func:`allow_dynamic_shared` first).
 
     Python ints and floats become ``int32`` / ``float32`` so a GPU compiles exactly the signature the PTX
     guard checked (a Python float would otherwise specialise the kernel on float64).  ``label`` names the
@@ -352,7 +408,10 @@ def launch(kernel, grid, block, *args, label: str | None = None):
                 stack.enter_context(hook(name, kernel, grid, block, args))
             stream = current_stream()
             default = isinstance(stream, int) and stream == 0
-            (kernel[grid, block] if default else kernel[grid, block, stream])(*args)
+            if shared:
+                kernel[grid, block, stream, int(shared)](*args)
+            else:
+                (kernel[grid, block] if default else kernel[grid, block, stream])(*args)
     finally:
         _state.label = previous
 

@@ -44,9 +44,52 @@ so the block barriers are the two around the K/V tile load, plus two around the 
 
 What the compiler makes of it (``flashnb sass fa2_fast.forward --config '{"Br": 64, "Bc": 32, "warps": 2,
 "d": 64, "causal": false}'``, sm_90): hot loop (line 10) 84.8% FFMA, only ``LDS.128``; line 8's loop 87%.
-At d = 128 (Br = 24, Bc = 32: with padded rows, Br = Bc = 32 would need 49 KiB of shared memory, and
-Bc = 16 leaves line 8 at 65%): hot loop 84.6%, line 8 77%.  Stage 4 (its default tiles): hot loop 65% at
-d = 64 and 56% at d = 128, ``LDS.32`` only, local memory in the hot loop.
+At d = 128 (``{"Br": 64, "Bc": 64, "warps": 4, "d": 128, "causal": false, "dynamic": true}``, technique 7):
+hot loop 87.5%, line 8 87.1%, only ``LDS.128``, no local memory (the static fallback Br = 24, Bc = 32: 84.6%
+and 77%).  Stage 4 (its default tiles): hot loop 65% at d = 64 and 56% at d = 128, ``LDS.32`` only, local
+memory in the hot loop.
+
+7. **Dynamic shared memory beyond 48 KiB, where it pays** (issue #14).  A block may declare only 48 KiB of
+   *static* shared memory; beyond that (up to 163 KiB on sm_80, 227 KiB on sm_90) it takes *dynamic* shared
+   memory, which a GPU grants a kernel only after the driver opt-in (``common.allow_dynamic_shared``:
+   ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``).  ``make_forward(..., dynamic=True)`` declares one
+   dynamic array and carves ``Q_i, K_j, V_j`` out of it at constant offsets (``KO``, ``VO``, multiples of 4
+   floats).  Offsets, not slices: numba clamps a slice's bounds (``sm[QN:QN + KN]``) against the array's
+   run-time length, so ptxas no longer knows the tile starts 16-byte aligned and emits ``LDS.32`` -- the hot
+   loop at d = 128, Br = Bc = 32 was 74.9% FFMA with 64 ``LDS.32`` that way, 86.5% with 16 ``LDS.128`` with
+   offsets (with or without ``alignment=16`` on the declaration).  It is a compile-time flag,
+   used only where the tiles need more than 48 KiB: at d = 64 (Br = 64, Bc = 32) the dynamic build's hot loop
+   is 305 instructions at 83.9% FFMA and 168 registers, the static one's 302 at 84.8% and 164 (sm_90).
+
+   Where it pays, by the SASS time model (``sass_model.forward_time("fa2_fast.forward", BH, 4096, 4096, d,
+   **tiles)``, H100 SXM, the FA2 paper's shapes: BH = 64 at d = 128, 128 at d = 64; % of the FP32 peak, the
+   binding pipe, blocks per SM):
+
+   ===========================  =========  =====================================================
+   d = 128 tiles                shared     model
+   ===========================  =========  =====================================================
+   Br = 24, Bc = 32, 2 warps    45,952 B   45.8 % (mio, 4); causal 43.7 % -- the static fallback
+   Br = Bc = 32, 2 warps        50,176 B   54.6 % (mio, 4); causal 52.4 %
+   Br = 64, Bc = 32, 4 warps    67,072 B   54.8 % (mio, 3)
+   Br = 32, Bc = 64, 2 warps    83,456 B   64.0 % (mio, 2: four warps per SM)
+   **Br = Bc = 64, 4 warps**    100,352 B  **66.4 %** (issue, 2); causal 63.5 %  -- the default
+   Br = 128, Bc = 64, 8 warps   134,144 B  65.0 % (issue, 1)
+   ===========================  =========  =====================================================
+
+   With ``TN = Bc/8 = 8`` key columns per lane, line 8 does 128 FFMAs per 12 ``LDS.128`` (64 per 8 at
+   ``TN = 4``): the shared pipe stops binding; ``Br = 64`` halves the K/V re-reads of Br = 32, and two blocks of
+   four warps keep as many warps per SM (8) as four blocks of two.  ptxas (``flashnb inspect --kernel
+   fa2_fast.forward``): 168 registers on sm_90 (214, causal 248, on sm_80), no spills, no stack.  On an
+   A100 (sm_80, 164 KiB per SM) the default leaves one block (four warps) per SM -- the model, which assumes
+   every latency hidden, still says 90.5 % there (FP32-bound); only a measurement can say what four warps per
+   SM really give.  At d = 64 dynamic shared memory does not pay: Br = Bc = 64 with two warps would give 61.0 %
+   (dynamic, 51,200 B) at 254 registers, one short of the limit, against the static default's 59.5 % (issue, 6
+   blocks per SM); four warps give 52.9 %.  The backward stays static (no time model for it yet).
+
+   :func:`forward` runs the dynamic kernel after the opt-in, up to the device's opt-in limit
+   (``common.shared_optin_limit``; explicit tiles beyond it are a ValueError naming tiles and limit).  When the
+   device refuses the *default* tiles (its limit, or the opt-in call), it falls back to the static defaults
+   (``default_tiles(d, static=True)``) with a ``RuntimeWarning``, and :data:`last_forward` says what ran.
 
 **The backward** (FA2 Alg. 2, :func:`make_backward`, issue #14) applies the same six techniques to stage 4's
 algorithm and grid ``(Tc, BH)``: each thread block keeps ``K_j, V_j`` and streams ``Q_i, dO_i, L_i, D_i``
@@ -91,17 +134,30 @@ tiles that suit the forward but not the backward (``Bc`` a multiple of ``4·warp
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 from numba import cuda, float32, uint32
 
 from . import fa2
-from .common import NEG_INF, ONE, ZERO, causal_diag, cdiv, check_shared_fit, empty, launch
+from .common import (
+    NEG_INF,
+    ONE,
+    SHARED_LIMIT_BYTES,
+    ZERO,
+    allow_dynamic_shared,
+    causal_diag,
+    cdiv,
+    check_shared_fit,
+    empty,
+    launch,
+    shared_optin_limit,
+)
 from .registry import kernel_factory, register_impl
 
 __all__ = ["make_forward", "make_backward", "forward", "backward", "model_forward", "model_backward", "default_tiles",
-           "bwd_default_tiles", "geometry", "bwd_geometry", "shared_bytes", "bwd_shared_bytes", "LR", "LC", "VEC",
-           "PAD"]
+           "bwd_default_tiles", "geometry", "bwd_geometry", "shared_bytes", "bwd_shared_bytes", "needs_dynamic",
+           "DESIGN_OPTIN_BYTES", "last_forward", "LR", "LC", "VEC", "PAD"]
 
 LR = 4                  # lanes of a warp along its rows
 LC = 8                  # lanes of a warp along the key columns of S (and the head-dim chunks of O)
@@ -116,17 +172,37 @@ _BWD_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, {_A2}, {_A3}, {_A3}, {_A3},
 
 # Tiles per head-dim class, chosen with `flashnb sass` (FFMA share of both inner loops) and `flashnb inspect`
 # (registers, no spills, static shared memory <= 48 KiB).  Two warps: TM = Br/8 rows × TN = Bc/8 columns.
-_DEFAULTS = {32: dict(Br=64, Bc=32, warps=2), 64: dict(Br=64, Bc=32, warps=2), 128: dict(Br=24, Bc=32, warps=2)}
+# d = 128: Br = Bc = 64 with four warps (TM = 4, TN = 8) needs 100,352 B (over 48 KiB): dynamic shared memory with
+# the driver opt-in (the module docstring has the model's numbers); where the device (or the opt-in call) refuses
+# it, the launcher falls back to _STATIC_DEFAULTS (see forward()).
+_DEFAULTS = {32: dict(Br=64, Bc=32, warps=2), 64: dict(Br=64, Bc=32, warps=2), 128: dict(Br=64, Bc=64, warps=4)}
+# The largest default tiles that fit in 48 KiB of static shared memory, per head-dim class.
+_STATIC_DEFAULTS = {32: dict(Br=64, Bc=32, warps=2), 64: dict(Br=64, Bc=32, warps=2),
+                    128: dict(Br=24, Bc=32, warps=2)}
+#: Opt-in limit the default tiles are chosen (and the model's tiles checked) against: the smaller of sm_80's
+#: (163 KiB) and sm_90's (227 KiB).  A launch checks the device's own (``common.shared_optin_limit``).
+DESIGN_OPTIN_BYTES = 163 * 1024
+#: What each :func:`forward` launch ran with: ``dict(d=, Br=, Bc=, warps=, dynamic=, shared_bytes=,
+#: fallback=None or the reason it fell back to static tiles)``; the last one is ``last_forward``.
+last_forward: dict = {}
 # The backward's (FA2 Alg. 2: Br query rows per Q tile, Bc key rows per thread block; the warps split the keys).
 _BWD_DEFAULTS = {32: dict(Br=32, Bc=32, warps=2), 64: dict(Br=32, Bc=32, warps=2), 128: dict(Br=16, Bc=24, warps=2)}
 
 
-def default_tiles(d: int) -> dict:
-    """The default ``Br, Bc, warps`` for head dim ``d`` (the table for the smallest listed d >= d)."""
-    for dmax in sorted(_DEFAULTS):
+def default_tiles(d: int, static: bool = False) -> dict:
+    """The default ``Br, Bc, warps`` for head dim ``d`` (the table for the smallest listed d >= d); ``static``:
+    the largest ones within 48 KiB of static shared memory (the fallback when dynamic shared memory is refused)."""
+    table = _STATIC_DEFAULTS if static else _DEFAULTS
+    for dmax in sorted(table):
         if d <= dmax:
-            return dict(_DEFAULTS[dmax])
-    raise ValueError(f"head dim d must be <= {max(_DEFAULTS)}, got {d}")
+            return dict(table[dmax])
+    raise ValueError(f"head dim d must be <= {max(table)}, got {d}")
+
+
+def needs_dynamic(Br, Bc, d, warps) -> bool:
+    """Whether these tiles need more than 48 KiB of shared memory: then the kernel takes it as dynamic shared
+    memory (``make_forward(..., dynamic=True)``), which needs the driver opt-in on a GPU."""
+    return shared_bytes(Br, Bc, d, warps) > SHARED_LIMIT_BYTES
 
 
 def geometry(Br: int, Bc: int, d: int, warps: int) -> dict:
@@ -144,18 +220,27 @@ def geometry(Br: int, Bc: int, d: int, warps: int) -> dict:
 
 
 def shared_bytes(Br, Bc, d, warps):
-    """Static shared memory of one thread block, in bytes: Q_i and K_j in rows of ``Dp + PAD``, V_j in ``Dp``."""
+    """Shared memory of one thread block, in bytes (static, or dynamic above 48 KiB): Q_i and K_j in rows of
+    ``Dp + PAD``, V_j in ``Dp``."""
     g = geometry(Br, Bc, d, warps)
     return 4 * ((g["Dp"] + PAD) * (Br + Bc) + g["Dp"] * Bc)
 
 
 def _configs():
-    """What the PTX guard compiles: the default tiles of every head-dim class (causal on and off), odd head
-    dims (d = 20, 1; d = 70 pads to Dp = 96, which 64 threads load with the general loop), four warps."""
-    return ([dict(**default_tiles(d), d=d, causal=c) for d, c in ((32, False), (64, False), (64, True),
-                                                                   (128, False), (128, True))]
-            + [dict(Br=32, Bc=32, d=20, warps=2, causal=True), dict(Br=64, Bc=32, d=1, warps=4, causal=False),
-               dict(Br=24, Bc=32, d=70, warps=2, causal=True)])
+    """What the PTX guard compiles: the default tiles of every head-dim class (causal on and off; dynamic
+    shared memory where they need more than 48 KiB), the static fallback at d = 128, odd head dims (d = 20, 1;
+    d = 70 pads to Dp = 96, which 64 threads load with the general loop), four warps."""
+    return ([dict(**t, d=d, causal=c, dynamic=needs_dynamic(**t, d=d))
+             for d, c in ((32, False), (64, False), (64, True), (128, False), (128, True)) for t in [default_tiles(d)]]
+            + [dict(**default_tiles(128, static=True), d=128, causal=c, dynamic=False) for c in (False, True)]
+            + [dict(Br=32, Bc=32, d=20, warps=2, causal=True, dynamic=False),
+               dict(Br=64, Bc=32, d=1, warps=4, causal=False, dynamic=False),
+               dict(Br=24, Bc=32, d=70, warps=2, causal=True, dynamic=False)])
+
+
+def _dynamic_bytes(Br, Bc, d, warps, dynamic=False, **_):
+    """Dynamic shared memory a launch of this configuration asks for (0 for a static kernel)."""
+    return shared_bytes(Br, Bc, d, warps) if dynamic else 0
 
 
 def _make_load_tile(d, Dp, NT):
@@ -165,18 +250,18 @@ def _make_load_tile(d, Dp, NT):
     RSTEP, KREP = (NT // Dp, 1) if NT % Dp == 0 else (1, Dp // NT) if Dp % NT == 0 else (0, 0)
 
     @cuda.jit(device=True, inline="always")
-    def load_tile(X, Xs, ld, z, r0, N, ROWS, full, tid):
-        """Alg. 1 lines 4 / 7: rows ``r0 .. r0+ROWS`` of ``X[z]`` into ``Xs`` (rows of ``ld`` floats, zeros
-        beyond ``d`` and ``N``).  Consecutive threads copy consecutive floats of a row: ideal sectors, and
-        consecutive banks.  A thread keeps its columns (``k0 + NT·c``) and steps its row by ``RSTEP``;
-        unsigned indices: no negative-index fix-ups in the address arithmetic."""
+    def load_tile(X, Xs, base, ld, z, r0, N, ROWS, full, tid):
+        """Alg. 1 lines 4 / 7: rows ``r0 .. r0+ROWS`` of ``X[z]`` into ``Xs`` from element ``base`` on (rows of
+        ``ld`` floats, zeros beyond ``d`` and ``N``).  Consecutive threads copy consecutive floats of a row:
+        ideal sectors, and consecutive banks.  A thread keeps its columns (``k0 + NT·c``) and steps its row by
+        ``RSTEP``; unsigned indices: no negative-index fix-ups in the address arithmetic."""
         if RSTEP == 0:                                  # NT and Dp do not divide one another (Dp = 96)
             e = uint32(tid)
             while e < uint32(ROWS * Dp):
                 r = e // uint32(Dp)
                 k = e - r * uint32(Dp)
                 row = uint32(r0) + r
-                Xs[r * uint32(ld) + k] = X[z, row, k] if row < uint32(N) and k < uint32(d) else ZERO
+                Xs[uint32(base) + r * uint32(ld) + k] = X[z, row, k] if row < uint32(N) and k < uint32(d) else ZERO
                 e += uint32(NT)
             return
         r = uint32(tid // Dp) if RSTEP > 1 else uint32(0)
@@ -184,36 +269,44 @@ def _make_load_tile(d, Dp, NT):
         if full and d == Dp:                            # a full tile: no test per element
             while r < uint32(ROWS):
                 for c in range(KREP):
-                    Xs[r * uint32(ld) + k0 + uint32(c * NT)] = X[z, uint32(r0) + r, k0 + uint32(c * NT)]
+                    Xs[uint32(base) + r * uint32(ld) + k0 + uint32(c * NT)] = X[z, uint32(r0) + r, k0 + uint32(c * NT)]
                 r = uint32(r + RSTEP)
         else:
             while r < uint32(ROWS):
                 row = uint32(r0) + r
                 for c in range(KREP):
                     k = k0 + uint32(c * NT)
-                    Xs[r * uint32(ld) + k] = X[z, row, k] if row < uint32(N) and k < uint32(d) else ZERO
+                    Xs[uint32(base) + r * uint32(ld) + k] = X[z, row, k] if row < uint32(N) and k < uint32(d) else ZERO
                 r = uint32(r + RSTEP)
 
     return load_tile
 
 
 @kernel_factory("fa2_fast.forward", stage="6", signature=_FWD_SIG, configs=_configs(),
-                threads=lambda warps, **_: 32 * warps)
-def make_forward(Br, Bc, d, warps, causal):
-    """FA2 Alg. 1 for one (Br, Bc, d, warps, causal); grid ``(Tr, BH)``, block ``32·warps`` threads."""
+                threads=lambda warps, **_: 32 * warps, dynamic_shared=_dynamic_bytes)
+def make_forward(Br, Bc, d, warps, causal, dynamic=False):
+    """FA2 Alg. 1 for one (Br, Bc, d, warps, causal); grid ``(Tr, BH)``, block ``32·warps`` threads.  With
+    ``dynamic`` the kernel declares one *dynamic* shared array (launched with :func:`shared_bytes` dynamic
+    bytes) carved into ``Q_i, K_j, V_j``: what lets a block use more than the 48 KiB of static shared memory."""
     g = geometry(Br, Bc, d, warps)
     TM, TN, DN, Dp, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["threads"]
     CD = DN // VEC                                      # 128-bit chunks of O~ per lane
     LD = Dp + PAD                                       # row length of Q_i, K_j in shared memory
     LDO = Dp + 1                                        # row length of O_i staged in Q_i's space (odd)
     QN, KN, VN = Br * LD, Bc * LD, Bc * Dp              # shared array sizes (floats)
+    KO, VO = (QN, QN + KN) if dynamic else (0, 0)       # where K_j, V_j start in their array
     load_tile = _make_load_tile(d, Dp, NT)
 
     @cuda.jit
     def fa2_fast_forward(Q, K, V, O, L, scale, diag):
-        Qs = cuda.shared.array(QN, float32)            # Q_i: rows of LD = Dp + 4 floats; at the end O_i
-        Ks = cuda.shared.array(KN, float32)            # K_j: rows of LD floats
-        Vs = cuda.shared.array(VN, float32)            # V_j: rows of Dp floats (zero-padded beyond d)
+        if dynamic:                                    # (a compile-time constant: one branch is compiled)
+            Qs = cuda.shared.array(0, float32)         # dynamic: QN + KN + VN floats (given at launch)
+            Ks = Qs                                    # K_j from element KO on, V_j from VO on (no slices:
+            Vs = Qs                                    # their clamped bounds hide the 16-byte alignment)
+        else:
+            Qs = cuda.shared.array(QN, float32)        # Q_i: rows of LD = Dp + 4 floats; at the end O_i
+            Ks = cuda.shared.array(KN, float32)        # K_j: rows of LD floats
+            Vs = cuda.shared.array(VN, float32)        # V_j: rows of Dp floats (zero-padded beyond d)
         S = cuda.local.array((TM, TN), float32)        # registers (constant indices only)
         Oi = cuda.local.array((TM, DN), float32)
         m = cuda.local.array(TM, float32)
@@ -231,12 +324,12 @@ def make_forward(Br, Bc, d, warps, causal):
         lc = lane % LC
         rw = (tid // 32) * (TM * LR) + lr              # this lane's rows: rw + LR·a (key columns: lc + LC·b)
         qrow = uint32(rw * LD)                         # unsigned shared offsets: no negative-index fix-ups
-        kcol = uint32(lc * LD)
+        kcol = uint32(KO + lc * LD)
         vcol = uint32(lc * VEC)                        # O~ columns: vcol + 32·c4 + t
         lane8 = uint32(lr * LC)                        # lane (lr, 0): the first of this lane's row group
         Nq = Q.shape[1]
         Nk = K.shape[1]
-        load_tile(Q, Qs, LD, z, i0, Nq, Br, i0 + Br <= Nq, tid)         # line 4: Q_i once
+        load_tile(Q, Qs, 0, LD, z, i0, Nq, Br, i0 + Br <= Nq, tid)      # line 4: Q_i once
         for a in range(TM):                            # line 5: O~ = 0, l = 0, m = -inf
             m[a] = NEG_INF
             l[a] = ZERO
@@ -250,8 +343,8 @@ def make_forward(Br, Bc, d, warps, causal):
             j0 = jt * Bc
             full = j0 + Bc <= Nk
             cuda.syncthreads()                         # every warp is done with K_{j-1}, V_{j-1}
-            load_tile(K, Ks, LD, z, j0, Nk, Bc, full, tid)              # line 7: K_j, V_j
-            load_tile(V, Vs, Dp, z, j0, Nk, Bc, full, tid)
+            load_tile(K, Ks, KO, LD, z, j0, Nk, Bc, full, tid)          # line 7: K_j, V_j
+            load_tile(V, Vs, VO, Dp, z, j0, Nk, Bc, full, tid)
             cuda.syncthreads()
             for a in range(TM):
                 for b in range(TN):
@@ -305,7 +398,7 @@ def make_forward(Br, Bc, d, warps, causal):
                 for b in range(TN):
                     for a in range(TM):
                         p[a] = cuda.shfl_sync(FULL_MASK, S[a, b], lane8 + src)
-                    j = uint32(src * Dp + LC * b * Dp)
+                    j = uint32(VO + src * Dp + LC * b * Dp)
                     for c4 in range(CD):               # one LDS.128 of V_j feeds 4·TM FFMAs
                         for t in range(VEC):
                             vj = Vs[j + vcol + uint32(c4 * LC * VEC + t)]
@@ -441,8 +534,8 @@ def make_backward(Br, Bc, d, warps, causal):
         Nq = Q.shape[1]
         Nk = K.shape[1]
         kfull = j0 + Bc <= Nk
-        load_tile(K, Ks, LD, z, j0, Nk, Bc, kfull, tid)                 # Alg. 2 line 6: K_j, V_j once
-        load_tile(V, Vs, LD, z, j0, Nk, Bc, kfull, tid)
+        load_tile(K, Ks, 0, LD, z, j0, Nk, Bc, kfull, tid)              # Alg. 2 line 6: K_j, V_j once
+        load_tile(V, Vs, 0, LD, z, j0, Nk, Bc, kfull, tid)
         for a in range(TM):                            # line 7: dK_j = dV_j = 0 (registers)
             for c in range(DN):
                 dKj[a, c] = ZERO
@@ -455,8 +548,8 @@ def make_backward(Br, Bc, d, warps, causal):
             i0 = it * Br
             qfull = i0 + Br <= Nq
             cuda.syncthreads()                         # every warp is done with Q_{i-1}, dO_{i-1}, dS
-            load_tile(Q, Qs, LD, z, i0, Nq, Br, qfull, tid)             # line 9: Q_i, dO_i, L_i, D_i
-            load_tile(dO, dOs, LD, z, i0, Nq, Br, qfull, tid)
+            load_tile(Q, Qs, 0, LD, z, i0, Nq, Br, qfull, tid)          # line 9: Q_i, dO_i, L_i, D_i
+            load_tile(dO, dOs, 0, LD, z, i0, Nq, Br, qfull, tid)
             for r in range(tid, Br, NT):
                 Ls[r] = L[z, i0 + r] if i0 + r < Nq else NEG_INF
                 Ds[r] = D[z, i0 + r] if i0 + r < Nq else ZERO
@@ -561,8 +654,10 @@ def make_backward(Br, Bc, d, warps, causal):
 # --------------------------------------------------------------------------- launchers
 
 
-def _tiles(d, Br, Bc, warps):
-    t = default_tiles(d)
+def _tiles(d, Br, Bc, warps, optin=DESIGN_OPTIN_BYTES, static=False):
+    """Validated tiles (``static``: the static defaults) with ``dynamic`` (> 48 KiB: dynamic shared memory, up
+    to ``optin`` bytes; more is a ValueError naming the tiles and the limit)."""
+    t = default_tiles(d, static)
     for name, value in (("Br", Br), ("Bc", Bc), ("warps", warps)):
         if value is not None:
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -570,20 +665,54 @@ def _tiles(d, Br, Bc, warps):
             t[name] = int(value)
     geometry(t["Br"], t["Bc"], d, t["warps"])
     check_shared_fit("fa2-fast forward", f"Br={t['Br']}, Bc={t['Bc']} at d={d}",
-                     shared_bytes(t["Br"], t["Bc"], d, t["warps"]), "choose smaller Br/Bc")
+                     shared_bytes(t["Br"], t["Bc"], d, t["warps"]), "choose smaller Br/Bc", optin=optin)
+    t["dynamic"] = needs_dynamic(t["Br"], t["Bc"], d, t["warps"])
     return t
 
 
 def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None):
-    """Device arrays in, ``(O, L)`` out (FA2 Alg. 1); ``Br, Bc, warps`` default to :func:`default_tiles`."""
+    """Device arrays in, ``(O, L)`` out (FA2 Alg. 1); ``Br, Bc, warps`` default to :func:`default_tiles`.
+
+    Tiles over 48 KiB of shared memory run the dynamic-shared-memory kernel, after the driver opt-in
+    (``common.allow_dynamic_shared``), up to the device's opt-in limit (``common.shared_optin_limit``; tiles
+    given beyond it are a ValueError).  When the *default* tiles need more than the device allows, or the
+    opt-in call fails, the launch falls back to :func:`default_tiles` ``(d, static=True)`` with a
+    ``RuntimeWarning``; :data:`last_forward` records what ran and why."""
+    global last_forward
     BH, Nq, d = q.shape
     Nk = k.shape[1]
-    t = _tiles(d, Br, Bc, warps)
+    given = not (Br is None and Bc is None and warps is None)
+    optin = shared_optin_limit()
+    fallback = None
+    try:
+        t = _tiles(d, Br, Bc, warps, optin)
+    except ValueError as exc:
+        if given or not needs_dynamic(**default_tiles(d), d=d):
+            raise
+        t, fallback = _tiles(d, None, None, None, optin, static=True), str(exc)
+    nbytes = shared_bytes(t["Br"], t["Bc"], d, t["warps"])
+    kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal), t["dynamic"])
+    if t["dynamic"]:
+        try:
+            allow_dynamic_shared(kernel, _FWD_SIG, nbytes)
+        except Exception as exc:  # the driver's error type depends on the binding; the fallback is the same
+            if given:
+                raise RuntimeError(f"fa2-fast forward: the driver refused {nbytes:,} B of dynamic shared memory "
+                                   f"for tiles Br={t['Br']}, Bc={t['Bc']} at d={d}: {exc}") from exc
+            fallback = f"the opt-in call for {nbytes:,} B failed: {exc}"
+            t = _tiles(d, None, None, None, optin, static=True)
+            nbytes = shared_bytes(t["Br"], t["Bc"], d, t["warps"])
+            kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal), False)
+    if fallback:
+        warnings.warn(f"fa2-fast forward at d={d}: default tiles need dynamic shared memory this device refuses "
+                      f"({fallback}); falling back to the static tiles Br={t['Br']}, Bc={t['Bc']}, "
+                      f"warps={t['warps']}", RuntimeWarning, stacklevel=2)
+    last_forward = dict(d=d, Br=t["Br"], Bc=t["Bc"], warps=t["warps"], dynamic=t["dynamic"], shared_bytes=nbytes,
+                        fallback=fallback)
     O = empty((BH, Nq, d))
     L = empty((BH, Nq))
-    kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal))
     launch(kernel, (cdiv(Nq, t["Br"]), BH), 32 * t["warps"], q, k, v, O, L, scale, causal_diag(causal, Nq, Nk),
-           label="FA2 fast forward")
+           label="FA2 fast forward", shared=nbytes if t["dynamic"] else 0)
     return O, L
 
 
@@ -684,7 +813,7 @@ def model_backward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None)
 def sass_config(d, causal, Br=None, Bc=None, warps=None) -> dict:
     """The forward kernel's configuration at head dim ``d`` (default tiles unless given)."""
     t = _tiles(d, Br, Bc, warps)
-    return dict(Br=t["Br"], Bc=t["Bc"], d=d, warps=t["warps"], causal=bool(causal))
+    return dict(Br=t["Br"], Bc=t["Bc"], d=d, warps=t["warps"], causal=bool(causal), dynamic=t["dynamic"])
 
 
 def sass_shape(config):

@@ -8,7 +8,7 @@ Every number here comes from compiling the kernel for a real architecture -- ``n
 * :func:`occupancy` -- resident blocks and warps per SM from those resources and the published per-SM
   limits in :data:`SM_LIMITS`, and which limit binds.
 * :func:`guard_kernel` -- the PTX guard's list of problems (float64 instructions, > 48 KiB static shared
-  memory, spills, compile errors).
+  memory, static + dynamic shared memory over the sm_80 / sm_90 opt-in limit, spills, compile errors).
 * :func:`report` / :func:`main_inspect` -- the table behind ``flashnb inspect``.
 
 In simulator mode ``numba.cuda.compile_ptx`` does not exist (``NUMBA_ENABLE_CUDASIM`` is read once per
@@ -61,10 +61,19 @@ from .registry import KERNELS, KernelSpec
 __all__ = [
     "SMLimits", "SM_LIMITS", "Occupancy", "Resources", "occupancy", "resources", "resources_for",
     "resources_many", "resources_of", "guard_kernel", "problems", "report", "format_report", "main_inspect",
-    "find_ptxas", "retarget_ptx", "normalized_ptx", "MAX_STATIC_SHARED", "launched",
+    "find_ptxas", "retarget_ptx", "normalized_ptx", "MAX_STATIC_SHARED", "MAX_OPTIN_SHARED", "OPTIN_CHECKED_CCS",
+    "launched",
 ]
 
 MAX_STATIC_SHARED = 48 * 1024  # bytes of *static* shared memory one block may declare (all cc >= 2.0)
+# Bytes of shared memory (static + dynamic) one block may use after the driver opt-in
+# (cudaFuncAttributeMaxDynamicSharedMemorySize; CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN):
+# CUDA C++ Programming Guide, "Technical Specifications per Compute Capability".
+MAX_OPTIN_SHARED = {(7, 5): 64 * 1024, (8, 0): 163 * 1024, (9, 0): 227 * 1024}
+# The architectures whose opt-in limit the PTX guard holds dynamic shared memory to (A100, H100/H200: what the
+# dynamic defaults are chosen for).  Elsewhere (a T4's 64 KiB) the launcher reads the device's own limit at run
+# time and refuses or falls back (``common.shared_optin_limit``); occupancy there says 0 blocks.
+OPTIN_CHECKED_CCS = ((8, 0), (9, 0))
 
 
 # --------------------------------------------------------------------------- per-SM limits
@@ -96,17 +105,20 @@ class SMLimits:
     smem_alloc_unit: int = 128
     reserved_smem_per_block: int = 1024
     max_static_smem_per_block: int = MAX_STATIC_SHARED
+    max_optin_smem_per_block: int = MAX_STATIC_SHARED   # static + dynamic, after the driver opt-in
 
 
 SM_LIMITS: dict[tuple[int, int], SMLimits] = {
     # T4 (TU104, Colab's free GPU): 64 KB shared per SM, 16 blocks and 32 warps (1,024 threads) per SM, no
     # reserved shared memory per block before cc 8.0.
     (7, 5): SMLimits((7, 5), "T4", smem_per_sm=64 * 1024, max_blocks_per_sm=16, max_warps_per_sm=32,
-                     reserved_smem_per_block=0),
+                     reserved_smem_per_block=0, max_optin_smem_per_block=MAX_OPTIN_SHARED[(7, 5)]),
     # A100 (GA100): 164 KB shared per SM (of the 192 KB L1/shared array), 32 blocks, 64 warps.
-    (8, 0): SMLimits((8, 0), "A100", smem_per_sm=164 * 1024, max_blocks_per_sm=32),
+    (8, 0): SMLimits((8, 0), "A100", smem_per_sm=164 * 1024, max_blocks_per_sm=32,
+                     max_optin_smem_per_block=MAX_OPTIN_SHARED[(8, 0)]),
     # H100/H200 (GH100): 228 KB shared per SM (of the 256 KB L1/shared array), 32 blocks, 64 warps.
-    (9, 0): SMLimits((9, 0), "H100/H200", smem_per_sm=228 * 1024, max_blocks_per_sm=32),
+    (9, 0): SMLimits((9, 0), "H100/H200", smem_per_sm=228 * 1024, max_blocks_per_sm=32,
+                     max_optin_smem_per_block=MAX_OPTIN_SHARED[(9, 0)]),
 }
 
 
@@ -139,20 +151,23 @@ class Occupancy:
     limits: dict = field(default_factory=dict)
 
 
-def occupancy(registers: int, shared_bytes: int, threads_per_block: int, cc=(9, 0)) -> Occupancy:
+def occupancy(registers: int, shared_bytes: int, threads_per_block: int, cc=(9, 0), dynamic_bytes: int = 0
+              ) -> Occupancy:
     """Blocks per SM the hardware can keep resident, following ``cuda_occupancy.h`` (CUDA 12.9).
 
     * registers: ``regs_per_warp = round_up(registers · 32, 256)``; each of the 4 sub-partitions holds
       ``floor(16384 / regs_per_warp)`` warps, so ``blocks = 4 · that // warps_per_block``;
-    * shared memory: ``round_up(static + 1 KiB reserved, 128)`` per block out of the SM's shared memory;
+    * shared memory: ``round_up(static + dynamic + 1 KiB reserved, 128)`` per block out of the SM's shared
+      memory (static <= 48 KiB, static + dynamic <= the opt-in limit, :data:`MAX_OPTIN_SHARED`);
     * warps: ``64 // warps_per_block``; blocks: 32.
     A block that cannot fit at all (too many registers or shared bytes for one block) gives 0 blocks.
     """
     lim = _limits(cc)
     if threads_per_block <= 0 or threads_per_block > lim.max_threads_per_block:
         raise ValueError(f"threads_per_block must be in 1..{lim.max_threads_per_block}, got {threads_per_block}")
-    if registers < 0 or shared_bytes < 0:
-        raise ValueError(f"registers and shared_bytes must be >= 0, got {registers}, {shared_bytes}")
+    if registers < 0 or shared_bytes < 0 or dynamic_bytes < 0:
+        raise ValueError(f"registers, shared_bytes and dynamic_bytes must be >= 0, got {registers}, {shared_bytes}, "
+                         f"{dynamic_bytes}")
     warps = -(-threads_per_block // 32)
     # registers
     regs_per_warp = _round_up(registers * 32, lim.reg_alloc_unit)
@@ -165,8 +180,9 @@ def occupancy(registers: int, shared_bytes: int, threads_per_block: int, cc=(9, 
         warps_per_sub = (lim.regs_per_sm // lim.sub_partitions) // regs_per_warp
         by_regs = warps_per_sub * lim.sub_partitions // warps
     # shared memory
-    smem_alloc = _round_up(shared_bytes + lim.reserved_smem_per_block, lim.smem_alloc_unit)
-    if shared_bytes > lim.max_static_smem_per_block or smem_alloc > lim.smem_per_sm:
+    smem_alloc = _round_up(shared_bytes + dynamic_bytes + lim.reserved_smem_per_block, lim.smem_alloc_unit)
+    if shared_bytes > lim.max_static_smem_per_block or shared_bytes + dynamic_bytes > lim.max_optin_smem_per_block \
+            or smem_alloc > lim.smem_per_sm:
         by_smem = 0
     elif smem_alloc == 0:              # no shared memory and no per-block reserve (cc < 8.0)
         by_smem = lim.max_blocks_per_sm
@@ -198,7 +214,8 @@ class Resources:
     config: dict
     cc: tuple[int, int]
     registers: int | None = None
-    shared_bytes: int | None = None
+    shared_bytes: int | None = None          # static (ptxas)
+    dynamic_shared_bytes: int = 0            # dynamic, what the launcher asks for (the registry's spec says)
     stack_bytes: int | None = None          # per-thread stack frame (local memory)
     spill_store_bytes: int | None = None
     spill_load_bytes: int | None = None
@@ -226,7 +243,7 @@ class Resources:
             raise ValueError(f"{self.name}: threads_per_block unknown (pass it, or register threads=)")
         if self.registers is None:
             raise ValueError(f"{self.name}: no register count ({self.error})")
-        return occupancy(self.registers, self.shared_bytes or 0, threads, cc or self.cc)
+        return occupancy(self.registers, self.shared_bytes or 0, threads, cc or self.cc, self.dynamic_shared_bytes)
 
     def problems(self, max_shared: int = MAX_STATIC_SHARED) -> list[str]:
         return problems(self, max_shared=max_shared)
@@ -254,6 +271,11 @@ def problems(res: Resources, *, max_shared: int = MAX_STATIC_SHARED) -> list[str
                    "unwrapped math result in the kernel (use float32(...) / common constants)")
     if res.shared_bytes is not None and res.shared_bytes > max_shared:
         out.append(f"{where}: {res.shared_bytes} bytes static shared memory > {max_shared} (48 KiB)")
+    optin = MAX_OPTIN_SHARED.get(tuple(res.cc), MAX_STATIC_SHARED)
+    if res.dynamic_shared_bytes and tuple(res.cc) in OPTIN_CHECKED_CCS and \
+            (res.shared_bytes or 0) + res.dynamic_shared_bytes > optin:
+        out.append(f"{where}: {res.shared_bytes or 0} bytes static + {res.dynamic_shared_bytes} bytes dynamic shared "
+                   f"memory > {optin} (the sm_{res.cc[0]}{res.cc[1]} opt-in limit per block)")
     if res.spill_bytes:
         out.append(f"{where}: register spills ({res.spill_store_bytes} B stored, {res.spill_load_bytes} B "
                    "loaded per thread)")
@@ -748,6 +770,7 @@ def resources_many(jobs: Iterable[tuple[str, dict, tuple[int, int]]], *, keep_pt
             raw = [_job_for(originals[k][0], originals[k][1], k[2]) for k in todo]
             results = _in_subprocess(raw, keep_ptx=keep_ptx, reuse_ptx=reuse_ptx)
         for k, r in zip(todo, results):
+            r.dynamic_shared_bytes = KERNELS[originals[k][0]].dynamic_shared_for(originals[k][1])
             if r.threads is None:  # a user-registered kernel compiled from source: block size known only here
                 r.threads = _threads(KERNELS[originals[k][0]], originals[k][1])
             cache[k] = r
@@ -921,11 +944,12 @@ def report(ccs=((7, 5), (8, 0), (9, 0)), threads=None, names: Iterable[str] | No
     for (name, config, cc), res in zip(jobs, results):
         t = _threads_for(KERNELS[name], config, threads)
         row = dict(name=name, config=config, cc=cc, regs=res.registers, smem=res.shared_bytes,
+                   dyn_smem=res.dynamic_shared_bytes,
                    stack=res.stack_bytes, spills=res.spill_bytes, f64=res.f64_count, threads=t,
                    blocks_per_sm=None, warps_per_sm=None, occupancy=None, limiter=None,
                    problems=problems(res))
         if t is not None and res.registers is not None:
-            occ = occupancy(res.registers, res.shared_bytes or 0, t, cc)
+            occ = occupancy(res.registers, res.shared_bytes or 0, t, cc, res.dynamic_shared_bytes)
             row.update(blocks_per_sm=occ.blocks_per_sm, warps_per_sm=occ.warps_per_sm,
                        occupancy=occ.occupancy, limiter=occ.limiter)
         rows.append(row)
@@ -945,8 +969,8 @@ def format_report(rows: list[dict]) -> str:
     for r in rows:
         table.append([
             r["name"], _fmt_config(r["config"]), f"{r['cc'][0]}{r['cc'][1]}",
-            *(dash if r[k] is None else str(r[k]) for k in ("regs", "smem", "stack", "spills", "f64", "threads",
-                                                             "blocks_per_sm", "warps_per_sm")),
+            *(dash if r[k] is None else str(r[k]) if k != "smem" or not r.get("dyn_smem") else f"{r[k]}+{r['dyn_smem']}"
+              for k in ("regs", "smem", "stack", "spills", "f64", "threads", "blocks_per_sm", "warps_per_sm")),
             dash if r["occupancy"] is None else f"{r['occupancy']:.0%}", r["limiter"] or dash,
             "ok" if not r["problems"] else f"{len(r['problems'])} problem(s)",
         ])
@@ -955,7 +979,8 @@ def format_report(rows: list[dict]) -> str:
              for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
     notes = [p for r in rows for p in r["problems"]]
-    foot = ["", "regs: registers/thread; smem: static shared bytes/block; stack, spill: bytes/thread (ptxas -v);",
+    foot = ["", "regs: registers/thread; smem: static shared bytes/block (+ dynamic bytes the launcher asks for); "
+                "stack, spill: bytes/thread (ptxas -v);",
             "occupancy from the published per-SM limits (flashnb.inspect.SM_LIMITS), at thr threads/block."]
     return "\n".join(lines + foot + (["", "problems:"] + ["  " + p for p in notes] if notes else []))
 

@@ -31,6 +31,7 @@ class KernelSpec:
     signature: str | Callable[..., str]
     configs: list[dict] = field(default_factory=lambda: [{}])
     threads: int | Callable[..., int] | None = None  # threads per block (int or f(**config)); for occupancy
+    dynamic_shared: int | Callable[..., int] | None = None  # dynamic shared bytes per block at launch (f(**config))
 
     def signature_for(self, config: dict) -> str:
         sig = self.signature
@@ -40,6 +41,11 @@ class KernelSpec:
         """Threads per block the launcher uses with ``config`` (None when the spec does not say)."""
         t = self.threads
         return int(t(**config)) if callable(t) else (None if t is None else int(t))
+
+    def dynamic_shared_for(self, config: dict) -> int:
+        """Bytes of *dynamic* shared memory the launcher gives a block of this configuration (0: none)."""
+        n = self.dynamic_shared
+        return int(n(**config)) if callable(n) else int(n or 0)
 
     def instances(self):
         """Yield ``(config, kernel, signature)`` for every configuration the guard compiles."""
@@ -66,21 +72,23 @@ def _memoised(factory):
     return cached
 
 
-def kernel_factory(name: str, *, stage: str, signature, configs=None, threads=None):
+def kernel_factory(name: str, *, stage: str, signature, configs=None, threads=None, dynamic_shared=None):
     """Register a kernel factory; the factory is memoised so each configuration compiles once.
 
     ``signature`` is the Numba signature string the kernel is launched with (or a function of the
     configuration returning it); ``configs`` are keyword-argument dicts covering every code path the
     guard must compile (e.g. ``causal`` True and False, the smallest and largest head dim).
     ``threads`` (optional) is the block size the launcher uses -- an int or a function of the
-    configuration -- so ``flashnb inspect`` can work out occupancy.
+    configuration -- so ``flashnb inspect`` can work out occupancy.  ``dynamic_shared`` (optional; an int or a
+    function of the configuration) is the dynamic shared memory per block the launcher asks for: the PTX guard
+    checks it against each architecture's opt-in limit, and occupancy counts it.
     """
 
     def decorate(factory):
         cached = _memoised(factory)
         if name in KERNELS:
             raise ValueError(f"kernel {name!r} registered twice")
-        KERNELS[name] = KernelSpec(name, stage, cached, signature, list(configs or [{}]), threads)
+        KERNELS[name] = KernelSpec(name, stage, cached, signature, list(configs or [{}]), threads, dynamic_shared)
         return cached
 
     return decorate

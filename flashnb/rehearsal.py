@@ -25,11 +25,15 @@ import time
 
 from . import runtime
 
-__all__ = ["DEVICE_NAME", "ManualClock", "PretendDevice", "PretendEvent", "pretend_gpu", "active", "ENV"]
+__all__ = ["DEVICE_NAME", "ManualClock", "PretendDevice", "PretendEvent", "pretend_gpu", "active", "ENV",
+           "dynamic_shared_requests"]
 
 DEVICE_NAME = "REHEARSAL (simulator, not a GPU)"
 ENV = "FLASHNB_REHEARSAL"
 _state = {"depth": 0}
+#: ``(kernel, signature, bytes)`` of every dynamic-shared-memory opt-in (``common.allow_dynamic_shared``) a
+#: rehearsal made: on a GPU each is a ``cuKernelSetAttribute`` call, which a rehearsal cannot make.
+dynamic_shared_requests: list = []
 
 
 def active() -> bool:
@@ -96,7 +100,10 @@ class PretendDevice:
     MEMORY_CLOCK_RATE = 3_201_000  # kHz, as CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE
     GLOBAL_MEMORY_BUS_WIDTH = 6144  # bits
 
-    ATTRIBUTES = ("MULTIPROCESSOR_COUNT", "CLOCK_RATE", "MEMORY_CLOCK_RATE", "GLOBAL_MEMORY_BUS_WIDTH")
+    MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 227 * 1024   # bytes, as CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+
+    ATTRIBUTES = ("MULTIPROCESSOR_COUNT", "CLOCK_RATE", "MEMORY_CLOCK_RATE", "GLOBAL_MEMORY_BUS_WIDTH",
+                  "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN")
 
 
 @contextlib.contextmanager

@@ -262,7 +262,8 @@ def forward_time(kernel: str, BH: int, Nq: int, Nk: int, d: int, *, causal: bool
     """The modelled time of an FA2-style forward (``kernel``: ``"fa2.forward"`` or ``"fa2_fast.forward"``)
     at ``(BH, Nq, Nk, d)``: its SASS for ``gpu``'s architecture, its module's :class:`KernelShape`
     (``sass_shape``), its analytic HBM traffic (``model_forward``), its occupancy (ptxas's registers and
-    shared memory), and its blocks in launch order (``launch_order``: heavy-first or not)."""
+    static shared memory, plus the dynamic shared memory the registry says its launcher asks for), and its
+    blocks in launch order (``launch_order``: heavy-first or not)."""
     import importlib
 
     from . import inspect as fi

@@ -79,7 +79,7 @@ for (m, d), s in compiled.items():
     r = s.resources
     rows.append(dict(kernel=m, d=d, hot_loop=len(hot), ffma_pct=round(100 * s.fma_fraction(hot), 1),
                      lds_bits=s.load_widths(hot), int_ops=s.mix(hot)["int"], local=s.mix()["ldl"] + s.mix()["stl"],
-                     registers=r.registers, shared_KiB=round(r.shared_bytes / 1024, 1),
+                     registers=r.registers, shared_KiB=round((r.shared_bytes + r.dynamic_shared_bytes) / 1024, 1),
                      blocks_per_SM=r.occupancy(32 * configs[(m, d)]["warps"]).blocks_per_sm))
 print(bench.table(rows, list(rows[0])))
 
@@ -228,30 +228,38 @@ plt.show()
 
 # %% [markdown]
 # The issue pipe binds stage 4: most of what it issues is not FFMA. Stage 6 at d = 64 is issue-bound too, but
-# now about two thirds of what it issues is FFMA. At d = 128 the default tiles give each lane only three rows
-# ($T_M = 3$, to stay within 48 KiB of shared memory), too few FFMAs per 128-bit load: the shared pipe binds
+# now about two thirds of what it issues is FFMA. At d = 128 it is issue-bound as well (the shared pipe close
+# behind), with tiles that need more than the 48 KiB of shared memory a block may declare statically (next
+# section). With the tiles that fit in
+# 48 KiB each lane gets only three rows ($T_M = 3$): too few FFMAs per 128-bit load, and the shared pipe binds
 # (exercise 08.2).
 #
 # ## Bigger tiles
 #
 # Larger micro-tiles feed more FFMAs per load, and larger $B_r$ reads $K$ and $V$ fewer times from HBM; both
-# cost registers and shared memory, and so occupancy. The model makes the trade visible (d = 128):
+# cost registers and shared memory, and so occupancy. Beyond 48 KiB a block takes *dynamic* shared memory
+# (`cuda.shared.array(0, float32)`, its size given at launch), which a GPU grants only after a per-kernel
+# opt-in -- up to 163 KiB on an A100, 227 KiB on an H100 (`fa2_fast.make_forward(..., dynamic=True)`, technique
+# 7 of `flashnb.fa2_fast`). The model makes the trade visible (d = 128; the last row is the default):
 
 # %%
 tile_rows = []
-for cfg in (dict(Br=24, Bc=32, warps=2), dict(Br=32, Bc=24, warps=1)):
+for cfg in (dict(Br=24, Bc=32, warps=2), dict(Br=32, Bc=24, warps=1), dict(Br=32, Bc=32, warps=2),
+            fa2_fast.default_tiles(128)):
     t = sass_model.forward_time("fa2_fast.forward", 4 * HEADS[128], 4096, 4096, 128, gpu=GPU, **cfg)
     res = fi.resources_for("fa2_fast.forward", fa2_fast.sass_config(128, False, **cfg))
     tile_rows.append(dict(**cfg, TM=cfg["Br"] // (4 * cfg["warps"]), TN=cfg["Bc"] // 8, registers=res.registers,
-                          shared_KiB=round(res.shared_bytes / 1024, 1), blocks_per_SM=t.blocks_per_sm,
+                          shared_KiB=round((res.shared_bytes + res.dynamic_shared_bytes) / 1024, 1),
+                          dynamic=res.dynamic_shared_bytes > 0, blocks_per_SM=t.blocks_per_sm,
                           warps_per_SM=t.blocks_per_sm * cfg["warps"], pct_fp32_peak=round(100 * t.fraction_of_peak(), 1),
                           bound=t.bound))
 print(bench.table(tile_rows, list(tile_rows[0])))
 
 # %% [markdown]
-# The one-warp tiles look best *in the model*, which assumes every latency is hidden: with a handful of warps
-# per SM (last-but-one column) a real GPU may stall on shared-memory and FFMA latency instead. That is the limit
-# of a model without a GPU; the measurement cell at the end settles it on a machine that has one.
+# The default tiles look best *in the model*: eight key columns per lane ($T_N = 8$) halve the loads per FFMA of
+# line 8, and $B_r = 64$ halves the K/V re-reads. The model assumes every latency is hidden: with a handful of
+# warps per SM (warps_per_SM column) a real GPU may stall on shared-memory and FFMA latency instead. That is the
+# limit of a model without a GPU; the measurement cell at the end settles it on a machine that has one.
 #
 # ## Heavy first
 #

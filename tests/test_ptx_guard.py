@@ -9,7 +9,9 @@ ptxas assembles that PTX for sm_80 and, retargeted, for sm_90 (NVVM's sm_90 PTX 
 and checked, every run: nothing is cached on disk.
 
 Also checked: no ``@cuda.jit`` kernel in ``flashnb/`` escapes the registry (AST scan), and the guard does
-fail on kernels that are deliberately wrong (a float64 literal, 64 KiB of static shared memory).
+fail on kernels that are deliberately wrong (a float64 literal, 64 KiB of static shared memory).  A kernel that
+takes dynamic shared memory declares its bytes per config (``kernel_factory(dynamic_shared=...)``); the guard
+checks static + dynamic against the opt-in limits of sm_80 and sm_90 (``inspect.MAX_OPTIN_SHARED``).
 """
 
 from __future__ import annotations  # noqa: I001  (flashnb must be imported before numba.cuda)
@@ -58,6 +60,12 @@ def test_kernel_passes_guard(compiled, case, cc):
     assert res.error is None, res.error
     assert res.f64_count == 0, f"{name} {config}: {res.f64_count} .f64 PTX lines (Python float literal?)"
     assert res.shared_bytes <= 48 * 1024, f"{name} {config}: {res.shared_bytes} B static shared > 48 KiB"
+    # dynamic shared memory (what the launcher asks for, per the registry) within the opt-in limit of sm_80 and
+    # sm_90 (on sm_75, 64 KiB, the launcher reads the device's limit and falls back to static tiles)
+    assert res.dynamic_shared_bytes == KERNELS[name].dynamic_shared_for(config)
+    if cc in fi.OPTIN_CHECKED_CCS:
+        assert res.shared_bytes + res.dynamic_shared_bytes <= fi.MAX_OPTIN_SHARED[cc], \
+            f"{name} {config}: {res.shared_bytes} + {res.dynamic_shared_bytes} B shared > sm_{cc[0]}{cc[1]}'s opt-in"
     assert res.registers is not None, "ptxas gave no register count"
     assert res.spill_store_bytes == 0 and res.spill_load_bytes == 0, \
         f"{name} {config}: spills {res.spill_store_bytes} B stored / {res.spill_load_bytes} B loaded"
