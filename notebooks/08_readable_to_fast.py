@@ -230,9 +230,8 @@ plt.show()
 # The issue pipe binds stage 4: most of what it issues is not FFMA. Stage 6 at d = 64 is issue-bound too, but
 # now about two thirds of what it issues is FFMA. At d = 128 it is issue-bound as well (the shared pipe close
 # behind), with tiles that need more than the 48 KiB of shared memory a block may declare statically (next
-# section). With the tiles that fit in
-# 48 KiB each lane gets only three rows ($T_M = 3$): too few FFMAs per 128-bit load, and the shared pipe binds
-# (exercise 08.2).
+# section). With the tiles that fit in 48 KiB each lane gets only three rows ($T_M = 3$): too few FFMAs per
+# 128-bit load, and the shared pipe binds (exercise 08.2).
 #
 # ## Bigger tiles
 #

@@ -56,8 +56,9 @@ def _():
           explain="""cycles(p) = demand(p) / rate(p); the binding pipe is the argmax; the fraction of the FP32
           peak the steady state can reach is (ffma / fp32 rate) / max cycles. For the fast forward at d = 64 it is
           the issue pipe (every instruction that is not an FFMA takes an issue slot an FFMA could have had): the
-          fraction is then the FFMA share of the tile. At d = 128 with three rows per lane, it is the shared pipe:
-          too few FFMAs per LDS.128.""")
+          fraction is then the FFMA share of the tile. At d = 128 with the tiles that fit in 48 KiB of static shared
+          memory (three rows per lane, the fallback when a GPU refuses more) it is the shared pipe: too few FFMAs
+          per LDS.128; the default 64 x 64 tiles (dynamic shared memory) feed enough to be issue-bound again.""")
 def check_08_2(bound):
     """bound(pipes, ffma, fp32_lanes): pipes = {"issue": n, "fp32": n, "mufu": n, "mio": n} warp-instructions
     (or wavefronts) of one tile, ffma of them FFMAs; fp32_lanes per SM (128 on cc 9.0).  Returns (name of the
