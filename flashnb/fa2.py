@@ -124,6 +124,16 @@ def cdiv_dev(a, b):
 
 # --------------------------------------------------------------------------- attention modifiers (flex)
 
+_FLEX = None   # flashnb.flex, which builds on this module, registers itself here when imported (no import cycle)
+
+
+def _flex_module():
+    """:mod:`flashnb.flex` (block masks from ``mask_mod``, modifier checks): registered by flex at its import."""
+    if _FLEX is None:
+        raise RuntimeError("attention modifiers need flashnb.flex: import flashnb (which imports it) first")
+    return _FLEX
+
+
 _DEVICE_FNS: dict = {}
 
 
@@ -623,7 +633,7 @@ class BlockMask:
             raise ValueError(f"block_mask built for Br={self.Br}, Bc={self.Bc} cannot be read at tiles "
                              f"Br={Br}, Bc={Bc} (they must divide {self.Br}, {self.Bc})")
         if self.mask_mod is not None:
-            from . import flex
+            flex = _flex_module()
 
             B, H = self.mask.shape[:2] if self.mask.ndim == 4 else (1, 1)
             m = self.states if (Br, Bc) == (self.Br, self.Bc) else \
@@ -640,7 +650,7 @@ class BlockMask:
 
         self.check(Nq, Nk)
         if self.mask_mod is not None:
-            from . import flex
+            flex = _flex_module()
 
             B, H = self.mask.shape[:2] if self.mask.ndim == 4 else (1, 1)
             return flex.mask_array(self.mask_mod, B, H, Nq, Nk).reshape(self.mask.shape[:-2] + (Nq, Nk))
@@ -785,7 +795,7 @@ def _flex(direction, score_mod, mask_mod, score_mod_grad, block_mask, heads, BH,
         if score_mod_grad is not None:
             raise ValueError("score_mod_grad is given without a score_mod")
         return block_mask, None, 1
-    from . import flex
+    flex = _flex_module()
 
     H = positive_int("heads", heads)
     if BH % H:
@@ -935,7 +945,7 @@ def _model_mask(direction, block_mask, mask_mod, heads, BH, Nq, Nk, d, Br, Bc):
     """The block mask a launch with ``mask_mod`` builds (as :func:`forward` does; no modifier check)."""
     if mask_mod is None:
         return block_mask
-    from . import flex
+    flex = _flex_module()
 
     if block_mask is None:
         fwd = default_tiles(d, "forward")

@@ -470,3 +470,6 @@ GUARD_ALIBI = alibi(4)
 GUARD_WINDOW = sliding_window(16)
 GUARD_SOFTCAP = softcap(20.0)
 GUARD_DOCUMENT = document(np.repeat(np.arange(16, dtype=np.int32), 64), causal=True)
+
+
+fa2._FLEX = sys.modules[__name__]   # fa2's kernels call back into this module when given modifiers

@@ -260,6 +260,39 @@ print(bench.table(tile_rows, list(tile_rows[0])))
 # warps per SM (warps_per_SM column) a real GPU may stall on shared-memory and FFMA latency instead. That is the
 # limit of a model without a GPU; the measurement cell at the end settles it on a machine that has one.
 #
+# ## Register prefetch: latency the model cannot see
+#
+# Everything so far counts instructions. A load from HBM also takes time to *arrive*: hundreds of cycles, during
+# which a warp that needs the value waits. FA2's tile loop loads $K_j$ and then at once waits for it (store to
+# shared memory, barrier). **Register prefetch** issues the loads of $K_{j+1}$ *before* computing tile $j$ and
+# stores them only after, so they arrive while the FFMAs run. Step 5 (`fa2_fast_steps.make_stream`) streams three
+# K tiles through one shared buffer, both ways:
+
+# %%
+show_source(steps.make_stream, grep="prefetch")
+
+# %% [markdown]
+# Both compute the same $S$ with nearly the same instructions, so the SASS time model gives them the same time.
+# What differs is *where* each load's result is first used: `steps.load_to_use` counts, in the SASS of the tile
+# loop, the instructions issued between each global load and the first instruction that reads its register.
+
+# %%
+stream_sass = sass.sass_many([("fa2_fast_steps.stream", dict(d=32, prefetch=p)) for p in (False, True)])
+for p, s in zip((False, True), stream_sass):
+    S, ref = steps.run_stream(p)
+    assert not np.isnan(S).any() and np.abs(S - ref).max() < 1e-3
+    dist = steps.load_to_use(s)
+    print(f"prefetch={p!s:5}: {len(dist)} loads per tile, {min(dist)}-{max(dist)} instructions from load to use, "
+          f"{s.resources.registers} registers, hot loop {100 * s.fma_fraction(s.hot_loop):.0f} % FFMA")
+
+# %% [markdown]
+# Without prefetch the compiler already batches the tile's loads ahead of their stores, but each result is
+# needed within a few dozen instructions; with prefetch a whole tile of FFMAs separates them. The price is the
+# registers that hold the next tile -- here $d$ = 32 per thread. The fast kernels do not prefetch: at 164-248
+# registers per thread they have none to spare, and they hide latency with several warps per SM instead (GPUs
+# from sm_80 on also have `cp.async`, a copy from HBM to shared memory that needs no registers, which numba
+# does not expose). Whether latency, not issue, limits them is a question for a GPU: the cell at the end.
+#
 # ## Heavy first
 #
 # With a causal mask, Q block $i$ visits about $i + 1$ K/V tiles: the blocks are unequal. A GPU hands blocks to

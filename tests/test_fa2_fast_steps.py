@@ -26,11 +26,26 @@ def test_each_step_computes_q_k_transpose_and_its_conflicts(name, kernel, factor
         assert stores == 0                     # padded or swizzled rows
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_streaming_step_computes_every_tile(prefetch):
+    S, ref = st.run_stream(prefetch, tiles=3, seed=4)
+    assert not np.isnan(S).any()
+    np.testing.assert_allclose(S, ref, rtol=0, atol=1e-3)     # as above: float32 sums of d = 32 products
+
+
 def test_sass_steps_change_what_they_claim():
     if sass.find_nvdisasm() is None:
         pytest.skip("nvdisasm not installed (it comes with flashnb's pinned toolchain)")
+    jobs = [(kernel, dict(d=64)) for _, kernel, _ in st.STEPS]
+    jobs += [("fa2_fast_steps.stream", dict(d=32, prefetch=p)) for p in (False, True)]
+    compiled = sass.sass_many(jobs)
+    plain, prefetched = compiled[-2:]
+    # register prefetch: every K_{j+1} load is issued a whole tile of work before its result is needed (the
+    # plain copy's loads are used within the copy), for the registers that hold the next tile
+    assert min(st.load_to_use(prefetched)) > 2 * max(st.load_to_use(plain))
+    assert prefetched.resources.registers > plain.resources.registers
     mixes = {}
-    for (name, _, _), s in zip(st.STEPS, sass.sass_many([(kernel, dict(d=64)) for _, kernel, _ in st.STEPS])):
+    for (name, _, _), s in zip(st.STEPS, compiled):
         hot = s.hot_loop
         mixes[name] = (s.mix(hot), s.load_widths(hot), s.fma_fraction(hot), len(s.instructions), s.mix()["ldl"])
     for name, (mix, widths, _, _, local) in mixes.items():
