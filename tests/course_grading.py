@@ -15,9 +15,9 @@ from flashnb.course import build, grade
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: Bugs graded per assignment in the default run (CI): the first BUGS_IN_CI of each bugs.py. Every bug is graded
-#: with `pytest -m slow tests/test_course_a*.py` (and by scripts/course_catalogue.py).
-BUGS_IN_CI = 3
+#: Bugs graded per assignment in the default run (CI): the first BUGS_IN_CI of each bugs.py (one: CI's time budget).
+#: Every bug is graded with `pytest -m slow tests/test_course_a*.py` (and by scripts/course_catalogue.py).
+BUGS_IN_CI = 1
 
 
 def graded_assignment(name: str, tmp_path_factory, *, all_bugs: bool = False) -> dict:
@@ -73,7 +73,7 @@ def check_untouched_release_gets_zero_and_the_batch_goes_on(graded):
 
 def check_each_bug_loses_exactly_its_points(graded):
     bugs = {stem: b for stem, b in graded["subs"].items() if b is not None}
-    assert len(bugs) >= 3, "every assignment has at least three realistic wrong submissions"
+    assert bugs, "no bug submission was graded"
     assert len(course_bugs.load(graded["adir"])) >= 3
     ids = [t["id"] for t in graded["manifest"]["tests"]]
     for stem, bug in bugs.items():
@@ -98,7 +98,7 @@ def check_scores_csv_and_feedback(graded):
 
 def install_tests(namespace: dict, name: str) -> None:
     """Define, in a test module's ``namespace``, the module-scoped ``graded`` fixture of assignment ``name`` and
-    its tests (the default run grades the first three bugs; the ``slow`` test grades every one)."""
+    its tests (the default run grades the first BUGS_IN_CI bugs; the ``slow`` test grades every one)."""
 
     @pytest.fixture(scope="module")
     def graded(tmp_path_factory):

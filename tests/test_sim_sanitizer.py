@@ -336,8 +336,10 @@ OPTIONS = {"fa1": dict(Br=8, Bc=16, warps=2), "fa2": dict(Br=16, Bc=16, warps=2)
 
 # CI runs every impl causal (its masked, partial and skipped tiles are a superset of the non-causal code paths at
 # these shapes: Nk = 40 is not a multiple of any tile); the non-causal runs are `slow` (CI's time budget).
+# naive launches one thread per element of S (the slowest to sanitize): CI runs its tiled kernels through the
+# other impls' checks; its own run is `slow` too.
 @pytest.mark.parametrize("causal", [pytest.param(False, marks=pytest.mark.slow), True])
-@pytest.mark.parametrize("name", list(IMPLS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "naive" else n for n in IMPLS])
 def test_every_impl_passes_all_four_tools(name, causal):
     rng = np.random.default_rng(7)
     q, k, v, do = (rng.standard_normal((1, n, 8)) for n in (24, 40, 40, 24))   # Nk not a multiple of a tile
