@@ -40,7 +40,7 @@ def test_the_limits_themselves_are_allowed():
 
 
 # fa2 puts batch·heads on gridDim.y, naive's matmuls on gridDim.z; every impl goes through the same wrapper
-@pytest.mark.parametrize("impl", ["naive", "fa2"])
+@pytest.mark.parametrize("impl", [pytest.param("naive", marks=pytest.mark.slow), "fa2"])   # naive: CI budget
 def test_batch_heads_beyond_grid_y_are_split_into_launches_that_fit(monkeypatch, rng, impl):
     # Before: fa2 put all 70,000 batch·heads on gridDim.y (CUDA refuses > 65,535) and the simulator ran it.
     monkeypatch.setattr(common, "MAX_GRID", (2**31 - 1, 3, 3))    # as if 65,535 were 3

@@ -179,6 +179,8 @@ def test_measure_impls_rehearsal():
             bench.measure_impls("fa2", BH=1, N=16, d=16, directions=("up",))
 
 
+# CI budget: `slow` -- run `pytest -m slow tests/test_rehearsal.py` before a GPU session (CONTRIBUTING)
+@pytest.mark.slow
 def test_softmax_and_block_sparse_measurements_rehearsal():
     with pretend_gpu():
         sm = flashnb.softmax.measure_gpu(rows=2, n=64, threads=32, repeats=2)
@@ -224,6 +226,8 @@ def test_sweep_skips_a_job_projected_past_the_deadline(tmp_path):
     assert rows[0]["error"].startswith("skipped: would take") and rows[0].get("median_ms") is None
 
 
+# CI budget: `slow` -- run `pytest -m slow tests/test_rehearsal.py` before a GPU session (CONTRIBUTING)
+@pytest.mark.slow
 def test_sweep_rehearsal(tmp_path):
     with pretend_gpu():
         rows = bench.sweep(["fa2", "onepass"], Ns=(16,), ds=(16,), causal=(True,), B=1, H=1, repeats=1, warmup=0,
@@ -236,6 +240,8 @@ def test_sweep_rehearsal(tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
+# CI budget: `slow` -- run `pytest -m slow tests/test_rehearsal.py` before a GPU session (CONTRIBUTING)
+@pytest.mark.slow
 def test_tour_measured_column_rehearsal(capsys, monkeypatch):
     from flashnb import cli, registry
 

@@ -142,6 +142,7 @@ def test_fa1_row_per_lane_reads_of_Q_i_conflict():
     assert qi.per_request == 32 and qi.ideal == qi.requests
 
 
+@pytest.mark.slow   # CI budget (~16 s): the profiler's counts are checked above; this is the CLI's printing of them
 def test_cli_profile_prints_the_known_case(capsys):
     assert cli.main(["profile", "fa2", "--nq", "32", "--nk", "32", "--d", "32", "--lines", "2"]) == 0
     out = capsys.readouterr().out
