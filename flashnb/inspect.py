@@ -474,6 +474,130 @@ def _groups(jobs: list[dict], reuse_ptx: bool) -> list[list[int]]:
     return [sorted(g, key=lambda i: tuple(jobs[i]["cc"])) for g in groups.values()]
 
 
+# --------------------------------------------------------------------------- NVVM's PTX, cached on disk
+#
+# NVVM (numba's typing + lowering + libNVVM) is what the guard spends its time on; ptxas is cheap.  So NVVM's PTX
+# is kept on disk, shared by every process of a run (pytest workers, notebook kernels, compile children) and by
+# later runs, under a key that changes whenever the PTX could: the job (a registered kernel's name and config, or
+# a user kernel's full source description), the signature, the cc of the NVVM pass, a digest of every source
+# file of the flashnb package (a kernel's device functions and constants live there) and the toolchain's
+# versions.  ptxas still assembles the PTX for every cc on every call, so registers, spills and shared memory
+# are measured each time; only the NVVM step is reused.  A kernel that depends on a module outside flashnb,
+# numba, numpy and the standard library is never cached (its key could not see that module change).
+
+_PTX_CACHE_OFF = ("0", "off", "no", "false", "none")
+_PORTABLE_MODULES = ("flashnb", "numba", "numpy", "math", "cmath", "operator", "builtins")
+
+
+def ptx_cache_dir() -> Path | None:
+    """Where NVVM's PTX is cached: ``$FLASHNB_PTX_CACHE`` (``0``/``off`` disables it), else
+    ``$XDG_CACHE_HOME/flashnb/ptx`` (``~/.cache/flashnb/ptx``)."""
+    env = os.environ.get("FLASHNB_PTX_CACHE")
+    if env is not None and env.strip().lower() in _PTX_CACHE_OFF:
+        return None
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flashnb" / "ptx"
+
+
+_DIGESTS: dict[str, str] = {}
+
+
+def package_digest(root: str | Path | None = None) -> str:
+    """SHA-256 of every ``.py`` file of the flashnb package (relative path and bytes) under ``root`` (default:
+    this package): any edit of any source file changes it."""
+    import hashlib
+
+    if root is None and "package" in _DIGESTS:
+        return _DIGESTS["package"]
+    base = Path(root) if root is not None else Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for f in sorted(base.rglob("*.py"), key=lambda f: f.relative_to(base).as_posix()):
+        h.update(f.relative_to(base).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    if root is None:
+        _DIGESTS["package"] = h.hexdigest()
+    return h.hexdigest()
+
+
+def toolchain_versions() -> str:
+    """The versions that decide NVVM's output: Python, numba, numba-cuda, llvmlite, numpy, and the CUDA wheels
+    that ship libNVVM."""
+    if "toolchain" not in _DIGESTS:
+        from importlib import metadata
+
+        parts = [sys.version.split()[0]]
+        for dist in ("numba", "numba-cuda", "llvmlite", "numpy", "cuda-bindings", "nvidia-cuda-nvcc-cu12",
+                     "cuda-toolkit"):
+            try:
+                parts.append(f"{dist}=={metadata.version(dist)}")
+            except metadata.PackageNotFoundError:
+                parts.append(f"{dist}==none")
+        _DIGESTS["toolchain"] = ";".join(parts)
+    return _DIGESTS["toolchain"]
+
+
+def _portable(desc: dict) -> bool:
+    """A source description whose every imported name lives in flashnb, numba, numpy or the standard math
+    modules (so the package digest and the toolchain versions cover what it depends on)."""
+    for value in desc["env"].values():
+        kind = value["kind"]
+        if kind in ("module", "import"):
+            if value["module"].split(".")[0] not in _PORTABLE_MODULES:
+                return False
+        elif kind == "function" and not _portable(value["function"]):
+            return False
+    return True
+
+
+def _ptx_key(job: dict, signature: str | None, cc) -> str | None:
+    """The cache key of NVVM's PTX for ``job`` compiled for ``cc`` (None: not cacheable)."""
+    import hashlib
+
+    if "source" in job:
+        if not _portable(job["source"]):
+            return None
+        what = ["source", job["source"]]
+    elif "attr" in job:
+        if not _is_flashnb_module(job.get("module")):
+            return None
+        what = ["attr", job["module"], job["attr"]]
+    else:
+        spec = KERNELS.get(job["name"])
+        if spec is None or not _is_flashnb_module(getattr(spec.factory, "__module__", None)):
+            return None
+        what = ["name", job["name"], job["config"]]
+        signature = signature or spec.signature_for(job["config"])
+    text = json.dumps([what, signature, list(cc), package_digest(), toolchain_versions()], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _cached_ptx(key: str | None) -> str | None:
+    folder = ptx_cache_dir()
+    if key is None or folder is None:
+        return None
+    with contextlib.suppress(OSError):
+        return (folder / f"{key}.ptx").read_text()
+    return None
+
+
+def _store_ptx(key: str | None, ptx: str) -> None:
+    folder = ptx_cache_dir()
+    if key is None or folder is None:
+        return
+    with contextlib.suppress(OSError):          # a read-only or full disk only costs the next run time
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f"{key}.{os.getpid()}.tmp"
+        tmp.write_text(ptx)
+        os.replace(tmp, folder / f"{key}.ptx")   # atomic: a concurrent reader sees all of it or nothing
+
+
+def _job_signature(job: dict) -> str | None:
+    if "signature" in job:
+        return job["signature"]
+    spec = KERNELS.get(job.get("name"))
+    return spec.signature_for(job["config"]) if spec is not None else None
+
+
 def _compile_jobs(jobs: list[dict], *, reuse_ptx: bool = True, ptxas_threads: int = 2) -> list[Resources]:
     """Compile ``jobs`` in this (GPU-mode) process.
 
@@ -494,12 +618,16 @@ def _compile_jobs(jobs: list[dict], *, reuse_ptx: bool = True, ptxas_threads: in
                     out[i] = Resources(first.get("name", first.get("attr", "?")), first.get("config", {}),
                                        tuple(jobs[i]["cc"]), error=error)
                 continue
-            try:
-                ptx = _nvvm(kernel, sig, tuple(first["cc"]))
-            except Exception as exc:
-                for i in group:
-                    out[i] = _compile_error(exc, name, config, tuple(jobs[i]["cc"]))
-                continue
+            key = _ptx_key(first, sig, first["cc"]) if reuse_ptx else None
+            ptx = _cached_ptx(key)
+            if ptx is None:
+                try:
+                    ptx = _nvvm(kernel, sig, tuple(first["cc"]))
+                except Exception as exc:
+                    for i in group:
+                        out[i] = _compile_error(exc, name, config, tuple(jobs[i]["cc"]))
+                    continue
+                _store_ptx(key, ptx)
             for i in group:
                 cc = tuple(jobs[i]["cc"])
                 pending.append((i, threads, pool.submit(_ptx_resources, retarget_ptx(ptx, cc), name, config, cc)))
@@ -721,17 +849,36 @@ def _one_child(jobs: list[dict], keep_ptx: bool, reuse_ptx: bool, timeout: float
 def _in_subprocess(jobs: list[dict], keep_ptx: bool = False, timeout: float = 1800, *,
                    reuse_ptx: bool = True) -> list[Resources]:
     """Compile ``jobs`` in child processes started with ``FLASHNB_DEVICE=gpu`` (:func:`_processes` of them,
-    each given whole NVVM groups, dealt round-robin so the big kernels of one module are spread out)."""
-    groups = _groups(jobs, reuse_ptx)
-    n = max(1, min(_processes(), len(groups)))
-    shares = [[i for g in groups[p::n] for i in g] for p in range(n)]
-    with ThreadPoolExecutor(max_workers=n) as pool:
-        futures = [pool.submit(_one_child, [jobs[i] for i in share], keep_ptx, reuse_ptx, timeout)
-                   for share in shares]
-        results = [f.result() for f in futures]
+    each given whole NVVM groups, dealt round-robin so the big kernels of one module are spread out).  Groups
+    whose PTX is in the disk cache (:func:`ptx_cache_dir`) need no child: ptxas runs from here."""
     out: list[Resources | None] = [None] * len(jobs)
-    for share, res in zip(shares, results):
-        for i, r in zip(share, res):
+    groups, cached = [], []
+    for g in _groups(jobs, reuse_ptx):
+        first = jobs[g[0]]
+        ptx = _cached_ptx(_ptx_key(first, _job_signature(first), first["cc"])) if reuse_ptx else None
+        if ptx is None:
+            groups.append(g)
+        else:
+            cached += [(i, ptx) for i in g]
+    with ThreadPoolExecutor(max_workers=2) as pool:   # ptxas processes for the cached PTX
+        done = [(i, pool.submit(_ptx_resources, retarget_ptx(ptx, jobs[i]["cc"]), jobs[i].get("name", "?"),
+                                jobs[i].get("config", {}), tuple(jobs[i]["cc"]))) for i, ptx in cached]
+        if groups:
+            n = max(1, min(_processes(), len(groups)))
+            shares = [[i for g in groups[p::n] for i in g] for p in range(n)]
+            with ThreadPoolExecutor(max_workers=n) as children:
+                futures = [children.submit(_one_child, [jobs[i] for i in share], keep_ptx, reuse_ptx, timeout)
+                           for share in shares]
+                results = [f.result() for f in futures]
+            for share, res in zip(shares, results):
+                for i, r in zip(share, res):
+                    out[i] = r
+        for i, fut in done:
+            r = fut.result()
+            r.threads = _threads(KERNELS.get(jobs[i].get("name")), jobs[i]["config"]) if "source" not in jobs[i] \
+                and "attr" not in jobs[i] else None
+            if not keep_ptx:
+                r.ptx = None
             out[i] = r
     return out
 

@@ -108,3 +108,57 @@ def test_occupancy_on_a_t4_by_hand():
     # 20 KiB of shared memory per block: 65536 // 20480 = 3 blocks (no 1 KiB reserve on sm_75)
     o = fi.occupancy(32, 20 * 1024, 128, (7, 5))
     assert (o.blocks_per_sm, o.limiter) == (3, "shared memory")
+
+
+# --------------------------------------------------------------------------- NVVM's PTX cached on disk
+
+
+def _cache_kernel(body: str):
+    """A user kernel written in a 'cell' (source read from linecache), like one a learner writes."""
+    import linecache
+
+    from numba import cuda
+
+    src = f"def scale_in_place(x):\n    i = cuda.grid(1)\n    if i < x.size:\n        x[i] = {body}\n"
+    name = f"<ipython-input-ptx-cache-{abs(hash(body))}>"
+    linecache.cache[name] = (len(src), None, src.splitlines(True), name)
+    ns = {"cuda": cuda, "float32": __import__("numba").float32}
+    exec(compile(src, name, "exec"), ns)
+    return cuda.jit(ns["scale_in_place"])
+
+
+def test_ptx_cache_reuses_nvvm_and_never_a_changed_kernel(tmp_path, monkeypatch):
+    """Same kernel source -> the PTX comes from the disk cache (no new file, same ptxas report); one edit of the
+    kernel (a float64 literal, 1.1) -> a new key, compiled afresh, and the guard sees the float64 it introduced."""
+    monkeypatch.setenv("FLASHNB_PTX_CACHE", str(tmp_path))
+    sig = "void(float32[::1])"
+    first = fi.resources(_cache_kernel("x[i] * float32(2)"), sig, (8, 0), keep_ptx=True)
+    assert first.error is None and first.f64_count == 0
+    files = sorted(tmp_path.glob("*.ptx"))
+    assert len(files) == 1 and files[0].read_text() == first.ptx
+    fi._CACHE.clear()
+    again = fi.resources(_cache_kernel("x[i] * float32(2)"), sig, (8, 0), keep_ptx=True)
+    assert sorted(tmp_path.glob("*.ptx")) == files and again.ptx == first.ptx
+    assert (again.registers, again.f64_count, again.shared_bytes) == (first.registers, 0, first.shared_bytes)
+    changed = fi.resources(_cache_kernel("x[i] * 1.1"), sig, (8, 0), keep_ptx=True)
+    assert len(list(tmp_path.glob("*.ptx"))) == 2 and changed.f64_count > 0
+
+
+def test_ptx_cache_key_covers_toolchain_source_and_imports(monkeypatch):
+    job = dict(name="fa2.forward", config=dict(Br=16, Bc=16, d=20, warps=1, causal=False), cc=[8, 0])
+    key = fi._ptx_key(job, None, (8, 0))
+    assert key == fi._ptx_key(dict(job), None, (8, 0))
+    assert key != fi._ptx_key(dict(job, config=dict(job["config"], causal=True)), None, (8, 0))
+    assert key != fi._ptx_key(job, None, (9, 0))
+    monkeypatch.setitem(fi._DIGESTS, "toolchain", fi.toolchain_versions() + ";numba-cuda==other")
+    assert key != fi._ptx_key(job, None, (8, 0))
+    monkeypatch.setitem(fi._DIGESTS, "package", "an edited package")
+    # a kernel importing a module outside flashnb/numba/numpy/math: never cached (its key could not see it change)
+    desc = {"source": "def k(x): pass", "env": {"helpers": {"kind": "module", "module": "my_helpers"}}}
+    assert fi._ptx_key({"source": desc, "signature": "void()"}, "void()", (8, 0)) is None
+    assert fi._ptx_key({"module": "my_helpers", "attr": "k", "signature": "void()"}, "void()", (8, 0)) is None
+
+
+def test_ptx_cache_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("FLASHNB_PTX_CACHE", "off")
+    assert fi.ptx_cache_dir() is None and fi._cached_ptx("0" * 64) is None

@@ -5,8 +5,19 @@ The simulator hides float64 promotion, oversized shared memory and register spil
 compile (``compile_ptx`` is None there), so :mod:`flashnb.inspect` compiles in child processes started
 with ``FLASHNB_DEVICE=gpu`` and hands back JSON.  Every (kernel, config) gets one NVVM pass, for sm_80;
 ptxas assembles that PTX for sm_80 and, retargeted, for sm_90 (NVVM's sm_90 PTX is the same but for the
-``.target`` line and symbol names: checked on a sample below).  Both architectures are still assembled
-and checked, every run: nothing is cached on disk.
+``.target`` line and symbol names: checked on a sample below).
+
+**Recorded results (the CI budget, issue #13).**  Compiling every registered (kernel, config) costs minutes of
+NVVM, and the answer depends only on the kernels' source and the toolchain.  ``tests/ptx_guard_results.json``
+holds every case's ptxas report together with the key it was computed under: the digest of every source file of
+the flashnb package (:func:`flashnb.inspect.package_digest`) and the toolchain's versions
+(:func:`flashnb.inspect.toolchain_versions`).  When both match, the guard checks the recorded reports and
+re-compiles a sample of :data:`SPOT_CHECKS` (kernel, config) pairs -- a different sample for every package digest
+-- which must reproduce their records exactly.  Any change to any flashnb source file, or another toolchain,
+changes the key: then every case is compiled, as if there were no record (a changed kernel can never pass on an
+old record).  Refresh the record after changing kernels: ``FLASHNB_GUARD_RECORD=1 python -m pytest
+tests/test_ptx_guard.py`` (compiles everything afresh and rewrites the file).  NVVM's PTX is also cached on disk
+(:func:`flashnb.inspect.ptx_cache_dir`), so a second run on one machine skips NVVM; ptxas runs on every compile.
 
 Also checked: no ``@cuda.jit`` kernel in ``flashnb/`` escapes the registry (AST scan), and the guard does
 fail on kernels that are deliberately wrong (a float64 literal, 64 KiB of static shared memory).  A kernel that
@@ -17,6 +28,7 @@ checks static + dynamic against the opt-in limits of sm_80 and sm_90 (``inspect.
 from __future__ import annotations  # noqa: I001  (flashnb must be imported before numba.cuda)
 
 import ast
+import warnings
 from pathlib import Path
 
 import pytest
@@ -41,11 +53,70 @@ def _id(case):
     return name + "[" + ",".join(f"{k}={v}" for k, v in config.items()) + "]"
 
 
+RECORD = Path(__file__).resolve().parent / "ptx_guard_results.json"
+SPOT_CHECKS = 3     # (kernel, config) pairs re-compiled on every run that uses the record
+
+
+def _record_key() -> dict:
+    return {"package_digest": fi.package_digest(), "toolchain": fi.toolchain_versions()}
+
+
+def _load_record() -> dict | None:
+    """The recorded reports ``{case key: Resources}`` if they were computed for exactly this source and
+    toolchain, else None."""
+    import json
+    import os
+
+    if os.environ.get("FLASHNB_GUARD_RECORD") or not RECORD.exists():
+        return None
+    data = json.loads(RECORD.read_text())
+    if data.get("key") != _record_key():
+        return None
+    return {(n, fi._key(n, c, cc)): fi.Resources.from_json(r)
+            for n, c, cc, r in ((e["name"], e["config"], tuple(e["cc"]), e["resources"]) for e in data["results"])}
+
+
+def _spot_sample(cases: list) -> list:
+    """:data:`SPOT_CHECKS` cases picked by the package digest (so every change of the source picks others)."""
+    import hashlib
+
+    order = sorted(cases, key=lambda case: hashlib.sha256((fi.package_digest() + _id(case)).encode()).hexdigest())
+    return order[:SPOT_CHECKS]
+
+
+def _same_report(a, b) -> bool:
+    fields = ("registers", "shared_bytes", "dynamic_shared_bytes", "stack_bytes", "spill_store_bytes",
+              "spill_load_bytes", "f64_count", "threads", "error")
+    return all(getattr(a, f) == getattr(b, f) for f in fields)
+
+
 @pytest.fixture(scope="module")
 def compiled():
-    """Every (kernel, config, cc) compiled once (NVVM ~1.3 s per kernel and config, ptxas ~0.1-0.4 s per cc)."""
+    """Every (kernel, config, cc): from the record when it matches this source and toolchain (with a sample
+    re-compiled and compared), else compiled (NVVM once per kernel and config, ptxas per cc)."""
+    import json
+    import os
+
     jobs = [(name, config, cc) for name, config in CASES for cc in CCS]
-    return {(n, fi._key(n, c, cc)): r for (n, c, cc), r in zip(jobs, fi.resources_many(jobs))}
+    record = _load_record()
+    if record is not None and all((n, fi._key(n, c, cc)) in record for n, c, cc in jobs):
+        spot = [(n, c, cc) for n, c in _spot_sample(CASES) for cc in CCS]
+        for (n, c, cc), fresh in zip(spot, fi.resources_many(spot)):
+            kept = record[(n, fi._key(n, c, cc))]
+            assert _same_report(fresh, kept), (
+                f"{n} {c} sm_{cc[0]}{cc[1]}: compiled now {fresh}, recorded {kept}: the record in {RECORD.name} is "
+                "not what this source and toolchain compile to; refresh it (FLASHNB_GUARD_RECORD=1)")
+        return {k: record[k] for k in ((n, fi._key(n, c, cc)) for n, c, cc in jobs)}
+    if not os.environ.get("FLASHNB_GUARD_RECORD"):
+        warnings.warn(f"{RECORD.name} does not match this source and toolchain: every case compiled (minutes); "
+                      "refresh it with FLASHNB_GUARD_RECORD=1 python -m pytest tests/test_ptx_guard.py", stacklevel=1)
+    out = {(n, fi._key(n, c, cc)): r for (n, c, cc), r in zip(jobs, fi.resources_many(jobs))}
+    if os.environ.get("FLASHNB_GUARD_RECORD"):
+        results = [dict(name=n, config=c, cc=list(cc), resources=dict(out[(n, fi._key(n, c, cc))].to_json(),
+                                                                      ptx=None, ptxas_log=""))
+                   for n, c, cc in jobs]
+        RECORD.write_text(json.dumps({"key": _record_key(), "results": results}, indent=0, sort_keys=True) + "\n")
+    return out
 
 
 def test_ptxas_available():
@@ -238,3 +309,43 @@ def test_retarget_ptx():
     assert fi.retarget_ptx(ptx, (9, 0)) == ptx.replace("sm_80", "sm_90")
     with pytest.raises(ValueError, match="target"):
         fi.retarget_ptx(".version 8.8\n", (9, 0))
+
+
+# --------------------------------------------------------------------------- the recorded results
+
+
+def test_record_key_changes_with_any_source_edit(tmp_path):
+    """The record's key is the digest of every flashnb source file: a copy digests the same, and a one-character
+    edit of one kernel file (a changed kernel) gives another key, so the old record is not used."""
+    import shutil
+
+    copy = tmp_path / "flashnb"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert fi.package_digest(copy) == fi.package_digest()
+    fa2 = copy / "fa2.py"
+    fa2.write_text(fa2.read_text() + " ")
+    assert fi.package_digest(copy) != fi.package_digest()
+
+
+def test_record_key_names_the_toolchain():
+    tool = fi.toolchain_versions()
+    for dist in ("numba==", "numba-cuda==", "llvmlite==", "nvidia-cuda-nvcc-cu12==", "cuda-toolkit=="):
+        assert dist in tool
+    assert "==none" not in tool.split(";", 3)[1], tool   # numba itself must be found
+
+
+def test_record_matches_its_cases():
+    """When the record is in use it holds exactly the current cases (no stale or missing entries), and the spot
+    check compares every field the guard asserts on."""
+    import json
+
+    if not RECORD.exists():
+        pytest.skip("no record yet")
+    data = json.loads(RECORD.read_text())
+    if data["key"] != _record_key():
+        pytest.skip("the record is stale (another source or toolchain): the guard compiled every case")
+    recorded = {(e["name"], fi._key(e["name"], e["config"], tuple(e["cc"]))) for e in data["results"]}
+    assert recorded == {(n, fi._key(n, c, cc)) for n, c in CASES for cc in CCS}
+    a = fi.Resources.from_json(data["results"][0]["resources"])
+    b = fi.Resources.from_json(dict(a.to_json(), registers=(a.registers or 0) + 1))
+    assert _same_report(a, a) and not _same_report(a, b)
