@@ -263,17 +263,27 @@ def make_merge(d):
     return decode_merge
 
 
-@kernel_factory("decode.append", stage="decode", signature=_APPEND_SIG, threads=WARP)
+APPEND_ROWS = 32        # cache rows per block of the append kernel
+APPEND_THREADS = 128
+
+
+@kernel_factory("decode.append", stage="decode", signature=_APPEND_SIG, threads=APPEND_THREADS)
 def make_append():
-    """Append rows to a KV cache: grid ``(n_new, BH_kv)``, one warp per new row, lanes over the head dim."""
+    """Append rows to a KV cache: grid ``(ceil(n_new / 32), BH_kv)``; a block copies 32 rows of K and V,
+    its 128 threads striding over the rows' ``32·d`` consecutive elements (coalesced reads and writes)."""
 
     @cuda.jit
     def cache_append(K, V, K_new, V_new, start):
-        i = cuda.blockIdx.x
         z = cuda.blockIdx.y
-        for c in range(cuda.threadIdx.x, K.shape[2], WARP):
-            K[z, start + i, c] = K_new[z, i, c]
-            V[z, start + i, c] = V_new[z, i, c]
+        r0 = cuda.blockIdx.x * APPEND_ROWS
+        d = K.shape[2]
+        n = K_new.shape[1]
+        for e in range(cuda.threadIdx.x, APPEND_ROWS * d, APPEND_THREADS):
+            r = e // d
+            c = e - r * d
+            if r0 + r < n:
+                K[z, start + r0 + r, c] = K_new[z, r0 + r, c]
+                V[z, start + r0 + r, c] = V_new[z, r0 + r, c]
 
     return cache_append
 
@@ -347,7 +357,8 @@ class KVCache:
         if n > self.free:
             raise ValueError(f"k_new: the cache is full: {n} new positions do not fit in the {self.free} left "
                              f"(length {self.length}, capacity {self.capacity}); make a larger KVCache")
-        launch(make_append(), (n, self.heads), WARP, self.K, self.V, kn, vn, self.length, label="append to cache")
+        launch(make_append(), (cdiv(n, APPEND_ROWS), self.heads), APPEND_THREADS, self.K, self.V, kn, vn, self.length,
+               label="append to cache")
         self.length += n
         return self
 
@@ -391,7 +402,7 @@ def _check_warps(warps, d, NQ):
     warps = default_warps(d) if warps is None else positive_int("warps", warps)
     if warps > 32:
         raise ValueError(f"warps must be in 1..32 (at most 1,024 threads per block), got {warps}")
-    check_shared_fit("flash-decoding", f"warps={warps} (Bc={WARP * warps}) at d={d}, Nq={NQ}",
+    check_shared_fit("flash-decoding", f"of Bc={WARP * warps} keys (warps={warps}) at d={d}, Nq={NQ}",
                      shared_bytes(NQ, d, warps), "use fewer warps")
     return warps
 
