@@ -60,7 +60,7 @@ from .softmax import merge_state, warp_reduce_state
 
 __all__ = ["KVCache", "make_split", "make_merge", "make_append", "decode", "forward", "default_warps",
            "default_splits", "chunk_length", "shared_bytes", "model_forward", "launch_blocks", "modelled_time",
-           "fa2_modelled_time", "sm_count", "MAX_NQ", "WARP"]
+           "fa2_modelled_time", "sm_count", "measure_gpu", "MAX_NQ", "WARP"]
 
 WARP = 32
 MAX_NQ = 8               # queries per thread block (more run in groups of MAX_NQ on gridDim.z)
@@ -375,13 +375,15 @@ def default_warps(d: int) -> int:
     return 4 if d <= 64 else 2
 
 
-def sm_count(gpu="H100 SXM") -> int:
-    """SMs to fill: the GPU's own count when running on one, else the :mod:`flashnb.roofline` preset's."""
-    if runtime.MODE == "gpu":
+def sm_count(gpu=None) -> int:
+    """SMs to fill: ``gpu``'s (a :mod:`flashnb.roofline` preset or GPU); ``None``: this GPU's own count when
+    running on one, else the H100 SXM preset's."""
+    if gpu is None:
         from . import rehearsal
 
-        if not rehearsal.active():
+        if runtime.MODE == "gpu" and not rehearsal.active():
             return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+        gpu = "H100 SXM"
     return roofline.get_gpu(gpu).sm_count
 
 
@@ -407,7 +409,7 @@ def _check_warps(warps, d, NQ):
     return warps
 
 
-def decode(q, cache: KVCache, *, scale=None, causal=True, num_splits=None, warps=None, gpu="H100 SXM"):
+def decode(q, cache: KVCache, *, scale=None, causal=True, num_splits=None, warps=None, gpu=None):
     """Attention of ``q`` against the first ``cache.length`` positions of ``cache``: ``(O, L)`` device arrays
     ``(BH, Nq, d)`` and ``(BH, Nq)``.
 
@@ -415,8 +417,9 @@ def decode(q, cache: KVCache, *, scale=None, causal=True, num_splits=None, warps
     attention), ``d = cache.d <= 128``; meant for ``Nq <= 8`` (more run in groups of 8, each re-reading the
     cache).  ``causal``: True (bottom-right: query ``i`` sees positions ``<= length - Nq + i``), False or
     ``"upper_left"``.  ``num_splits``: chunks the cache is split into (default :func:`default_splits` for
-    ``gpu``'s SMs); more splits than tiles leave some splits empty, which is allowed.  ``warps``: per split
-    block (default :func:`default_warps`); K/V tiles are ``32·warps`` keys."""
+    ``gpu``'s SMs: :func:`sm_count`, this GPU's own when None); more splits than tiles leave some splits
+    empty, which is allowed.  ``warps``: per split block (default :func:`default_warps`); K/V tiles are
+    ``32·warps`` keys."""
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a flashnb.decode.KVCache, got {type(cache).__name__}")
     if cache.length < 1:
@@ -576,3 +579,41 @@ def fa2_modelled_time(BH, Nq, Nk, d, *, causal=True, gpu="H100 SXM", Br=None, Bc
     seconds, busy = _schedule(blocks, g)
     return dict(impl="fa2", blocks=len(blocks), busy_sms=busy, sms=g.sm_count, bytes=sum(b for b, _ in blocks),
                 seconds=seconds, gpu=g.name, kind="modelled")
+
+
+# --------------------------------------------------------------------------- measurement (GPU only)
+
+
+def measure_gpu(BH: int = 8, length: int = 32768, d: int = 128, Nq: int = 1, splits=(1, 4, 16, None), *,
+                repeats: int = 20, warmup: int = 3, seed: int = 0) -> list[dict]:
+    """CUDA-event times (GPU only; for notebook 11) of :func:`decode` at each split count in ``splits`` (None:
+    the heuristic for this GPU's SMs) and of FA2's forward (:func:`flashnb.fa2.forward`, default tiles) on the
+    same ``Nq`` queries and cache, with the blocks each launches.  The cache is filled before timing."""
+    from . import bench, fa2
+    from .common import poisoning
+
+    if runtime.MODE != "gpu":
+        raise RuntimeError("measure_gpu times kernels on a GPU; on the simulator use bench.on_gpu("
+                           "'flashnb.decode:measure_gpu', ...), which measures nothing without a GPU")
+    info = bench.device_info()
+    rng = np.random.default_rng(seed)
+    q = to_device(rng.standard_normal((BH, Nq, d), dtype=np.float32))
+    k, v = (to_device(rng.standard_normal((BH, length, d), dtype=np.float32)) for _ in range(2))
+    cache = KVCache.wrap(k, v)
+    scale = d ** -0.5
+    flops = 4.0 * BH * Nq * length * d
+    out = []
+    with poisoning(False):                           # time the kernels, not the NaN fill of fresh outputs
+        for S in splits:
+            S_used = default_splits(BH, Nq, length, d, gpu=None) if S is None else S
+            timing = bench.time_call(lambda: decode(q, cache, scale=scale, num_splits=S_used), repeats=repeats,
+                                     warmup=warmup, info=info, flops=flops)
+            blocks = launch_blocks(BH, Nq, length, d, num_splits=S_used)
+            out.append(timing.row(impl="flash-decoding", num_splits=S_used, heuristic=S is None, BH=BH, Nq=Nq,
+                                  length=length, d=d, blocks=sum(blocks.values()),
+                                  split_blocks=blocks["split-KV partials"]))
+        timing = bench.time_call(lambda: fa2.forward(q, k, v, causal=True, scale=scale), repeats=repeats,
+                                 warmup=warmup, info=info, flops=flops)
+        out.append(timing.row(impl="fa2", num_splits=None, heuristic=False, BH=BH, Nq=Nq, length=length, d=d,
+                              blocks=cdiv(Nq, fa2.default_tiles(d)["Br"]) * BH, split_blocks=None))
+    return out

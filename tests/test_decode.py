@@ -231,3 +231,17 @@ def test_decode_passes_all_four_sanitizer_tools(rng):
             cache = _cache(k, v)
             cache.length = 75
             decode.decode(q, cache, causal=True, num_splits=3, warps=2)
+
+
+def test_gpu_measurement_rehearsal():
+    """notebook 11's GPU cell: measure_gpu's GPU branches run (kernels still on the simulator), rows labelled
+    rehearsal; on the simulator itself it refuses to time."""
+    from flashnb.rehearsal import pretend_gpu
+
+    with pytest.raises(RuntimeError, match="measure_gpu times kernels on a GPU"):
+        decode.measure_gpu(BH=1, length=64, d=8)
+    with pretend_gpu():
+        rows = decode.measure_gpu(BH=1, length=64, d=8, splits=(2, None), repeats=1, warmup=0)
+    assert [(r["impl"], r["num_splits"]) for r in rows] == [("flash-decoding", 2), ("flash-decoding", 1),
+                                                            ("fa2", None)]
+    assert [r["blocks"] for r in rows] == [2 + 1, 1 + 1, 1] and all(r["mode"] == "rehearsal" for r in rows)
