@@ -388,11 +388,12 @@ def sm_count(gpu=None) -> int:
 
 
 def default_splits(BH: int, Nq: int, length: int, d: int, warps: int | None = None, gpu="H100 SXM") -> int:
-    """The split count :func:`decode` uses: enough blocks to give every SM one (``ceil(SMs / (BH · groups))``,
-    ``groups = ceil(Nq / 8)``), but no more splits than K/V tiles in the cache (``ceil(length / Bc)``, so
-    every split has at least one tile), and at least 1."""
+    """The split count :func:`decode` uses: as many blocks as fit on the SMs in one wave,
+    ``floor(SMs / (BH · groups))`` splits (``groups = ceil(Nq / 8)``) -- rounding up instead would leave a
+    second, nearly empty wave of blocks (8 heads on 132 SMs: 17 splits are 136 blocks) -- but no more splits
+    than K/V tiles in the cache (``ceil(length / Bc)``, so every split has at least one tile), and at least 1."""
     Bc = WARP * (warps or default_warps(d))
-    return max(1, min(cdiv(sm_count(gpu), BH * cdiv(Nq, MAX_NQ)), cdiv(length, Bc)))
+    return max(1, min(sm_count(gpu) // (BH * cdiv(Nq, MAX_NQ)), cdiv(length, Bc)))
 
 
 def chunk_length(length: int, num_splits: int, Bc: int) -> int:

@@ -148,11 +148,13 @@ def test_counted_traffic_equals_model(rng, BH, BHkv, Nq, length, d, S, warps, ca
 
 def test_split_heuristic_fills_the_sms_within_the_cache():
     sms = roofline.get_gpu("H100 SXM").sm_count
-    assert decode.default_splits(8, 1, 32768, 128) == -(-sms // 8)           # 8 heads: ceil(132 / 8) splits
-    assert decode.default_splits(8, 1, 32768, 128, gpu="A100 80GB SXM") == -(-108 // 8)
+    assert decode.default_splits(8, 1, 32768, 128) == sms // 8 == 16         # 8 heads: 128 blocks in one wave
+    assert decode.default_splits(8, 1, 32768, 128, gpu="A100 80GB SXM") == 108 // 8
+    assert decode.default_splits(8, 12, 32768, 128) == sms // 16             # 12 queries: two groups of <= 8
     assert decode.default_splits(4, 1, 100, 64) == 1                          # 100 keys: one tile of 128
     assert decode.default_splits(1, 1, 300, 64, warps=1) == 10                # 10 tiles of 32 < 132
     assert decode.default_splits(256, 1, 32768, 64) == 1                      # enough heads already
+    assert decode.default_splits(100, 1, 32768, 64) == 1                      # 2 splits would need a 2nd wave
     assert decode.chunk_length(100, 5, 32) == 32 and decode.chunk_length(128, 3, 32) == 64
 
 
@@ -163,7 +165,7 @@ def test_fa2_model_is_fa2s_traffic_and_decode_uses_more_sms_at_nq_1():
     assert f["bytes"] == 4 * sum(sum(x[key].values()) for x in model for key in ("reads", "writes"))
     assert f["blocks"] == BH and f["busy_sms"] == BH                          # one block per head
     g = decode.modelled_time(BH, 1, Nk, d, causal=True)
-    assert g["split_blocks"] == BH * decode.default_splits(BH, 1, Nk, d) >= 132 and g["busy_sms"] == 132
+    assert g["split_blocks"] == BH * decode.default_splits(BH, 1, Nk, d) == 128 and g["busy_sms"] == 128
     # same keys read once, plus the partials: a few KiB more than fa2, and (modelled) faster by the idle SMs
     assert 0 < g["bytes"] - f["bytes"] < 0.001 * f["bytes"]
     assert g["seconds"] < f["seconds"] / 10
