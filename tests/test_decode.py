@@ -217,22 +217,32 @@ def test_torch_forward_only():
 
 
 def test_decode_passes_all_four_sanitizer_tools(rng):
-    """memcheck, racecheck (two warps share K_j and the merge buffers), initcheck (the cache is allocated inside
-    the sanitizer, so its unwritten positions are watched), synccheck; one split empty, the last tile partial.
-    The same cache with a length that claims 5 unwritten positions is caught: the check can fail."""
-    from flashnb import sim
+    """memcheck, racecheck, initcheck, synccheck on a launch whose two warps reload K_j (140 keys in 2 chunks
+    of 128 keys: split 0 loads 2 tiles of 64, split 1 one partial tile); the cache is allocated inside the
+    sanitizer, so its unwritten positions are watched.  The checks can fail: without the barrier before the
+    K_j reload racecheck reports the race, and a length claiming 4 unwritten positions is an initcheck error."""
+    from flashnb import registry, sim
 
     q = rng.standard_normal((1, 3, 8))
-    k, v = rng.standard_normal((2, 1, 70, 8))
+    k, v = rng.standard_normal((2, 1, 140, 8))
+
+    def run(length=None):
+        cache = _cache(k, v, capacity=144)
+        cache.length = length or cache.length
+        decode.decode(q, cache, causal=True, num_splits=2, warps=2)
+
     with sim.sanitize() as report:
-        cache = _cache(k, v)
-        decode.decode(q, cache, causal=True, num_splits=3, warps=2)
+        run()
     assert report.launches == 3 and not report.findings          # append, split, merge
-    with pytest.raises(sim.SanitizerError, match=r"initcheck\] read of uninitialized global memory K\[0, 7[0-4]"):
+    with pytest.raises(sim.SanitizerError, match=r"initcheck\] read of uninitialized global memory K\[0, 14[0-3]"):
         with sim.sanitize():
-            cache = _cache(k, v)
-            cache.length = 75
-            decode.decode(q, cache, causal=True, num_splits=3, warps=2)
+            run(length=144)
+    barrier = "cuda.syncthreads()                       # every warp is done with K_{j-1}"
+    racy = registry.variant(decode.make_split, replace=(barrier, "pass"))
+    with registry.using(decode.make_split, racy), pytest.raises(sim.SanitizerError, match=r"racecheck\] .* on "
+                                                                                            r"shared Ks"):
+        with sim.sanitize():
+            run()
 
 
 def test_gpu_measurement_rehearsal():
