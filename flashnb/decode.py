@@ -115,6 +115,63 @@ def make_split(NQ, d, warps, causal):
     Dp = DN * WARP
     KP = d + 1                                       # K_j's padded row length (a compile-time shape)
 
+    @cuda.jit(device=True, inline="always")
+    def split_tile(Qs, Ks, V, s, m, l, Oi, p, tid, w, lane, kz, q0, j0, hi, Nq, scale, diag):
+        """Alg. 1 lines 8-10 for one K/V tile: each warp on its own 32 keys (no other warp involved)."""
+        key = j0 + tid                               # line 8: S = Q_i K_jᵀ, one key per thread
+        for a in range(NQ):
+            s[a] = ZERO
+        for k in range(d):
+            kv = Ks[tid, k]
+            for a in range(NQ):
+                s[a] += Qs[a, k] * kv                # Qs: the warp reads one address (a broadcast)
+        for a in range(NQ):                          # line 9: m_new over the warp's 32 keys, P~ = exp(S - m_new)
+            x = scale * s[a]
+            if key >= hi or q0 + a >= Nq or (causal and not causal_allowed(q0 + a, key, diag)):
+                x = NEG_INF
+            m_new = max(m[a], warp_max(x))
+            alpha = ONE
+            pa = ZERO
+            if m_new != NEG_INF:
+                alpha = float32(math.exp(m[a] - m_new))
+                pa = float32(math.exp(x - m_new))
+            s[a] = pa
+            l[a] = alpha * l[a] + pa                 # per-lane partial, summed over the warp at the end
+            m[a] = m_new
+            for c in range(DN):                      # line 10: O~ = diag(e^(m_old - m_new)) O~ ...
+                Oi[a, c] *= alpha
+        kw = j0 + w * WARP                           # ... + P~ V_j over this warp's keys kw .. kw + 31
+        for r in range(min(WARP, hi - kw)):          # warp-uniform trip count
+            for a in range(NQ):
+                p[a] = cuda.shfl_sync(FULL_MASK, s[a], r)   # P~ of key kw + r, from its lane
+            for c in range(DN):
+                col = lane + WARP * c
+                if col < d:
+                    vj = V[kz, kw + r, col]          # V_j straight from HBM: lanes read consecutive columns
+                    for a in range(NQ):
+                        Oi[a, c] += p[a] * vj
+
+    @cuda.jit(device=True, inline="always")
+    def merge_warps(red_m, red_l, red_O, O_part, L_part, z, split, q0, Nq, tid):
+        """The block-level reduction: the warps' [m, l, O~] merged with stage 2's operator, then lines 12-14,
+        ``O_s = diag(l)^-1 O~`` and ``L_s = m + log l`` (``-inf``: no allowed key in this chunk)."""
+        for e in range(tid, NQ * d, Bc):
+            a = e // d
+            c = e - a * d
+            mm = NEG_INF
+            ll = ZERO
+            for v in range(warps):
+                mm, ll = merge_state(mm, ll, red_m[v, a], red_l[v, a])
+            acc = ZERO
+            for v in range(warps):
+                mv = red_m[v, a]
+                wv = float32(math.exp(mv - mm)) if mv != NEG_INF else ZERO
+                acc += wv * red_O[v, a, c]
+            if q0 + a < Nq:
+                O_part[z, split, q0 + a, c] = acc / ll if ll > ZERO else ZERO
+                if c == 0:
+                    L_part[z, split, q0 + a] = mm + float32(math.log(ll)) if ll > ZERO else NEG_INF
+
     @cuda.jit
     def decode_split(Q, K, V, O_part, L_part, scale, length, chunk, diag):
         Qs = cuda.shared.array((NQ, d), float32)     # Q_i: this group's queries
@@ -157,38 +214,7 @@ def make_split(NQ, d, warps, causal):
                 k = e - r * d
                 Ks[r, k] = K[kz, j0 + r, k] if j0 + r < hi else ZERO
             cuda.syncthreads()
-            key = j0 + tid                           # line 8: S = Q_i K_jᵀ, one key per thread
-            for a in range(NQ):
-                s[a] = ZERO
-            for k in range(d):
-                kv = Ks[tid, k]
-                for a in range(NQ):
-                    s[a] += Qs[a, k] * kv            # Qs: the warp reads one address (a broadcast)
-            for a in range(NQ):                      # line 9: m_new over the warp's 32 keys, P~ = exp(S - m_new)
-                x = scale * s[a]
-                if key >= hi or q0 + a >= Nq or (causal and not causal_allowed(q0 + a, key, diag)):
-                    x = NEG_INF
-                m_new = max(m[a], warp_max(x))
-                alpha = ONE
-                pa = ZERO
-                if m_new != NEG_INF:
-                    alpha = float32(math.exp(m[a] - m_new))
-                    pa = float32(math.exp(x - m_new))
-                s[a] = pa
-                l[a] = alpha * l[a] + pa
-                m[a] = m_new
-                for c in range(DN):                  # line 10: O~ = diag(e^(m_old - m_new)) O~ ...
-                    Oi[a, c] *= alpha
-            kw = j0 + w * WARP                       # ... + P~ V_j over this warp's keys kw .. kw + 31
-            for r in range(min(WARP, hi - kw)):      # warp-uniform trip count
-                for a in range(NQ):
-                    p[a] = cuda.shfl_sync(FULL_MASK, s[a], r)   # P~ of key kw + r, from its lane
-                for c in range(DN):
-                    col = lane + WARP * c
-                    if col < d:
-                        vj = V[kz, kw + r, col]      # V_j straight from HBM: lanes read consecutive columns
-                        for a in range(NQ):
-                            Oi[a, c] += p[a] * vj
+            split_tile(Qs, Ks, V, s, m, l, Oi, p, tid, w, lane, kz, q0, j0, hi, Nq, scale, diag)
         for a in range(NQ):                          # the warps' [m, l, O~] to shared memory
             la = warp_sum(l[a])
             if lane == 0:
@@ -197,22 +223,7 @@ def make_split(NQ, d, warps, causal):
             for c in range(DN):
                 red_O[w, a, lane + WARP * c] = Oi[a, c]
         cuda.syncthreads()
-        for e in range(tid, NQ * d, Bc):             # merge the warps (stage 2's operator), then lines 12-14
-            a = e // d
-            c = e - a * d
-            mm = NEG_INF
-            ll = ZERO
-            for v in range(warps):
-                mm, ll = merge_state(mm, ll, red_m[v, a], red_l[v, a])
-            acc = ZERO
-            for v in range(warps):
-                mv = red_m[v, a]
-                wv = float32(math.exp(mv - mm)) if mv != NEG_INF else ZERO
-                acc += wv * red_O[v, a, c]
-            if q0 + a < Nq:                          # O_s = diag(l)^-1 O~, L_s = m + log l (-inf: no key here)
-                O_part[z, split, q0 + a, c] = acc / ll if ll > ZERO else ZERO
-                if c == 0:
-                    L_part[z, split, q0 + a] = mm + float32(math.log(ll)) if ll > ZERO else NEG_INF
+        merge_warps(red_m, red_l, red_O, O_part, L_part, z, split, q0, Nq, tid)
 
     return decode_split
 

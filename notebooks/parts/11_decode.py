@@ -105,7 +105,7 @@ savefig(fig, "11_decode_schedule")
 plt.close(fig)
 
 # %% [markdown]
-# Inside a block the four warps share each K/V tile of `Bc` keys: thread `t` computes the scores of key
+# Inside a block the warps (`decode.default_warps`: 4 up to `d = 64`, 2 beyond) share each K/V tile of `Bc` keys: thread `t` computes the scores of key
 # `j0 + t` for all `Nq <= 8` queries (`Q_i` stays in shared memory), each warp keeps its own running `m`, `l`
 # and `O~` (FA2 Alg. 1 lines 8-10 on its 32 keys: row max by shuffles, `P~` passed lane to lane for `P~ V_j`,
 # `V_j` read straight from HBM by consecutive lanes), and at the end the block merges its warps with the
