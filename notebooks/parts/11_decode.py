@@ -147,21 +147,26 @@ for S in (1, 2, 3, 7, 9):
           f"max |L - reference| = {np.abs(L - lse_ref).max():.1e}, max |O - fa2| = {np.abs(O - o_fa2).max():.1e}")
 
 # %% [markdown]
-# ### Counted traffic against the model
+# ### Counted traffic against the model, and the blocks each kernel launches
 #
-# The traffic counter runs the two launches on the simulator and counts every element access; the analytic
-# model `decode.model_forward` must give the same numbers, launch by launch and array by array.
+# One decoding step (the last of the 3 queries alone, `Nq = 1`) against the same cache. The traffic counter
+# runs the launches on the simulator and counts every element access; the analytic models
+# (`decode.model_forward`, `fa2.model_forward`) must give the same numbers, launch by launch and array by
+# array. The counter also records each launch's grid, i.e. how many blocks it launches.
 
 # %%
+q1 = q[:, -1:]                      # Nq = 1: bottom-right causal, so it sees every cached key
 with traffic.count() as t:
-    decode.decode(q, cache, causal=True, num_splits=3, warps=1)
+    decode.decode(q1, cache, causal=True, num_splits=3, warps=1)
 print(t)
-model = decode.model_forward(2, Nq, length, d, causal=True, num_splits=3, warps=1)
-print("counted == model:", t.summary() == model)
+print("flash-decoding counted == model:", t.summary() == decode.model_forward(2, 1, length, d, causal=True,
+                                                                                num_splits=3, warps=1))
 with traffic.count() as t2:
-    fa2.forward(*(common.to_device(a) for a in (q, k, v)), causal=True, scale=d ** -0.5)
-print("fa2 counted == model:", t2.summary() == fa2.model_forward(2, Nq, length, d, causal=True))
-print(f"HBM bytes counted: flash-decoding {t.global_bytes:,}, fa2 {t2.global_bytes:,}")
+    fa2.forward(*(common.to_device(a) for a in (q1, k, v)), causal=True, scale=d ** -0.5)
+print("fa2 counted == model:", t2.summary() == fa2.model_forward(2, 1, length, d, causal=True))
+for name, tt in (("flash-decoding", t), ("fa2", t2)):
+    launches = ", ".join(f"{lt.label} grid {lt.grid} = {int(np.prod(lt.grid))} blocks" for lt in tt.launches)
+    print(f"{name:<15} HBM bytes counted {tt.global_bytes:>7,}: {launches}")
 
 # %% [markdown]
 # ### Modelled time against the number of splits
