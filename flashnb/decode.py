@@ -25,7 +25,9 @@ too.  More than 8 queries run in groups of 8 (gridDim.z), each group re-reading 
 
 :class:`KVCache` holds K and V of fixed capacity; :meth:`KVCache.append` writes new rows with a small kernel
 (:func:`make_append`).  Grouped-query attention: the cache may have fewer heads than ``q``; query head ``z``
-reads K/V head ``z // (BH_q / BH_kv)``.
+reads K/V head ``z // (BH_q / BH_kv)``.  Each query head's blocks read their K/V head's chunk themselves, so the
+cache is read once per *query* head; packing a group's query heads into one block's rows (production
+flash-decoding does) would read it once per K/V head -- not done here.
 
 Models: :func:`model_forward` (element accesses per launch, equal to the traffic counter's) and
 :func:`modelled_time` (a per-SM roofline that sees idle SMs; **modelled, not measured**), with
@@ -518,7 +520,8 @@ def model_forward(BH, Nq, Nk, d, *, causal=False, num_splits=None, warps=None, g
     straight from HBM), writes ``O_part``, ``L_part`` rows; shared: ``Q_i`` written (NQ·d), per tile ``K_j``
     written (Bc·d) and read by every thread (d, plus NQ·d of ``Q_i``), then the warps' states written
     (2·warps·NQ + warps·NQ·Dp) and read 4·warps times per output element.  Merge: ``L_part`` read twice, ``O_part``
-    once, O and L written; shared: 2 writes and 64 reads per row (:func:`flashnb.softmax.warp_reduce_state`)."""
+    once, O and L written; shared: 2 writes and 64 reads per row (:func:`flashnb.softmax.warp_reduce_state`).
+    Grouped-query K/V change nothing here: every query head's blocks read their chunk of their K/V head."""
     causal, NQ, warps, S = _plan(BH, Nq, Nk, d, causal, num_splits, warps, gpu)
     Bc, Dp = WARP * warps, WARP * cdiv(d, WARP)
     blocks = _split_blocks(Nq, Nk, causal, S, Bc)
