@@ -8,8 +8,8 @@ so a GPU with 132 SMs running 8 heads keeps 124 SMs idle while 8 blocks each str
 Flash-decoding splits the *keys* instead (split-KV):
 
 1. :func:`make_split` -- grid ``(num_splits, BH, ceil(Nq/8))``: block ``(s, z)`` takes chunk ``s`` of the
-   cache (``length / num_splits`` keys rounded up to the tile ``Bc = 32·warps``) and computes, for its
-   ``Nq <= 8`` queries, FA2 Alg. 1 on that chunk alone: a partial output ``O_s`` (normalised within the chunk)
+   cache of head ``z`` (``length / num_splits`` keys rounded up to the tile ``Bc = 32·warps``) and computes, for
+   its ``Nq <= 8`` queries, FA2 Alg. 1 on that chunk alone: a partial output ``O_s`` (normalised within the chunk)
    and its log-sum-exp ``L_s``.  Inside the block the *warps* split the keys of each K/V tile (one key per
    thread for ``S = Q_i K_jᵀ``; the thread's lane then shares its ``P~`` with the warp for ``P~ V_j``), so
    each warp keeps its own ``[m, l, O~]``, and the block ends by merging its warps' states.
@@ -24,10 +24,10 @@ too.  More than 8 queries run in groups of 8 (gridDim.z), each group re-reading 
 (prefill) FA2 is the kernel to use.
 
 :class:`KVCache` holds K and V of fixed capacity; :meth:`KVCache.append` writes new rows with a small kernel
-(:func:`make_append`).  Grouped-query attention: the cache may have fewer heads than ``q``; query head ``z``
-reads K/V head ``z // (BH_q / BH_kv)``.  Each query head's blocks read their K/V head's chunk themselves, so the
-cache is read once per *query* head; packing a group's query heads into one block's rows (production
-flash-decoding does) would read it once per K/V head -- not done here.
+(:func:`make_append`).  Grouped-query attention: the cache may have fewer heads than ``q`` (query head ``z``
+reads K/V head ``z // G``, ``G = BH_q / BH_kv``).  The split kernel's grid then runs over the K/V heads, and
+a block's rows are the ``G·Nq`` (query head, query) pairs that share its K/V head, up to 8 per block (more
+on gridDim.z): the ``G`` query heads of a group read each chunk of their K/V head once, together.
 
 Models: :func:`model_forward` (element accesses per launch, equal to the traffic counter's) and
 :func:`modelled_time` (a per-SM roofline that sees idle SMs; **modelled, not measured**), with
@@ -110,15 +110,17 @@ def shared_bytes(NQ: int, d: int, warps: int) -> int:
                 configs=[dict(NQ=1, d=64, warps=4, causal=True), dict(NQ=8, d=128, warps=2, causal=False)],
                 threads=lambda warps, **_: WARP * warps)
 def make_split(NQ, d, warps, causal):
-    """Split-KV partials: block ``(s, z, g)`` runs FA2 Alg. 1 over cache chunk ``s`` for queries
-    ``8g .. 8g + NQ - 1`` of head ``z``; ``32·warps`` threads, K/V tiles of ``Bc = 32·warps`` keys."""
+    """Split-KV partials: block ``(s, kz, b)`` runs FA2 Alg. 1 over cache chunk ``s`` of K/V head ``kz`` for
+    ``NQ`` rows ``f = 8b ..`` of the ``G·Nq`` (query head, query) pairs that share that K/V head (row ``f``:
+    query ``f % Nq`` of query head ``kz·G + f // Nq``); ``32·warps`` threads, K/V tiles of ``Bc = 32·warps``
+    keys."""
     Bc = WARP * warps                                # keys per K/V tile: one per thread
     DN = cdiv(d, WARP)                               # head-dim columns per lane: lane + 32·c
     Dp = DN * WARP
     KP = d + 1                                       # K_j's padded row length (a compile-time shape)
 
     @cuda.jit(device=True, inline="always")
-    def split_tile(Qs, Ks, V, s, m, l, Oi, p, tid, w, lane, kz, q0, j0, hi, Nq, scale, diag):
+    def split_tile(Qs, Ks, V, s, m, l, Oi, p, tid, w, lane, kz, f0, F, j0, hi, Nq, scale, diag):
         """Alg. 1 lines 8-10 for one K/V tile: each warp on its own 32 keys (no other warp involved)."""
         key = j0 + tid                               # line 8: S = Q_i K_jᵀ, one key per thread
         for a in range(NQ):
@@ -129,7 +131,7 @@ def make_split(NQ, d, warps, causal):
                 s[a] += Qs[a, k] * kv                # Qs: the warp reads one address (a broadcast)
         for a in range(NQ):                          # line 9: m_new over the warp's 32 keys, P~ = exp(S - m_new)
             x = scale * s[a]
-            if key >= hi or q0 + a >= Nq or (causal and not causal_allowed(q0 + a, key, diag)):
+            if key >= hi or f0 + a >= F or (causal and not causal_allowed((f0 + a) % Nq, key, diag)):
                 x = NEG_INF
             m_new = max(m[a], warp_max(x))
             alpha = ONE
@@ -154,7 +156,7 @@ def make_split(NQ, d, warps, causal):
                         Oi[a, c] += p[a] * vj
 
     @cuda.jit(device=True, inline="always")
-    def merge_warps(red_m, red_l, red_O, O_part, L_part, z, split, q0, Nq, tid):
+    def merge_warps(red_m, red_l, red_O, O_part, L_part, kz, G, split, f0, F, Nq, tid):
         """The block-level reduction: the warps' [m, l, O~] merged with stage 2's operator, then lines 12-14,
         ``O_s = diag(l)^-1 O~`` and ``L_s = m + log l`` (``-inf``: no allowed key in this chunk)."""
         for e in range(tid, NQ * d, Bc):
@@ -169,10 +171,12 @@ def make_split(NQ, d, warps, causal):
                 mv = red_m[v, a]
                 wv = float32(math.exp(mv - mm)) if mv != NEG_INF else ZERO
                 acc += wv * red_O[v, a, c]
-            if q0 + a < Nq:
-                O_part[z, split, q0 + a, c] = acc / ll if ll > ZERO else ZERO
+            f = f0 + a
+            if f < F:                                # row f: query f % Nq of query head kz·G + f // Nq
+                z = kz * G + f // Nq
+                O_part[z, split, f % Nq, c] = acc / ll if ll > ZERO else ZERO
                 if c == 0:
-                    L_part[z, split, q0 + a] = mm + float32(math.log(ll)) if ll > ZERO else NEG_INF
+                    L_part[z, split, f % Nq] = mm + float32(math.log(ll)) if ll > ZERO else NEG_INF
 
     @cuda.jit
     def decode_split(Q, K, V, O_part, L_part, scale, length, chunk, diag):
@@ -187,21 +191,24 @@ def make_split(NQ, d, warps, causal):
         Oi = cuda.local.array((NQ, DN), float32)     # this warp's O~, head-dim columns lane + 32·c
         p = cuda.local.array(NQ, float32)
         split = cuda.blockIdx.x
-        z = cuda.blockIdx.y
-        q0 = cuda.blockIdx.z * NQ                    # first query of this group
+        kz = cuda.blockIdx.y                         # the K/V head
         tid = cuda.threadIdx.x
         w = tid // WARP
         lane = tid % WARP
         Nq = Q.shape[1]
-        kz = z // (Q.shape[0] // K.shape[0])         # GQA: the K/V head of query head z
+        G = Q.shape[0] // K.shape[0]                 # GQA: query heads kz·G .. kz·G + G - 1 share K/V head kz
+        F = G * Nq                                   # their rows (query head, query), packed: f = g·Nq + i
+        f0 = cuda.blockIdx.z * NQ                    # this block's rows f0 .. f0 + NQ - 1
         lo = split * chunk                           # this block's chunk of the cache: keys lo .. hi - 1
         hi = min(lo + chunk, length)
-        if causal:                                   # no key after the group's last query's diagonal
-            hi = min(hi, min(q0 + NQ, Nq) + diag)
-        for e in range(tid, NQ * d, Bc):             # Alg. 1 line 4: load Q_i (zero rows past Nq)
+        if causal:                                   # no key after the last diagonal of these rows' queries
+            f1 = min(f0 + NQ, F) - 1
+            hi = min(hi, (Nq if f1 // Nq > f0 // Nq else f1 % Nq + 1) + diag)
+        for e in range(tid, NQ * d, Bc):             # Alg. 1 line 4: load Q_i (zero rows past F)
             r = e // d
             k = e - r * d
-            Qs[r, k] = Q[z, q0 + r, k] if q0 + r < Nq else ZERO
+            f = f0 + r
+            Qs[r, k] = Q[kz * G + f // Nq, f % Nq, k] if f < F else ZERO
         for a in range(NQ):                          # line 5: O~ = 0, l = 0, m = -inf
             m[a] = NEG_INF
             l[a] = ZERO
@@ -216,7 +223,7 @@ def make_split(NQ, d, warps, causal):
                 k = e - r * d
                 Ks[r, k] = K[kz, j0 + r, k] if j0 + r < hi else ZERO
             cuda.syncthreads()
-            split_tile(Qs, Ks, V, s, m, l, Oi, p, tid, w, lane, kz, q0, j0, hi, Nq, scale, diag)
+            split_tile(Qs, Ks, V, s, m, l, Oi, p, tid, w, lane, kz, f0, F, j0, hi, Nq, scale, diag)
         for a in range(NQ):                          # the warps' [m, l, O~] to shared memory
             la = warp_sum(l[a])
             if lane == 0:
@@ -225,7 +232,7 @@ def make_split(NQ, d, warps, causal):
             for c in range(DN):
                 red_O[w, a, lane + WARP * c] = Oi[a, c]
         cuda.syncthreads()
-        merge_warps(red_m, red_l, red_O, O_part, L_part, z, split, q0, Nq, tid)
+        merge_warps(red_m, red_l, red_O, O_part, L_part, kz, G, split, f0, F, Nq, tid)
 
     return decode_split
 
@@ -400,13 +407,24 @@ def sm_count(gpu=None) -> int:
     return roofline.get_gpu(gpu).sm_count
 
 
-def default_splits(BH: int, Nq: int, length: int, d: int, warps: int | None = None, gpu="H100 SXM") -> int:
+def _row_blocks(Nq: int, group: int) -> tuple[int, int]:
+    """``(NQ, blocks)``: rows per split block and split blocks per K/V head and split, for the ``group·Nq``
+    (query head, query) rows that share a K/V head, at most :data:`MAX_NQ` per block."""
+    F = positive_int("group", group) * positive_int("Nq", Nq)
+    NQ = min(F, MAX_NQ)
+    return NQ, cdiv(F, NQ)
+
+
+def default_splits(BH: int, Nq: int, length: int, d: int, warps: int | None = None, gpu="H100 SXM", *,
+                   group: int = 1) -> int:
     """The split count :func:`decode` uses: as many blocks as fit on the SMs in one wave,
-    ``floor(SMs / (BH · groups))`` splits (``groups = ceil(Nq / 8)``) -- rounding up instead would leave a
-    second, nearly empty wave of blocks (8 heads on 132 SMs: 17 splits are 136 blocks) -- but no more splits
-    than K/V tiles in the cache (``ceil(length / Bc)``, so every split has at least one tile), and at least 1."""
+    ``floor(SMs / blocks per split)`` -- rounding up instead would leave a second, nearly empty wave of blocks
+    (8 heads on 132 SMs: 17 splits are 136 blocks) -- but no more splits than K/V tiles in the cache
+    (``ceil(length / Bc)``, so every split has at least one tile), and at least 1.  A split has one block per
+    K/V head (``BH / group``) and per 8 of the ``group·Nq`` rows sharing it."""
     Bc = WARP * (warps or default_warps(d))
-    return max(1, min(sm_count(gpu) // (BH * cdiv(Nq, MAX_NQ)), cdiv(length, Bc)))
+    per_split = (BH // positive_int("group", group)) * _row_blocks(Nq, group)[1]
+    return max(1, min(sm_count(gpu) // per_split, cdiv(length, Bc)))
 
 
 def chunk_length(length: int, num_splits: int, Bc: int) -> int:
@@ -428,8 +446,9 @@ def decode(q, cache: KVCache, *, scale=None, causal=True, num_splits=None, warps
     ``(BH, Nq, d)`` and ``(BH, Nq)``.
 
     ``q``: NumPy or float32 device array ``(BH, Nq, d)``, ``BH`` a multiple of ``cache.heads`` (grouped-query
-    attention), ``d = cache.d <= 128``; meant for ``Nq <= 8`` (more run in groups of 8, each re-reading the
-    cache).  ``causal``: True (bottom-right: query ``i`` sees positions ``<= length - Nq + i``), False or
+    attention: the ``G = BH / cache.heads`` query heads of a K/V head share its blocks), ``d = cache.d <= 128``;
+    meant for ``G·Nq <= 8`` (more rows run in blocks of 8 on gridDim.z, each re-reading the cache).
+    ``causal``: True (bottom-right: query ``i`` sees positions ``<= length - Nq + i``), False or
     ``"upper_left"``.  ``num_splits``: chunks the cache is split into (default :func:`default_splits` for
     ``gpu``'s SMs: :func:`sm_count`, this GPU's own when None); more splits than tiles leave some splits
     empty, which is allowed.  ``warps``: per split block (default :func:`default_warps`); K/V tiles are
@@ -445,20 +464,21 @@ def decode(q, cache: KVCache, *, scale=None, causal=True, num_splits=None, warps
     BH, Nq, d = (int(n) for n in qd.shape)
     if BH % cache.heads:
         raise ValueError(f"q's batch·heads ({BH}) must be a multiple of the cache's heads ({cache.heads})")
+    G = BH // cache.heads
     if d > 128:
         raise ValueError(f"head dim d must be <= 128, got {d}")
     s = check_scale(scale, d)
     causal = check_causal(causal, Nq, cache.length)
-    NQ = min(Nq, MAX_NQ)
+    NQ, row_blocks = _row_blocks(Nq, G)
     warps = _check_warps(warps, d, NQ)
     Bc = WARP * warps
-    S = default_splits(BH, Nq, cache.length, d, warps, gpu) if num_splits is None \
+    S = default_splits(BH, Nq, cache.length, d, warps, gpu, group=G) if num_splits is None \
         else positive_int("num_splits", num_splits)
     chunk = chunk_length(cache.length, S, Bc)
     O_part = empty((BH, S, Nq, d))
     L_part = empty((BH, S, Nq))
-    launch(make_split(NQ, d, warps, bool(causal)), (S, BH, cdiv(Nq, NQ)), Bc, qd, cache.K, cache.V, O_part, L_part,
-           s, cache.length, chunk, causal_diag(causal, Nq, cache.length), label="split-KV partials")
+    launch(make_split(NQ, d, warps, bool(causal)), (S, cache.heads, row_blocks), Bc, qd, cache.K, cache.V, O_part,
+           L_part, s, cache.length, chunk, causal_diag(causal, Nq, cache.length), label="split-KV partials")
     O = empty((BH, Nq, d))
     L = empty((BH, Nq))
     launch(make_merge(d), (Nq, BH), WARP, O_part, L_part, O, L, label="merge splits")
@@ -485,35 +505,38 @@ def _launch(name, reads, writes, shared_reads, shared_writes):
                 shared_reads=int(shared_reads), shared_writes=int(shared_writes))
 
 
-def _split_blocks(Nq, length, causal, S, Bc):
-    """``[(s, g, rows, keys)]`` per block of one head: the group's valid query rows and the keys its chunk
-    reads (``hi - lo``), in launch order (x fastest)."""
+def _split_blocks(Nq, length, causal, S, Bc, group=1):
+    """``[(s, b, rows, keys)]`` per block of one K/V head: its valid rows (of the ``group·Nq`` sharing the K/V
+    head) and the keys its chunk reads (``hi - lo``), in launch order (x fastest)."""
     diag = causal_diag(causal, Nq, length)
-    NQ = min(Nq, MAX_NQ)
+    NQ, n_blocks = _row_blocks(Nq, group)
+    F = group * Nq
     chunk = chunk_length(length, S, Bc)
     out = []
-    for g in range(cdiv(Nq, NQ)):
-        q0 = g * NQ
-        rows = min(NQ, Nq - q0)
+    for b in range(n_blocks):
+        f0, f1 = b * NQ, min(b * NQ + NQ, F) - 1
+        q_hi = Nq if f1 // Nq > f0 // Nq else f1 % Nq + 1     # one past the last query of these rows
         for s in range(S):
             lo = s * chunk
             hi = min(lo + chunk, length)
             if causal:
-                hi = min(hi, q0 + rows + diag)
-            out.append((s, g, rows, max(0, hi - lo)))
+                hi = min(hi, q_hi + diag)
+            out.append((s, b, f1 - f0 + 1, max(0, hi - lo)))
     return out
 
 
-def _plan(BH, Nq, length, d, causal, num_splits, warps, gpu):
+def _plan(BH, Nq, length, d, causal, num_splits, warps, gpu, group):
     causal = check_causal(causal, Nq, length)
-    NQ = min(Nq, MAX_NQ)
+    if BH % positive_int("group", group):
+        raise ValueError(f"group={group} must divide batch·heads = {BH}")
+    NQ, _ = _row_blocks(Nq, group)
     warps = _check_warps(warps, d, NQ)
-    S = default_splits(BH, Nq, length, d, warps, gpu) if num_splits is None \
+    S = default_splits(BH, Nq, length, d, warps, gpu, group=group) if num_splits is None \
         else positive_int("num_splits", num_splits)
     return causal, NQ, warps, S
 
 
-def model_forward(BH, Nq, Nk, d, *, causal=False, num_splits=None, warps=None, gpu="H100 SXM"):
+def model_forward(BH, Nq, Nk, d, *, causal=False, num_splits=None, warps=None, gpu="H100 SXM", group=1):
     """Element accesses of :func:`decode` with ``Nk`` = the cache length (two launches).
 
     Split: every block reads its group's Q rows and the keys of its chunk once (K and V: ``(hi - lo)·d``, V
@@ -521,26 +544,29 @@ def model_forward(BH, Nq, Nk, d, *, causal=False, num_splits=None, warps=None, g
     written (Bc·d) and read by every thread (d, plus NQ·d of ``Q_i``), then the warps' states written
     (2·warps·NQ + warps·NQ·Dp) and read 4·warps times per output element.  Merge: ``L_part`` read twice, ``O_part``
     once, O and L written; shared: 2 writes and 64 reads per row (:func:`flashnb.softmax.warp_reduce_state`).
-    Grouped-query K/V change nothing here: every query head's blocks read their chunk of their K/V head."""
-    causal, NQ, warps, S = _plan(BH, Nq, Nk, d, causal, num_splits, warps, gpu)
+    ``group`` (GQA, ``BH_q / BH_kv``): the blocks run per K/V head, each on up to 8 of the ``group·Nq`` rows that
+    share it, so K and V are read once per K/V head and chunk (per 8 rows)."""
+    causal, NQ, warps, S = _plan(BH, Nq, Nk, d, causal, num_splits, warps, gpu, group)
     Bc, Dp = WARP * warps, WARP * cdiv(d, WARP)
-    blocks = _split_blocks(Nq, Nk, causal, S, Bc)
+    blocks = _split_blocks(Nq, Nk, causal, S, Bc, group)
+    BHkv = BH // group
     keys = sum(kk for *_, kk in blocks)
     tiles = sum(cdiv(kk, Bc) for *_, kk in blocks)
     n = len(blocks)
-    split = _launch("split-KV partials", {"Q": BH * S * Nq * d, "K": BH * keys * d, "V": BH * keys * d},
+    split = _launch("split-KV partials", {"Q": BH * S * Nq * d, "K": BHkv * keys * d, "V": BHkv * keys * d},
                     {"O_part": BH * S * Nq * d, "L_part": BH * S * Nq},
-                    BH * (tiles * Bc * d * (NQ + 1) + n * NQ * d * 4 * warps),
-                    BH * (n * NQ * d + tiles * Bc * d + n * warps * NQ * (2 + Dp)))
+                    BHkv * (tiles * Bc * d * (NQ + 1) + n * NQ * d * 4 * warps),
+                    BHkv * (n * NQ * d + tiles * Bc * d + n * warps * NQ * (2 + Dp)))
     merge = _launch("merge splits", {"O_part": BH * Nq * S * d, "L_part": 2 * BH * Nq * S},
                     {"O": BH * Nq * d, "L": BH * Nq}, BH * Nq * 2 * WARP, BH * Nq * 2)
     return [split, merge]
 
 
-def launch_blocks(BH, Nq, Nk, d, *, causal=True, num_splits=None, warps=None, gpu="H100 SXM") -> dict:
-    """Thread blocks of each launch of :func:`decode`: ``{"split-KV partials": S·BH·groups, "merge splits": Nq·BH}``."""
-    causal, NQ, warps, S = _plan(BH, Nq, Nk, d, causal, num_splits, warps, gpu)
-    return {"split-KV partials": S * BH * cdiv(Nq, NQ), "merge splits": Nq * BH}
+def launch_blocks(BH, Nq, Nk, d, *, causal=True, num_splits=None, warps=None, gpu="H100 SXM", group=1) -> dict:
+    """Thread blocks of each launch of :func:`decode`: ``{"split-KV partials": S · BH_kv · ceil(group·Nq / 8),
+    "merge splits": Nq · BH}``."""
+    causal, NQ, warps, S = _plan(BH, Nq, Nk, d, causal, num_splits, warps, gpu, group)
+    return {"split-KV partials": S * (BH // group) * _row_blocks(Nq, group)[1], "merge splits": Nq * BH}
 
 
 def _schedule(blocks, g) -> tuple[float, int]:
@@ -554,16 +580,16 @@ def _schedule(blocks, g) -> tuple[float, int]:
     return max(heap), min(len(blocks), g.sm_count)
 
 
-def modelled_time(BH, Nq, Nk, d, *, causal=True, num_splits=None, warps=None, gpu="H100 SXM") -> dict:
+def modelled_time(BH, Nq, Nk, d, *, causal=True, num_splits=None, warps=None, gpu="H100 SXM", group=1) -> dict:
     """**Modelled, not measured**: :func:`decode`'s time on ``gpu`` by a per-SM roofline (see ``_schedule``:
     one SM is assumed to reach only its share of the bandwidth, so idle SMs cost time; launch overhead, caches
     and latency are left out).  Per block: HBM bytes of its own accesses (as :func:`model_forward` counts
     them), FLOPs ``4·d·rows·keys`` (the scores it computes, masked or not).  Returns blocks, busy SMs, bytes,
     seconds of each launch and in all (the two launches run one after the other)."""
     g = roofline.get_gpu(gpu)
-    causal, NQ, warps, S = _plan(BH, Nq, Nk, d, causal, num_splits, warps, gpu)
+    causal, NQ, warps, S = _plan(BH, Nq, Nk, d, causal, num_splits, warps, gpu, group)
     split = [(4 * (2 * rows * d + rows + 2 * keys * d), 4 * d * rows * keys)
-             for _ in range(BH) for _, _, rows, keys in _split_blocks(Nq, Nk, causal, S, WARP * warps)]
+             for _ in range(BH // group) for _, _, rows, keys in _split_blocks(Nq, Nk, causal, S, WARP * warps, group)]
     merge = [(4 * (2 * S + S * d + d + 1), 2 * S * d)] * (BH * Nq)
     t_split, busy_split = _schedule(split, g)
     t_merge, busy_merge = _schedule(merge, g)

@@ -25,16 +25,18 @@ def _cache(k, v, capacity=CAPACITY):
 
 # (BH_q, BH_kv, Nq, length, d, num_splits, warps, causal): lengths not a multiple of the tile (32·warps);
 # more splits than tiles (empty splits: 100 keys in 5 chunks of 32, the last one empty; 40 keys in 2 chunks
-# of 64); length < Nq (causal: the first queries see no key, lse = -inf); grouped-query K/V; 8 queries.
+# of 64); length < Nq (causal: the first queries see no key, lse = -inf); grouped-query K/V (3 query heads
+# share a K/V head: 9 rows, a block of 8 straddling query heads and a block of 1); 8 queries.
 CASES = [
     (2, 2, 1, 70, 16, 3, 1, True),
+    (6, 2, 3, 45, 8, 2, 1, "upper_left"),
     (1, 1, 3, 100, 8, 5, 1, True),
     (1, 1, 8, 40, 20, 2, 2, False),
     (1, 1, 5, 3, 8, 2, 1, True),
     (4, 2, 2, 50, 8, 2, 1, True),
     (1, 1, 1, 128, 64, 4, 1, True),
 ]
-IDS = [f"bh{c[0]}/{c[1]}-nq{c[2]}-len{c[3]}-d{c[4]}-s{c[5]}-w{c[6]}-{'causal' if c[7] else 'full'}" for c in CASES]
+IDS = [f"bh{c[0]}/{c[1]}-nq{c[2]}-len{c[3]}-d{c[4]}-s{c[5]}-w{c[6]}-{c[7] if c[7] else 'full'}" for c in CASES]
 
 
 @pytest.mark.parametrize("BH, BHkv, Nq, length, d, S, warps, causal", CASES, ids=IDS)
@@ -128,8 +130,9 @@ def test_append_refuses_bad_rows(k_new, error, says):
 
 
 @pytest.mark.parametrize("BH, BHkv, Nq, length, d, S, warps, causal", [
-    (2, 1, 3, 100, 8, 5, 1, True),      # GQA, empty split, causal
-    (1, 1, 10, 70, 12, 2, 2, False),    # two query groups, two warps
+    (2, 1, 3, 100, 8, 5, 1, True),      # GQA (two query heads' 6 rows in one block), empty split, causal
+    (1, 1, 10, 70, 12, 2, 2, False),    # two blocks of rows, two warps
+    (4, 1, 3, 50, 8, 3, 1, "upper_left"),   # GQA, 12 rows: a block of 8 rows straddling query heads, then 4
 ])
 def test_counted_traffic_equals_model(rng, BH, BHkv, Nq, length, d, S, warps, causal):
     q = rng.standard_normal((BH, Nq, d))
@@ -137,20 +140,24 @@ def test_counted_traffic_equals_model(rng, BH, BHkv, Nq, length, d, S, warps, ca
     cache = _cache(k, v)
     with traffic.count() as t:
         decode.decode(q, cache, causal=causal, num_splits=S, warps=warps)
-    model = decode.model_forward(BH, Nq, length, d, causal=causal, num_splits=S, warps=warps)
+    G = BH // BHkv
+    model = decode.model_forward(BH, Nq, length, d, causal=causal, num_splits=S, warps=warps, group=G)
     assert t.summary() == model
+    # K/V read once per K/V head and chunk (each block's rows share them): at most length·d each per block row
+    assert model[0]["reads"]["K"] <= BHkv * math.ceil(G * Nq / 8) * length * d
     # the per-block time model prices the same global bytes
-    mt = decode.modelled_time(BH, Nq, length, d, causal=causal, num_splits=S, warps=warps)
+    mt = decode.modelled_time(BH, Nq, length, d, causal=causal, num_splits=S, warps=warps, group=G)
     assert mt["bytes"] == 4 * sum(sum(x[key].values()) for x in model for key in ("reads", "writes"))
-    assert [lt.grid for lt in t.launches] == [(S, BH, math.ceil(Nq / 8)), (Nq, BH, 1)]
-    assert mt["split_blocks"] == S * BH * math.ceil(Nq / 8) and mt["merge_blocks"] == Nq * BH
+    assert [lt.grid for lt in t.launches] == [(S, BHkv, math.ceil(G * Nq / 8)), (Nq, BH, 1)]
+    assert mt["split_blocks"] == S * BHkv * math.ceil(G * Nq / 8) and mt["merge_blocks"] == Nq * BH
 
 
 def test_split_heuristic_fills_the_sms_within_the_cache():
     sms = roofline.get_gpu("H100 SXM").sm_count
     assert decode.default_splits(8, 1, 32768, 128) == sms // 8 == 16         # 8 heads: 128 blocks in one wave
     assert decode.default_splits(8, 1, 32768, 128, gpu="A100 80GB SXM") == 108 // 8
-    assert decode.default_splits(8, 12, 32768, 128) == sms // 16             # 12 queries: two groups of <= 8
+    assert decode.default_splits(8, 12, 32768, 128) == sms // 16             # 12 queries: two blocks of <= 8
+    assert decode.default_splits(32, 1, 32768, 128, group=4) == sms // 8     # 4 query heads per K/V head: 8 blocks
     assert decode.default_splits(4, 1, 100, 64) == 1                          # 100 keys: one tile of 128
     assert decode.default_splits(1, 1, 300, 64, warps=1) == 10                # 10 tiles of 32 < 132
     assert decode.default_splits(256, 1, 32768, 64) == 1                      # enough heads already

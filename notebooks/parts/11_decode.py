@@ -110,7 +110,9 @@ plt.close(fig)
 # and `O~` (FA2 Alg. 1 lines 8-10 on its 32 keys: row max by shuffles, `P~` passed lane to lane for `P~ V_j`,
 # `V_j` read straight from HBM by consecutive lanes), and at the end the block merges its warps with the
 # stage-2 operator and writes `O_s = O~ / l`, `L_s = m + log l`. Bottom-right causal alignment: query `i` of
-# `Nq` sees cache positions `j <= length - Nq + i` (the new tokens were appended last).
+# `Nq` sees cache positions `j <= length - Nq + i` (the new tokens were appended last). With grouped-query
+# attention (`G` query heads per K/V head) the grid runs over the K/V heads and a block's rows are the `G · Nq`
+# (query head, query) pairs of its group, up to 8: the group reads each chunk once, together.
 
 # %%
 show_source(decode.make_split)
