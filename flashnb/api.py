@@ -224,10 +224,12 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
             ``mask_mod(b, h, q_idx, kv_idx)`` (bool; becomes a block mask whose empty tiles are skipped),
             ``block_mask=flashnb.flex.create_block_mask(mask_mod, ...)``, and for the backward
             ``score_mod_grad`` (d score_mod / d score; the gallery's modifiers carry it as ``.grad``).  ``b``,
-            ``h`` index q's leading axes (B, H).
+            ``h`` index q's leading axes (B, H).  ``impl="flash-decoding"`` (forward only; for a few new queries,
+            ``N_q <= 8``, against a long K/V cache: :mod:`flashnb.decode`) takes ``num_splits`` (chunks of the keys,
+            default: enough blocks to fill the GPU's SMs in one wave) and ``warps``.
 
-    Grouped-/multi-query attention: with ``impl="fa2"``, k and v may have fewer heads (axis -3) than q, a
-    divisor of q's heads; query head ``h`` uses K/V head ``h // (H_q / H_kv)``.
+    Grouped-/multi-query attention: with ``impl="fa2"`` (or ``"flash-decoding"``), k and v may have fewer heads
+    (axis -3) than q, a divisor of q's heads; query head ``h`` uses K/V head ``h // (H_q / H_kv)``.
 
     Inputs of any real dtype are converted to float32 (the kernels compute in float32), and may be
     non-contiguous.  Returns ``o`` with q's shape and ``lse`` (log-sum-exp of each scaled score row) with

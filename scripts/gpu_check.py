@@ -241,15 +241,18 @@ def measure_dram(args, deadline: float) -> list[dict]:
 
 
 def measurements(args, deadline: float) -> list[dict]:
-    """The notebooks' own GPU measurements (what notebooks 02 and 07 run through ``bench.on_gpu``), at
-    ``--measure-n`` (4096 x 4096 softmax and N = 4096 block-sparse by default)."""
-    from flashnb import block_sparse, softmax
+    """The notebooks' own GPU measurements (what notebooks 02, 07 and 11 run through ``bench.on_gpu``), at
+    ``--measure-n`` (4096 x 4096 softmax and N = 4096 block-sparse by default; decoding: one query per head
+    against a cache of 8 x measure-n keys)."""
+    from flashnb import block_sparse, decode, softmax
 
     n = args.measure_n
     jobs = [("softmax.measure_gpu", lambda: softmax.measure_gpu(rows=n, n=n, threads=256 if n >= 256 else 32,
                                                                repeats=args.repeats, warmup=1)),
             ("block_sparse.measure_gpu", lambda: block_sparse.measure_gpu(BH=args.B * args.H, N=n, d=args.d,
-                                                                          repeats=args.repeats, warmup=1))]
+                                                                          repeats=args.repeats, warmup=1)),
+            ("decode.measure_gpu", lambda: decode.measure_gpu(BH=args.B * args.H, length=8 * n, d=args.d, Nq=1,
+                                                              repeats=args.repeats, warmup=1))]
     rows = []
     for name, job in jobs:
         if time.monotonic() > deadline:
@@ -258,8 +261,8 @@ def measurements(args, deadline: float) -> list[dict]:
         try:
             got = job()
             rows += [dict(measurement=name, **r) for r in got]
-            print(f"{name}: " + ", ".join(f"{r.get('method', r.get('density'))} {r['median_ms']:.3f} ms" for r in got),
-                  flush=True)
+            label = lambda r: r.get("method", r.get("density", f"{r.get('impl')} splits={r.get('num_splits')}"))
+            print(f"{name}: " + ", ".join(f"{label(r)} {r['median_ms']:.3f} ms" for r in got), flush=True)
         except Exception as exc:
             rows.append(dict(measurement=name, error=f"{type(exc).__name__}: {exc}"[:300]))
             traceback.print_exc()
