@@ -40,7 +40,7 @@ hand-written CUDA Philox uses: numba does the arithmetic in 64 bits.
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32, uint32, uint64
+from numba import cuda, float32, uint64
 
 from .common import ONE, ZERO, cdiv, empty, launch
 from .registry import kernel_factory
