@@ -23,8 +23,10 @@ forward, the backward and :func:`dropout_keep_np`; change it and every saved see
 * key = ``(seed mod 2^32, seed >> 32)``: the seed's low and high 32-bit halves (``0 <= seed < 2^64``);
 * ``u = (x0 >> 8) · 2^-24``: the top 24 bits of the first output word ``x0``, a uniform number on
   ``[0, 1)`` that float32 holds exactly;
-* keep the element iff ``u >= p`` (probability ``1 - p``, up to the 2^-24 grid); a kept ``P_ij`` is
-  multiplied by ``1/(1 - p)``, a dropped one by 0 (inverted dropout: the expectation of ``O`` is unchanged).
+* keep the element iff ``u >= p`` (probability ``1 - p``, up to the 2^-24 grid; ``p`` as float32); a kept
+  ``P_ij`` is multiplied by ``1/(1 - p)``, a dropped one by 0 (inverted dropout: the expectation of ``O`` is
+  unchanged).  The keep decisions are the contract, bit for bit; the kernels' factor is float32's
+  ``1/(1 - p)``, within float32 rounding of the float64 one :func:`dropout_scale_np` gives the reference.
 
 One Philox call per element, using one of its four output words: wasteful (a fast kernel would spend all four
 on four neighbouring columns) but the simplest mapping to read.
