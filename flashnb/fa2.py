@@ -302,7 +302,7 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
                     pb = float32(math.exp(S[a, b] - m_new))
                     S[a, b] = pb
                     rs += pb
-                    if dropout and pb != ZERO:       # FA1 Alg. 2 line 11: P~ ∘ Z / (1-p) into O~; l_i took P~
+                    if dropout and pb != ZERO:       # FA1 Alg. 2's dropout: P~ ∘ Z / (1-p) into O~; l_i took P~
                         S[a, b] = pb * dropout_scale(seed_lo, seed_hi, z, i0 + r0 + LR * a, j0 + lc + LC * b,
                                                      dropout_p, inv_keep)
             else:                                    # nothing seen yet: P~ = 0
@@ -498,7 +498,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
                 pv = ZERO
                 if Lr != NEG_INF and key < Nk and not (causal and key > i0 + r + diag):
                     pv = float32(math.exp(scale * S[a, b] - Lr))
-                if dropout:                          # FA1 Alg. 4 lines 13-14 with Z_ij regenerated, W = Z/(1-p)
+                if dropout:                          # lines 11-14 with FA1 Alg. 4's Z_ij regenerated, W = Z/(1-p)
                     w = ZERO
                     if pv != ZERO:
                         w = dropout_scale(seed_lo, seed_hi, zq, i0 + r, key, dropout_p, inv_keep)
