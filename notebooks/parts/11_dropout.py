@@ -85,8 +85,9 @@ for counter, key, want in KAT:
 # kernels compile exactly as before):
 
 # %%
-show_source(fa2.make_forward, grep="dropout_scale")
-show_source(fa2.make_backward, grep="dropout")
+show_source(fa2.make_forward, grep="dropout_scale(")
+show_source(fa2.make_backward, grep="dropout_scale(")
+show_source(fa2.make_backward, grep="= pv * ")
 
 # %% [markdown]
 # ### Counted: what crosses HBM with and without dropout
@@ -141,7 +142,8 @@ assert np.array_equal(W_fwd > 0.5, keep_twin) and np.array_equal(W_bwd > 0.5, ke
 
 fig, axes = plt.subplots(1, 3, figsize=(11, 3.8))
 for ax, (title, W) in zip(axes, [("forward: O / P  (V = I)", W_fwd), ("backward: dVᵀ / P  (dO = I)", W_bwd),
-                                 ("forward XOR backward", np.logical_xor(W_fwd > 0.5, W_bwd > 0.5))]):
+                                 (f"forward XOR backward: {np.logical_xor(W_fwd > 0.5, W_bwd > 0.5).sum()} differ",
+                                  np.logical_xor(W_fwd > 0.5, W_bwd > 0.5))]):
     ax.imshow(W, cmap="gray_r", vmin=0, vmax=1, interpolation="nearest")
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("key j")
