@@ -269,11 +269,9 @@ def attention(q, k, v, *, causal=False, scale=None, impl: str = "fa2", block_mas
                         ("score_mod_grad", score_mod_grad)):
         if value is not None:
             options[name] = value
-    if not (isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) and dropout_p == 0):
-        check_dropout(dropout_p, 0 if seed is None else seed)   # p's own errors first, then the impl's
-        options.update(dropout_p=dropout_p, seed=_draw_seed() if seed is None else seed)
-    elif seed is not None:
-        options["seed"] = seed                   # checked (then dropped) with dropout_p = 0
+    p = check_dropout(dropout_p, 0 if seed is None else seed)   # dropout_p's own errors first, then the impl's
+    if p > 0 or seed is not None:                # a seed is drawn (torch's RNG advanced) only for real dropout
+        options.update(dropout_p=p, seed=_draw_seed() if seed is None else seed)
     # q is flattened to (B·H, N, d) below: the modifiers' h and b need q's H (api checks it like any option)
     options = api._check_options(entry, impl, options, q, k)
     if "heads" in options:

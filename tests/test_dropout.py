@@ -15,7 +15,7 @@ import pytest
 from conftest import assert_close, qkv
 
 import flashnb
-from flashnb import common, fa2, reference, traffic
+from flashnb import common, fa2, reference, sim, traffic
 from flashnb import rng as frng  # (the name rng is conftest's seeded-generator fixture)
 
 FWD = dict(atol=4e-5, rtol=4e-5)
@@ -199,6 +199,18 @@ def test_p_zero_is_no_dropout_bit_for_bit(rng):
         outs[dropout] = [a.copy_to_host() for a in (O, L, dQ, dK, dV)]
     for name, a, b in zip(("O", "L", "dQ", "dK", "dV"), outs[False], outs[True]):
         assert not np.isnan(a).any() and np.array_equal(a, b), name
+
+
+def test_dropout_kernels_pass_the_sanitizer(rng):
+    """memcheck, racecheck, initcheck, synccheck on the dropout kernels (tiles small enough that the loops reload
+    their shared tiles more than once; two warps in the forward)."""
+    q, k, v, do = qkv(rng, (1, 20, 8), 20, do=True)
+    with sim.sanitize() as report:
+        o, lse = flashnb.attention_forward(q, k, v, impl="fa2", causal=True, dropout_p=0.3, seed=9, Br=8, Bc=8,
+                                           warps=2)
+        flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", causal=True, dropout_p=0.3, seed=9, Br=8, Bc=8,
+                                   warps=1)
+    assert "no errors in 3 launch(es)" in str(report), str(report)
 
 
 # --------------------------------------------------------------------------- errors
