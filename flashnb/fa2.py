@@ -96,14 +96,15 @@ def default_tiles(d: int, direction: str = "forward") -> dict:
 def _configs(direction):
     """What the PTX guard compiles: the default tiles of every head-dim class (causal on and off), plus
     one-warp tiles with an odd head dim (padded to the lanes); the block-sparse variant (FA1 Alg. 5, see
-    :mod:`flashnb.block_sparse`) with causal off and on, smallest and largest head dim."""
+    :mod:`flashnb.block_sparse`) with causal off and on, smallest and largest head dim; dropout (dense causal
+    d = 64; block-sparse GQA d = 128); attention modifiers last."""
     return ([dict(**default_tiles(d, direction), d=d, causal=c) for d, c in ((32, False), (64, True), (128, True))]
             + [dict(Br=16, Bc=16, d=20, warps=1, causal=False)]
             + [dict(**default_tiles(d, direction), d=d, causal=c, sparse=True) for d, c in ((32, False), (128, True))]
+            + [dict(**default_tiles(64, direction), d=64, causal=True, dropout=True),     # dropout: dense; sparse GQA
+               dict(**default_tiles(128, direction), d=128, causal=False, sparse=True, gqa=True, dropout=True)]
             + [dict(**default_tiles(d, direction), d=d, causal=c, sparse=True, H=4, gqa=True, **mods)
-               for d, c, mods in ((64, False, _GUARD_MODS), (128, True, _GUARD_MODS_2))]
-            + [dict(**default_tiles(64, direction), d=64, causal=True, dropout=True),     # dropout: dense, and with
-               dict(**default_tiles(128, direction), d=128, causal=False, sparse=True, gqa=True, dropout=True)])
+               for d, c, mods in ((64, False, _GUARD_MODS), (128, True, _GUARD_MODS_2))])   # last: REUSE_SAMPLE's
 
 
 # Modifiers the PTX guard compiles into the kernels (gallery entries, named "module:attr" so the guard's
