@@ -303,9 +303,6 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
                     pb = float32(math.exp(S[a, b] - m_new))
                     S[a, b] = pb
                     rs += pb
-                    if dropout and pb != ZERO:       # FA1 Alg. 2's dropout: P~ ∘ Z / (1-p) into O~; l_i took P~
-                        S[a, b] = pb * dropout_scale(seed_lo, seed_hi, z, i0 + r0 + LR * a, j0 + lc + LC * b,
-                                                     dropout_p, inv_keep)
             else:                                    # nothing seen yet: P~ = 0
                 for b in range(TN):
                     S[a, b] = ZERO
@@ -313,6 +310,12 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
             m[a] = m_new
             for c in range(DN):                      # line 10: O~ = diag(e^(m_old - m_new)) O~ ...
                 Oi[a, c] *= alpha
+        if dropout:                                  # FA1 Alg. 2's dropout, after l_i took the undropped P~:
+            for a in range(TM):                      # O~ accumulates (P~ ∘ Z) V_j / (1-p)
+                for b in range(TN):
+                    if S[a, b] != ZERO:
+                        S[a, b] *= dropout_scale(seed_lo, seed_hi, z, i0 + r0 + LR * a, j0 + lc + LC * b,
+                                                 dropout_p, inv_keep)
         for b in range(TN):                          # ... + P~ V_j; P~_ij comes from its owner lane
             for src in range(LC):
                 for a in range(TM):

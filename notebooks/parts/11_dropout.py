@@ -80,9 +80,10 @@ for counter, key, want in KAT:
     assert device == twin == want
 
 # %% [markdown]
-# In the FA2 forward kernel the whole change is one branch after $\tilde P_{ij}$ is added into $\ell_i$; in
-# the backward, one branch where $P$ and $dS$ are formed (`make_forward(..., dropout=True)`; without it the
-# kernels compile exactly as before):
+# In the FA2 forward kernel the whole change is one loop over the lane's $\tilde P_{ij}$, after they were added
+# into $\ell_i$ and before $\tilde P V_j$; in the backward, one branch where $P$ and $dS$ are formed
+# (`make_forward(..., dropout=True)`, `make_backward(..., dropout=True)`; without it the kernels compile to the
+# same PTX as before):
 
 # %%
 show_source(fa2.make_forward, grep="dropout_scale(")
