@@ -114,9 +114,24 @@ print(f"  dropout, mask stored  {global_bytes[0.0] + stored_mask:>9,}  (+{stored
 assert global_bytes[p] == global_bytes[0.0]
 
 # %% [markdown]
-# The stored mask grows as $N^2$ while everything else FlashAttention moves grows as $N d$ per pass: at long
-# sequences it would be most of the traffic. The regenerated mask costs arithmetic instead — one Philox call
-# (ten rounds) per element in the forward and again in the backward.
+# At longer sequences the counts come from fa2's traffic model (`fa2.model_forward` / `model_backward`, which the
+# tests hold equal to the counts above): one head, $d = 64$, default tiles, float32 arrays, against a uint8
+# mask written by the forward and read by the backward.
+
+# %%
+print(f"{'N':>6}  {'FA2 fwd+bwd bytes':>17}  {'stored mask bytes':>17}  {'mask / FA2':>10}")
+for N_ in (1024, 4096, 16384):
+    model = fa2.model_forward(1, N_, N_, 64) + fa2.model_backward(1, N_, N_, 64)
+    fa_bytes = 4 * sum(sum(launch[kind].values()) for launch in model for kind in ("reads", "writes", "atomics"))
+    mask_bytes = 2 * N_ * N_
+    print(f"{N_:>6}  {fa_bytes:>17,}  {mask_bytes:>17,}  {mask_bytes / fa_bytes:>10.2f}")
+
+# %% [markdown]
+# Both columns grow as $N^2$ at fixed tiles (FA2 streams $K$, $V$ once per query block), so the ratio stays where
+# the table puts it: a stored mask is an extra $N^2$ term of traffic on top of FlashAttention's. Its memory is
+# the bigger cost: an $N \times N$ allocation per head, kept from the forward to the backward, where everything
+# else FlashAttention keeps ($O$, $L$) is linear in $N$. The regenerated mask costs arithmetic instead: one
+# Philox call (ten rounds) per element in the forward and again in the backward.
 #
 # ### The forward's mask and the backward's mask are the same mask
 #
