@@ -12,6 +12,7 @@ from .api import attention, attention_forward, attention_backward  # noqa: E402
 from . import naive  # noqa: E402,F401  (stage 1 registers impl="naive")
 from . import softmax  # noqa: E402,F401  (stage 2 registers impl="onepass")
 from . import fa1  # noqa: E402,F401  (stage 3 registers impl="fa1")
+from . import rng  # noqa: E402,F401  (Philox4x32-10 for attention dropout, device and NumPy)
 from . import fa2  # noqa: E402,F401  (stage 4 registers impl="fa2")
 from . import fa2_steps  # noqa: E402,F401  (stage 4, step by step: impl="fa2-rows", "fa2-splitq")
 from . import block_sparse  # noqa: E402,F401  (stage 5 registers impl="fa2-sparse"; fa2 takes block_mask=)
@@ -24,6 +25,6 @@ from . import reference, traffic, roofline, bench, inspect, rehearsal  # noqa: E
 __version__ = "0.1.0"
 
 __all__ = ["MODE", "is_simulator", "attention", "attention_forward", "attention_backward", "registry", "common",
-           "runtime", "sim", "naive", "softmax", "fa1", "fa2", "fa2_steps", "block_sparse", "fa2_fast",
+           "runtime", "sim", "naive", "softmax", "fa1", "rng", "fa2", "fa2_steps", "block_sparse", "fa2_fast",
            "fa2_fast_steps", "decode", "reference", "traffic", "roofline", "bench", "inspect", "rehearsal",
            "__version__"]

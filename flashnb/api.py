@@ -17,6 +17,7 @@ from .reference import F32_MAX, causal_diag
 from .reference import check_causal as _check_causal  # one rule for the API and the reference
 from .reference import check_scale as _check_scale
 from .registry import IMPLS
+from .rng import check_dropout, dropout_uniform_np
 
 __all__ = ["attention", "attention_forward", "attention_backward", "MAX_HEAD_DIM", "SCORE_LIMIT"]
 
@@ -136,12 +137,29 @@ def _check_impl(impl: str, need_backward: bool = False):
 
 
 _MODIFIERS = ("score_mod", "mask_mod", "score_mod_grad")
+_DROPOUT = ("dropout_p", "seed")
+
+
+def _check_dropout(entry, impl: str, options: dict) -> dict:
+    """``dropout_p`` and ``seed`` checked (:func:`flashnb.rng.check_dropout`): with ``dropout_p == 0`` both are
+    dropped (no dropout: every impl runs); ``dropout_p > 0`` needs a seed and an impl with dropout."""
+    p = check_dropout(options.get("dropout_p", 0.0), options.get("seed"))
+    if p == 0:
+        return {n: value for n, value in options.items() if n not in _DROPOUT}
+    if "dropout_p" not in entry.options:
+        have = sorted(n for n, e in IMPLS.items() if "dropout_p" in e.options)
+        raise ValueError(f"impl {impl!r} has no attention dropout (dropout_p={p!r}); use one of {have}, or "
+                         "dropout_p=0")
+    return dict(options, dropout_p=p, seed=int(options["seed"]))
 
 
 def _check_options(entry, impl: str, options: dict, q, k) -> dict:
     """Options the impl accepts; modifiers and grouped-query K/V only for impls that support them.  Adds
     ``heads`` (q's H, for ``b = z // H``, ``h = z % H``) when a modifier or a block mask with one is given; a
-    caller whose q is already flattened to (B·H, N, d) passes ``heads=H`` itself (as ``flashnb.torch`` does)."""
+    caller whose q is already flattened to (B·H, N, d) passes ``heads=H`` itself (as ``flashnb.torch`` does).
+    ``dropout_p``/``seed``: see :func:`_check_dropout`."""
+    if any(n in options for n in _DROPOUT):
+        options = _check_dropout(entry, impl, options)
     unknown = set(options) - set(entry.options) - ({"heads"} if "score_mod" in entry.options else set())
     if unknown:
         mods = sorted(unknown & set(_MODIFIERS))
@@ -231,6 +249,14 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
     Grouped-/multi-query attention: with ``impl="fa2"`` (or ``"flash-decoding"``), k and v may have fewer heads
     (axis -3) than q, a divisor of q's heads; query head ``h`` uses K/V head ``h // (H_q / H_kv)``.
 
+    Attention dropout (``impl="fa2"``): ``dropout_p`` in ``[0, 1)`` and ``seed``, an int in ``[0, 2**64)``
+    (required when ``dropout_p > 0``; there is no default because :func:`attention_backward` needs the same
+    one).  Each weight ``P_ij`` is kept with probability ``1 - p`` and scaled by ``1/(1-p)``, decided by
+    Philox4x32-10 from ``(seed, batch·head, row, column)`` (:mod:`flashnb.rng`, whose
+    ``dropout_keep_np(seed, p, BH, Nq, Nk)`` gives the same mask in NumPy; batch·head is the index in q's
+    flattened leading axes); ``lse`` is the undropped softmax's.  ``dropout_p=0`` is no dropout, for any impl.
+    Not with attention modifiers.
+
     Inputs of any real dtype are converted to float32 (the kernels compute in float32), and may be
     non-contiguous.  Returns ``o`` with q's shape and ``lse`` (log-sum-exp of each scaled score row) with
     q's shape minus the last axis, both float32.  A query row that may attend to no key gets
@@ -275,6 +301,10 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale=None,
     skips it (e.g. inside a timed loop).
 
     ``do`` has o's shape.  Shapes, dtypes and options as in :func:`attention_forward`.
+
+    Dropout: pass the forward's ``dropout_p`` and ``seed``; the kernels regenerate its mask from them (nothing
+    was stored).  Another seed gives gradients of another mask, without error -- except that
+    ``check_forward`` recomputes ``o`` with the mask of the seed given here, so a mismatch there is caught.
     """
     entry = _check_impl(impl, need_backward=True)
     q, k, v = _check_qkv(q, k, v)
@@ -366,6 +396,8 @@ def _check_forward_outputs(entry, q3, k3, v3, o3, lse2, causal, scale, options) 
         from .flex import numpy_modifier
 
         score_mod, H = numpy_modifier(score_mod), options.get("heads", 1)
+    drop_p, seed = options.get("dropout_p", 0.0), options.get("seed")
+    keys = np.arange(Nk, dtype=np.uint64)
     small = BH * Nq <= CHECK_ALL_ROWS and BH * Nq * Nk * d <= 1 << 22
     for b in range(BH) if small else sorted({0, BH - 1}):
         K, V = k3[b].astype(np.float64), v3[b].astype(np.float64)
@@ -383,12 +415,16 @@ def _check_forward_outputs(entry, q3, k3, v3, o3, lse2, causal, scale, options) 
                 m = s.max()
                 p = np.exp(s - m)
                 want_lse = m + math.log(p.sum())
-                want_o = (p / p.sum()) @ V[ok]
+                w = np.ones(int(ok.sum()))
+                if drop_p:                  # the forward's dropout mask, regenerated as the kernels do
+                    u = dropout_uniform_np(seed, np.uint64(b), np.uint64(i), keys[ok])
+                    w = (u >= float(np.float32(drop_p))) / (1.0 - drop_p)
+                want_o = (p * w / p.sum()) @ V[ok]
                 # float32 rounding of a score is at most ~d·eps·|scale|·Σ|q||k| (eps = 1.2e-7, d <= 128): this
                 # tolerance is that bound for d = 128 with a margin of ~60, yet far below what a wrong o / lse gives
                 tol = 1e-3 * (1.0 + abs(scale) * float((np.abs(K[ok]) @ np.abs(qi)).max()))
             lse_bad = not (given_lse == want_lse if not np.isfinite(want_lse) else abs(given_lse - want_lse) <= tol)
-            vmax = float(np.abs(V[ok]).max()) if ok.any() else 0.0
+            vmax = float(np.abs(V[ok]).max()) / (1.0 - drop_p) if ok.any() else 0.0
             o_err = float(np.abs(given_o - want_o).max())
             if lse_bad or o_err > 2 * tol * vmax + 1e-6:
                 raise ValueError(

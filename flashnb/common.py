@@ -350,8 +350,8 @@ def current_label() -> str | None:
 
 
 def _scalar(x):
-    if isinstance(x, (bool, np.bool_)):
-        return x
+    if isinstance(x, (bool, np.bool_, np.unsignedinteger)):
+        return x                                 # a NumPy unsigned int (e.g. a uint32 seed half) keeps its type
     if isinstance(x, (int, np.integer)):
         return np.int32(x)
     if isinstance(x, (float, np.floating)):

@@ -43,10 +43,11 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, uint32
 
 from .common import NEG_INF, ONE, ZERO, causal_diag, cdiv, check_shared_fit, empty, launch, positive_int
 from .registry import kernel_factory, register_impl
+from .rng import check_dropout, dropout_scale, split_seed
 
 __all__ = ["BlockMask", "PreparedMask", "prepare_block_mask",
            "make_forward", "make_preprocess", "make_backward", "forward", "backward", "model_forward",
@@ -59,6 +60,7 @@ LC = 8                 # lanes of a warp along the columns (key columns of S, he
 FULL_MASK = 0xFFFFFFFF  # every lane takes part in every shuffle (no divergence around them)
 PRE_WARPS = 4          # preprocessing kernel: one warp per query row, 4 rows per thread block
 EMPTY, FULL, PARTIAL = 0, 1, 2   # block-mask entries: skip the tile / no per-element work / apply mask_mod
+NO_SEED = uint32(0)    # the seed halves a kernel without dropout passes on (never used)
 
 _A3 = "float32[:, :, ::1]"
 _A2 = "float32[:, ::1]"
@@ -66,6 +68,12 @@ _MASK = "uint8[:, :, ::1]"   # block mask M (BH, Tr, Tc) at the kernel's tiles; 
 _FWD_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, float32, int32, {_MASK})"
 _PRE_SIG = f"void({_A3}, {_A3}, {_A2}, {_A3})"
 _BWD_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, {_A2}, {_A3}, {_A3}, {_A3}, float32, int32, {_MASK})"
+_DROPOUT_ARGS = ", float32, uint32, uint32)"   # dropout=True: dropout_p, seed_lo, seed_hi appended
+
+
+def _signature(base):
+    """The launch signature of a configuration: ``base``, with the dropout arguments when ``dropout=True``."""
+    return lambda dropout=False, **_: base[:-1] + _DROPOUT_ARGS if dropout else base
 
 # Default tiles per head dim, chosen with the resource report (registers, spills, static shared memory
 # <= 48 KiB on sm_80/sm_90, occupancy): `flashnb inspect --kernel fa2.forward` prints today's numbers, and
@@ -88,12 +96,15 @@ def default_tiles(d: int, direction: str = "forward") -> dict:
 def _configs(direction):
     """What the PTX guard compiles: the default tiles of every head-dim class (causal on and off), plus
     one-warp tiles with an odd head dim (padded to the lanes); the block-sparse variant (FA1 Alg. 5, see
-    :mod:`flashnb.block_sparse`) with causal off and on, smallest and largest head dim."""
+    :mod:`flashnb.block_sparse`) with causal off and on, smallest and largest head dim; dropout (dense causal
+    d = 64; block-sparse GQA d = 128); attention modifiers last."""
     return ([dict(**default_tiles(d, direction), d=d, causal=c) for d, c in ((32, False), (64, True), (128, True))]
             + [dict(Br=16, Bc=16, d=20, warps=1, causal=False)]
             + [dict(**default_tiles(d, direction), d=d, causal=c, sparse=True) for d, c in ((32, False), (128, True))]
+            + [dict(**default_tiles(64, direction), d=64, causal=True, dropout=True),     # dropout: dense; sparse GQA
+               dict(**default_tiles(128, direction), d=128, causal=False, sparse=True, gqa=True, dropout=True)]
             + [dict(**default_tiles(d, direction), d=d, causal=c, sparse=True, H=4, gqa=True, **mods)
-               for d, c, mods in ((64, False, _GUARD_MODS), (128, True, _GUARD_MODS_2))])
+               for d, c, mods in ((64, False, _GUARD_MODS), (128, True, _GUARD_MODS_2))])   # last: REUSE_SAMPLE's
 
 
 # Modifiers the PTX guard compiles into the kernels (gallery entries, named "module:attr" so the guard's
@@ -227,23 +238,33 @@ def _flex_options(score_mod, mask_mod, sparse, H):
     return score_mod is not None or mask_mod is not None, positive_int("H", H)
 
 
-@kernel_factory("fa2.forward", stage="4", signature=_FWD_SIG, configs=_configs("forward"),
+@kernel_factory("fa2.forward", stage="4", signature=_signature(_FWD_SIG), configs=_configs("forward"),
                 threads=lambda warps, **_: 32 * warps)
-def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mod=None, H=1, gqa=False):
+def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mod=None, H=1, gqa=False,
+                 dropout=False):
     """FA2 Alg. 1 for one (Br, Bc, d, warps, causal); grid ``(Tr, BH)``, block ``32·warps`` threads.
 
     ``sparse``: block-sparse FlashAttention (FA1 Alg. 5 = Alg. 2 with ``if M_ij != 0``): a K/V tile whose
     block-mask entry ``M[z, i, j]`` is 0 is skipped -- never loaded, never computed.  Dense kernels never
     read ``M`` (the launcher passes a 1×1×1 dummy).  ``score_mod``, ``mask_mod``, ``H``, ``gqa``: see the
-    module docstring (attention modifiers, grouped-query attention)."""
+    module docstring (attention modifiers, grouped-query attention).
+
+    ``dropout``: attention dropout as FA1 Alg. 2 does it; the kernel takes three more arguments, ``dropout_p``
+    (float32), ``seed_lo``, ``seed_hi`` (uint32).  The softmax statistics ``m_i``, ``l_i`` (and so ``L``) come
+    from the *undropped* ``P~``; ``O~`` accumulates ``(P~ ∘ Z) V / (1 - p)``, where ``Z_ij`` (keep = 1) is
+    regenerated per element from Philox (:func:`flashnb.rng.dropout_scale`, counter ``(col, row, z, 0)``): no
+    mask is read or written.  Without ``dropout`` the kernel is the one above, unchanged."""
     flex, H = _flex_options(score_mod, mask_mod, sparse, H)
+    if dropout and flex:
+        raise ValueError("dropout with attention modifiers (score_mod / mask_mod) is not supported")
     partial_tiles = mask_mod is not None             # M has partial tiles (mask_mod per element)
     modify = make_modify(score_mod, mask_mod, H)
     g = geometry(Br, Bc, d, warps)
     TM, TN, DN, Dp, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["threads"]
 
     @cuda.jit(device=True, inline="always")
-    def fa2_tile(QsT, KsT, Vs, S, Oi, m, l, qv, kv, p, r0, lr, lc, i0, j0, Nk, scale, diag, z, Nq, mij):
+    def fa2_tile(QsT, KsT, Vs, S, Oi, m, l, qv, kv, p, r0, lr, lc, i0, j0, Nk, scale, diag, z, Nq, mij,
+                 dropout_p, seed_lo, seed_hi, inv_keep):
         """Alg. 1 lines 8-10 for one K/V tile, on this lane's micro-tile (no other warp involved)."""
         for a in range(TM):
             for b in range(TN):
@@ -289,6 +310,12 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
             m[a] = m_new
             for c in range(DN):                      # line 10: O~ = diag(e^(m_old - m_new)) O~ ...
                 Oi[a, c] *= alpha
+        if dropout:                                  # FA1 Alg. 2's dropout, after l_i took the undropped P~:
+            for a in range(TM):                      # O~ accumulates (P~ ∘ Z) V_j / (1-p)
+                for b in range(TN):
+                    if S[a, b] != ZERO:
+                        S[a, b] *= dropout_scale(seed_lo, seed_hi, z, i0 + r0 + LR * a, j0 + lc + LC * b,
+                                                 dropout_p, inv_keep)
         for b in range(TN):                          # ... + P~ V_j; P~_ij comes from its owner lane
             for src in range(LC):
                 for a in range(TM):
@@ -299,8 +326,9 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
                     for a in range(TM):
                         Oi[a, c] += p[a] * vj
 
-    @cuda.jit
-    def fa2_forward(Q, K, V, O, L, scale, diag, M):
+    @cuda.jit(device=True, inline="always")
+    def fa2_forward_block(Q, K, V, O, L, scale, diag, M, dropout_p, seed_lo, seed_hi):
+        """One thread block of the forward (the kernel below, with or without the dropout arguments)."""
         QsT = cuda.shared.array((d, Br), float32)    # Q_i (transposed: lanes read consecutive rows)
         KsT = cuda.shared.array((d, Bc), float32)    # K_j (transposed)
         Vs = cuda.shared.array((Bc, Dp), float32)    # V_j (head dim padded to Dp with zeros)
@@ -321,6 +349,7 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
         Nq = Q.shape[1]
         Nk = K.shape[1]
         kz = z // (Q.shape[0] // K.shape[0]) if gqa else z   # GQA: the K/V head of query head z
+        inv_keep = ONE / (ONE - dropout_p)           # dropout: 1/(1-p), the scale of a kept P~_ij
         for e in range(tid, Br * d, NT):             # Alg. 1 line 4: load Q_i once (coalesced)
             r = e // d
             k = e - r * d
@@ -352,7 +381,8 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
                 k = e - c * Dp
                 Vs[c, k] = V[kz, j0 + c, k] if j0 + c < Nk and k < d else ZERO
             cuda.syncthreads()
-            fa2_tile(QsT, KsT, Vs, S, Oi, m, l, qv, kv, p, r0, lr, lc, i0, j0, Nk, scale, diag, z, Nq, mij)
+            fa2_tile(QsT, KsT, Vs, S, Oi, m, l, qv, kv, p, r0, lr, lc, i0, j0, Nk, scale, diag, z, Nq, mij,
+                     dropout_p, seed_lo, seed_hi, inv_keep)
         for a in range(TM):                          # lines 12-14: O_i = diag(l)^-1 O~_i, L_i = m + log l
             ls = l[a]
             off = LC // 2
@@ -368,6 +398,15 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
                         O[z, row, col] = Oi[a, c] * inv
                 if lc == 0:
                     L[z, row] = m[a] + float32(math.log(ls)) if ls > ZERO else NEG_INF
+
+    if dropout:
+        @cuda.jit
+        def fa2_forward(Q, K, V, O, L, scale, diag, M, dropout_p, seed_lo, seed_hi):
+            fa2_forward_block(Q, K, V, O, L, scale, diag, M, dropout_p, seed_lo, seed_hi)
+    else:
+        @cuda.jit
+        def fa2_forward(Q, K, V, O, L, scale, diag, M):
+            fa2_forward_block(Q, K, V, O, L, scale, diag, M, ZERO, NO_SEED, NO_SEED)
 
     return fa2_forward
 
@@ -399,17 +438,27 @@ def make_preprocess():
     return fa2_bwd_preprocess
 
 
-@kernel_factory("fa2.backward", stage="4", signature=_BWD_SIG, configs=_configs("backward"),
+@kernel_factory("fa2.backward", stage="4", signature=_signature(_BWD_SIG), configs=_configs("backward"),
                 threads=lambda warps, **_: 32 * warps)
 def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mod=None, H=1, gqa=False,
-                  score_mod_grad=None):
+                  score_mod_grad=None, dropout=False):
     """FA2 Alg. 2 for one configuration; grid ``(Tc, BH)``.  The warps split the Bc *key* rows (each lane
     owns ``TM`` key rows × ``TN`` query columns of Sᵀ and ``TM × DN`` of dK_j, dV_j); dS goes through
     shared memory once per tile so that all threads can form dQ_i = dS K_j and add it into HBM.
     ``sparse``: Q tiles whose block-mask entry ``M[z, i, j]`` is 0 are skipped (FA1 Alg. 5's backward).
     ``score_mod_grad``: ``d score_mod / d score`` (default: the ``grad`` attribute of ``score_mod``, as the
-    gallery of :mod:`flashnb.flex` sets it); ``gqa``: grid ``(Tc, BH_kv)``, each block loops over its query heads."""
+    gallery of :mod:`flashnb.flex` sets it); ``gqa``: grid ``(Tc, BH_kv)``, each block loops over its query heads.
+
+    ``dropout`` (FA1 Alg. 4 with dropout, in FA2 Alg. 2's loop order): three more kernel arguments, ``dropout_p``,
+    ``seed_lo``, ``seed_hi`` -- the forward's.  ``P = exp(S - L)`` is the undropped softmax (``L`` came from the
+    undropped ``P~``); ``Z_ij`` is regenerated from the same Philox counters as in the forward, so it is the
+    forward's mask, never stored.  With ``W = Z / (1-p)``: ``dV_j += (P ∘ W)ᵀ dO_i``, ``dP = (dO_i V_jᵀ) ∘ W``,
+    ``dS = P ∘ (dP - D)``.  ``D_i = rowsum(dO_i ∘ O_i)`` of the *dropped* output ``O = (P ∘ W) V`` is still
+    ``Σ_j P_ij dP_ij``: ``Σ_c dO_ic O_ic = Σ_c dO_ic Σ_j P_ij W_ij V_jc = Σ_j P_ij W_ij (dO_i · V_j)
+    = Σ_j P_ij dP_ij`` -- the preprocessing kernel is unchanged."""
     flex, H = _flex_options(score_mod, mask_mod, sparse, H)
+    if dropout and flex:
+        raise ValueError("dropout with attention modifiers (score_mod / mask_mod) is not supported")
     if score_mod is not None and score_mod_grad is None:
         score_mod_grad = getattr(python_modifier(score_mod), "grad", None)
         if score_mod_grad is None:
@@ -423,7 +472,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
 
     @cuda.jit(device=True, inline="always")
     def fa2_bwd_tile(QsT, KsT, VsT, dOsT, Ls, Ds, dSs, S, dP, dKj, dVj, kv, vv, qv, ov,
-                     c0, lr, lc, i0, j0, Nk, scale, diag, zq, mij):
+                     c0, lr, lc, i0, j0, Nk, scale, diag, zq, mij, dropout_p, seed_lo, seed_hi, inv_keep):
         """Alg. 2 lines 10-16 for one Q tile on this lane's micro-tile of the transposed scores."""
         for a in range(TM):
             for b in range(TN):
@@ -453,6 +502,13 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
                 pv = ZERO
                 if Lr != NEG_INF and key < Nk and not (causal and key > i0 + r + diag):
                     pv = float32(math.exp(scale * S[a, b] - Lr))
+                if dropout:                          # lines 11-14 with FA1 Alg. 4's Z_ij regenerated, W = Z/(1-p)
+                    w = ZERO
+                    if pv != ZERO:
+                        w = dropout_scale(seed_lo, seed_hi, zq, i0 + r, key, dropout_p, inv_keep)
+                    S[a, b] = pv * w                 # (P ∘ W), for dV_j += (P ∘ W)ᵀ dO_i
+                    dP[a, b] = pv * (dP[a, b] * w - Dr)   # dS = P ∘ ((dO_i V_jᵀ) ∘ W - D)
+                    continue
                 S[a, b] = pv
                 dP[a, b] = pv * (dP[a, b] - Dr)
         for b in range(TN):                          # line 12: dV_j += Pᵀ dO_i; line 16: dK_j += dSᵀ Q_i
@@ -471,8 +527,9 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
             for b in range(TN):
                 dSs[c0 + LR * a, lc + LC * b] = dP[a, b]
 
-    @cuda.jit
-    def fa2_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M):
+    @cuda.jit(device=True, inline="always")
+    def fa2_backward_block(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, dropout_p, seed_lo, seed_hi):
+        """One thread block of the backward (the kernel below, with or without the dropout arguments)."""
         # Transposed tiles get one padding column (BcP = Bc + 1, BrP = Br + 1): lanes that walk down a column
         # then hit 32 different banks instead of one (no shared-memory bank conflicts; never read).
         KsT = cuda.shared.array((d, BcP), float32)   # K_j, V_j: loaded once
@@ -499,6 +556,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
         c0 = (tid // 32) * (TM * LR) + lr            # this lane's key rows: c0 + LR·a
         Nq = Q.shape[1]
         Nk = K.shape[1]
+        inv_keep = ONE / (ONE - dropout_p)           # dropout: 1/(1-p)
         for e in range(tid, Bc * d, NT):             # Alg. 2 line 6: load K_j, V_j
             c = e // d
             k = e - c * d
@@ -537,7 +595,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
                 Ds[r] = D[z, i0 + r] if i0 + r < Nq else ZERO
             cuda.syncthreads()
             fa2_bwd_tile(QsT, KsT, VsT, dOsT, Ls, Ds, dSs, S, dP, dKj, dVj, kv, vv, qv, ov,
-                         c0, lr, lc, i0, j0, Nk, scale, diag, z, mij)
+                         c0, lr, lc, i0, j0, Nk, scale, diag, z, mij, dropout_p, seed_lo, seed_hi, inv_keep)
             cuda.syncthreads()                       # dSs complete (written by every warp)
             for e in range(tid, Br * d, NT):         # line 15: dQ_i += scale · dS K_j (atomic, HBM)
                 r = e // d
@@ -555,6 +613,15 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
                     if col < d:
                         dK[kz, key, col] = scale * dKj[a, c]
                         dV[kz, key, col] = dVj[a, c]
+
+    if dropout:
+        @cuda.jit
+        def fa2_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, dropout_p, seed_lo, seed_hi):
+            fa2_backward_block(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, dropout_p, seed_lo, seed_hi)
+    else:
+        @cuda.jit
+        def fa2_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M):
+            fa2_backward_block(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, ZERO, NO_SEED, NO_SEED)
 
     return fa2_backward
 
@@ -819,8 +886,20 @@ def _flex(direction, score_mod, mask_mod, score_mod_grad, block_mask, heads, BH,
     return block_mask, mask_mod, H
 
 
+def _dropout_args(dropout_p, seed, score_mod, mask_mod, block_mask):
+    """``()`` without dropout (``dropout_p == 0``), else the kernels' extra arguments ``(p, seed_lo, seed_hi)``;
+    checks them (:func:`flashnb.rng.check_dropout`) and refuses dropout with attention modifiers."""
+    p = check_dropout(dropout_p, seed)
+    if p == 0:
+        return ()
+    if score_mod is not None or mask_mod is not None or getattr(block_mask, "mask_mod", None) is not None:
+        raise ValueError("dropout_p > 0 with attention modifiers (score_mod / mask_mod) is not supported: fa2's "
+                         "dropout covers dense, causal, block-sparse (a plain block_mask) and grouped-query attention")
+    return (np.float32(p), *split_seed(seed))
+
+
 def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block_mask=None, score_mod=None,
-            mask_mod=None, heads=1, score_mod_grad=None):
+            mask_mod=None, heads=1, score_mod_grad=None, dropout_p=0.0, seed=None):
     """Device arrays in, ``(O, L)`` out (FA2 Alg. 1); ``Br, Bc, warps`` default to :func:`default_tiles`.
 
     ``block_mask`` (a :class:`BlockMask` or a boolean array ``(..., ceil(Nq/Br),
@@ -828,29 +907,38 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block
     :func:`block_tiles` for how the mask maps onto the kernel's tiles.  ``score_mod``, ``mask_mod`` (and
     ``heads``, the H of ``z = b·H + h``): attention modifiers, see :mod:`flashnb.flex`.  ``k`` and ``v`` may have
     fewer batch·heads than ``q`` (grouped-query attention: query head ``z`` reads K/V head ``z // G``).
-    ``score_mod_grad`` is the backward's (accepted here so that one set of options serves both)."""
+    ``score_mod_grad`` is the backward's (accepted here so that one set of options serves both).
+
+    ``dropout_p`` (in ``[0, 1)``) and ``seed`` (an int in ``[0, 2^64)``, required when ``dropout_p > 0``):
+    attention dropout (FA1 Alg. 2), each ``P_ij`` kept with probability ``1 - p`` by the Philox mapping of
+    :mod:`flashnb.rng` and scaled by ``1/(1-p)``; ``L`` is the log-sum-exp of the undropped scores.  Give the
+    backward the same ``dropout_p`` and ``seed``.  ``dropout_p = 0`` launches the kernel without dropout."""
     BH, Nq, d = q.shape
     Nk = k.shape[1]
     G = _group(BH, k.shape[0], k, v)
+    drop = _dropout_args(dropout_p, seed, score_mod, mask_mod, block_mask)
     block_mask, mask_mod, H = _flex("forward", score_mod, mask_mod, None, block_mask, heads, BH, Nq, Nk, d, Br, Bc)
     t, M = _tiles_and_mask("forward", Br, Bc, warps, block_mask, BH, Nq, Nk, d)
     O = empty((BH, Nq, d))
     L = empty((BH, Nq))
-    kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal), M is not None, score_mod, mask_mod, H, G > 1)
+    kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal), M is not None, score_mod, mask_mod, H, G > 1,
+                          dropout=bool(drop))
     launch(kernel, (cdiv(Nq, t["Br"]), BH), 32 * t["warps"], q, k, v, O, L, scale, causal_diag(causal, Nq, Nk),
-           _mask_device(None) if M is None else M, label="FA2 forward")
+           _mask_device(None) if M is None else M, *drop, label="FA2 forward")
     return O, L
 
 
 def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warps=None, block_mask=None,
-             score_mod=None, mask_mod=None, heads=1, score_mod_grad=None):
+             score_mod=None, mask_mod=None, heads=1, score_mod_grad=None, dropout_p=0.0, seed=None):
     """FA2 Alg. 2: the D preprocessing launch, then one thread block per K/V column block.  ``block_mask``
     as in :func:`forward` (Q tiles with ``M = 0`` are skipped).  ``score_mod_grad``: ``d score_mod / d score``
     (default: ``score_mod.grad``, which the gallery sets).  Grouped-query attention: one thread block per K/V
-    column block *of a K/V head*, looping over the query heads of its group; dK, dV are summed on chip."""
+    column block *of a K/V head*, looping over the query heads of its group; dK, dV are summed on chip.
+    ``dropout_p``, ``seed``: the forward's (the mask is regenerated from them; ``o`` is the dropped output)."""
     BH, Nq, d = q.shape
     Nk = k.shape[1]
     G = _group(BH, k.shape[0], k, v)
+    drop = _dropout_args(dropout_p, seed, score_mod, mask_mod, block_mask)
     block_mask, mask_mod, H = _flex("backward", score_mod, mask_mod, score_mod_grad, block_mask, heads, BH, Nq, Nk,
                                     d, Br, Bc)
     t, M = _tiles_and_mask("backward", Br, Bc, warps, block_mask, BH, Nq, Nk, d)
@@ -861,16 +949,17 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     dK = empty((BH // G, Nk, d))
     dV = empty((BH // G, Nk, d))
     kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], bool(causal), M is not None, score_mod, mask_mod, H,
-                           G > 1, score_mod_grad)
+                           G > 1, score_mod_grad, dropout=bool(drop))
     launch(kernel, (cdiv(Nk, t["Bc"]), BH // G), 32 * t["warps"], q, k, v, do, lse, D, dQ, dK, dV, scale,
-           causal_diag(causal, Nq, Nk), _mask_device(None) if M is None else M, label="FA2 backward")
+           causal_diag(causal, Nq, Nk), _mask_device(None) if M is None else M, *drop, label="FA2 backward")
     return dQ, dK, dV
 
 
 register_impl("fa2", stage="4",
               description="FlashAttention-2: Q-block grid, split-Q warps, delayed rescaling; dQ by atomics",
               forward=forward, backward=backward,
-              options=("Br", "Bc", "warps", "block_mask", "score_mod", "mask_mod", "score_mod_grad"),
+              options=("Br", "Bc", "warps", "block_mask", "score_mod", "mask_mod", "score_mod_grad", "dropout_p",
+                       "seed"),
               gqa=True)
 
 

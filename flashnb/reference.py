@@ -22,6 +22,11 @@ Conventions (shared with :mod:`flashnb.api`; leading axes, e.g. batch and heads,
   turns a user's scalar modifier into such a function.
 * Grouped-query attention: ``k`` and ``v`` may have fewer heads (axis -3) than ``q``, a divisor of them;
   query head ``h`` uses K/V head ``h // G`` and ``dk``, ``dv`` are summed over each group.
+* Dropout: ``dropout_mask`` (float64, broadcastable to ``(..., N_q, N_k)``) is the factor ``W_ij`` each
+  attention weight is multiplied by -- ``Z_ij / (1 - p)``: ``1/(1-p)`` where kept, 0 where dropped
+  (:func:`flashnb.rng.dropout_scale_np` makes the kernels' mask).  ``o = (P ∘ W) v``; ``lse`` stays the
+  undropped softmax's.  Backward of ``sum(o ∘ do)`` with ``A = P ∘ W``: ``dv = Aᵀ do``;
+  ``∂/∂P_ij = W_ij (do vᵀ)_ij =: dP_ij``; the softmax Jacobian then gives ``dS = P ∘ (dP - rowsum(P ∘ dP))``.
 """
 
 from __future__ import annotations
@@ -188,36 +193,59 @@ def _softmax(q, k, causal, scale, mask, score_mod=None):
     return P, lse, scale, S0
 
 
-def attention_forward(q, k, v, *, causal=False, scale=None, mask=None, score_mod=None):
+def _dropout_factors(dropout_mask, shape):
+    """``dropout_mask`` as float64 broadcast to the scores' ``shape`` (None stays None), validated."""
+    if dropout_mask is None:
+        return None
+    w = np.asarray(dropout_mask)
+    if w.dtype == np.bool_ or not np.issubdtype(w.dtype, np.floating):
+        raise TypeError(f"dropout_mask must be a float array of the factors Z/(1-p) (0 where dropped), got dtype "
+                        f"{w.dtype}")
+    try:
+        return np.broadcast_to(w.astype(np.float64), shape)
+    except ValueError:
+        raise ValueError(f"dropout_mask of shape {w.shape} does not broadcast to the scores' shape {shape}") from None
+
+
+def attention_forward(q, k, v, *, causal=False, scale=None, mask=None, score_mod=None, dropout_mask=None):
     """Reference forward pass; returns ``(o, lse)`` in float64.
 
     ``o = softmax(scale · q kᵀ, masked) v`` has shape (..., N_q, d_v); ``lse`` (..., N_q) is the
     log-sum-exp of each row's allowed scaled scores (``-inf`` for a row with no allowed key, whose
-    ``o`` row is 0).  See the module docstring for the causal/mask conventions and ``score_mod``.
+    ``o`` row is 0).  See the module docstring for the causal/mask conventions, ``score_mod`` and
+    ``dropout_mask`` (``o = (P ∘ dropout_mask) v``, ``lse`` unchanged).
     """
     q, k, v, _, _ = _check_inputs(q, k, v)
     P, lse, _, _ = _softmax(q, k, causal, scale, mask, score_mod)
-    return P @ v, lse
+    W = _dropout_factors(dropout_mask, P.shape)
+    return (P if W is None else P * W) @ v, lse
 
 
-def attention(q, k, v, *, causal=False, scale=None, mask=None, score_mod=None):
+def attention(q, k, v, *, causal=False, scale=None, mask=None, score_mod=None, dropout_mask=None):
     """Reference attention output ``o`` only; see :func:`attention_forward`."""
-    return attention_forward(q, k, v, causal=causal, scale=scale, mask=mask, score_mod=score_mod)[0]
+    return attention_forward(q, k, v, causal=causal, scale=scale, mask=mask, score_mod=score_mod,
+                             dropout_mask=dropout_mask)[0]
 
 
-def attention_backward(q, k, v, do, *, causal=False, scale=None, mask=None, score_mod=None, score_mod_grad=None):
+def attention_backward(q, k, v, do, *, causal=False, scale=None, mask=None, score_mod=None, score_mod_grad=None,
+                       dropout_mask=None):
     """Reference gradients ``(dq, dk, dv)`` of ``sum(o * do)``, float64, shapes of q, k, v.
 
     P is recomputed from q and k (nothing from the forward is needed):
     ``dv = Pᵀ do``, ``dP = do vᵀ``, ``dS = P ∘ (dP - rowsum(P ∘ dP))``, ``dq = scale · dS k``,
     ``dk = scale · dSᵀ q``.  Masked entries and fully masked rows have P = 0, so they contribute nothing.
+    With ``dropout_mask`` ``W`` (the forward's): ``dv = (P ∘ W)ᵀ do`` and ``dP = (do vᵀ) ∘ W`` (the module
+    docstring derives it); the rest is unchanged.
     """
     q, k, v, (do,), G = _check_inputs(q, k, v, [("do", do)])
     if score_mod is not None and score_mod_grad is None:
         raise ValueError("score_mod needs score_mod_grad (d score_mod / d score) for the backward")
     P, _, scale, S0 = _softmax(q, k, causal, scale, mask, score_mod)
-    dv = np.swapaxes(P, -1, -2) @ do
+    W = _dropout_factors(dropout_mask, P.shape)
+    dv = np.swapaxes(P if W is None else P * W, -1, -2) @ do
     dP = do @ np.swapaxes(v, -1, -2)
+    if W is not None:
+        dP = dP * W                                       # o = (P ∘ W) v: d o / d P_ij carries W_ij
     D = (P * dP).sum(axis=-1, keepdims=True)              # D_i = rowsum(P ∘ dP) = rowsum(do ∘ o)
     dS = P * (dP - D)
     if score_mod is not None:                             # chain rule through the modifier (where P > 0)

@@ -155,6 +155,10 @@ def _per_head_chunks(fn):
         if arrays[1].shape[0] != BH:
             raise ValueError(f"batch·heads = {BH:,} is over {limit:,} (CUDA's gridDim.y limit) with grouped-query "
                              "K/V: split the batch yourself")
+        if options.get("dropout_p"):
+            raise ValueError(f"batch·heads = {BH:,} is over {limit:,} (CUDA's gridDim.y limit) with dropout: the mask "
+                             "is keyed by the batch·head index, which slices would restart; run slices of at most "
+                             f"{limit:,} batch·heads yourself, each with its own seed")
         if options.get("block_mask") is not None:
             raise ValueError(f"batch·heads = {BH:,} is over {limit:,} (CUDA's gridDim.y limit) and a block_mask is "
                              "given: split the batch yourself (a per-head mask would have to be split with it)")

@@ -4,7 +4,8 @@ Needs PyTorch (``pip install "flashnb[torch]"``); ``import flashnb`` never impor
 ``import flashnb.torch`` does.
 
 * :func:`attention` ``(q, k, v, *, causal=False, scale=None, impl="fa2", block_mask=None, score_mod=None,
-  mask_mod=None, score_mod_grad=None)`` (attention modifiers: :mod:`flashnb.flex`) takes tensors of
+  mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=None)`` (attention modifiers: :mod:`flashnb.flex`;
+  dropout: :mod:`flashnb.rng`, the seed drawn from torch's generator when not given) takes tensors of
   shape ``(B, H, N, d)`` (or ``(H, N, d)``, ``(N, d)``) like ``torch.nn.functional.scaled_dot_product_attention``
   and returns ``o`` with q's shape and dtype; gradients flow to q, k and v.  k and v may have fewer heads than q
   (grouped-/multi-query attention, ``impl="fa2"``; dk, dv are summed over each group).
@@ -38,6 +39,7 @@ import torch
 
 from . import api, common, rehearsal, runtime
 from .registry import IMPLS
+from .rng import check_dropout
 
 __all__ = ["attention", "scaled_dot_product_attention", "FlashAttentionFunction", "impls_with_backward",
            "rehearse_cuda"]
@@ -222,8 +224,14 @@ def _check_tensors(q, k, v, allow_float64):
         raise ValueError(f"head dim d must be in 1..{api.MAX_HEAD_DIM}, got {q.shape[-1]}")
 
 
+def _draw_seed() -> int:
+    """A dropout seed in ``[0, 2^63)`` from torch's default (CPU) generator, so ``torch.manual_seed`` makes it
+    reproducible."""
+    return int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64).item())
+
+
 def attention(q, k, v, *, causal=False, scale=None, impl: str = "fa2", block_mask=None, score_mod=None,
-              mask_mod=None, score_mod_grad=None, allow_float64=False, **options):
+              mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=None, allow_float64=False, **options):
     """flashnb attention on torch tensors, differentiable: ``softmax(scale · q kᵀ [masked]) v``.
 
     Args:
@@ -238,6 +246,11 @@ def attention(q, k, v, *, causal=False, scale=None, impl: str = "fa2", block_mas
         score_mod, mask_mod, score_mod_grad: ``impl="fa2"``'s attention modifiers, as in
             :func:`flashnb.attention_forward` (:mod:`flashnb.flex`); the backward needs ``score_mod_grad`` or
             ``score_mod.grad``.  k and v may have fewer heads than q (grouped-query attention, ``impl="fa2"``).
+        dropout_p: attention dropout probability in ``[0, 1)`` (``impl="fa2"``; 0: none).  Applied whenever it is
+            non-zero, as SDPA does (pass 0 in evaluation).
+        seed: the dropout seed, an int in ``[0, 2**64)``; when None and ``dropout_p > 0``, one is drawn from
+            torch's default generator (``torch.manual_seed`` makes it repeatable).  The autograd context keeps
+            it: the backward regenerates exactly the forward's mask (:mod:`flashnb.rng`), nothing N×N is saved.
         allow_float64: accept float64 tensors (computed in float32; see the module docstring).
         **options: the impl's tile options (``Br``, ``Bc``, ``warps``, ...).
 
@@ -256,6 +269,9 @@ def attention(q, k, v, *, causal=False, scale=None, impl: str = "fa2", block_mas
                         ("score_mod_grad", score_mod_grad)):
         if value is not None:
             options[name] = value
+    p = check_dropout(dropout_p, 0 if seed is None else seed)   # dropout_p's own errors first, then the impl's
+    if p > 0 or seed is not None:                # a seed is drawn (torch's RNG advanced) only for real dropout
+        options.update(dropout_p=p, seed=_draw_seed() if seed is None else seed)
     # q is flattened to (B·H, N, d) below: the modifiers' h and b need q's H (api checks it like any option)
     options = api._check_options(entry, impl, options, q, k)
     if "heads" in options:
@@ -277,8 +293,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """``torch.nn.functional.scaled_dot_product_attention``'s signature and semantics on flashnb's kernels:
     ``is_causal=True`` is top-left aligned (``"upper_left"``), ``attn_mask`` may be None or a
     ``torch.nn.attention.bias.causal_lower_right``/``causal_upper_left`` bias.  Anything flashnb does not
-    compute (a tensor ``attn_mask``, ``dropout_p > 0``) is an error, never ignored; ``enable_gqa=True`` lets k, v
-    have fewer heads than q (``impl="fa2"``)."""
+    compute (a tensor ``attn_mask``) is an error, never ignored; ``enable_gqa=True`` lets k, v have fewer heads
+    than q (``impl="fa2"``).  ``dropout_p > 0`` is attention dropout (``impl="fa2"``), applied whenever non-zero
+    as in SDPA, with a seed drawn from torch's generator (or ``seed=`` among the options): see :func:`attention`.
+    Its mask is flashnb's Philox mask, not the one SDPA's kernels would draw."""
     from torch.nn.attention.bias import CausalBias, CausalVariant
 
     causal = "upper_left" if is_causal else False
@@ -293,8 +311,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             raise ValueError(f"attn_mask is a causal bias for (Nq, Nk) = ({attn_mask.seq_len_q}, "
                              f"{attn_mask.seq_len_kv}), but q, k have ({query.shape[-2]}, {key.shape[-2]})")
         causal = "lower_right" if attn_mask.variant == CausalVariant.LOWER_RIGHT else "upper_left"
-    if dropout_p != 0.0:
-        raise ValueError(f"flashnb has no attention dropout; dropout_p must be 0.0, got {dropout_p!r}")
     if not enable_gqa and query.shape[:-2] != key.shape[:-2]:
         raise ValueError("q, k, v need the same number of heads unless enable_gqa=True (as SDPA)")
-    return attention(query, key, value, causal=causal, scale=scale, impl=impl, **options)
+    return attention(query, key, value, causal=causal, scale=scale, impl=impl, dropout_p=dropout_p, **options)
