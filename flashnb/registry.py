@@ -162,7 +162,7 @@ def _per_head_chunks(fn):
         for z in range(0, BH, limit):
             part = fn(*(a[z:z + limit] for a in arrays), **options)
             if outs is None:
-                outs = [common.empty((BH,) + p.shape[1:]) for p in part]
+                outs = [common.empty((BH,) + p.shape[1:], storage=common.storage_of(p) or "float32") for p in part]
             for full, p in zip(outs, part):
                 full[z:z + p.shape[0]].copy_to_device(p)
         return tuple(outs)
