@@ -336,7 +336,7 @@ def storage_conversions(storage: str):
 def to_bfloat16(x) -> np.ndarray:
     """NumPy twin of :func:`f32_to_bf16`: the bfloat16 bit patterns (uint16) of ``x`` (rounded to float32 first,
     then to bfloat16, to nearest even; NaN -> 0x7FC0)."""
-    f = np.ascontiguousarray(x, dtype=np.float32)
+    f = np.array(x, dtype=np.float32)              # a contiguous copy, 0-d for a scalar
     u = f.view(np.uint32).astype(np.uint64)
     bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
     return np.where(np.isnan(f), np.uint16(0x7FC0), bits)
@@ -344,7 +344,7 @@ def to_bfloat16(x) -> np.ndarray:
 
 def from_bfloat16(bits) -> np.ndarray:
     """NumPy twin of :func:`bf16_to_f32`: float32 values of bfloat16 bit patterns (uint16), exact."""
-    b = np.ascontiguousarray(bits)
+    b = np.array(bits)
     if b.dtype != np.uint16:
         raise TypeError(f"bfloat16 values are uint16 bit patterns, got dtype {b.dtype}")
     return (b.astype(np.uint32) << 16).view(np.float32)
