@@ -313,3 +313,18 @@ def test_torch_half_cuda_path_rehearsed(rng):
         with pretend_gpu(), ft.rehearse_cuda():
             dev = ft.attention(q, k, v, causal=True, scale=0.01, **SMALL)
         assert dev.dtype == dtype and torch.equal(dev, host)
+
+
+@pytest.mark.slow   # ~8 s on the simulator (six rehearsed timings); like the other notebooks' measurement rehearsals
+def test_measure_storage_rehearsed():
+    """Notebook 11's GPU measurement (fa2.measure_storage) with its GPU branches taken on the simulator: rows in
+    every storage and direction, labelled rehearsal, with the modelled bytes (float16 = bfloat16 < float32)."""
+    from flashnb.rehearsal import pretend_gpu
+
+    with pretend_gpu():
+        rows = fa2.measure_storage(BH=1, N=16, d=8, repeats=1, warmup=1)
+    assert [(r["storage"], r["direction"]) for r in rows] == [
+        (s, dr) for s in ("float32", "float16", "bfloat16") for dr in ("forward", "backward")]
+    assert all(r["mode"] == "rehearsal" for r in rows)
+    by = {(r["storage"], r["direction"]): r["model_bytes"] for r in rows}
+    assert by["float16", "forward"] == by["bfloat16", "forward"] < by["float32", "forward"]
