@@ -20,11 +20,13 @@ so every value read from shared memory feeds ``TN``, ``TM`` or ``TM`` FMAs.  The
 group hold one row of S between them: the row max is a 3-step ``shfl_xor`` butterfly, and ``P V`` gets
 each ``P_ij`` from its owner lane with ``shfl_sync`` (P never touches shared memory).
 
-Kernels (arrays float32, C-contiguous, ``(BH, N, d)``; ``L``/``D`` are ``(BH, N)``):
+Kernels (arrays float32, C-contiguous, ``(BH, N, d)``; ``L``/``D`` are ``(BH, N)``; with ``storage="float16"`` or
+``"bfloat16"`` Q, K, V, O, dO, dK, dV are half precision in HBM and widened to float32 at every load -- issue #17):
 
 * :func:`make_forward` -- FA2 Alg. 1, grid ``(Tr, BH)``, ``32·warps`` threads.
 * :func:`make_preprocess` -- FA2 Alg. 2 line 4 (``D = rowsum(dO ∘ O)``), also zeroes the dQ accumulator.
 * :func:`make_backward` -- FA2 Alg. 2, grid ``(Tc, BH)``; the warps split the *key* rows of the block.
+* :func:`make_convert` -- half storage only: dQ narrowed from its float32 accumulator after the backward.
 
 Attention modifiers (:mod:`flashnb.flex`, issue #16).  Both kernel factories take compile-time
 ``score_mod`` / ``mask_mod`` (device functions of the user's Python functions, or ``None`` = the plain kernel,

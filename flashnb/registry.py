@@ -100,7 +100,9 @@ class Impl:
 
     ``forward(q, k, v, *, causal, scale, **options) -> (o, lse)`` and
     ``backward(q, k, v, o, lse, do, *, causal, scale, **options) -> (dq, dk, dv)`` take and return
-    float32 device arrays of shape ``(BH, N, d)`` (``lse``: ``(BH, Nq)``).
+    float32 device arrays of shape ``(BH, N, d)`` (``lse``: ``(BH, Nq)``).  An impl whose ``options`` include
+    ``"storage"`` also takes and returns them in half precision (``storage="float16"``/``"bfloat16"``;
+    ``lse`` stays float32): the API sends half inputs only to such impls.
     """
 
     name: str

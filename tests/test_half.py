@@ -328,3 +328,17 @@ def test_measure_storage_rehearsed():
     assert all(r["mode"] == "rehearsal" for r in rows)
     by = {(r["storage"], r["direction"]): r["model_bytes"] for r in rows}
     assert by["float16", "forward"] == by["bfloat16", "forward"] < by["float32", "forward"]
+
+
+@pytest.mark.slow   # ~25 s: the four sanitizer tools on two storages (tests/test_sim_sanitizer.py runs fa2 in float32)
+@pytest.mark.parametrize("storage", ["float16", "bfloat16"])
+def test_half_storage_sanitized(rng, storage):
+    """memcheck, racecheck, initcheck and synccheck on fa2's half-storage forward, backward and dQ conversion."""
+    from flashnb import sim
+
+    x = [rng.standard_normal((1, 20, 8)).astype(np.float32) for _ in range(4)]
+    q, k, v, do = (common.to_device(common.to_bfloat16(a) if storage == "bfloat16" else a, storage) for a in x)
+    with sim.sanitize(raise_on_error=False) as report:
+        o, lse = fa2.forward(q, k, v, causal=True, scale=0.3, **SMALL)
+        fa2.backward(q, k, v, o, lse, do, causal=True, scale=0.3, Br=16, Bc=8, warps=2)
+    assert "no errors in 4 launch(es)" in str(report), str(report)
