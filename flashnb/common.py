@@ -274,24 +274,6 @@ def storage_of(a) -> str | None:
     return {np.dtype(v): k for k, v in _STORAGE_DTYPE.items()}.get(dtype)
 
 
-@cuda.jit(device=True, inline="always")
-def f32_to_f32(x):
-    """float32 storage: no conversion (the float32 kernels compile exactly as without a storage option)."""
-    return x
-
-
-@cuda.jit(device=True, inline="always")
-def f16_to_f32(x):
-    """float16 -> float32, exact (``cvt.f32.f16``)."""
-    return float32(x)
-
-
-@cuda.jit(device=True, inline="always")
-def f32_to_f16(x):
-    """float32 -> float16, round to nearest even (``cvt.rn.f16.f32``); beyond 65504 it becomes inf."""
-    return float16(x)
-
-
 # bfloat16 <-> float32 reinterprets bits.  On a GPU that is libdevice's ``__nv_int_as_float`` /
 # ``__nv_float_as_int`` (a ``mov.b32``: no instruction, no local memory); the simulator runs no libdevice, so there
 # the same two functions are NumPy bit views (the twins below, which the tests also check the kernels against).
@@ -323,13 +305,16 @@ else:
         return to_bfloat16(x)[()]
 
 
-_CONVERSIONS = {"float32": (f32_to_f32, f32_to_f32), "float16": (f16_to_f32, f32_to_f16),
+# float32 storage: ``float32(x)`` of a float32 is no instruction (the float32 kernels' PTX is unchanged, and the
+# simulator pays one NumPy cast, not a device-function call).  float16: numba's casts, ``cvt.f32.f16`` (exact)
+# and ``cvt.rn.f16.f32`` (round to nearest even; beyond 65504 -> inf).  bfloat16: the functions above.
+_CONVERSIONS = {"float32": (float32, float32), "float16": (float32, float16),
                 "bfloat16": (bf16_to_f32, f32_to_bf16)}
 
 
 def storage_conversions(storage: str):
-    """``(to_f32, from_f32)``: the device functions a kernel applies to every global load and store of an array
-    in ``storage``.  For float32 both are the identity (inlined away: the PTX is unchanged)."""
+    """``(to_f32, from_f32)``: what a kernel applies to every global load and store of an array in ``storage``
+    (numba casts for float32 and float16, device functions for bfloat16)."""
     return _CONVERSIONS[check_storage(storage)]
 
 

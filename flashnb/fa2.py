@@ -282,7 +282,7 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
     HBM (:data:`flashnb.common.STORAGES`); they are widened to float32 as they are loaded into shared memory
     and O is narrowed as it is stored -- every tile, m_i, l_i and L stay float32."""
     flex, H = _flex_options(score_mod, mask_mod, sparse, H)
-    to_f32, from_f32 = storage_conversions(storage)  # identity for float32
+    to_f32, from_f32 = storage_conversions(storage)  # casts: no instruction for float32 storage
     partial_tiles = mask_mod is not None             # M has partial tiles (mask_mod per element)
     modify = make_modify(score_mod, mask_mod, H)
     g = geometry(Br, Bc, d, warps)
@@ -463,7 +463,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
     store); L, D and the dQ accumulator stay float32 -- atomics add float32, and :func:`make_convert` narrows
     dQ afterwards, as FlashAttention-2 does (a float32 ``dq_accum``, then a conversion kernel)."""
     flex, H = _flex_options(score_mod, mask_mod, sparse, H)
-    to_f32, from_f32 = storage_conversions(storage)  # identity for float32
+    to_f32, from_f32 = storage_conversions(storage)  # casts: no instruction for float32 storage
     if score_mod is not None and score_mod_grad is None:
         score_mod_grad = getattr(python_modifier(score_mod), "grad", None)
         if score_mod_grad is None:
@@ -1165,35 +1165,3 @@ def launch_order(Tr, causal):
     -- with a causal mask, the lightest blocks (fewest K/V tiles) first."""
     return list(range(Tr))
 
-
-# --------------------------------------------------------------------------- half storage on a GPU (notebook 11)
-
-
-def measure_storage(BH: int = 16, N: int = 4096, d: int = 64, storages=("float32", "float16", "bfloat16"), *,
-                    causal: bool = False, repeats: int = 10, warmup: int = 3, seed: int = 0) -> list[dict]:
-    """CUDA-event time of fa2's forward and backward with Q, K, V, O (dO, dK, dV, dQ) in each storage, at one
-    shape (GPU only; notebook 11's measurement, through ``bench.on_gpu``).  Same values in every storage (drawn
-    once, rounded to float16); each row carries the modelled HBM bytes (:func:`model_bytes`) of its launches."""
-    from . import bench
-    from .common import poisoning, to_bfloat16, to_device
-
-    info = bench.device_info()
-    rng = np.random.default_rng(seed)
-    values = [rng.standard_normal((BH, N, d)).astype(np.float16).astype(np.float32) for _ in range(4)]
-    out = []
-    for storage in storages:
-        host = [to_bfloat16(a) for a in values] if storage == "bfloat16" else values
-        q, k, v, do = (to_device(a, storage) for a in host)
-        scale = d ** -0.5
-        with poisoning(False):   # time the kernels, not the NaN fill of fresh outputs
-            o, lse = forward(q, k, v, causal=causal, scale=scale, storage=storage)
-            for direction, fn, model in (
-                    ("forward", lambda: forward(q, k, v, causal=causal, scale=scale, storage=storage), model_forward),
-                    ("backward", lambda: backward(q, k, v, o, lse, do, causal=causal, scale=scale, storage=storage),
-                     model_backward)):
-                timing = bench.time_call(fn, repeats=repeats, warmup=warmup, info=info)
-                per_launch = model_bytes(model(BH, N, N, d, causal=causal, storage=storage), storage)
-                nbytes = sum(x["read_bytes"] + x["write_bytes"] + x["atomic_bytes"] for x in per_launch)
-                out.append(timing.row(storage=storage, direction=direction, BH=BH, N=N, d=d, causal=bool(causal),
-                                      model_bytes=int(nbytes)))
-    return out

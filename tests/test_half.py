@@ -7,7 +7,7 @@ import pytest
 from conftest import assert_close
 
 import flashnb
-from flashnb import common, fa2, reference, traffic
+from flashnb import bench, common, fa2, reference, traffic
 
 U16 = 2.0 ** -11   # float16's unit roundoff: a round-to-nearest store changes a value by at most this, relative
 UBF = 2.0 ** -8    # bfloat16's (8 significand bits)
@@ -317,12 +317,12 @@ def test_torch_half_cuda_path_rehearsed(rng):
 
 @pytest.mark.slow   # ~8 s on the simulator (six rehearsed timings); like the other notebooks' measurement rehearsals
 def test_measure_storage_rehearsed():
-    """Notebook 11's GPU measurement (fa2.measure_storage) with its GPU branches taken on the simulator: rows in
+    """Notebook 11's GPU measurement (bench.measure_storage) with its GPU branches taken on the simulator: rows in
     every storage and direction, labelled rehearsal, with the modelled bytes (float16 = bfloat16 < float32)."""
     from flashnb.rehearsal import pretend_gpu
 
     with pretend_gpu():
-        rows = fa2.measure_storage(BH=1, N=16, d=8, repeats=1, warmup=1)
+        rows = bench.measure_storage(BH=1, N=16, d=8, repeats=1, warmup=1)
     assert [(r["storage"], r["direction"]) for r in rows] == [
         (s, dr) for s in ("float32", "float16", "bfloat16") for dr in ("forward", "backward")]
     assert all(r["mode"] == "rehearsal" for r in rows)

@@ -48,13 +48,13 @@ rng = np.random.default_rng(11)
 show_source(fa2.make_forward, grep="_f32")
 
 # %% [markdown]
-# and the conversions themselves (`flashnb/common.py`). float16 is a plain `cvt` instruction each way
-# (`cvt.f32.f16` is exact; `cvt.rn.f16.f32` rounds to nearest even, and a value beyond float16's largest,
-# 65504, becomes inf):
+# and the conversions themselves (`flashnb/common.py`). For float32 and float16 they are numba's casts: float16
+# is a plain `cvt` instruction each way (`cvt.f32.f16` is exact; `cvt.rn.f16.f32` rounds to nearest even, and a
+# value beyond float16's largest, 65504, becomes inf), and `float32(x)` of a float32 is no instruction at all:
 
 # %%
-show_source(common.f16_to_f32)
-show_source(common.f32_to_f16)
+show_source(common, grep="_CONVERSIONS = ")
+print({s: tuple(getattr(f, "__name__", str(f)) for f in common.storage_conversions(s)) for s in common.STORAGES})
 
 # %% [markdown]
 # ### Counted bytes, float32 against float16
@@ -217,7 +217,7 @@ show_source(common.to_bfloat16)
 # a child process on the machine's GPU); without one it prints that nothing was measured.
 
 # %%
-gpu_rows = bench.on_gpu("flashnb.fa2:measure_storage", BH=16, N=4096, d=64, repeats=10)
+gpu_rows = bench.on_gpu("flashnb.bench:measure_storage", BH=16, N=4096, d=64, repeats=10)
 if gpu_rows:
     for r in gpu_rows:
         print(f"{r['storage']:>9} {r['direction']:>8}: {r['median_ms']:8.3f} ms, modelled "
