@@ -2,6 +2,8 @@
 everything else float32 -- against the float64 reference, against the float32 kernels on the same inputs, the
 counted bytes against the model, and the errors for combinations that have no meaning."""
 
+import re
+
 import numpy as np
 import pytest
 from conftest import assert_close
@@ -342,3 +344,23 @@ def test_half_storage_sanitized(rng, storage):
         o, lse = fa2.forward(q, k, v, causal=True, scale=0.3, **SMALL)
         fa2.backward(q, k, v, o, lse, do, causal=True, scale=0.3, Br=16, Bc=8, warps=2)
     assert "no errors in 4 launch(es)" in str(report), str(report)
+
+
+def test_ptx_conversions():
+    """What the GPU runs (NVVM's PTX for sm_80; the PTX guard checks every config for .f64, spills and shared
+    memory): float16 loads are 2-byte loads widened by cvt.f32.f16 (exact), float16 stores round with
+    cvt.rn.f16.f32 (to nearest even), bfloat16 stores are 2-byte stores with no float16 conversion, and the
+    float32 kernel has no conversion at all."""
+    from flashnb import inspect as fi
+
+    jobs = [("fa2.preprocess", {}, (8, 0)), ("fa2.preprocess", dict(storage="float16"), (8, 0)),
+            ("fa2.convert", dict(storage="float16"), (8, 0)), ("fa2.convert", dict(storage="bfloat16"), (8, 0))]
+    pre32, pre16, conv16, convbf = (r.ptx for r in fi.resources_many(jobs, keep_ptx=True))
+    def half_cvt(ptx):                           # a conversion to or from float16 (not a register named %f16)
+        return re.findall(r"\bcvt\.[\w.]*\.f16\b[\w.]*", ptx)
+
+    assert all(".f64" not in p for p in (pre32, pre16, conv16, convbf))
+    assert not half_cvt(pre32) and "ld.global.f32" in pre32
+    assert set(half_cvt(pre16)) == {"cvt.f32.f16"} and "ld.global.u16" in pre16 and "ld.global.f32" not in pre16
+    assert set(half_cvt(conv16)) == {"cvt.rn.f16.f32"} and "st.global.u16" in conv16
+    assert not half_cvt(convbf) and "st.global.u16" in convbf and "ld.global.f32" in convbf
