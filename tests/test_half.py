@@ -64,7 +64,7 @@ MODERATE = 4.0 / (60.0 * 60.0)   # times 1/sqrt(d)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("BH, Nq, Nk, d, moderate", [(2, 20, 37, 16, False), (1, 40, 24, 8, True)],
+@pytest.mark.parametrize("BH, Nq, Nk, d, moderate", [(1, 20, 37, 16, False), (1, 40, 24, 8, True)],
                          ids=["Nq<Nk-default-scale", "Nq>Nk-moderate-scale"])
 def test_forward_float16(rng, BH, Nq, Nk, d, moderate, causal):
     """float16 storage, large inputs, Nq != Nk."""
@@ -112,7 +112,7 @@ def backward_tolerance(q, k, v, do, o, causal, scale, g_ref, rounding):
     return out
 
 
-@pytest.mark.parametrize("BH, Nq, Nk, d, causal", [(1, 20, 37, 16, True), (1, 40, 24, 8, False)],
+@pytest.mark.parametrize("BH, Nq, Nk, d, causal", [(1, 20, 37, 16, True), (1, 33, 20, 8, False)],
                          ids=["Nq<Nk-causal", "Nq>Nk-full"])
 def test_backward_float16(rng, BH, Nq, Nk, d, causal):
     """float16 storage, large q, k, v, do; the scale keeps scores O(1-10) (at the default scale the rows are
