@@ -317,7 +317,7 @@ def test_torch_half_cuda_path_rehearsed(rng):
         assert dev.dtype == dtype and torch.equal(dev, host)
 
 
-@pytest.mark.slow   # ~8 s on the simulator (six rehearsed timings); like the other notebooks' measurement rehearsals
+@pytest.mark.slow   # ~7 s on the simulator (six rehearsed timings); like the other notebooks' measurement rehearsals
 def test_measure_storage_rehearsed():
     """Notebook 11's GPU measurement (bench.measure_storage) with its GPU branches taken on the simulator: rows in
     every storage and direction, labelled rehearsal, with the modelled bytes (float16 = bfloat16 < float32)."""
@@ -332,7 +332,7 @@ def test_measure_storage_rehearsed():
     assert by["float16", "forward"] == by["bfloat16", "forward"] < by["float32", "forward"]
 
 
-@pytest.mark.slow   # ~25 s: the four sanitizer tools on two storages (tests/test_sim_sanitizer.py runs fa2 in float32)
+@pytest.mark.slow   # 3 s each on this machine idle, 25 s under load (CI budget); the float32 fa2 is sanitized in CI
 @pytest.mark.parametrize("storage", ["float16", "bfloat16"])
 def test_half_storage_sanitized(rng, storage):
     """memcheck, racecheck, initcheck and synccheck on fa2's half-storage forward, backward and dQ conversion."""
