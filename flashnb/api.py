@@ -2,6 +2,19 @@
 
 Every implementation (``impl="naive"``, ``"fa1"``, ``"fa2"``, ...) is reached through these three
 functions; each stage registers itself in :data:`flashnb.registry.IMPLS`.
+
+**dtypes and storage** (issue #17).  Arithmetic is float32 everywhere.  What differs is what the kernels keep in
+HBM, the ``storage`` argument:
+
+* ``"float32"``: inputs of any real dtype are converted to float32 copies; every result is float32.  This is
+  the only path of impls without half storage (all but ``"fa2"``), whatever the inputs' dtype.
+* ``"float16"`` (``impl="fa2"``): q, k, v (and o, do) must be float16; the kernels read them as they are
+  (half the bytes), widen each element to float32 on chip, and round o (dq, dk, dv) to float16 once, at the
+  store.  lse stays float32.  This is what ``storage=None`` (the default) picks for an impl with half storage
+  when q, k, v are float16.
+* ``"bfloat16"`` (``impl="fa2"``): NumPy has no bfloat16, so q, k, v (o, do) are uint16 arrays of bfloat16 bit
+  patterns (:func:`flashnb.common.to_bfloat16`; :func:`flashnb.common.from_bfloat16` reads results back);
+  explicit only, never picked by ``storage=None``.
 """
 
 from __future__ import annotations
@@ -207,9 +220,49 @@ def _check_qkv(q, k, v):
     return q, k, v
 
 
-def _to3(a: np.ndarray) -> np.ndarray:
-    """(…, N, d) -> (BH, N, d), C-contiguous float32 (a copy when the input is not already that)."""
-    return np.ascontiguousarray(a.reshape((-1,) + a.shape[-2:]), dtype=np.float32)
+def _to3(a: np.ndarray, storage: str = "float32") -> np.ndarray:
+    """(…, N, d) -> (BH, N, d), C-contiguous float32 (a copy when the input is not already that); with
+    ``storage`` the array as it is (already in that dtype: :func:`_resolve_storage` checked it)."""
+    return np.ascontiguousarray(a.reshape((-1,) + a.shape[-2:]), dtype=common.storage_dtype(storage))
+
+
+def _values(a: np.ndarray, storage: str) -> np.ndarray:
+    """An input's values as float32 (bfloat16 bit patterns decoded), for the range checks."""
+    return common.from_bfloat16(a) if storage == "bfloat16" else a
+
+
+_HALF_DTYPE = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
+
+
+def _resolve_storage(entry, impl: str, storage, arrays: dict) -> str:
+    """The storage of a call (see the module docstring): ``storage`` checked against the impl and the arrays'
+    dtypes, or (``None``) float16 for float16 inputs of an impl with half storage, else float32."""
+    half_ok = "storage" in entry.options
+    dtypes = {name: np.dtype(a.dtype) for name, a in arrays.items()}
+    if storage is None:
+        f16 = [name for name, t in dtypes.items() if t == np.float16]
+        if not f16 or not half_ok:
+            return "float32"                     # the float32 path (float16 inputs of other impls too)
+        others = {name: str(t) for name, t in dtypes.items() if t != np.float16}
+        if others:
+            raise TypeError(f"impl {impl!r} keeps float16 inputs in float16 (half storage), so "
+                            f"{', '.join(dtypes)} must all be float16: {', '.join(f16)} are float16 but "
+                            f"{', '.join(f'{n} is {t}' for n, t in others.items())}; convert them, or pass "
+                            "storage='float32' to compute from float32 copies of all of them")
+        return "float16"
+    storage = common.check_storage(storage)
+    if storage == "float32":
+        return storage
+    if not half_ok:
+        have = sorted(n for n, e in IMPLS.items() if "storage" in e.options)
+        raise ValueError(f"storage={storage!r}: impl {impl!r} has no half-precision storage (it computes from "
+                         f"float32 copies: pass storage='float32' or None); impls with half storage: {have}")
+    want = _HALF_DTYPE[storage]
+    for name, t in dtypes.items():
+        if t != want:
+            what = "uint16 bfloat16 bit patterns (flashnb.common.to_bfloat16)" if storage == "bfloat16" else "float16"
+            raise TypeError(f"storage={storage!r} takes {name} as {what}, got dtype {t}")
+    return storage
 
 
 def _check_finite(name: str, a: np.ndarray):
@@ -222,7 +275,7 @@ def _check_finite(name: str, a: np.ndarray):
                          "the kernels compute in float32")
 
 
-def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = "naive", **options):
+def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = "naive", storage=None, **options):
     """Attention forward pass; returns ``(o, lse)``.
 
     Args:
@@ -237,6 +290,10 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
             allowed keys; negative: the smallest score weighs most).  ``|scale · q·k|`` must stay within
             :data:`SCORE_LIMIT` (half the float32 range), else ValueError.
         impl: a registered implementation (``flashnb.registry.IMPLS``), e.g. ``"naive"``.
+        storage: ``None`` (default), ``"float32"``, ``"float16"`` or ``"bfloat16"``: the dtype the kernels keep
+            q, k, v and o in (see the module docstring).  ``None``: float16 when q, k, v are float16 and the impl
+            has half storage (``"fa2"``; then all three must be float16, else TypeError), float32 otherwise.
+            A half storage for an impl without one is a ValueError.
         **options: implementation-specific options (tile sizes, ``block_mask``, ...).  ``impl="fa2"`` also takes
             attention modifiers (:mod:`flashnb.flex`): ``score_mod(score, b, h, q_idx, kv_idx)`` (float32),
             ``mask_mod(b, h, q_idx, kv_idx)`` (bool; becomes a block mask whose empty tiles are skipped),
@@ -257,33 +314,39 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
     flattened leading axes); ``lse`` is the undropped softmax's.  ``dropout_p=0`` is no dropout, for any impl.
     Not with attention modifiers.
 
-    Inputs of any real dtype are converted to float32 (the kernels compute in float32), and may be
-    non-contiguous.  Returns ``o`` with q's shape and ``lse`` (log-sum-exp of each scaled score row) with
-    q's shape minus the last axis, both float32.  A query row that may attend to no key gets
-    ``o = 0`` and ``lse = -inf``.
+    With float32 storage, inputs of any real dtype are converted to float32 (the kernels compute in float32),
+    and may be non-contiguous.  Returns ``o`` with q's shape and ``lse`` (log-sum-exp of each scaled score row)
+    with q's shape minus the last axis; ``lse`` is float32, ``o`` is in the storage: float32, float16, or uint16
+    bfloat16 bits (o is a convex combination of v's rows, so it never leaves float16's range).  A query row
+    that may attend to no key gets ``o = 0`` and ``lse = -inf``.
     """
     entry = _check_impl(impl)
     q, k, v = _check_qkv(q, k, v)
+    storage = _resolve_storage(entry, impl, storage, dict(q=q, k=k, v=v))
     for name, a in (("q", q), ("k", k), ("v", v)):
-        _check_finite(name, a)
+        _check_finite(name, _values(a, storage))
     s = _check_scale(scale, q.shape[-1])
     options = _check_options(entry, impl, options, q, k)
+    if storage != "float32":
+        options = dict(options, storage=storage)
     causal = _check_causal(causal, q.shape[-2], k.shape[-2])
-    q3, k3, v3 = (_to3(a) for a in (q, k, v))
+    q3, k3, v3 = (_to3(_values(a, storage)) for a in (q, k, v))   # float32 values, for the range checks
     _check_score_range(q3, k3, s)
     _check_sum_range(v3)
-    qd, kd, vd = (common.to_device(a) for a in (q3, k3, v3))
+    if storage != "float32":
+        q3, k3, v3 = (_to3(a, storage) for a in (q, k, v))
+    qd, kd, vd = (common.to_device(a, storage) for a in (q3, k3, v3))
     o, lse = entry.forward(qd, kd, vd, causal=causal, scale=s, **options)
     return o.copy_to_host().reshape(q.shape), lse.copy_to_host().reshape(q.shape[:-1])
 
 
-def attention(q, k, v, *, causal: bool = False, scale=None, impl: str = "naive", **options):
+def attention(q, k, v, *, causal: bool = False, scale=None, impl: str = "naive", storage=None, **options):
     """Attention output ``softmax(scale · q kᵀ [+ causal mask]) v``; see :func:`attention_forward`."""
-    return attention_forward(q, k, v, causal=causal, scale=scale, impl=impl, **options)[0]
+    return attention_forward(q, k, v, causal=causal, scale=scale, impl=impl, storage=storage, **options)[0]
 
 
 def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale=None, impl: str = "naive",
-                       check_forward: bool = True, **options):
+                       check_forward: bool = True, storage=None, **options):
     """Gradients ``(dq, dk, dv)`` of ``sum(o * do)`` with respect to q, k, v.
 
     What the backward assumes: ``o`` and ``lse`` are what :func:`attention_forward` returned for the *same*
@@ -300,7 +363,12 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale=None,
     ``lse``, twice that times max|v| on ``o``), so an error smaller than that passes.  ``check_forward=False``
     skips it (e.g. inside a timed loop).
 
-    ``do`` has o's shape.  Shapes, dtypes and options as in :func:`attention_forward`.
+    ``do`` has o's shape.  Shapes, dtypes and options as in :func:`attention_forward`; ``storage`` as there, for
+    q, k, v, o and do (all five float16 for ``storage=None`` to pick float16), and the gradients come back in it
+    (``lse`` is float32 whatever the storage; with half storage dq is summed in float32 and rounded once).
+    float16 holds at most 65504 in magnitude: a gradient beyond that is a ValueError naming it (use
+    ``storage="float32"``, or scale ``do`` down), never a silent inf.  The ``check_forward`` tolerance on ``o``
+    also allows the storage's rounding (half an ulp: 2^-11 relative in float16, 2^-8 in bfloat16).
 
     Dropout: pass the forward's ``dropout_p`` and ``seed``; the kernels regenerate its mask from them (nothing
     was stored).  Another seed gives gradients of another mask, without error -- except that
@@ -311,6 +379,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale=None,
     o = _as_real_array("o", o)
     do = _as_real_array("do", do)
     lse = _as_real_array("lse", lse)
+    storage = _resolve_storage(entry, impl, storage, dict(q=q, k=k, v=v, o=o, do=do))
     if o.shape != q.shape:
         raise ValueError(f"o must have q's shape {q.shape}, got {o.shape}")
     if do.shape != q.shape:
@@ -318,7 +387,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale=None,
     if lse.shape != q.shape[:-1]:
         raise ValueError(f"lse must have shape {q.shape[:-1]} (q's shape without d), got {lse.shape}")
     for name, a in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)):
-        _check_finite(name, a)
+        _check_finite(name, _values(a, storage))
     if np.any(np.isnan(lse)) or np.any(lse == np.inf):
         raise ValueError("lse contains NaN or +inf; pass the lse returned by attention_forward")
     s = _check_scale(scale, q.shape[-1])
@@ -326,18 +395,32 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale=None,
         raise TypeError(f"check_forward must be True or False, got {check_forward!r}")
     options = _check_options(entry, impl, options, q, k)
     causal = _check_causal(causal)
-    q3, k3, v3, o3 = (_to3(a) for a in (q, k, v, o))
+    q3, k3, v3, o3 = (_to3(_values(a, storage)) for a in (q, k, v, o))   # float32 values, for the checks
     lse2 = np.ascontiguousarray(lse.reshape(-1, q.shape[-2]), dtype=np.float32)
     _check_score_range(q3, k3, s)
-    do3 = _to3(do)
+    do3 = _to3(_values(do, storage))
     _check_sum_range(v3, do3)
     if check_forward:
-        _check_forward_outputs(entry, q3, k3, v3, o3, lse2, causal, s, options)
-    dev = [common.to_device(a) for a in (q3, k3, v3, o3)]
+        _check_forward_outputs(entry, q3, k3, v3, o3, lse2, causal, s, options, rounding=_ROUNDING[storage])
+    if storage != "float32":
+        options = dict(options, storage=storage)
+        q3, k3, v3, o3, do3 = (_to3(a, storage) for a in (q, k, v, o, do))
+    dev = [common.to_device(a, storage) for a in (q3, k3, v3, o3)]
     lse_d = common.to_device(lse2)
-    do_d = common.to_device(do3)
+    do_d = common.to_device(do3, storage)
     dq, dk, dv = entry.backward(*dev, lse_d, do_d, causal=causal, scale=s, **options)
-    return dq.copy_to_host().reshape(q.shape), dk.copy_to_host().reshape(k.shape), dv.copy_to_host().reshape(v.shape)
+    grads = (dq.copy_to_host().reshape(q.shape), dk.copy_to_host().reshape(k.shape), dv.copy_to_host().reshape(v.shape))
+    if storage == "float16":
+        for name, g in zip(("dq", "dk", "dv"), grads):
+            if not np.all(np.isfinite(g)):
+                raise ValueError(f"{name} overflows float16: a gradient is beyond 65504 in magnitude (the kernels "
+                                 "computed it in float32 and rounded it to inf at the store); use storage='float32' "
+                                 "or scale do down (the gradients scale with it)")
+    return grads
+
+
+#: The unit roundoff of each storage: half an ulp, relative (the most a round-to-nearest store changes a value).
+_ROUNDING = {"float32": 0.0, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
 
 
 def _mask_rows(entry, options: dict, BH: int, Nq: int, Nk: int, d: int, causal: bool):
@@ -384,9 +467,9 @@ def _mask_rows(entry, options: dict, BH: int, Nq: int, Nk: int, d: int, causal: 
 CHECK_ALL_ROWS = 2048
 
 
-def _check_forward_outputs(entry, q3, k3, v3, o3, lse2, causal, scale, options) -> None:
+def _check_forward_outputs(entry, q3, k3, v3, o3, lse2, causal, scale, options, rounding=0.0) -> None:
     """Recompute a few rows of ``o`` and ``lse`` in float64 and refuse ones that are not the forward of these
-    inputs (see :func:`attention_backward`)."""
+    inputs (see :func:`attention_backward`); ``rounding``: the relative rounding of ``o``'s storage, allowed on top."""
     BH, Nq, d = q3.shape
     Nk = k3.shape[1]
     k3, v3 = _per_query_head(k3, BH), _per_query_head(v3, BH)
@@ -426,7 +509,7 @@ def _check_forward_outputs(entry, q3, k3, v3, o3, lse2, causal, scale, options) 
             lse_bad = not (given_lse == want_lse if not np.isfinite(want_lse) else abs(given_lse - want_lse) <= tol)
             vmax = float(np.abs(V[ok]).max()) / (1.0 - drop_p) if ok.any() else 0.0
             o_err = float(np.abs(given_o - want_o).max())
-            if lse_bad or o_err > 2 * tol * vmax + 1e-6:
+            if lse_bad or o_err > 2 * tol * vmax + rounding * float(np.abs(want_o).max()) + 1e-6:
                 raise ValueError(
                     f"o and lse are not the forward of these q, k, v (causal={causal}, scale={scale:.6g}"
                     f"{', options ' + str(sorted(options)) if options else ''}): at {where} lse is {given_lse:.6g} "

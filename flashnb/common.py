@@ -5,7 +5,10 @@
 * device functions: bounded tile loads and stores (zero fill outside the matrix), the causal predicate;
 * host helpers: ``cdiv``, poisoned (NaN-filled) device outputs, and :func:`launch`, through which every
   kernel launch in flashnb goes (it fixes scalar argument types to the guarded signature and names the
-  launch for the traffic counter).
+  launch for the traffic counter);
+* half-precision *storage* (issue #17): :data:`STORAGES`, the device conversions ``float32 <-> storage``
+  (:func:`storage_conversions`) that a kernel applies at its global loads and stores, and their NumPy twins
+  for bfloat16 (:func:`to_bfloat16`, :func:`from_bfloat16`).  Arithmetic stays float32 everywhere.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import threading
 import numpy as np
 
 from . import runtime  # noqa: F401  (selects GPU or simulator before numba.cuda is imported)
-from numba import cuda, float32  # noqa: E402
+from numba import cuda, float32, int32, uint16, uint32  # noqa: E402
+from numba.core.types import float16  # noqa: E402  (numba exports no float16 at the top level)
 
 from .reference import CAUSAL_ALIGNMENTS, causal_diag  # noqa: E402,F401  (pure NumPy; kernels' launchers use it)
 
@@ -29,6 +33,8 @@ __all__ = [
     "SIM_OPTIN_LIMIT_BYTES", "shared_optin_limit", "allow_dynamic_shared", "positive_int",
     "CAUSAL_ALIGNMENTS", "causal_diag", "on_stream", "current_stream", "MAX_GRID", "MAX_BLOCK",
     "MAX_THREADS_PER_BLOCK", "check_launch_dims", "OutOfMemory", "available_bytes",
+    "STORAGES", "storage_dtype", "storage_array_type", "storage_conversions", "check_storage", "to_bfloat16",
+    "from_bfloat16", "storage_of",
 ]
 
 #: CUDA's launch limits (every compute capability flashnb targets): gridDim.x up to 2^31 - 1, gridDim.y and .z up
@@ -232,13 +238,116 @@ def store_vec(vec, dst, z, r0, tid, nthreads):
             dst[z, r0 + r] = vec[r]
 
 
+# --------------------------------------------------------------------------- storage (half precision)
+
+#: What a kernel may keep Q, K, V, O (and dO, dK, dV, dQ) in, in global memory.  Everything a kernel computes
+#: -- shared tiles, registers, m_i, l_i, L, D, the dQ accumulator -- stays float32 (what FlashAttention does
+#: with half inputs).  ``"bfloat16"`` arrays hold the 16-bit *patterns* as uint16: NumPy has no bfloat16 dtype,
+#: and the Numba CUDA simulator has no bfloat16 type (``numba.cuda.bf16.bfloat16`` is None there), so the
+#: kernels widen the bits themselves (:func:`bf16_to_f32`), which compiles for a GPU and runs on the simulator.
+STORAGES = ("float32", "float16", "bfloat16")
+
+_STORAGE_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+_STORAGE_TYPE = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}
+
+
+def check_storage(storage) -> str:
+    """``storage`` if it is one of :data:`STORAGES`, else ValueError naming the argument and the choices."""
+    if not isinstance(storage, str) or storage not in STORAGES:
+        raise ValueError(f"storage must be one of {list(STORAGES)}, got {storage!r}")
+    return storage
+
+
+def storage_dtype(storage: str) -> np.dtype:
+    """The NumPy dtype of arrays in ``storage`` (bfloat16: uint16 bit patterns)."""
+    return np.dtype(_STORAGE_DTYPE[check_storage(storage)])
+
+
+def storage_array_type(storage: str, ndim: int = 3) -> str:
+    """The numba type string of a C-contiguous ``ndim``-d array in ``storage``, for kernel signatures."""
+    return f"{_STORAGE_TYPE[check_storage(storage)]}[{', '.join([':'] * (ndim - 1) + ['::1'])}]"
+
+
+def storage_of(a) -> str | None:
+    """The storage a device (or NumPy) array's dtype stands for: float32, float16, uint16 -> bfloat16; else None."""
+    dtype = np.dtype(getattr(a, "dtype", np.float64))
+    return {np.dtype(v): k for k, v in _STORAGE_DTYPE.items()}.get(dtype)
+
+
+# bfloat16 <-> float32 reinterprets bits.  On a GPU that is libdevice's ``__nv_int_as_float`` /
+# ``__nv_float_as_int`` (a ``mov.b32``: no instruction, no local memory); the simulator runs no libdevice, so there
+# the same two functions are NumPy bit views (the twins below, which the tests also check the kernels against).
+if runtime.MODE == "gpu":
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True, inline="always")
+    def bf16_to_f32(bits):
+        """bfloat16 bits (uint16) -> float32, exact: bfloat16 is the high half of a float32 (``shl`` + ``mov``)."""
+        return libdevice.int_as_float(int32(uint32(bits) << uint32(16)))
+
+    @cuda.jit(device=True, inline="always")
+    def f32_to_bf16(x):
+        """float32 -> bfloat16 bits, round to nearest even on the dropped 16 bits (NaN -> a quiet NaN)."""
+        if x != x:
+            return uint16(0x7FC0)
+        u = uint32(libdevice.float_as_int(x))
+        r = uint32(u + uint32(0x7FFF) + ((u >> uint32(16)) & uint32(1)))   # 32-bit: numba would widen to 64
+        return uint16(r >> uint32(16))
+else:
+    @cuda.jit(device=True, inline="always")
+    def bf16_to_f32(bits):
+        """bfloat16 bits (uint16) -> float32 (simulator: NumPy's bit view, :func:`from_bfloat16`)."""
+        return from_bfloat16(np.uint16(bits))[()]
+
+    @cuda.jit(device=True, inline="always")
+    def f32_to_bf16(x):
+        """float32 -> bfloat16 bits (simulator: :func:`to_bfloat16`)."""
+        return to_bfloat16(x)[()]
+
+
+# float32 storage: ``float32(x)`` of a float32 is no instruction (the float32 kernels' PTX is unchanged, and the
+# simulator pays one NumPy cast, not a device-function call).  float16: numba's casts, ``cvt.f32.f16`` (exact)
+# and ``cvt.rn.f16.f32`` (round to nearest even; beyond 65504 -> inf).  bfloat16: the functions above.
+_CONVERSIONS = {"float32": (float32, float32), "float16": (float32, float16),
+                "bfloat16": (bf16_to_f32, f32_to_bf16)}
+
+
+def storage_conversions(storage: str):
+    """``(to_f32, from_f32)``: what a kernel applies to every global load and store of an array in ``storage``
+    (numba casts for float32 and float16, device functions for bfloat16)."""
+    return _CONVERSIONS[check_storage(storage)]
+
+
+def to_bfloat16(x) -> np.ndarray:
+    """NumPy twin of :func:`f32_to_bf16`: the bfloat16 bit patterns (uint16) of ``x`` (rounded to float32 first,
+    then to bfloat16, to nearest even; NaN -> 0x7FC0)."""
+    f = np.array(x, dtype=np.float32)              # a contiguous copy, 0-d for a scalar
+    u = f.view(np.uint32).astype(np.uint64)
+    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(f), np.uint16(0x7FC0), bits)
+
+
+def from_bfloat16(bits) -> np.ndarray:
+    """NumPy twin of :func:`bf16_to_f32`: float32 values of bfloat16 bit patterns (uint16), exact."""
+    b = np.array(bits)
+    if b.dtype != np.uint16:
+        raise TypeError(f"bfloat16 values are uint16 bit patterns, got dtype {b.dtype}")
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
 # --------------------------------------------------------------------------- host helpers
 
 # The two ways to align a causal mask when Nq != Nk, named as torch.nn.attention.bias names them
 # (causal_lower_right / causal_upper_left).  True means "lower_right", the FlashAttention >= 2.1 convention.
-def to_device(a: np.ndarray):
-    """Copy a host array to the device as C-contiguous float32 (what every kernel signature expects)."""
-    return cuda.to_device(np.ascontiguousarray(a, dtype=np.float32), stream=current_stream())
+def to_device(a: np.ndarray, storage: str = "float32"):
+    """Copy a host array to the device as C-contiguous float32 (what every kernel signature expects), or in
+    ``storage`` (:data:`STORAGES`; a bfloat16 array must already hold uint16 bit patterns, see
+    :func:`to_bfloat16`)."""
+    dtype = storage_dtype(storage)
+    if storage == "bfloat16" and np.asarray(a).dtype != np.uint16:
+        raise TypeError(f"storage='bfloat16' takes uint16 bit patterns (flashnb.common.to_bfloat16), got dtype "
+                        f"{np.asarray(a).dtype}")
+    return cuda.to_device(np.ascontiguousarray(a, dtype=dtype), stream=current_stream())
 
 
 _stream = threading.local()
@@ -303,35 +412,37 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
-def empty(shape, *, poison: bool | None = None):
-    """A float32 device array for a kernel's output.
+def empty(shape, *, poison: bool | None = None, storage: str = "float32"):
+    """A float32 device array for a kernel's output (``storage``: a float16 array, or uint16 bfloat16 bits).
 
     By default it is filled with NaN, so an element the kernel forgets to write cannot pass a test.  Inside
     ``with poisoning(False):`` (and with ``poison=False``) it is a plain uninitialised device allocation.
-    On a GPU the NaN fill is a device memset (bytes 0xFF: every float32 0xFFFFFFFF is a NaN), so no host
-    buffer the size of the output is ever made.  An output larger than the memory left raises
-    :class:`OutOfMemory` first, with both sizes (the naive path's N×N score matrix is the usual one).
+    On a GPU the NaN fill is a device memset (bytes 0xFF: every float32 0xFFFFFFFF is a NaN, and 0xFFFF is one in
+    float16 and bfloat16), so no host buffer the size of the output is ever made.  An output larger than the
+    memory left raises :class:`OutOfMemory` first, with both sizes (the naive path's N×N score matrix is the usual one).
     """
     if poison is None:
         poison = getattr(_poison, "enabled", True)
     dims = tuple(int(n) for n in (shape if isinstance(shape, (tuple, list)) else (shape,)))
-    nbytes = 4 * math.prod(dims)
+    dtype = storage_dtype(storage)
+    nbytes = dtype.itemsize * math.prod(dims)
     free = available_bytes()
     if free is not None and nbytes > free:
-        raise OutOfMemory(f"an output of shape {dims} (float32) needs {_human(nbytes)}, but only {_human(free)} "
+        raise OutOfMemory(f"an output of shape {dims} ({storage}) needs {_human(nbytes)}, but only {_human(free)} "
                           f"{'of device memory is free' if runtime.MODE == 'gpu' else 'of memory is available'}; "
                           "use smaller inputs (the naive impl stores the whole N_q x N_k score matrix, twice)")
     if not poison:
-        return cuda.device_array(dims, dtype=np.float32, stream=current_stream())
+        return cuda.device_array(dims, dtype=dtype, stream=current_stream())
     from . import rehearsal
 
     if runtime.MODE == "gpu" and not rehearsal.active():
         from numba.cuda.cudadrv.driver import device_memset
 
-        out = cuda.device_array(dims, dtype=np.float32, stream=current_stream())
+        out = cuda.device_array(dims, dtype=dtype, stream=current_stream())
         device_memset(out, 0xFF, nbytes, stream=current_stream())
     else:
-        out = cuda.to_device(np.full(dims, np.nan, dtype=np.float32), stream=current_stream())
+        out = cuda.to_device(np.full(dims, 0xFFFF, dtype=np.uint16) if storage == "bfloat16"
+                             else np.full(dims, np.nan, dtype=dtype), stream=current_stream())
     for hook in poison_hooks:
         hook(out)
     return out
@@ -360,15 +471,15 @@ def _scalar(x):
 
 
 def _check_array_arg(kernel, position, a):
-    """Float arrays must be float32 and C-contiguous: anything else would make Numba compile (on a GPU) a
-    specialisation the PTX guard never checked -- float64 code, or strided loads."""
+    """Float arrays must be float32 (or float16, half storage) and C-contiguous: anything else would make Numba
+    compile (on a GPU) a specialisation the PTX guard never checked -- float64 code, or strided loads."""
     dtype = getattr(a, "dtype", None)
     if dtype is None or not hasattr(a, "shape"):
         return
     name = getattr(getattr(kernel, "py_func", kernel), "__name__", "kernel")
-    if np.dtype(dtype).kind == "f" and np.dtype(dtype) != np.float32:
+    if np.dtype(dtype).kind == "f" and np.dtype(dtype) not in (np.float32, np.float16):
         raise TypeError(f"{name}: array argument {position} has dtype {dtype}; flashnb kernels take float32 "
-                        "(use common.to_device / common.empty)")
+                        "(float16 for half storage; use common.to_device / common.empty)")
     flags = getattr(a, "flags", None)
     contiguous = flags["C_CONTIGUOUS"] if flags is not None else getattr(a, "is_c_contiguous", lambda: True)()
     if not contiguous:
@@ -449,8 +560,8 @@ def dry_run(fn, *args, **kwargs) -> list:
     g = fn.__globals__
     allocated = []
 
-    def fake_empty(shape, *, poison=True):
-        a = ShapeOnly(shape)
+    def fake_empty(shape, *, poison=True, storage="float32"):
+        a = ShapeOnly(shape, storage_dtype(storage))
         allocated.append(a)
         return a
 

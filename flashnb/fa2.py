@@ -20,11 +20,13 @@ so every value read from shared memory feeds ``TN``, ``TM`` or ``TM`` FMAs.  The
 group hold one row of S between them: the row max is a 3-step ``shfl_xor`` butterfly, and ``P V`` gets
 each ``P_ij`` from its owner lane with ``shfl_sync`` (P never touches shared memory).
 
-Kernels (arrays float32, C-contiguous, ``(BH, N, d)``; ``L``/``D`` are ``(BH, N)``):
+Kernels (arrays float32, C-contiguous, ``(BH, N, d)``; ``L``/``D`` are ``(BH, N)``; with ``storage="float16"`` or
+``"bfloat16"`` Q, K, V, O, dO, dK, dV are half precision in HBM and widened to float32 at every load -- issue #17):
 
 * :func:`make_forward` -- FA2 Alg. 1, grid ``(Tr, BH)``, ``32·warps`` threads.
 * :func:`make_preprocess` -- FA2 Alg. 2 line 4 (``D = rowsum(dO ∘ O)``), also zeroes the dQ accumulator.
 * :func:`make_backward` -- FA2 Alg. 2, grid ``(Tc, BH)``; the warps split the *key* rows of the block.
+* :func:`make_convert` -- half storage only: dQ narrowed from its float32 accumulator after the backward.
 
 Attention modifiers (:mod:`flashnb.flex`, issue #16).  Both kernel factories take compile-time
 ``score_mod`` / ``mask_mod`` (device functions of the user's Python functions, or ``None`` = the plain kernel,
@@ -45,7 +47,22 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from .common import NEG_INF, ONE, ZERO, causal_diag, cdiv, check_shared_fit, empty, launch, positive_int
+from .common import (
+    NEG_INF,
+    ONE,
+    ZERO,
+    causal_diag,
+    cdiv,
+    check_shared_fit,
+    check_storage,
+    empty,
+    launch,
+    positive_int,
+    storage_array_type,
+    storage_conversions,
+    storage_dtype,
+    storage_of,
+)
 from .registry import kernel_factory, register_impl
 from .rng import check_dropout, dropout_scale, split_seed
 
@@ -53,7 +70,7 @@ __all__ = ["BlockMask", "PreparedMask", "prepare_block_mask",
            "make_forward", "make_preprocess", "make_backward", "forward", "backward", "model_forward",
            "model_backward", "default_tiles", "block_tiles", "geometry", "tiles_visited", "LR", "LC", "FULL_MASK",
            "fmas_per_shared_read", "shared_bytes",
-           "EMPTY", "FULL", "PARTIAL", "make_modify", "make_modify_grad"]
+           "EMPTY", "FULL", "PARTIAL", "make_modify", "make_modify_grad", "make_convert", "itemsizes", "model_bytes"]
 
 LR = 4                 # lanes of a warp along the rows it owns
 LC = 8                 # lanes of a warp along the columns (key columns of S, head-dim columns of O)
@@ -65,15 +82,37 @@ NO_SEED = uint32(0)    # the seed halves a kernel without dropout passes on (nev
 _A3 = "float32[:, :, ::1]"
 _A2 = "float32[:, ::1]"
 _MASK = "uint8[:, :, ::1]"   # block mask M (BH, Tr, Tc) at the kernel's tiles; a 1x1x1 dummy when dense
-_FWD_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, float32, int32, {_MASK})"
-_PRE_SIG = f"void({_A3}, {_A3}, {_A2}, {_A3})"
-_BWD_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, {_A2}, {_A3}, {_A3}, {_A3}, float32, int32, {_MASK})"
+
+
+# Signatures as functions of the configuration: ``storage`` (issue #17) types the arrays the kernels keep in
+# half precision -- Q, K, V, O, dO, dK, dV -- and nothing else (L, D and the dQ accumulator stay float32).
+def _fwd_sig(storage="float32", **_):
+    h = storage_array_type(storage)
+    return f"void({h}, {h}, {h}, {h}, {_A2}, float32, int32, {_MASK})"
+
+
+def _pre_sig(storage="float32", **_):
+    h = storage_array_type(storage)
+    return f"void({h}, {h}, {_A2}, {_A3})"
+
+
+def _bwd_sig(storage="float32", **_):
+    h = storage_array_type(storage)
+    return f"void({h}, {h}, {h}, {h}, {_A2}, {_A2}, {_A3}, {h}, {h}, float32, int32, {_MASK})"
+
+
+def _convert_sig(storage="float16", **_):
+    return f"void({_A3}, {storage_array_type(storage)})"
+
+
+_FWD_SIG, _PRE_SIG, _BWD_SIG = _fwd_sig(), _pre_sig(), _bwd_sig()   # the float32 kernels' signatures
 _DROPOUT_ARGS = ", float32, uint32, uint32)"   # dropout=True: dropout_p, seed_lo, seed_hi appended
 
 
-def _signature(base):
-    """The launch signature of a configuration: ``base``, with the dropout arguments when ``dropout=True``."""
-    return lambda dropout=False, **_: base[:-1] + _DROPOUT_ARGS if dropout else base
+def _with_dropout(signature):
+    """The launch signature of a configuration: ``signature(config)`` (its storage), with the dropout arguments
+    appended when ``dropout=True``."""
+    return lambda dropout=False, **config: signature(**config)[:-1] + _DROPOUT_ARGS if dropout else signature(**config)
 
 # Default tiles per head dim, chosen with the resource report (registers, spills, static shared memory
 # <= 48 KiB on sm_80/sm_90, occupancy): `flashnb inspect --kernel fa2.forward` prints today's numbers, and
@@ -96,13 +135,17 @@ def default_tiles(d: int, direction: str = "forward") -> dict:
 def _configs(direction):
     """What the PTX guard compiles: the default tiles of every head-dim class (causal on and off), plus
     one-warp tiles with an odd head dim (padded to the lanes); the block-sparse variant (FA1 Alg. 5, see
-    :mod:`flashnb.block_sparse`) with causal off and on, smallest and largest head dim; dropout (dense causal
-    d = 64; block-sparse GQA d = 128); attention modifiers last."""
+    :mod:`flashnb.block_sparse`) with causal off and on, smallest and largest head dim; half storage (float16,
+    bfloat16); dropout (dense causal d = 64; block-sparse GQA d = 128); attention modifiers last."""
     return ([dict(**default_tiles(d, direction), d=d, causal=c) for d, c in ((32, False), (64, True), (128, True))]
             + [dict(Br=16, Bc=16, d=20, warps=1, causal=False)]
+            # half storage (issue #17): float16 at the largest head dim, bfloat16 causal (2 configs: CI budget)
+            + [dict(**default_tiles(d, direction), d=d, causal=c, storage=st)
+               for d, c, st in ((128, False, "float16"), (64, True, "bfloat16"))]
             + [dict(**default_tiles(d, direction), d=d, causal=c, sparse=True) for d, c in ((32, False), (128, True))]
             + [dict(**default_tiles(64, direction), d=64, causal=True, dropout=True),     # dropout: dense; sparse GQA
                dict(**default_tiles(128, direction), d=128, causal=False, sparse=True, gqa=True, dropout=True)]
+            # last: the richest path (exercise answers are guarded with the last config, tests/test_exercises.py)
             + [dict(**default_tiles(d, direction), d=d, causal=c, sparse=True, H=4, gqa=True, **mods)
                for d, c, mods in ((64, False, _GUARD_MODS), (128, True, _GUARD_MODS_2))])   # last: REUSE_SAMPLE's
 
@@ -238,10 +281,10 @@ def _flex_options(score_mod, mask_mod, sparse, H):
     return score_mod is not None or mask_mod is not None, positive_int("H", H)
 
 
-@kernel_factory("fa2.forward", stage="4", signature=_signature(_FWD_SIG), configs=_configs("forward"),
+@kernel_factory("fa2.forward", stage="4", signature=_with_dropout(_fwd_sig), configs=_configs("forward"),
                 threads=lambda warps, **_: 32 * warps)
 def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mod=None, H=1, gqa=False,
-                 dropout=False):
+                 dropout=False, storage="float32"):
     """FA2 Alg. 1 for one (Br, Bc, d, warps, causal); grid ``(Tr, BH)``, block ``32·warps`` threads.
 
     ``sparse``: block-sparse FlashAttention (FA1 Alg. 5 = Alg. 2 with ``if M_ij != 0``): a K/V tile whose
@@ -253,10 +296,15 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
     (float32), ``seed_lo``, ``seed_hi`` (uint32).  The softmax statistics ``m_i``, ``l_i`` (and so ``L``) come
     from the *undropped* ``P~``; ``O~`` accumulates ``(P~ ∘ Z) V / (1 - p)``, where ``Z_ij`` (keep = 1) is
     regenerated per element from Philox (:func:`flashnb.rng.dropout_scale`, counter ``(col, row, z, 0)``): no
-    mask is read or written.  Without ``dropout`` the kernel is the one above, unchanged."""
+    mask is read or written.  Without ``dropout`` the kernel is the one above, unchanged.
+
+    ``storage``: the dtype of Q, K, V, O in HBM (:data:`flashnb.common.STORAGES`); they are widened to float32
+    as they are loaded into shared memory and O is narrowed as it is stored -- every tile, m_i, l_i and L stay
+    float32."""
     flex, H = _flex_options(score_mod, mask_mod, sparse, H)
     if dropout and flex:
         raise ValueError("dropout with attention modifiers (score_mod / mask_mod) is not supported")
+    to_f32, from_f32 = storage_conversions(storage)  # casts: no instruction for float32 storage
     partial_tiles = mask_mod is not None             # M has partial tiles (mask_mod per element)
     modify = make_modify(score_mod, mask_mod, H)
     g = geometry(Br, Bc, d, warps)
@@ -353,7 +401,7 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
         for e in range(tid, Br * d, NT):             # Alg. 1 line 4: load Q_i once (coalesced)
             r = e // d
             k = e - r * d
-            QsT[k, r] = Q[z, i0 + r, k] if i0 + r < Nq else ZERO
+            QsT[k, r] = to_f32(Q[z, i0 + r, k]) if i0 + r < Nq else ZERO
         for a in range(TM):                          # line 5: O~ = 0, l = 0, m = -inf
             m[a] = NEG_INF
             l[a] = ZERO
@@ -375,11 +423,11 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
             for e in range(tid, Bc * d, NT):         # line 7: load K_j, V_j
                 c = e // d
                 k = e - c * d
-                KsT[k, c] = K[kz, j0 + c, k] if j0 + c < Nk else ZERO
+                KsT[k, c] = to_f32(K[kz, j0 + c, k]) if j0 + c < Nk else ZERO
             for e in range(tid, Bc * Dp, NT):
                 c = e // Dp
                 k = e - c * Dp
-                Vs[c, k] = V[kz, j0 + c, k] if j0 + c < Nk and k < d else ZERO
+                Vs[c, k] = to_f32(V[kz, j0 + c, k]) if j0 + c < Nk and k < d else ZERO
             cuda.syncthreads()
             fa2_tile(QsT, KsT, Vs, S, Oi, m, l, qv, kv, p, r0, lr, lc, i0, j0, Nk, scale, diag, z, Nq, mij,
                      dropout_p, seed_lo, seed_hi, inv_keep)
@@ -395,7 +443,7 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
                 for c in range(DN):
                     col = lc + LC * c
                     if col < d:
-                        O[z, row, col] = Oi[a, c] * inv
+                        O[z, row, col] = from_f32(Oi[a, c] * inv)   # rounded once, here
                 if lc == 0:
                     L[z, row] = m[a] + float32(math.log(ls)) if ls > ZERO else NEG_INF
 
@@ -414,8 +462,12 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
 # --------------------------------------------------------------------------- backward kernels
 
 
-@kernel_factory("fa2.preprocess", stage="4", signature=_PRE_SIG, threads=32 * PRE_WARPS)
-def make_preprocess():
+@kernel_factory("fa2.preprocess", stage="4", signature=_pre_sig, threads=32 * PRE_WARPS,
+                configs=[{}, dict(storage="float16"), dict(storage="bfloat16")])
+def make_preprocess(storage="float32"):
+    """FA2 Alg. 2 line 4; ``storage``: the dtype of O and dO (widened to float32; D and dQ stay float32)."""
+    to_f32 = storage_conversions(storage)[0]
+
     @cuda.jit
     def fa2_bwd_preprocess(O, dO, D, dQ):
         """FA2 Alg. 2 line 4: D_i = rowsum(dO_i ∘ O_i), one warp per row (lanes over d, shuffle-reduced);
@@ -426,7 +478,7 @@ def make_preprocess():
         acc = ZERO
         if i < O.shape[1]:                          # warp-uniform branch
             for e in range(lane, O.shape[2], 32):
-                acc += dO[z, i, e] * O[z, i, e]
+                acc += to_f32(dO[z, i, e]) * to_f32(O[z, i, e])
                 dQ[z, i, e] = ZERO
         off = 16
         while off > 0:
@@ -438,10 +490,10 @@ def make_preprocess():
     return fa2_bwd_preprocess
 
 
-@kernel_factory("fa2.backward", stage="4", signature=_signature(_BWD_SIG), configs=_configs("backward"),
+@kernel_factory("fa2.backward", stage="4", signature=_with_dropout(_bwd_sig), configs=_configs("backward"),
                 threads=lambda warps, **_: 32 * warps)
 def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mod=None, H=1, gqa=False,
-                  score_mod_grad=None, dropout=False):
+                  score_mod_grad=None, dropout=False, storage="float32"):
     """FA2 Alg. 2 for one configuration; grid ``(Tc, BH)``.  The warps split the Bc *key* rows (each lane
     owns ``TM`` key rows × ``TN`` query columns of Sᵀ and ``TM × DN`` of dK_j, dV_j); dS goes through
     shared memory once per tile so that all threads can form dQ_i = dS K_j and add it into HBM.
@@ -455,10 +507,15 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
     forward's mask, never stored.  With ``W = Z / (1-p)``: ``dV_j += (P ∘ W)ᵀ dO_i``, ``dP = (dO_i V_jᵀ) ∘ W``,
     ``dS = P ∘ (dP - D)``.  ``D_i = rowsum(dO_i ∘ O_i)`` of the *dropped* output ``O = (P ∘ W) V`` is still
     ``Σ_j P_ij dP_ij``: ``Σ_c dO_ic O_ic = Σ_c dO_ic Σ_j P_ij W_ij V_jc = Σ_j P_ij W_ij (dO_i · V_j)
-    = Σ_j P_ij dP_ij`` -- the preprocessing kernel is unchanged."""
+    = Σ_j P_ij dP_ij`` -- the preprocessing kernel is unchanged.
+
+    ``storage``: the dtype of Q, K, V, dO, dK, dV in HBM (widened at the loads, dK and dV narrowed at the one
+    store); L, D and the dQ accumulator stay float32 -- atomics add float32, and :func:`make_convert` narrows
+    dQ afterwards, as FlashAttention-2 does (a float32 ``dq_accum``, then a conversion kernel)."""
     flex, H = _flex_options(score_mod, mask_mod, sparse, H)
     if dropout and flex:
         raise ValueError("dropout with attention modifiers (score_mod / mask_mod) is not supported")
+    to_f32, from_f32 = storage_conversions(storage)  # casts: no instruction for float32 storage
     if score_mod is not None and score_mod_grad is None:
         score_mod_grad = getattr(python_modifier(score_mod), "grad", None)
         if score_mod_grad is None:
@@ -561,8 +618,8 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
             c = e // d
             k = e - c * d
             inside = j0 + c < Nk
-            KsT[k, c] = K[kz, j0 + c, k] if inside else ZERO
-            VsT[k, c] = V[kz, j0 + c, k] if inside else ZERO
+            KsT[k, c] = to_f32(K[kz, j0 + c, k]) if inside else ZERO
+            VsT[k, c] = to_f32(V[kz, j0 + c, k]) if inside else ZERO
         for a in range(TM):                          # line 7: dK_j = dV_j = 0 (on chip)
             for c in range(DN):
                 dKj[a, c] = ZERO
@@ -588,8 +645,8 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
                 r = e // Dp
                 k = e - r * Dp
                 inside = i0 + r < Nq and k < d
-                QsT[k, r] = Q[z, i0 + r, k] if inside else ZERO
-                dOsT[k, r] = dO[z, i0 + r, k] if inside else ZERO
+                QsT[k, r] = to_f32(Q[z, i0 + r, k]) if inside else ZERO
+                dOsT[k, r] = to_f32(dO[z, i0 + r, k]) if inside else ZERO
             for r in range(tid, Br, NT):
                 Ls[r] = L[z, i0 + r] if i0 + r < Nq else NEG_INF
                 Ds[r] = D[z, i0 + r] if i0 + r < Nq else ZERO
@@ -611,8 +668,8 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
                 for c in range(DN):
                     col = lc + LC * c
                     if col < d:
-                        dK[kz, key, col] = scale * dKj[a, c]
-                        dV[kz, key, col] = dVj[a, c]
+                        dK[kz, key, col] = from_f32(scale * dKj[a, c])
+                        dV[kz, key, col] = from_f32(dVj[a, c])
 
     if dropout:
         @cuda.jit
@@ -624,6 +681,30 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
             fa2_backward_block(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, ZERO, NO_SEED, NO_SEED)
 
     return fa2_backward
+
+
+CONVERT_THREADS = 128   # dQ conversion: one element per thread
+
+
+@kernel_factory("fa2.convert", stage="4", signature=_convert_sig, threads=CONVERT_THREADS,
+                configs=[dict(storage="float16"), dict(storage="bfloat16")])
+def make_convert(storage="float16"):
+    """Half storage only: ``dQh = dQ`` narrowed from the float32 accumulator the backward's atomics summed
+    into (FA2 Alg. 2 line 15 adds float32; FlashAttention-2 ends its backward the same way, converting its float32
+    ``dq_accum``).  Grid ``(ceil(Nq·d / 128), BH)``, one element per thread."""
+    from_f32 = storage_conversions(storage)[1]
+
+    @cuda.jit
+    def fa2_convert_dq(dQ, dQh):
+        """dQh = dQ (the float32 accumulator) in half storage."""
+        z = cuda.blockIdx.y
+        e = cuda.blockIdx.x * CONVERT_THREADS + cuda.threadIdx.x
+        d = dQ.shape[2]
+        if e < dQ.shape[1] * d:
+            i = e // d
+            dQh[z, i, e - i * d] = from_f32(dQ[z, i, e - i * d])
+
+    return fa2_convert_dq
 
 
 # --------------------------------------------------------------------------- block masks
@@ -886,6 +967,20 @@ def _flex(direction, score_mod, mask_mod, score_mod_grad, block_mask, heads, BH,
     return block_mask, mask_mod, H
 
 
+def _storage(storage, **arrays) -> str:
+    """The launch's storage (:data:`flashnb.common.STORAGES`): ``storage`` if given, else what q's dtype stands
+    for; every array must be in it (TypeError naming the first that is not)."""
+    if storage is None:
+        storage = storage_of(arrays["q"]) or "float32"
+    want = storage_dtype(check_storage(storage))
+    for name, a in arrays.items():
+        if a is not None and np.dtype(a.dtype) != want:
+            raise TypeError(f"fa2 with storage={storage!r} takes {name} as {want} "
+                            f"{'(bfloat16 bit patterns) ' if storage == 'bfloat16' else ''}device arrays, got "
+                            f"{name} of dtype {a.dtype}")
+    return storage
+
+
 def _dropout_args(dropout_p, seed, score_mod, mask_mod, block_mask):
     """``()`` without dropout (``dropout_p == 0``), else the kernels' extra arguments ``(p, seed_lo, seed_hi)``;
     checks them (:func:`flashnb.rng.check_dropout`) and refuses dropout with attention modifiers."""
@@ -899,7 +994,7 @@ def _dropout_args(dropout_p, seed, score_mod, mask_mod, block_mask):
 
 
 def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block_mask=None, score_mod=None,
-            mask_mod=None, heads=1, score_mod_grad=None, dropout_p=0.0, seed=None):
+            mask_mod=None, heads=1, score_mod_grad=None, dropout_p=0.0, seed=None, storage=None):
     """Device arrays in, ``(O, L)`` out (FA2 Alg. 1); ``Br, Bc, warps`` default to :func:`default_tiles`.
 
     ``block_mask`` (a :class:`BlockMask` or a boolean array ``(..., ceil(Nq/Br),
@@ -912,29 +1007,35 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block
     ``dropout_p`` (in ``[0, 1)``) and ``seed`` (an int in ``[0, 2^64)``, required when ``dropout_p > 0``):
     attention dropout (FA1 Alg. 2), each ``P_ij`` kept with probability ``1 - p`` by the Philox mapping of
     :mod:`flashnb.rng` and scaled by ``1/(1-p)``; ``L`` is the log-sum-exp of the undropped scores.  Give the
-    backward the same ``dropout_p`` and ``seed``.  ``dropout_p = 0`` launches the kernel without dropout."""
+    backward the same ``dropout_p`` and ``seed``.  ``dropout_p = 0`` launches the kernel without dropout.
+    ``storage``: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (uint16 bit patterns), the dtype of q, k, v and
+    of the returned O (default: q's); L is float32 whatever the storage."""
+    storage = _storage(storage, q=q, k=k, v=v)
     BH, Nq, d = q.shape
     Nk = k.shape[1]
     G = _group(BH, k.shape[0], k, v)
     drop = _dropout_args(dropout_p, seed, score_mod, mask_mod, block_mask)
     block_mask, mask_mod, H = _flex("forward", score_mod, mask_mod, None, block_mask, heads, BH, Nq, Nk, d, Br, Bc)
     t, M = _tiles_and_mask("forward", Br, Bc, warps, block_mask, BH, Nq, Nk, d)
-    O = empty((BH, Nq, d))
+    O = empty((BH, Nq, d), storage=storage)
     L = empty((BH, Nq))
     kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal), M is not None, score_mod, mask_mod, H, G > 1,
-                          dropout=bool(drop))
+                          dropout=bool(drop), storage=storage)
     launch(kernel, (cdiv(Nq, t["Br"]), BH), 32 * t["warps"], q, k, v, O, L, scale, causal_diag(causal, Nq, Nk),
            _mask_device(None) if M is None else M, *drop, label="FA2 forward")
     return O, L
 
 
 def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warps=None, block_mask=None,
-             score_mod=None, mask_mod=None, heads=1, score_mod_grad=None, dropout_p=0.0, seed=None):
+             score_mod=None, mask_mod=None, heads=1, score_mod_grad=None, dropout_p=0.0, seed=None, storage=None):
     """FA2 Alg. 2: the D preprocessing launch, then one thread block per K/V column block.  ``block_mask``
     as in :func:`forward` (Q tiles with ``M = 0`` are skipped).  ``score_mod_grad``: ``d score_mod / d score``
     (default: ``score_mod.grad``, which the gallery sets).  Grouped-query attention: one thread block per K/V
     column block *of a K/V head*, looping over the query heads of its group; dK, dV are summed on chip.
-    ``dropout_p``, ``seed``: the forward's (the mask is regenerated from them; ``o`` is the dropped output)."""
+    ``dropout_p``, ``seed``: the forward's (the mask is regenerated from them; ``o`` is the dropped output).
+    ``storage`` (default: q's dtype): q, k, v, o, do and the returned dQ, dK, dV are in it, lse is float32; with
+    half storage dQ is summed in a float32 accumulator and narrowed by a third launch (:func:`make_convert`)."""
+    storage = _storage(storage, q=q, k=k, v=v, o=o, do=do)
     BH, Nq, d = q.shape
     Nk = k.shape[1]
     G = _group(BH, k.shape[0], k, v)
@@ -943,15 +1044,20 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
                                     d, Br, Bc)
     t, M = _tiles_and_mask("backward", Br, Bc, warps, block_mask, BH, Nq, Nk, d)
     D = empty((BH, Nq))
-    dQ = empty((BH, Nq, d))
-    launch(make_preprocess(), (cdiv(Nq, PRE_WARPS), BH), 32 * PRE_WARPS, o, do, D, dQ,
+    dQ = empty((BH, Nq, d))                          # float32: the atomics' accumulator
+    launch(make_preprocess(storage), (cdiv(Nq, PRE_WARPS), BH), 32 * PRE_WARPS, o, do, D, dQ,
            label="D = rowsum(dO∘O)")
-    dK = empty((BH // G, Nk, d))
-    dV = empty((BH // G, Nk, d))
+    dK = empty((BH // G, Nk, d), storage=storage)
+    dV = empty((BH // G, Nk, d), storage=storage)
     kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], bool(causal), M is not None, score_mod, mask_mod, H,
-                           G > 1, score_mod_grad, dropout=bool(drop))
+                           G > 1, score_mod_grad, dropout=bool(drop), storage=storage)
     launch(kernel, (cdiv(Nk, t["Bc"]), BH // G), 32 * t["warps"], q, k, v, do, lse, D, dQ, dK, dV, scale,
            causal_diag(causal, Nq, Nk), _mask_device(None) if M is None else M, *drop, label="FA2 backward")
+    if storage != "float32":
+        dQh = empty((BH, Nq, d), storage=storage)
+        launch(make_convert(storage), (cdiv(Nq * d, CONVERT_THREADS), BH), CONVERT_THREADS, dQ, dQh,
+               label=f"dQ -> {storage}")
+        dQ = dQh
     return dQ, dK, dV
 
 
@@ -959,7 +1065,7 @@ register_impl("fa2", stage="4",
               description="FlashAttention-2: Q-block grid, split-Q warps, delayed rescaling; dQ by atomics",
               forward=forward, backward=backward,
               options=("Br", "Bc", "warps", "block_mask", "score_mod", "mask_mod", "score_mod_grad", "dropout_p",
-                       "seed"),
+                       "seed", "storage"),
               gqa=True)
 
 
@@ -1043,8 +1149,27 @@ def _model_mask(direction, block_mask, mask_mod, heads, BH, Nq, Nk, d, Br, Bc):
     return block_mask
 
 
+def itemsizes(storage="float32") -> dict:
+    """Bytes per element of every global array the fa2 launches touch, by kernel parameter name: Q, K, V, O, dO,
+    dK, dV and the converted dQh in ``storage`` (4 or 2 bytes); L, D and the dQ accumulator always 4 (float32);
+    the block mask M 1 (uint8)."""
+    h = storage_dtype(storage).itemsize
+    return dict(Q=h, K=h, V=h, O=h, dO=h, dK=h, dV=h, dQh=h, L=4, D=4, dQ=4, M=1)
+
+
+def model_bytes(model, storage="float32") -> list:
+    """A traffic model (elements, CONTRIBUTING.md's format) in bytes at ``storage``: per launch
+    ``dict(launch, read_bytes, write_bytes, atomic_bytes)``, each the sum of elements × :func:`itemsizes` --
+    what :class:`flashnb.traffic.LaunchTraffic` reports as ``read_bytes`` and ``write_bytes`` of a counted
+    launch."""
+    size = itemsizes(storage)
+    return [dict(launch=m["launch"], read_bytes=sum(n * size[a] for a, n in m["reads"].items()),
+                 write_bytes=sum(n * size[a] for a, n in m["writes"].items()),
+                 atomic_bytes=sum(n * size[a] for a, n in m["atomics"].items())) for m in model]
+
+
 def model_forward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None, block_mask=None, mask_mod=None,
-                  heads=1, group=1):
+                  heads=1, group=1, storage="float32"):
     """Element accesses of :func:`forward` (one launch): Q, O, L once; K_j, V_j once per visited tile.
 
     Shared: Q_i written once per block (``Br·d``), K_j and V_j per tile (``Bc·d + Bc·Dp``); per tile each of
@@ -1055,7 +1180,9 @@ def model_forward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None, 
     ``block_mask`` from :func:`flashnb.flex.create_block_mask`): the visited tiles are the non-empty ones; a
     modifier's per-element work and captured arrays (constant memory on a GPU) are no global traffic.
     ``group`` (GQA, ``BH_q / BH_kv``) changes nothing here: every query head's blocks stream their K/V
-    tiles, the group's heads read the same (smaller) K/V tensors."""
+    tiles, the group's heads read the same (smaller) K/V tensors.  ``storage`` changes no element count (the
+    tiles are float32 whatever HBM holds); bytes per element: :func:`itemsizes`, totals: :func:`model_bytes`."""
+    check_storage(storage)
     block_mask = _model_mask("forward", block_mask, mask_mod, heads, BH, Nq, Nk, d, Br, Bc)
     t, M = block_tiles(d, "forward", Br, Bc, warps, block_mask, BH, Nq, Nk)
     g = geometry(t["Br"], t["Bc"], d, t["warps"])
@@ -1071,13 +1198,15 @@ def model_forward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None, 
 
 
 def model_backward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None, block_mask=None, mask_mod=None,
-                   heads=1, group=1):
+                   heads=1, group=1, storage="float32"):
     """Element accesses of :func:`backward`: the preprocessing launch (O, dO read, D and dQ = 0 written),
     then the main launch -- K_j, V_j once per column block; Q_i, dO_i, L_i, D_i once per visited tile;
     ``rows·d`` atomic adds into dQ per visited tile; dK, dV written once.  Block-sparse: as in
     :func:`model_forward` (visited = ``M_ij = 1``, plus one one-byte read of ``M`` per warp per tile).
     ``group`` (GQA): one block per K/V column block of each of the ``BH/group`` K/V heads, looping over the group's
-    query heads -- K, V read and dK, dV written once per K/V head, not per query head."""
+    query heads -- K, V read and dK, dV written once per K/V head, not per query head.  Half ``storage``: a third
+    launch reads the float32 dQ accumulator once and writes dQh (:func:`make_convert`); bytes: :func:`model_bytes`."""
+    check_storage(storage)
     block_mask = _model_mask("backward", block_mask, mask_mod, heads, BH, Nq, Nk, d, Br, Bc)
     t, M = block_tiles(d, "backward", Br, Bc, warps, block_mask, BH, Nq, Nk)
     BHkv = BH // positive_int("group", group)
@@ -1097,7 +1226,9 @@ def model_backward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None,
                    {"dK": BHkv * Nk * d, "dV": BHkv * Nk * d}, {"dQ": q_rows * d},
                    shared_reads=n * per_tile_reads,
                    shared_writes=BHkv * cdiv(Nk, Bc_) * 2 * d * Bc_ + n * per_tile_writes)
-    return [pre, main]
+    if storage == "float32":
+        return [pre, main]
+    return [pre, main, _launch(f"dQ -> {storage}", {"dQ": BH * Nq * d}, {"dQh": BH * Nq * d})]
 
 
 # --------------------------------------------------------------------------- the SASS time model's inputs
@@ -1124,3 +1255,4 @@ def launch_order(Tr, causal):
     """The Q block each ``blockIdx.x`` computes, in launch order: stage 4 runs block ``i`` as ``blockIdx.x = i``
     -- with a causal mask, the lightest blocks (fewest K/V tiles) first."""
     return list(range(Tr))
+

@@ -100,7 +100,9 @@ class Impl:
 
     ``forward(q, k, v, *, causal, scale, **options) -> (o, lse)`` and
     ``backward(q, k, v, o, lse, do, *, causal, scale, **options) -> (dq, dk, dv)`` take and return
-    float32 device arrays of shape ``(BH, N, d)`` (``lse``: ``(BH, Nq)``).
+    float32 device arrays of shape ``(BH, N, d)`` (``lse``: ``(BH, Nq)``).  An impl whose ``options`` include
+    ``"storage"`` also takes and returns them in half precision (``storage="float16"``/``"bfloat16"``;
+    ``lse`` stays float32): the API sends half inputs only to such impls.
     """
 
     name: str
@@ -166,7 +168,7 @@ def _per_head_chunks(fn):
         for z in range(0, BH, limit):
             part = fn(*(a[z:z + limit] for a in arrays), **options)
             if outs is None:
-                outs = [common.empty((BH,) + p.shape[1:]) for p in part]
+                outs = [common.empty((BH,) + p.shape[1:], storage=common.storage_of(p) or "float32") for p in part]
             for full, p in zip(outs, part):
                 full[z:z + p.shape[0]].copy_to_device(p)
         return tuple(outs)

@@ -24,9 +24,16 @@ through ``__cuda_array_interface__`` (``numba.cuda.as_cuda_array``) and launch o
 (``numba.cuda.external_stream``); the outputs are numba allocations wrapped as tensors, not copies.  On the
 simulator this path is rehearsed (:func:`rehearse_cuda`): CPU tensors take it, wrapped zero-copy.
 
-**dtypes.** flashnb's kernels compute in float32.  float32 tensors are used as they are; float16 and bfloat16
-are converted to float32 (exact), computed, and ``o`` and the gradients come back in the input dtype (as
-SDPA's kernels accumulate half inputs in float32).  float64 is refused unless ``allow_float64=True``, which
+**dtypes.** flashnb's kernels compute in float32.  float32 tensors are used as they are.  float16 and bfloat16
+tensors given to an impl with half-precision storage (``impl="fa2"``, issue #17) stay in their dtype: the
+kernels read them as they are (half the bytes), widen every element to float32 on chip, and write ``o`` and the
+gradients in the input dtype, rounded once (dq is summed in float32 and rounded at the end), as
+FlashAttention does; ``lse`` is float32.  bfloat16 tensors reach the kernels as their uint16 bit patterns
+(``Tensor.view(torch.uint16)``, zero-copy: NumPy and numba have no bfloat16).  For every other impl, or with
+``storage="float32"``, half tensors are converted to float32 (exact), computed, and ``o`` and the gradients are
+converted back to the input dtype.  A float16 gradient beyond 65504 in magnitude is a ValueError on CPU
+tensors (the NumPy API's check); on CUDA tensors, which never leave the GPU, it is inf, as in torch's own half
+kernels.  float64 is refused unless ``allow_float64=True``, which
 computes in float32 and returns float64: float32 accuracy (~1e-7 relative), not float64's.  A conversion or a
 ``.contiguous()`` of a non-contiguous input is a torch op on the tensor's own device (tracked by autograd).
 """
@@ -45,6 +52,35 @@ __all__ = ["attention", "scaled_dot_product_attention", "FlashAttentionFunction"
            "rehearse_cuda"]
 
 _HALF = (torch.float16, torch.bfloat16)
+_STORAGE_OF = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """What the kernels are given: bfloat16 as its uint16 bit patterns (a view), any other tensor as it is."""
+    return t.view(torch.uint16) if t.dtype == torch.bfloat16 else t
+
+
+def _unbits(t: torch.Tensor, dtype) -> torch.Tensor:
+    """A kernel's result back in ``dtype`` (uint16 bit patterns viewed as bfloat16)."""
+    return t.view(torch.bfloat16) if dtype == torch.bfloat16 and t.dtype == torch.uint16 else t
+
+
+def _storage(entry, impl: str, storage, dtype) -> str:
+    """The storage of a call: ``None`` keeps half tensors in their dtype when the impl can (else float32);
+    an explicit half storage needs that dtype and an impl with half storage."""
+    half_ok = "storage" in entry.options
+    if storage is None:
+        return _STORAGE_OF.get(dtype, "float32") if half_ok else "float32"
+    storage = common.check_storage(storage)
+    if storage == "float32":
+        return storage
+    if not half_ok:
+        have = sorted(n for n, e in IMPLS.items() if "storage" in e.options)
+        raise ValueError(f"storage={storage!r}: impl {impl!r} has no half-precision storage; use one of {have}, "
+                         "or storage='float32' / None")
+    if _STORAGE_OF.get(dtype) != storage:
+        raise TypeError(f"storage={storage!r} needs q, k, v of dtype torch.{storage}, got {dtype}")
+    return storage
 
 
 def impls_with_backward() -> list[str]:
@@ -144,35 +180,38 @@ def _on_device_path(t: torch.Tensor) -> bool:
 
 
 def _forward3(q, k, v, causal, scale, impl, options):
-    """(BH, N, d) float32 contiguous tensors -> (o, lse) tensors on q's device."""
+    """(BH, N, d) contiguous tensors (float32, or in ``options["storage"]``) -> (o, lse) tensors on q's device;
+    o in q's dtype, lse float32."""
     if _on_device_path(q):
         b = _bridge
         with b.context(q.device), common.on_stream(b.stream(q.device)), common.poisoning(False):
-            o, lse = IMPLS[impl].forward(b.view(q), b.view(k), b.view(v), causal=causal, scale=scale, **options)
-            return b.tensor(o, q.device), b.tensor(lse, q.device)
-    o, lse = api.attention_forward(*(t.detach().numpy() for t in (q, k, v)), causal=causal, scale=scale,
+            o, lse = IMPLS[impl].forward(*(b.view(_bits(t)) for t in (q, k, v)), causal=causal, scale=scale,
+                                         **options)
+            return _unbits(b.tensor(o, q.device), q.dtype), b.tensor(lse, q.device)
+    o, lse = api.attention_forward(*(_bits(t).detach().numpy() for t in (q, k, v)), causal=causal, scale=scale,
                                    impl=impl, **options)
-    return torch.from_numpy(o), torch.from_numpy(lse)
+    return _unbits(torch.from_numpy(o), q.dtype), torch.from_numpy(lse)
 
 
 def _backward3(q, k, v, o, lse, do, causal, scale, impl, options):
     if _on_device_path(q):
         b = _bridge
         with b.context(q.device), common.on_stream(b.stream(q.device)), common.poisoning(False):
-            grads = IMPLS[impl].backward(*(b.view(t) for t in (q, k, v, o, lse, do)), causal=causal, scale=scale,
-                                         **options)
-            return tuple(b.tensor(g, q.device) for g in grads)
-    grads = api.attention_backward(*(t.detach().numpy() for t in (q, k, v, o, lse, do)), causal=causal,
+            grads = IMPLS[impl].backward(*(b.view(_bits(t)) for t in (q, k, v, o, lse, do)), causal=causal,
+                                         scale=scale, **options)
+            return tuple(_unbits(b.tensor(g, q.device), q.dtype) for g in grads)
+    grads = api.attention_backward(*(_bits(t).detach().numpy() for t in (q, k, v, o, lse, do)), causal=causal,
                                    scale=scale, impl=impl, **options)
-    return tuple(torch.from_numpy(g) for g in grads)
+    return tuple(_unbits(torch.from_numpy(g), q.dtype) for g in grads)
 
 
 # --------------------------------------------------------------------------- autograd
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """``o, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, impl, options)`` on float32, C-contiguous
-    ``(BH, N, d)`` tensors (:func:`attention` prepares them).  Saves q, k, v, o, lse (not P); ``lse`` is not
+    """``o, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, impl, options)`` on float32 (or, with
+    ``options["storage"]``, float16 / bfloat16), C-contiguous ``(BH, N, d)`` tensors (:func:`attention` prepares
+    them).  Saves q, k, v, o, lse (not P); ``lse`` is not
     differentiable.  The backward runs once (``once_differentiable``): no double backward."""
 
     @staticmethod
@@ -188,7 +227,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
         causal, scale, impl, options = ctx.config
-        dq, dk, dv = _backward3(q, k, v, o, lse, do.to(torch.float32).contiguous(), causal, scale, impl, options)
+        dq, dk, dv = _backward3(q, k, v, o, lse, do.to(q.dtype).contiguous(), causal, scale, impl, options)
         return dq, dk, dv, None, None, None, None
 
 
@@ -231,7 +270,8 @@ def _draw_seed() -> int:
 
 
 def attention(q, k, v, *, causal=False, scale=None, impl: str = "fa2", block_mask=None, score_mod=None,
-              mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=None, allow_float64=False, **options):
+              mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=None, allow_float64=False, storage=None,
+              **options):
     """flashnb attention on torch tensors, differentiable: ``softmax(scale · q kᵀ [masked]) v``.
 
     Args:
@@ -252,6 +292,10 @@ def attention(q, k, v, *, causal=False, scale=None, impl: str = "fa2", block_mas
             torch's default generator (``torch.manual_seed`` makes it repeatable).  The autograd context keeps
             it: the backward regenerates exactly the forward's mask (:mod:`flashnb.rng`), nothing N×N is saved.
         allow_float64: accept float64 tensors (computed in float32; see the module docstring).
+        storage: ``None`` (default: float16 and bfloat16 tensors stay in their dtype when the impl has half
+            storage, ``"fa2"``; everything else is computed from float32 copies), ``"float32"`` (always float32
+            copies), ``"float16"`` / ``"bfloat16"`` (the tensors must have that dtype and the impl half storage:
+            TypeError / ValueError otherwise).  See the module docstring.
         **options: the impl's tile options (``Br``, ``Bc``, ``warps``, ...).
 
     Returns ``o`` with q's shape, dtype and device.
@@ -283,7 +327,11 @@ def attention(q, k, v, *, causal=False, scale=None, impl: str = "fa2", block_mas
             raise ValueError(f"score_mod {getattr(score_mod, '__name__', score_mod)!r} has no derivative and q, k or "
                              "v requires grad: pass score_mod_grad (d score_mod / d score, same arguments)")
     dtype = q.dtype
-    q3, k3, v3 = (t.to(torch.float32).contiguous().reshape((-1,) + tuple(t.shape[-2:])) for t in (q, k, v))
+    storage = _storage(entry, impl, storage, dtype)
+    work = torch.float32 if storage == "float32" else dtype   # half storage: the tensors as they are
+    if storage != "float32":
+        options = dict(options, storage=storage)
+    q3, k3, v3 = (t.to(work).contiguous().reshape((-1,) + tuple(t.shape[-2:])) for t in (q, k, v))
     o, _ = FlashAttentionFunction.apply(q3, k3, v3, c, s, impl, options)
     return o.reshape(q.shape).to(dtype)
 

@@ -61,7 +61,7 @@ STAGE_OF_MODULE = {
     "test_exercises": "stage0", "test_registry_variant": "stage0",
     "test_causal_alignment": "stage0", "test_torch": "stage0",
     "test_naive": "stage1", "test_softmax": "stage2", "test_fa1": "stage3", "test_fa2": "stage4",
-    "test_fa2_steps": "stage4", "test_dropout": "stage4",
+    "test_fa2_steps": "stage4", "test_dropout": "stage4", "test_half": "stage4",
     "test_block_sparse": "stage5", "test_flex": "flex", "test_decode": "decode",
     "test_fa2_fast": "stage6", "test_sass_model": "stage6", "test_fa2_fast_steps": "stage6",
 }
