@@ -234,6 +234,17 @@ def _values(a: np.ndarray, storage: str) -> np.ndarray:
 _HALF_DTYPE = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
 
 
+def _explicit_storage(entry, impl: str, storage: str) -> str:
+    """A storage given by name, checked (:func:`flashnb.common.check_storage`) and refused for an impl without half
+    storage unless it is float32 (shared by this API and :mod:`flashnb.torch`, which then check the dtypes)."""
+    storage = common.check_storage(storage)
+    if storage != "float32" and "storage" not in entry.options:
+        have = sorted(n for n, e in IMPLS.items() if "storage" in e.options)
+        raise ValueError(f"storage={storage!r}: impl {impl!r} has no half-precision storage (it computes from "
+                         f"float32 copies: pass storage='float32' or None); impls with half storage: {have}")
+    return storage
+
+
 def _resolve_storage(entry, impl: str, storage, arrays: dict) -> str:
     """The storage of a call (see the module docstring): ``storage`` checked against the impl and the arrays'
     dtypes, or (``None``) float16 for float16 inputs of an impl with half storage, else float32."""
@@ -250,13 +261,9 @@ def _resolve_storage(entry, impl: str, storage, arrays: dict) -> str:
                             f"{', '.join(f'{n} is {t}' for n, t in others.items())}; convert them, or pass "
                             "storage='float32' to compute from float32 copies of all of them")
         return "float16"
-    storage = common.check_storage(storage)
+    storage = _explicit_storage(entry, impl, storage)
     if storage == "float32":
         return storage
-    if not half_ok:
-        have = sorted(n for n, e in IMPLS.items() if "storage" in e.options)
-        raise ValueError(f"storage={storage!r}: impl {impl!r} has no half-precision storage (it computes from "
-                         f"float32 copies: pass storage='float32' or None); impls with half storage: {have}")
     want = _HALF_DTYPE[storage]
     for name, t in dtypes.items():
         if t != want:

@@ -71,13 +71,9 @@ def _storage(entry, impl: str, storage, dtype) -> str:
     half_ok = "storage" in entry.options
     if storage is None:
         return _STORAGE_OF.get(dtype, "float32") if half_ok else "float32"
-    storage = common.check_storage(storage)
+    storage = api._explicit_storage(entry, impl, storage)
     if storage == "float32":
         return storage
-    if not half_ok:
-        have = sorted(n for n, e in IMPLS.items() if "storage" in e.options)
-        raise ValueError(f"storage={storage!r}: impl {impl!r} has no half-precision storage; use one of {have}, "
-                         "or storage='float32' / None")
     if _STORAGE_OF.get(dtype) != storage:
         raise TypeError(f"storage={storage!r} needs q, k, v of dtype torch.{storage}, got {dtype}")
     return storage
