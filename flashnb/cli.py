@@ -152,7 +152,9 @@ def cmd_tour(args) -> int:
     print(f"flashnb tour on {desc['device']}: BH={args.bh}, Nq={args.nq}, Nk={args.nk}, d={args.d}, "
           f"causal={args.causal}; errors are max |impl - float64 reference|")
     rows = tour_rows(BH=args.bh, Nq=args.nq, Nk=args.nk, d=args.d, causal=args.causal, progress=not args.quiet)
-    header = f"{'stage':>5}  {'impl':<10} {'pass':<9} {'max err':>9}"
+    sw = max([5] + [len(str(r["stage"])) for r in rows])          # column widths fit every stage and impl name
+    iw = max([10] + [len(r["impl"]) for r in rows])
+    header = f"{'stage':>{sw}}  {'impl':<{iw}} {'pass':<9} {'max err':>9}"
     if MODE == "sim":
         header += f" {'HBM read B':>11} {'HBM write B':>11} {'shared acc.':>11} {'modelled ns':>11}"
     else:
@@ -160,7 +162,7 @@ def cmd_tour(args) -> int:
     print(header)
     ok = True
     for r in rows:
-        line = f"{r['stage']:>5}  {r['impl']:<10} {r['pass']:<9} {r['max_abs_err']:9.2e}"
+        line = f"{r['stage']:>{sw}}  {r['impl']:<{iw}} {r['pass']:<9} {r['max_abs_err']:9.2e}"
         if "read_bytes" in r:
             line += f" {r['read_bytes']:11,d} {r['write_bytes']:11,d} {r['shared']:11,d} {r['modelled_ns']:11.1f}"
         else:
