@@ -28,7 +28,15 @@ from __future__ import annotations
 
 from .fallback import KernelFault, Unsupported, notes
 
-__all__ = ["Unsupported", "KernelFault", "notes", "explain"]
+__all__ = ["Unsupported", "KernelFault", "notes", "explain", "counts"]
+
+
+def counts() -> dict:
+    """``{"vector": n, "threads": m}``: the top-level launches of this process the vectorised simulator ran, and
+    those it handed to the threads simulator (while the vectorised simulator was chosen)."""
+    from .launch import COUNTS
+
+    return dict(COUNTS)
 
 
 def explain(kernel) -> str:

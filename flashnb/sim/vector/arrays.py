@@ -21,6 +21,8 @@ import numpy as np
 
 from . import tools
 from .fallback import KernelFault, Unsupported
+from .tools import lane_values as _lane_vals
+from .tools import pre_at as _pre_at
 from .values import (
     _FPE,
     KINDS,
@@ -153,15 +155,6 @@ def _fmt(i) -> str:
     if i is Ellipsis:
         return "..."
     return str(int(i))
-
-
-def _lane_vals(idx, lane):
-    return tuple(int(i.a[lane]) if type(i) is V else (i if isinstance(i, (slice, type(Ellipsis))) else int(i))
-                 for i in idx)
-
-
-def _pre_at(pre, lane):
-    return tuple(_lane_vals(g, lane) for g in pre)
 
 
 def _memcheck_fail(arr, op, idx, lane, axis, value, view, nidx_over=None):
@@ -331,12 +324,24 @@ def _int_view(arr, idx, flat, n):
 
 
 def _slice_view(arr, idx, m, op, memcheck):
-    """``arr[16:]``, ``arr[:, 3]`` ...: NumPy's view (uniform indices only); memcheck checks the integer ones."""
+    """``arr[16:]``, ``arr[z, :]`` ...: NumPy's view (slice bounds the same on every lane; an integer index may
+    differ per lane); memcheck checks the integer indices."""
+    extra = 0
+    idx0 = idx
+    lanes_idx = [k for k, i in enumerate(idx) if type(i) is V]
     for i in idx:
-        if type(i) is V:
-            raise Unsupported("a slice view chosen per lane")
         if type(i) is slice and any(type(x) is V for x in (i.start, i.stop, i.step)):
             raise Unsupported("slice bounds that differ per lane")
+    if lanes_idx:
+        if any(i is None or i is Ellipsis for i in idx):
+            raise Unsupported("a per-lane index beside None or ... in a view")
+        for k in lanes_idx:
+            a = idx[k].a.astype(np.int64)
+            size = arr.shape[k]
+            if (a.view(np.uint64) >= size).any():
+                a = _fix_axis(arr, op, idx, a, k, size, m, memcheck, True)
+            extra = extra + a * arr.st[k]
+        idx = tuple(0 if type(i) is V else i for i in idx)
     if memcheck:
         k = 0
         for i in idx:
@@ -358,10 +363,11 @@ def _slice_view(arr, idx, m, op, memcheck):
     delta = (sub.__array_interface__["data"][0] - base_ptr) // arr.dtype.itemsize
     st = tuple(s // arr.dtype.itemsize for s in sub.strides)
     nd = None
-    if arr.nd is not None:
+    if arr.nd is not None and not lanes_idx:
         nd = arr.nd[idx]
-    out = Arr(arr.base, arr.off + delta, sub.shape, st, arr.memory, arr.name, arr.pre + (tuple(idx),), arr.root,
-              arr.fake_shape, arr.per_block, nd, arr.vview)
+    pre = arr.pre + (tuple(idx0),)
+    out = Arr(arr.base, arr.off + delta + extra, sub.shape, st, arr.memory, arr.name, pre, arr.root,
+              arr.fake_shape, arr.per_block, nd, arr.vview or bool(lanes_idx))
     out.addr0, out.root_off = arr.addr0, arr.root_off
     return out
 

@@ -47,6 +47,9 @@ __all__ = ["load", "store", "call", "LoopState", "RetState", "range_iter", "ELEM
 #: once with every lane's values as arrays instead of once per lane.  Keyed by ``module.qualname``.
 ELEMENTWISE = {"flashnb.common.to_bfloat16", "flashnb.common.from_bfloat16"}
 
+#: ``translate.instance`` (a device function's lane version for this launch), set by :mod:`.translate`
+INSTANCE = [None]
+
 
 # --------------------------------------------------------------------------- indexing
 
@@ -62,14 +65,21 @@ def _plain(obj):
 
 def load(obj, idx, m, site):
     t = type(obj)
+    if t is _ZeroD:
+        if idx == ():
+            return V(obj.a, obj.a.dtype.type)
+        raise Unsupported("indexing the result of an element-wise host function")
     if t is Arr:
         return arrays.load(obj, idx, m, site)
     if t is Local:
         return arrays.local_load(obj, idx, m, site)
     lanes = is_lanes(idx)
+    if not lanes and t is not V and t is not Mixed:
+        try:
+            return obj[idx]                  # the same object for every lane: Python's (NumPy's) own indexing
+        except Exception as exc:
+            raise KernelFault(exc, first_lane(m)) from None
     if t is np.ndarray:
-        if not lanes:
-            return obj[idx]
         return arrays.const_load(obj, idx, m)
     if t is V:
         if idx == () and obj.k not in (int, float, bool):
@@ -155,6 +165,8 @@ def _b_len(args, m):
     (x,) = args
     if type(x) is V:
         raise Unsupported("len() of a per-lane value")
+    if type(x) is Mixed:
+        return scalarise(len, args, m)
     return len(x)
 
 
@@ -196,9 +208,7 @@ def call(f, m, site, args, kw=None, used=True):
     if t is _FakeKernel:
         if not f._device:
             raise Unsupported("a kernel launched from a kernel")
-        from .translate import instance
-
-        vf = instance(f.fn)
+        vf = INSTANCE[0](f.fn)
         return vf(m, *args, **(kw or {}))
     handler = _BUILTINS.get(f) if _hashable(f) else None
     if handler is not None and not kw:
@@ -213,7 +223,12 @@ def call(f, m, site, args, kw=None, used=True):
     if not lanes:
         if f is builtins.print:
             _b_print(args, m)
-        return f(*args, **(kw or {}))
+        try:
+            return f(*args, **(kw or {}))
+        except (Unsupported, KernelFault):
+            raise
+        except Exception as exc:
+            raise KernelFault(exc, first_lane(m)) from exc
     if isinstance(f, type(call)) and f.__code__.co_flags & 0x20:    # a generator function
         raise Unsupported("a generator function called per lane")
     name = f"{getattr(f, '__module__', '')}.{getattr(f, '__qualname__', '')}"
@@ -258,17 +273,16 @@ class _ZeroD(V):
 
 
 def f32_math(outer, inner, args, m, site):
-    tools.cur.site = site
+    """``outer(inner(x))``: computed at once when it is ``float32(math.fn(x))`` on per-lane values (see
+    :func:`.values.f32_math`), else as the two calls it is."""
+    from .values import _FAST_MATH, cast_target
     from .values import f32_math as fm
 
-    return fm(outer, inner, args, m)
-
-
-def load_0d(obj, idx, m, site):
-    """``x[()]`` of a :class:`_ZeroD`: its scalars."""
-    if type(obj) is _ZeroD and idx == ():
-        return V(obj.a, obj.a.dtype.type)
-    return load(obj, idx, m, site)
+    x = args[0]
+    if (type(x) is V or type(x) is Mixed) and inner in _FAST_MATH and cast_target(outer) is np.float32:
+        tools.cur.site = site
+        return fm(outer, inner, args, m)
+    return call(outer, m, site, (call(inner, m, site, args),))
 
 
 # --------------------------------------------------------------------------- loops and returns
@@ -351,7 +365,10 @@ def range_iter(ls, simple, args):
     if any(type(a) is Mixed for a in args):
         args = tuple(collapse_int(a) for a in args)    # range takes the values (it yields Python ints)
     if not any(type(a) is V for a in args):
-        r = range(*args)
+        try:
+            r = range(*args)
+        except Exception as exc:
+            raise KernelFault(exc, first_lane(ls.m)) from None
         if simple:
             return r
         return _uniform_iter(ls, r)
@@ -467,4 +484,31 @@ def assert_(test, msg, m, site):
         raise KernelFault(AssertionError(*(() if msg is None else (scalar_at(msg, lane),))), lane)
 
 
-__all__ += ["restore", "iter_values", "retval", "assert_", "f32_math", "load_0d", "lanes_in_order"]
+def raise_(exc, cause, m):
+    """``raise exc [from cause]`` on the active lanes: the first of them raises it."""
+    from .values import scalar_at
+
+    lane = first_lane(m)
+    exc = scalar_at(exc, lane)
+    if isinstance(exc, type) and issubclass(exc, BaseException):
+        exc = exc()
+    if not isinstance(exc, BaseException):
+        exc = TypeError("exceptions must derive from BaseException")
+    if cause is not None:
+        exc.__cause__ = scalar_at(cause, lane)
+    raise KernelFault(exc, lane)
+
+
+def raise_call(f, args, cause, m):
+    """``raise f(*args)``: the exception the first active lane makes, with its own values."""
+    from .values import scalar_at
+
+    lane = first_lane(m)
+    try:
+        exc = f(*(scalar_at(a, lane) for a in args))
+    except Exception as e:
+        raise KernelFault(e, lane) from None
+    raise_(exc, cause, m)
+
+
+__all__ += ["restore", "iter_values", "retval", "assert_", "f32_math", "lanes_in_order", "raise_", "raise_call"]

@@ -42,6 +42,9 @@ class KernelFault(Exception):
 
 #: ``FLASHNB_SIM_QUIET=1`` keeps the notes out of stderr (they are still recorded in :func:`notes`).
 QUIET = os.environ.get("FLASHNB_SIM_QUIET", "") not in ("", "0")
+#: ``FLASHNB_SIM_NOTES=path`` also appends every note to the file ``path`` (e.g. to list the fallbacks of a
+#: whole test run).
+NOTES_FILE = os.environ.get("FLASHNB_SIM_NOTES", "")
 
 _noted: dict = {}   # (kernel qualified name, reason) -> the note
 
@@ -57,6 +60,9 @@ def note(kernel_name: str, exc: Unsupported) -> str:
         _noted[key] = line
         if not QUIET:
             print(line, file=sys.stderr)
+        if NOTES_FILE:
+            with open(NOTES_FILE, "a") as f:
+                f.write(line + "\n")
     return line
 
 

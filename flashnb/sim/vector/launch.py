@@ -22,15 +22,18 @@ import functools
 
 import numpy as np
 
-from . import tools, translate, values
+from . import profile, race, tools, translate, values
 from .arrays import Arr, set_fake_shape
 from .fallback import KernelFault, Undo, Unsupported, note
-from .warp import Geometry, VectorCuda
+from .warp import Geometry, VectorCuda, apply_deferred
 
 __all__ = ["run", "CHUNK_LANES", "FELL_BACK"]
 
 #: The most lanes (threads) one lockstep chunk runs; a grid with more is run in chunks of whole blocks.
 CHUNK_LANES = 1 << 15
+
+#: Launches so far: run by the vectorised simulator, handed to the threads simulator.
+COUNTS = {"vector": 0, "threads": 0}
 
 from ...traffic import FELL_BACK  # noqa: E402
 
@@ -122,6 +125,18 @@ def _lane_of_frame(tb):
     return lane
 
 
+def _internal(tb):
+    """Whether an exception was raised by the vectorised simulator's own code (its innermost frame is here)."""
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    last = None
+    while tb is not None:
+        last = tb.tb_frame.f_code.co_filename
+        tb = tb.tb_next
+    return last is not None and os.path.dirname(os.path.abspath(last)) == here
+
+
 def _where_of(tb):
     """``file:line (function)`` of the innermost translated frame of a traceback."""
     import os
@@ -168,6 +183,7 @@ def run(kernel, args):
             spec = vs(label0, fn.__name__)
     except Unsupported as exc:
         note(name, exc)
+        COUNTS["threads"] += 1
         return FELL_BACK
 
     counting = bool(traffic._stack)
@@ -186,11 +202,16 @@ def run(kernel, args):
             wrapped.append(w)
     except Unsupported as exc:
         note(name, exc)
+        COUNTS["threads"] += 1
         return FELL_BACK
     undo = Undo()
     T = tools.LaunchTools(label, fn.__name__, counting, spec, undo)
+    T.grid, T.tpb = grid, block[0] * block[1] * block[2]
+    T.apply_deferred = apply_deferred
     vcuda = VectorCuda(grid, block, kernel.dynshared_size, lambda f, l: rec.shared_name((f, l)))
-    user_err = np.geterr()
+    user_err = dict(_thread_err())
+    if kernel._debug:
+        user_err["divide"] = "raise"          # the threads simulator's debug mode: np.seterr(divide="raise")
     values.now.user_err = user_err
     old_call = np.seterrcall(values._fp_callback)
     old_err = np.seterr(**values.fp_settings(user_err))
@@ -217,6 +238,7 @@ def run(kernel, args):
             if exc.where is None:
                 exc = Unsupported(exc.reason, _where_of(exc.__traceback__))
             note(name, exc)
+            COUNTS["threads"] += 1
             return FELL_BACK
         except KernelFault as fault:
             _commit(T, spec)
@@ -224,16 +246,18 @@ def run(kernel, args):
             if fault.raw:
                 raise exc.with_traceback(fault.__traceback__) from None
             raise _retype(exc, _message(exc, geo, fault.lane)).with_traceback(fault.__traceback__) from None
-        except (Exception,) as exc:   # an operation every lane ran the same way raised
-            if isinstance(exc, (Unsupported, KernelFault)):   # pragma: no cover
-                raise
+        except Exception as exc:
+            if geo is None or _internal(exc.__traceback__):
+                raise                   # the simulator's own error: shown as it is
+            # an operation every active lane ran alike raised (a missing global, a uniform division by zero, a
+            # Python function the kernel calls ...): the threads simulator's first thread raises it
             _commit(T, spec)
             lane = _lane_of_frame(exc.__traceback__)
-            if geo is None:
-                raise
             raise _retype(exc, _message(exc, geo, lane)).with_traceback(exc.__traceback__) from None
-        T.finish_race()
-        T.finish_profile()
+        if T.race:
+            race.analyse(T.race_log, spec["race_sink"], label, fn.__name__, grid, T.tpb)
+        if T.profile:
+            profile.summarise(T.prof_log, spec["profile_sink"], label, fn.__name__)
         _commit(T, spec)
     finally:
         tools.end()
@@ -252,8 +276,24 @@ def run(kernel, args):
     return None
 
 
+_THREAD_ERR: list = []
+
+
+def _thread_err() -> dict:
+    """NumPy's error settings in a thread the threads simulator starts (NumPy keeps them per thread, and a new
+    thread has the defaults: the caller's ``np.errstate`` does not reach the simulated threads)."""
+    if not _THREAD_ERR:
+        import threading
+
+        t = threading.Thread(target=lambda: _THREAD_ERR.append(np.geterr()))
+        t.start()
+        t.join()
+    return _THREAD_ERR[0]
+
+
 def _commit(T, spec):
     """The launch counts for its tools (a launch memcheck aborts too) and their findings are theirs."""
+    COUNTS["vector"] += 1
     if spec is not None and spec.get("on_launch"):
         spec["on_launch"]()
     T.commit()

@@ -57,6 +57,29 @@ def site_file_line(site: int):
     return _SITES[site][:2] if site is not None and 0 <= site < len(_SITES) else ("?", 0)
 
 
+def lane_values(idx, lane):
+    """One lane's index values (for messages)."""
+    from .values import V
+
+    if type(idx) is not tuple:
+        idx = (idx,)
+    return tuple(int(i.a[lane]) if type(i) is V else (i if isinstance(i, (slice, type(Ellipsis))) else int(i))
+                 for i in idx)
+
+
+def pre_at(pre, lane):
+    """One lane's view chain (the indices that made a view), for messages."""
+    return tuple(lane_values(g, lane) for g in pre)
+
+
+class _Named:
+    """What a message needs of an array: its name and the indices that made it (a local array has none)."""
+
+    def __init__(self, name):
+        self.name = name
+        self.pre = ()
+
+
 # --------------------------------------------------------------------------- per launch
 
 
@@ -102,6 +125,9 @@ class LaunchTools:
         self.shared_written = {}                 # id(root) -> bool array over the chunk's shared elements
         self.poison = spec.get("poison") if spec else None    # the sanitizer session's poisoned outputs
         self.seq = 0
+        self.grid = (1, 1, 1)
+        self.tpb = 1
+        self.apply_deferred = None               # warp.apply_deferred (set by the launch)
 
     # -- traffic
     def bump(self, arr, op, n):
@@ -143,14 +169,13 @@ class LaunchTools:
     # -- initcheck
     def _uninit(self, memory, arr, lanes, idx, site, why, pre=None):
         from ..sanitizer import _fmt_ref
-        from .arrays import _lane_vals, _pre_at
         from .values import now
 
         w = where(site)
         for lane in lanes:
             lane = int(lane)
             ti, bi = now.lane_name(lane)
-            ref = _fmt_ref(arr.name, _pre_at(arr.pre, lane) if pre is None else pre, _lane_vals(idx, lane))
+            ref = _fmt_ref(arr.name, pre_at(arr.pre, lane) if pre is None else pre, lane_values(idx, lane))
             self.findings.append(("initcheck", f"uninitialized {memory} read",
                                   f"read of uninitialized {memory} memory {ref} by thread {list(ti)} in block "
                                   f"{list(bi)} of launch {self.label!r} ({self.kernel}) at {w}: {why}",
@@ -220,11 +245,8 @@ class LaunchTools:
                 sel = f == e
                 bad[sel] = ~wr[lanes[sel]]
         if bad.any():
-            from .arrays import Arr
-
-            fake = Arr(np.zeros(1, loc.dtype), 0, loc.shape, loc.st, "local", loc.name, (), None, False)
             bl = lanes[bad]
-            self._uninit("local", fake, bl, idx, site, "this thread never wrote it")
+            self._uninit("local", _Named(loc.name), bl, idx, site, "this thread never wrote it")
             for e in np.unique(f[bad]).tolist():
                 wr = loc.written[e]
                 if wr is None:
@@ -307,8 +329,6 @@ class LaunchTools:
         if not self.atomics:
             self.pending_atomics = False
             return
-        from .warp import apply_deferred
-
         keep = []
         todo = []
         for entry in self.atomics:
@@ -319,7 +339,7 @@ class LaunchTools:
         self.atomics = keep
         self.pending_atomics = bool(keep)
         if todo:
-            apply_deferred(todo)
+            self.apply_deferred(todo)
 
     # -- the end
     def totals(self) -> dict:
@@ -334,29 +354,12 @@ class LaunchTools:
                 add(tool, kind, self.label, self.kernel, message, w, extra)
         self.findings = []
 
-    def finish_race(self):
-        if not self.race:
-            return
-        from .race import analyse
-
-        analyse(self.race_log, self.spec["race_sink"], self.label, self.kernel)
-        self.race_log = []
-
-    def finish_profile(self):
-        if not self.profile:
-            return
-        from .profile import summarise
-
-        summarise(self.prof_log, self.spec["profile_sink"], self.label, self.kernel)
-
-
 cur = _Inactive()
 
 
 def begin(t: LaunchTools):
     global cur
     cur = t
-    from . import arrays, values  # noqa: F401  (the helpers read tools.cur)
 
 
 def end():

@@ -19,7 +19,7 @@ so tracebacks and the tools name the kernel's lines.  What changes, statement by
   ``UnboundLocalError``, as in the threads simulator).
 
 Not translated (the launch falls back to the threads simulator with a note naming the construct and its line):
-``with``, ``try``, ``raise``, ``del``, ``global``/``nonlocal``, nested functions and classes, lambdas,
+``with``, ``try``, a bare ``raise``, ``del``, ``global``/``nonlocal``, nested functions and classes, lambdas,
 comprehensions, generators, ``for``/``while`` with ``else``, starred assignments, attribute assignments, and
 functions whose source cannot be found or does not match their code.
 """
@@ -38,7 +38,7 @@ __all__ = ["translate", "instance", "reset_instances", "HELPERS"]
 
 _NOT_TRANSLATED = {
     ast.With: "a `with` statement", ast.AsyncWith: "an `async with` statement", ast.Try: "a `try` statement",
-    ast.Raise: "a `raise` statement", ast.Delete: "a `del` statement", ast.Global: "a `global` statement",
+    ast.Delete: "a `del` statement", ast.Global: "a `global` statement",
     ast.Nonlocal: "a `nonlocal` statement", ast.FunctionDef: "a nested function",
     ast.AsyncFunctionDef: "a nested function", ast.ClassDef: "a nested class", ast.Import: "an import",
     ast.ImportFrom: "an import", ast.AsyncFor: "an `async for` loop",
@@ -78,6 +78,7 @@ HELPERS = {
     "_v_f32m": calls.f32_math, "_v_loop": calls.LoopState, "_v_ret": calls.RetState,
     "_v_range": calls.range_iter, "_v_iter": calls.iter_values, "_v_restore": calls.restore,
     "_v_andnot": values.m_andnot, "_v_retval": calls.retval, "_v_slice": slice, "_v_assert": calls.assert_,
+    "_v_raise": calls.raise_, "_v_raise_call": calls.raise_call,
     "_v_need_and": lambda a, m: values.m_and(m, a), "_v_need_or": lambda a, m: _need_or(a, m),
     "_v_pick": lambda mb, msv, b, a: b if mb is msv else values.merge(mb, b, a),
 }
@@ -455,7 +456,7 @@ class _Gen:
                 if not hasattr(g, "lineno"):
                     ast.copy_location(g, s)
             out += gen
-            if isinstance(s, (ast.Return, ast.Break, ast.Continue)):
+            if isinstance(s, (ast.Return, ast.Break, ast.Continue, ast.Raise)):
                 return out                       # the rest is unreachable (Python: dead code)
             if k + 1 < len(stmts) and self._may_disable(s):
                 rest = self.block(stmts[k + 1:])
@@ -525,6 +526,19 @@ class _Gen:
             if not self.loops:
                 self.fail("`continue` outside a loop", s)
             return [ast.Expr(value=_call(_attr(self.loops[-1], "kontinue"), _N("_vm"))), _assign("_vm", _C(False))]
+        if t is ast.Raise:
+            if s.exc is None:
+                self.fail("a bare `raise`", s)
+            pre = []
+            cause = self.expr(s.cause, pre) if s.cause is not None else _C(None)
+            if isinstance(s.exc, ast.Call) and not s.exc.keywords and not any(isinstance(a, ast.Starred)
+                                                                             for a in s.exc.args):
+                f = self.expr(s.exc.func, pre)
+                args = self.exprs(s.exc.args, pre)
+                call = _call("_v_raise_call", f, ast.Tuple(elts=args, ctx=ast.Load()), cause, _N("_vm"))
+            else:
+                call = _call("_v_raise", self.expr(s.exc, pre), cause, _N("_vm"))
+            return pre + [ast.Expr(value=call)]
         if t is ast.Assert:
             pre = []
             test = self.expr(s.test, pre)
@@ -945,6 +959,18 @@ def _source(fn):
     return fdef, params
 
 
+def _fix_locations(mod):
+    """Locations for the generated nodes: those made from a source node carry its line (tracebacks name the
+    kernel's lines), the rest their parent's; ranges made consistent for ``compile``."""
+    ast.fix_missing_locations(mod)
+    for n in ast.walk(mod):
+        if hasattr(n, "lineno"):
+            if n.end_lineno is None or n.end_lineno < n.lineno:
+                n.end_lineno = n.lineno
+            if n.end_lineno == n.lineno and (n.end_col_offset is None or n.end_col_offset < n.col_offset):
+                n.end_col_offset = n.col_offset
+
+
 def translate(fn, kernel: bool):
     """The compiled lane version of ``fn`` (a Python function): ``f(mask, *params)``.  Raises
     :class:`Unsupported` (cached) when it cannot be translated."""
@@ -958,7 +984,7 @@ def translate(fn, kernel: bool):
             gen = _Gen(fdef, an, code.co_filename, kernel)
             f = gen.function()
             mod = ast.Module(body=[f], type_ignores=[])
-            ast.fix_missing_locations(mod)
+            _fix_locations(mod)
             compiled = compile(mod, code.co_filename, "exec")
             t = next(c for c in compiled.co_consts if isinstance(c, types.CodeType))
             values.now.generated.add(t)
@@ -976,7 +1002,7 @@ def generated_source(fn, kernel: bool = False) -> str:
     an = Analysis(fdef, params)
     f = _Gen(fdef, an, fn.__code__.co_filename, kernel).function()
     mod = ast.Module(body=[f], type_ignores=[])
-    ast.fix_missing_locations(mod)
+    _fix_locations(mod)
     return ast.unparse(mod)
 
 
@@ -1017,3 +1043,6 @@ def instance(fn, kernel: bool = False):
     f = types.FunctionType(code, g, fn.__name__, fn.__defaults__)
     _instances[(id(fn), kernel)] = (fn, f)
     return f
+
+
+calls.INSTANCE[0] = instance

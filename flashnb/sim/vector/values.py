@@ -694,7 +694,7 @@ class _Op:
 
 def _int_bits(x, k):
     if type(x) is V:
-        return x.bits
+        return x.bits if x.bits is not None else 1     # a bool
     return abs(int(x)).bit_length()
 
 
@@ -877,8 +877,8 @@ def _pyint_plan(op, ufunc):
 
     def plan(a, b, m):
         ta, tb = type(a), type(b)
-        ba = a.bits if ta is V else abs(a).bit_length()
-        bb = b.bits if tb is V else abs(b).bit_length()
+        ba = (a.bits if a.bits is not None else 1) if ta is V else abs(a).bit_length()
+        bb = (b.bits if b.bits is not None else 1) if tb is V else abs(b).bit_length()
         bits = ba + bb if name == "mul" else max(ba, bb) + 1
         if bits > 62:
             return _exact_int(op, a, b, m)
@@ -910,7 +910,10 @@ def _make_binop(op):
         if ta is not V and tb is not V:
             if ta is Mixed or tb is Mixed:
                 return _mixed2(binop, a, b, m)
-            return fn(a, b)
+            try:
+                return fn(a, b)
+            except Exception as exc:       # every active lane would raise it: the first one does
+                raise KernelFault(exc, first_lane(m)) from None
         key = (a.k if ta is V else ta, b.k if tb is V else tb)
         if ta is Mixed or tb is Mixed:
             return _mixed2(binop, a, b, m)
@@ -1284,13 +1287,11 @@ def f32_math(outer, inner, args, m):
     over :data:`MATH_ULPS` float64 ulps, it is finite, normal in float32, and ``x`` is finite); every other active
     lane calls ``math.fn`` itself (its exceptions, e.g. ``math.exp`` overflow, are the kernel's).  Anything that
     is not this pattern is composed from the general calls."""
-    target = outer if outer is np.float32 else cast_target(outer)
-    if len(args) == 1 and type(args[0]) is Mixed and target is np.float32 and inner in _FAST_MATH:
+    if type(args[0]) is Mixed:
         return _mixed1(lambda v, mm: f32_math(outer, inner, (v,), mm), args[0], m)
-    if target is not np.float32 or inner not in _FAST_MATH or len(args) != 1 or type(args[0]) is not V:
-        inner_v = call_math_or_any(inner, args, m)
-        return cast_any(outer, inner_v, m)
     x = args[0]
+    if type(x) is not V:
+        return outer(inner(x))
     xf = _as_f64(x)
     if xf is None:
         return cast_np(np.float32, math_call(inner, args, m), m)
@@ -1306,22 +1307,45 @@ def f32_math(outer, inner, args, m):
     redo = ~ok if m is None else (m & ~ok)
     if redo.any():
         idx = lanes_in_order(redo)
-        fixed = []
-        for lane, v in zip(idx, xf[idx].tolist()):
-            try:
-                fixed.append(inner(v))
-            except Exception as exc:
-                raise KernelFault(exc, int(lane)) from None
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            with np.errstate(**now.user_err):
-                fr = [np.float32(v) for v in fixed]      # a float beyond float32 warns 'overflow in cast'
-        if caught:
-            _replay_fp(idx[[i for i, v in enumerate(fixed) if not math.isfinite(float(np.float32(v))) and
-                           math.isfinite(v)]], lambda lane: np.float32(inner(float(xf[lane]))))
         r = r.copy()
-        r[idx] = fr
+        r[idx] = _exact_math_f32(inner, xf, idx)
     return V(r, np.float32)
+
+
+def _exact_math_f32(inner, xf, idx):
+    """``np.float32(inner(x))`` of the lanes ``idx`` (start order) with the C library (``math``): infinities and
+    NaN once per distinct value; the first lane whose call raises raises (the threads simulator's first thread);
+    a finite result beyond float32 warns as ``np.float32`` of it warns there."""
+    xv = xf[idx]
+    res = np.empty(len(idx))
+    nonfin = ~np.isfinite(xv)
+    first_bad = None
+    if nonfin.any():
+        for val in np.unique(xv[nonfin]).tolist():
+            sel = nonfin & ((xv == val) | (np.isnan(xv) if math.isnan(val) else False))
+            try:
+                res[sel] = inner(val)
+            except Exception as exc:
+                j = int(np.argmax(sel))
+                if first_bad is None or j < first_bad[0]:
+                    first_bad = (j, exc)
+    for j in np.flatnonzero(~nonfin).tolist():
+        if first_bad is not None and j > first_bad[0]:
+            break
+        try:
+            res[j] = inner(float(xv[j]))
+        except Exception as exc:
+            first_bad = (j, exc)
+            break
+    if first_bad is not None:
+        raise KernelFault(first_bad[1], int(idx[first_bad[0]])) from None
+    with np.errstate(all="ignore"):
+        fr = res.astype(np.float32)
+    over = np.isfinite(res) & ~np.isfinite(fr)
+    if over.any():
+        _replay_fp(idx[over], lambda lane: np.float32(inner(float(xf[lane]))))
+    _FPE[0] = False
+    return fr
 
 
 def cast_target(t):
@@ -1332,18 +1356,3 @@ def cast_target(t):
         return None
     target = _numba_target(t)
     return target if target in _NP_KINDS else None
-
-
-def call_math_or_any(fn, args, m):
-    if is_math(fn):
-        return math_call(fn, args, m)
-    from .calls import call_value
-    return call_value(fn, args, {}, m)
-
-
-def cast_any(t, x, m):
-    r = cast(t, x, m)
-    if r is NotImplemented:
-        from .calls import call_value
-        return call_value(t, (x,), {}, m)
-    return r

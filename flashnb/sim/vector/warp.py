@@ -188,6 +188,7 @@ def _rounds(name, mv, m, g):
     the same mask (else the lanes diverge: the threads simulator must run it).  Returns the per-lane mask
     (int64 array) of the lanes each lane's round has."""
     L = g.L
+    _strict_exited(name, mv, m, g)
     if m is None and type(mv) is not np.ndarray and mv == FULL_MASK and not g.any_exit and g.T % 32 == 0:
         return mv                                   # every lane of every warp is here, with the full mask
     if type(mv) is not np.ndarray and mv == FULL_MASK and g.T % 32 == 0:
@@ -227,6 +228,28 @@ def _rounds(name, mv, m, g):
             if (touched & (arrived != need)).any():
                 _diverged(name, M)
     return masks
+
+
+def _strict_exited(name, mv, m, g):
+    """``flashnb.sim.fastbarrier.STRICT_EXITED_LANES``: a mask naming a lane that has returned fails the launch,
+    with the threads simulator's message (warp by warp in block order)."""
+    from .. import fastbarrier
+
+    if not fastbarrier.STRICT_EXITED_LANES or not g.any_exit:
+        return
+    active = np.ones(g.L, bool) if m is None else m
+    masks = mv if type(mv) is np.ndarray else np.full(g.L, mv, np.int64)
+    lane = g.lane_in_warp
+    for first in lanes_in_order(active & (lane == lane)):
+        base = g.warp_base[first]
+        M = int(masks[first])
+        n = int(g.exists_in_warp[first])
+        gone = [j for j in range(n) if (M >> j) & 1 and g.exited[base + j]]
+        if gone:
+            raise KernelFault(RuntimeError(
+                f"{name}(mask={M:#010x}) in warp {int(g.tid[first]) // 32}: lanes {gone} named in the mask had "
+                "already returned (STRICT_EXITED_LANES; CUDA only waits for non-exited lanes and values read "
+                "from them are undefined)"), int(first), raw=True)
 
 
 def _diverged(name, M):
