@@ -2,12 +2,13 @@
 equal traffic counts (``traffic.count().summary()``), and the vectorised run really vectorised (no launch
 handed to the threads simulator).
 
-CI runs every registered impl causal, forward and backward (ragged shapes: Nq = 24 > Nk = 20, d = 8, small tiles so every loop runs several iterations with several warps), every fa2 option (half storages,
-dropout, modifiers, block-sparse, grouped-query, top-left causal alignment), the kernels no impl launches
-(softmax variants, the stage-6 step kernels, the dropout mask, the KV-cache append) and hand-made kernels for
-the constructs the library's kernels do not use (atomics in the threads simulator's order, shuffles and votes
-with partial masks, 3-D grids and blocks, local arrays indexed per lane, dynamic shared memory, mixed types per
-lane ...).  ``-m slow`` adds the non-causal runs, every gallery modifier and larger shapes.
+CI runs every registered impl causal, forward and backward (ragged shapes: Nq = 24 > Nk = 20, d = 8, small tiles
+so every loop runs several iterations with several warps), every fa2 option (half storages, dropout, modifiers,
+block-sparse, grouped-query, top-left causal alignment), the kernels no impl launches (softmax variants, the
+stage-6 step kernels, the dropout mask, the KV-cache append) and hand-made kernels for the constructs the
+library's kernels do not use (atomics in the threads simulator's order, shuffles and votes with partial masks, 3-D
+grids and blocks, local arrays indexed per lane, dynamic shared memory, mixed types per lane ...).
+``-m slow`` adds the non-causal runs, every gallery modifier and larger shapes.
 """
 
 import math
@@ -59,8 +60,9 @@ def _same(a, b, path="out"):
         assert x.dtype == y.dtype and x.shape == y.shape, f"{path}: {x.dtype}{x.shape} vs {y.dtype}{y.shape}"
         if x.tobytes() != y.tobytes():
             bad = np.flatnonzero(x.reshape(-1).view(np.uint8) != y.reshape(-1).view(np.uint8))
+            e = bad[0] // x.itemsize
             raise AssertionError(f"{path}: {len(bad)} bytes differ (first at byte {bad[0]}): vector "
-                                 f"{x.reshape(-1)[bad[0] // x.itemsize]!r}, threads {y.reshape(-1)[bad[0] // x.itemsize]!r}")
+                                 f"{x.reshape(-1)[e]!r}, threads {y.reshape(-1)[e]!r}")
 
 
 def differential(fn, *, launches=1):
@@ -206,7 +208,6 @@ def control_flow(x, out, n):
     """Loops with per-lane bounds, break/continue, an early return, local arrays indexed per lane, a Python int
     on some lanes and an int32 on others, a guarded read past the end."""
     i, j, kk = cuda.grid(3)
-    t = cuda.threadIdx.x + 4 * (cuda.threadIdx.y + 2 * cuda.threadIdx.z)
     lin = (i * 9 + j) * 4 + kk
     acc = cuda.local.array(5, float32)
     for e in range(5):

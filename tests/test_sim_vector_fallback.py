@@ -268,7 +268,8 @@ def test_an_error_of_every_thread_names_the_first_thread():
     out = _both(bool_shuffle, 1, 32, lambda: (np.zeros(32, np.float32),))
     (ev, nv), (et, _) = out["vector"], out["threads"]
     assert type(ev) is type(et) is TypeError and nv == 0
-    assert str(ev) == "tid=[0, 0, 0] ctaid=[0, 0, 0]: cuda.shfl_sync only supports 32- and 64-bit ints and floats, got bool"
+    assert str(ev) == ("tid=[0, 0, 0] ctaid=[0, 0, 0]: cuda.shfl_sync only supports 32- and 64-bit ints and floats, "
+                       "got bool")
     assert str(et).split(": ", 1)[1] == str(ev).split(": ", 1)[1]
 
 
