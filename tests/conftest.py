@@ -69,7 +69,7 @@ STAGE_OF_MODULE = {
 
 
 # Notebooks that need the optional PyTorch extra: skipped (not failed) where torch is not installed.
-NEEDS_TORCH = {"09_transformer_on_flashnb.ipynb"}
+NEEDS_TORCH = {"09_transformer_on_flashnb.ipynb", "13_context_parallelism.ipynb"}
 
 
 # Files that run first (pytest -n 2 --dist loadfile hands whole files to the two workers in collection order): the

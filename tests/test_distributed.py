@@ -384,6 +384,54 @@ def test_demo_check_runs_and_reports(free_port):
     assert r["formula"] == {"forward": 3 * msg, "backward": 3 * msg + 4 * msg}
 
 
+def test_gpu_measurement_rehearsed_through_the_cuda_tensor_path(free_port):
+    # scripts/ring_gpu_check.py's worker, rehearsed: the kernels on the simulator through flashnb.torch's CUDA-tensor
+    # path (flashnb.rehearsal.pretend_gpu + flashnb.torch.rehearse_cuda), gloo instead of NCCL; no time is reported
+    from flashnb.distributed import measure
+
+    case = dict(layout="striped", mode="ring", causal=True, N=8, check_N=8, B=1, H=2, H_kv=1, d=8)
+    rows = launch.run(measure.measure_cases, 2, [case], reps=1, rehearse=True, port=free_port(), timeout=180,
+                      group_timeout=60)
+    for rank, (row,) in enumerate(rows):
+        assert row["mode_of_run"] == "rehearsal" and row["fwd_ms"] is None and row["peak_bytes"] is None
+        assert row["ok"] and all(row["errors"][k] <= row["bounds"][k] for k in row["errors"]), row
+        msg = 2 * 1 * 4 * 1 * 8 * 4
+        assert row["sent_bytes"] == {"forward": msg, "backward": msg + 2 * msg} == row["formula_bytes"]
+
+
+@pytest.mark.slow   # ~60 s on 2 cores: every layout and mode at W = 4 through the simulator's kernels
+def test_ring_gpu_check_script_rehearsal(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "ring_gpu_check.py"
+    done = subprocess.run([sys.executable, str(script), "--rehearse", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "nothing here is a measurement" in done.stdout and "all checks passed" in done.stdout
+    import json
+
+    data = json.loads((tmp_path / "ring_gpu_check.json").read_text())
+    assert data["meta"]["mode_of_run"] == "rehearsal" and len(data["rows"]) == 6 * 4
+    assert all(r["fwd_ms"] is None and r["mode_of_run"] == "rehearsal" for r in data["rows"])
+
+
+@pytest.mark.slow   # ~40 s on 2 cores (torch imported by every rank): the command the docs give
+def test_torchrun_demo():
+    import shutil
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun") or pytest.skip("torchrun not on PATH")
+    done = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "4", "-m", "flashnb.distributed.demo"],
+                          capture_output=True, text=True, timeout=600, env={**__import__("os").environ,
+                                                                            "FLASHNB_DEVICE": "sim"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count(" ok") == 4 and "W=4 (gloo)" in done.stdout, done.stdout
+    del sys
+
+
 # --------------------------------------------------------------------------- no processes: layouts, plan, merge
 
 

@@ -38,12 +38,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _context():
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
+def _context(start_method: str | None):
+    if start_method is None:
+        start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(f"start_method must be None, 'forkserver' or 'spawn', got {start_method!r}")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)
-        return ctx
-    return mp.get_context("spawn")
+    return ctx
 
 
 def _reference(worker) -> tuple[str, str]:
@@ -63,6 +66,8 @@ def _rank_main(ref, rank, world, port, backend, group_timeout_s, threads, env, a
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
+        if backend == "nccl":                   # one GPU per rank, chosen before the group exists
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=group_timeout_s))
         try:
@@ -75,18 +80,22 @@ def _rank_main(ref, rank, world, port, backend, group_timeout_s, threads, env, a
 
 
 def run(worker, world: int, *args, backend: str = "gloo", timeout: float = 120.0, group_timeout: float = 30.0,
-        threads: int = 1, port: int | None = None, env: dict | None = None, **kwargs) -> list:
+        threads: int = 1, port: int | None = None, env: dict | None = None, start_method: str | None = None,
+        **kwargs) -> list:
     """``[worker(0, W, *args, **kwargs), …, worker(W−1, W, …)]``, each in its own process with a process group.
 
     ``timeout``: seconds for the whole run (then the remaining processes are terminated);
     ``group_timeout``: the process group's timeout (its collectives and transfers); ``port``: the rendezvous
     port (default: :func:`free_port`); ``env``: environment variables set in each rank before the worker
-    runs.  Raises :class:`~flashnb.distributed.errors.RanksFailed` if any rank raised or did not finish.
+    runs; ``start_method``: None (``"forkserver"`` where there is one), ``"forkserver"`` or ``"spawn"`` -- use
+    ``"spawn"`` with ``backend="nccl"``: importing flashnb on a GPU machine initialises the CUDA driver, and a
+    process forked after that cannot use CUDA.  With NCCL, rank ``r`` uses GPU ``r mod (GPUs)``.
+    Raises :class:`~flashnb.distributed.errors.RanksFailed` if any rank raised or did not finish.
     """
     ref = _reference(worker)
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be an int >= 1 (the number of ranks), got {world!r}")
-    ctx = _context()
+    ctx = _context(start_method)
     for attempt in range(3):            # a port taken between free_port() and the rendezvous: try another
         results = ctx.Queue()
         p = port if port is not None else free_port()
