@@ -258,8 +258,8 @@ assert counted_hbm == model.block_hbm_bytes(plan0, r["B"], r["H"], r["H_kv"], r[
 # %% [markdown]
 # ## Compute and wait, per rank: flashnb's kernels in the ring
 #
-# Now the blocks are flashnb's FA2 kernels on the simulator, two ranks (one per core of this machine, so the
-# ranks do not share a core), contiguous against zigzag, causal. Each rank records when it computed and when
+# Now the blocks are flashnb's FA2 kernels on the simulator, two ranks (so that on a two-core machine they do
+# not share a core), contiguous against zigzag, causal. Each rank records when it computed and when
 # it waited on a transfer. Times are simulator seconds -- Python running every CUDA thread -- so only the
 # *shape* carries over to a GPU: who works, who waits.
 

@@ -95,9 +95,10 @@ def main(argv=None) -> int:
     print(_table([r for r in rows if r["rank"] == 0], a.rehearse))
     ok = all(r["ok"] and r["sent_bytes"] == r["formula_bytes"] for r in rows)
     if a.out:
+        nccl = None if a.rehearse else torch.cuda.nccl.version()
         meta = dict(mode_of_run="rehearsal" if a.rehearse else "measured", world=world, backend=backend,
                     torch=torch.__version__, gpu=None if a.rehearse else torch.cuda.get_device_name(0),
-                    nccl=None if a.rehearse else ".".join(map(str, torch.cuda.nccl.version())),
+                    nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
                     reps=1 if a.rehearse else a.reps)
         path = Path(a.out)
         path.mkdir(parents=True, exist_ok=True)

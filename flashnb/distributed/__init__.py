@@ -15,7 +15,9 @@ Needs PyTorch (``pip install "flashnb[torch]"``); ``import flashnb`` does not im
 * :class:`RingStats` -- bytes, attended pairs, compute and wait time per rank and step (:mod:`.stats`).
 * :mod:`.ring` -- the ring and all-gather schedules and their transfers; :mod:`.model` -- the formulas
   (bytes, work imbalance, memory, the overlap condition); :mod:`.errors` -- the checks every rank runs
-  together and the errors; :mod:`.launch` -- W local ranks from Python; :mod:`.demo` -- the torchrun demo.
+  together and the errors; :mod:`.launch` -- W local ranks from Python; :mod:`.demo` -- the torchrun demo;
+  :mod:`.measure` -- what ``scripts/ring_gpu_check.py`` measures on GPUs; :mod:`.lessons` -- notebook 13's
+  workers and its wrong schedule.
 """
 
 from .blocks import Exact, Kernels, merge, plan

@@ -252,10 +252,13 @@ class Exact:
 
 
 def resolve_impl(impl):
-    """``None`` -> ``Kernels("fa2")``; a name -> ``Kernels(name)``; an object with ``forward`` and ``backward``
-    (:class:`Kernels`, :class:`Exact`, or your own with their signatures) as it is."""
+    """``None`` -> ``Kernels("fa2")``; ``"exact"`` -> ``Exact()``; another name -> ``Kernels(name)``; an object
+    with ``forward`` and ``backward`` (:class:`Kernels`, :class:`Exact`, or your own with their signatures) as
+    it is."""
     if impl is None:
         return Kernels("fa2")
+    if impl == "exact":
+        return Exact()
     if isinstance(impl, str):
         return Kernels(impl)
     if callable(getattr(impl, "forward", None)) and callable(getattr(impl, "backward", None)):

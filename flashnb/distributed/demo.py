@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .. import reference, runtime
 from . import model
-from .blocks import Exact, Kernels
+from .blocks import Kernels, resolve_impl
 from .function import _ring_attention
 from .layouts import shard, unshard
 from .stats import RingStats
@@ -55,9 +55,7 @@ def _gather(t: torch.Tensor, world: int) -> list:
 def _impl(impl):
     if impl in (None, "fa2") and runtime.MODE == "sim":
         return Kernels("fa2", Br=16, Bc=16, warps=1)     # small tiles: the simulator runs every thread in Python
-    if impl == "exact":
-        return Exact()
-    return Kernels(impl or "fa2")
+    return resolve_impl(impl)
 
 
 def check(rank: int, world: int, *, N: int = 64, B: int = 1, H: int = 2, H_kv: int = 1, d: int = 16,
@@ -127,7 +125,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-causal", action="store_true")
     p.add_argument("--impl", default="fa2", help="'fa2' (flashnb's kernels), 'exact' (float64), or an impl name")
     p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl when CUDA is available)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds any collective or transfer may take")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="the process group's timeout: seconds any collective or transfer may take")
     a = p.parse_args(argv)
     backend = a.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device = "cpu"
@@ -139,8 +138,7 @@ def main(argv=None) -> int:
     dist.init_process_group(backend, timeout=timedelta(seconds=a.timeout))
     try:
         result = check(dist.get_rank(), dist.get_world_size(), N=a.N, B=a.B, H=a.H, H_kv=a.H_kv, d=a.d,
-                       layout=a.layout, mode=a.mode, causal=not a.no_causal, impl=a.impl, device=device,
-                       timeout=a.timeout)
+                       layout=a.layout, mode=a.mode, causal=not a.no_causal, impl=a.impl, device=device)
         if dist.get_rank() == 0:
             print(report(result), flush=True)
         return 0 if result["ok"] else 1

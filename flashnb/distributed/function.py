@@ -148,7 +148,7 @@ def ring_attention(q, k, v, *, causal=False, layout="zigzag", mode="ring", group
         group: a ``torch.distributed`` process group (default: the world).
         impl: the block computation: None (``Kernels("fa2")``: flashnb's FA2 kernels, on the simulator for CPU
             tensors and the GPU for CUDA tensors), a registered impl name, ``Kernels(name, **tile_options)``, or
-            ``Exact()`` (float64, for tests and notebooks).
+            ``"exact"`` / ``Exact()`` (float64, for tests and notebooks).
         scale: softmax scale, default ``1/sqrt(d)``.
         stats: a :class:`~flashnb.distributed.RingStats` to record each step's bytes, pairs and times into.
         dropout_p, seed: attention dropout keyed by ``(seed, batch·head, global row, global column)``, so a ring

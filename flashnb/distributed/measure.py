@@ -63,21 +63,22 @@ def _one(rank, world, case, impl, device, reps, rehearse):
                    for t in inputs(N, B=B, H=H, H_kv=H_kv, d=d, seed=1))
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     mark, seconds = _clock(device)
-    fwd, bwd, stats = [], [], None
+    fwd, bwd = [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    for rep in range(reps):
-        stats = RingStats() if rep == reps - 1 else None
+    args = dict(causal=case["causal"], layout=case["layout"], mode=case["mode"], impl=impl)
+    for _ in range(reps):                        # timed without stats (their CUDA events synchronise a phase start)
         q.grad = k.grad = v.grad = None
         dist.barrier()
         t0 = mark()
-        o = ring_attention(q, k, v, causal=case["causal"], layout=case["layout"], mode=case["mode"], impl=impl,
-                           stats=stats)
+        o = ring_attention(q, k, v, **args)
         t1 = mark()
         o.backward(do)
         t2 = mark()
         fwd.append(seconds(t0, t1))
         bwd.append(seconds(t1, t2))
+    stats = RingStats()                          # one more run, untimed, for the per-step record
+    ring_attention(q, k, v, stats=stats, **args).backward(do)
     totals = {phase: stats.totals(phase=phase, rank=rank) for phase in ("forward", "backward")}
     row = dict({key: case[key] for key in CASE_KEYS}, rank=rank, world=world, impl=repr(impl),
                mode_of_run="rehearsal" if rehearse else "measured",
