@@ -188,7 +188,7 @@ def _flex_module():
     return _FLEX
 
 
-_DEVICE_FNS: dict = {}
+_DEVICE_FNS: dict = {}   # Python function -> its device function, least recently used first (bounded, see below)
 
 
 def python_modifier(fn):
@@ -204,13 +204,18 @@ def python_modifier(fn):
 
 def device_modifier(fn):
     """``fn`` compiled as an inlined device function, one per Python function (so every kernel that uses it
-    shares it); ``None`` stays ``None``."""
+    shares it; a :func:`flashnb.flex.snapshot` brings its frozen copy); ``None`` stays ``None``.  The
+    :data:`~flashnb.registry.KERNEL_CACHE_SIZE` most recently used are kept."""
+    from .registry import KERNEL_CACHE_SIZE
+
     if fn is None:
         return None
     fn = python_modifier(fn)
-    if fn not in _DEVICE_FNS:
-        _DEVICE_FNS[fn] = cuda.jit(device=True, inline="always")(fn)
-    return _DEVICE_FNS[fn]
+    dev = _DEVICE_FNS.pop(fn, None) or cuda.jit(device=True, inline="always")(fn)
+    _DEVICE_FNS[fn] = dev                            # (re)inserted last: the most recently used
+    while len(_DEVICE_FNS) > KERNEL_CACHE_SIZE:
+        del _DEVICE_FNS[next(iter(_DEVICE_FNS))]
+    return dev
 
 
 @cuda.jit(device=True, inline="always")
@@ -742,6 +747,9 @@ class BlockMask:
                 raise ValueError(f"block_mask.partial must be a boolean array of the mask's shape {a.shape} marking "
                                  "computed blocks only")
             object.__setattr__(self, "partial", p)
+            # the mask_mod as it was when these tiles were computed (its captured arrays copied): the kernels and
+            # the finer tiles of the backward use that, and a launch refuses the mask once the original changed
+            object.__setattr__(self, "mask_mod", _flex_module().snapshot(self.mask_mod))
         object.__setattr__(self, "mask", a)
         object.__setattr__(self, "Br", positive_int("Br", self.Br))
         object.__setattr__(self, "Bc", positive_int("Bc", self.Bc))
@@ -901,7 +909,8 @@ class PreparedMask:
     tiles: dict = field(hash=False)
     M: object = field(hash=False, repr=False)
     shape: tuple = ()   # (BH, Nq, Nk, d) it was prepared for
-    mask_mod: object = None   # the mask_mod of a block mask from flashnb.flex.create_block_mask
+    mask_mod: object = None   # the mask_mod of a block mask from flashnb.flex.create_block_mask (a snapshot)
+    lead: tuple = ()          # that block mask's leading axes (B, H)
 
 
 def prepare_block_mask(block_mask, *, direction, BH, Nq, Nk, d, Br=None, Bc=None, warps=None) -> PreparedMask:
@@ -909,7 +918,8 @@ def prepare_block_mask(block_mask, *, direction, BH, Nq, Nk, d, Br=None, Bc=None
     t, M = block_tiles(d, direction, Br, Bc, warps, block_mask, BH, Nq, Nk)
     if M is None:
         raise ValueError("block_mask is required")
-    return PreparedMask(direction, t, _mask_device(M), (BH, Nq, Nk, d), getattr(block_mask, "mask_mod", None))
+    lead = tuple(block_mask.mask.shape[:-2]) if isinstance(block_mask, BlockMask) else ()
+    return PreparedMask(direction, t, _mask_device(M), (BH, Nq, Nk, d), getattr(block_mask, "mask_mod", None), lead)
 
 
 def _tiles_and_mask(direction, Br, Bc, warps, block_mask, BH, Nq, Nk, d):
@@ -934,20 +944,26 @@ def _group(BH, BHkv, k, v):
 
 
 def _flex(direction, score_mod, mask_mod, score_mod_grad, block_mask, heads, BH, Nq, Nk, d, Br, Bc):
-    """``(block_mask, mask_mod, H)`` of a launch with modifiers (:mod:`flashnb.flex`): the modifiers checked
-    (compiled alone for a GPU, once per function), the block mask built from ``mask_mod`` when none is given
-    (at the forward's tiles; the backward's are recomputed from ``mask_mod``), or ``mask_mod`` taken from a
-    block mask that carries one.  Without modifiers: ``(block_mask, None, 1)``."""
+    """``(block_mask, score_mod, mask_mod, score_mod_grad, H)`` of a launch with modifiers (:mod:`flashnb.flex`):
+    each modifier a :func:`flashnb.flex.snapshot` of what it captures at this call (the kernels are compiled
+    from, and cached by, that); the modifiers checked (compiled alone for a GPU, once per code and captured
+    types); the block mask built from ``mask_mod`` when none is given (at the forward's tiles; the backward's
+    are recomputed from ``mask_mod``), or ``mask_mod`` taken from a block mask that carries one -- refused when
+    the function it came from has changed what it captures since (:func:`flashnb.flex.check_current`) or the
+    mask was made for other (B, H) than this call's (:func:`flashnb.flex.check_heads`).  Without modifiers:
+    ``(block_mask, None, None, None, 1)``."""
     bm_mod = getattr(block_mask, "mask_mod", None)
     if score_mod is None and mask_mod is None and bm_mod is None:
         if score_mod_grad is not None:
             raise ValueError("score_mod_grad is given without a score_mod")
-        return block_mask, None, 1
+        return block_mask, None, None, None, 1
     flex = _flex_module()
 
     H = positive_int("heads", heads)
     if BH % H:
         raise ValueError(f"heads={H} must divide batch·heads = {BH} (q's leading axes)")
+    score_mod, mask_mod, score_mod_grad = (None if f is None else flex.snapshot(f)
+                                           for f in (score_mod, mask_mod, score_mod_grad))
     if direction == "backward" and score_mod is not None and score_mod_grad is None \
             and getattr(python_modifier(score_mod), "grad", None) is None:
         raise ValueError(f"score_mod {flex.name_of(score_mod)!r} has no derivative: pass score_mod_grad "
@@ -955,16 +971,20 @@ def _flex(direction, score_mod, mask_mod, score_mod_grad, block_mask, heads, BH,
                          "give the function a .grad attribute")
     flex.check_modifiers(score_mod=score_mod, mask_mod=mask_mod if mask_mod is not None else bm_mod,
                          score_mod_grad=score_mod_grad if direction == "backward" else None)
-    if mask_mod is None:
-        return block_mask, bm_mod, H
     if block_mask is None:
-        fwd = default_tiles(d, "forward")
-        block_mask = flex.create_block_mask(mask_mod, BH // H, H, Nq, Nk, Br=fwd["Br"] if Br is None else Br,
-                                            Bc=fwd["Bc"] if Bc is None else Bc)
-    elif bm_mod is None or python_modifier(bm_mod) is not python_modifier(mask_mod):
+        if mask_mod is not None:
+            fwd = default_tiles(d, "forward")
+            block_mask = flex.create_block_mask(mask_mod, BH // H, H, Nq, Nk, Br=fwd["Br"] if Br is None else Br,
+                                                Bc=fwd["Bc"] if Bc is None else Bc)
+        return block_mask, score_mod, mask_mod, score_mod_grad, H
+    if mask_mod is not None and (bm_mod is None or (bm_mod != mask_mod and bm_mod.origin is not mask_mod.origin)):
         raise ValueError(f"block_mask was not made from mask_mod {flex.name_of(mask_mod)!r}: pass "
                          "block_mask=flashnb.flex.create_block_mask(mask_mod, ...) or leave block_mask out")
-    return block_mask, mask_mod, H
+    if bm_mod is not None:
+        flex.check_current(bm_mod)
+        lead = block_mask.lead if isinstance(block_mask, PreparedMask) else block_mask.mask.shape[:-2]
+        flex.check_heads(bm_mod, lead, BH // H, H, Nq, Nk)
+    return block_mask, score_mod, bm_mod, score_mod_grad, H
 
 
 def _storage(storage, **arrays) -> str:
@@ -1015,7 +1035,8 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block
     Nk = k.shape[1]
     G = _group(BH, k.shape[0], k, v)
     drop = _dropout_args(dropout_p, seed, score_mod, mask_mod, block_mask)
-    block_mask, mask_mod, H = _flex("forward", score_mod, mask_mod, None, block_mask, heads, BH, Nq, Nk, d, Br, Bc)
+    block_mask, score_mod, mask_mod, _, H = _flex("forward", score_mod, mask_mod, None, block_mask, heads, BH, Nq, Nk,
+                                                  d, Br, Bc)
     t, M = _tiles_and_mask("forward", Br, Bc, warps, block_mask, BH, Nq, Nk, d)
     O = empty((BH, Nq, d), storage=storage)
     L = empty((BH, Nq))
@@ -1040,8 +1061,8 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     Nk = k.shape[1]
     G = _group(BH, k.shape[0], k, v)
     drop = _dropout_args(dropout_p, seed, score_mod, mask_mod, block_mask)
-    block_mask, mask_mod, H = _flex("backward", score_mod, mask_mod, score_mod_grad, block_mask, heads, BH, Nq, Nk,
-                                    d, Br, Bc)
+    block_mask, score_mod, mask_mod, score_mod_grad, H = _flex("backward", score_mod, mask_mod, score_mod_grad,
+                                                               block_mask, heads, BH, Nq, Nk, d, Br, Bc)
     t, M = _tiles_and_mask("backward", Br, Bc, warps, block_mask, BH, Nq, Nk, d)
     D = empty((BH, Nq))
     dQ = empty((BH, Nq, d))                          # float32: the atomics' accumulator

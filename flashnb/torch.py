@@ -315,8 +315,10 @@ def attention(q, k, v, *, causal=False, scale=None, impl: str = "fa2", block_mas
     # q is flattened to (B·H, N, d) below: the modifiers' h and b need q's H (api checks it like any option)
     options = api._check_options(entry, impl, options, q, k)
     if "heads" in options:
-        from .flex import check_modifiers
+        from .flex import check_modifiers, snapshot
 
+        # the modifiers as they are now, for the forward and the backward alike (whatever their arrays do between)
+        options.update({n: snapshot(options[n]) for n in ("score_mod", "mask_mod", "score_mod_grad") if n in options})
         check_modifiers(score_mod=score_mod, mask_mod=mask_mod, score_mod_grad=score_mod_grad)
         if needs_grad and score_mod is not None and score_mod_grad is None and \
                 getattr(getattr(score_mod, "py_func", score_mod), "grad", None) is None:
