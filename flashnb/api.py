@@ -250,6 +250,8 @@ def _resolve_storage(entry, impl: str, storage, arrays: dict) -> str:
     dtypes, or (``None``) float16 for float16 inputs of an impl with half storage, else float32."""
     half_ok = "storage" in entry.options
     dtypes = {name: np.dtype(a.dtype) for name, a in arrays.items()}
+    for name, a in arrays.items():
+        common.check_bfloat16_bits(name, a, storage)
     if storage is None:
         f16 = [name for name, t in dtypes.items() if t == np.float16]
         if not f16 or not half_ok:

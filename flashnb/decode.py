@@ -50,6 +50,7 @@ from .common import (
     causal_allowed,
     causal_diag,
     cdiv,
+    check_bfloat16_bits,
     check_shared_fit,
     empty,
     launch,
@@ -323,6 +324,7 @@ def _device_rows(name: str, x, heads: int, d: int):
         a = np.asarray(x)
         if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)) or a.dtype == bool:
             raise TypeError(f"{name} must hold real numbers (a float or integer dtype), got dtype {a.dtype}")
+        check_bfloat16_bits(name, a, None, half=False)
         if a.size and not np.all(np.isfinite(a)):
             raise ValueError(f"{name} contains NaN or inf; cache rows must be finite")
         arr = a
