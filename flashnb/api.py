@@ -30,7 +30,7 @@ from .reference import F32_MAX, causal_diag
 from .reference import check_causal as _check_causal  # one rule for the API and the reference
 from .reference import check_scale as _check_scale
 from .registry import IMPLS
-from .rng import check_dropout, dropout_uniform_np
+from .rng import check_dropout, dropout_word_np, keep_threshold
 
 __all__ = ["attention", "attention_forward", "attention_backward", "MAX_HEAD_DIM", "SCORE_LIMIT"]
 
@@ -320,7 +320,10 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
     one).  Each weight ``P_ij`` is kept with probability ``1 - p`` and scaled by ``1/(1-p)``, decided by
     Philox4x32-10 from ``(seed, batch·head, row, column)`` (:mod:`flashnb.rng`, whose
     ``dropout_keep_np(seed, p, BH, Nq, Nk)`` gives the same mask in NumPy; batch·head is the index in q's
-    flattened leading axes); ``lse`` is the undropped softmax's.  ``dropout_p=0`` is no dropout, for any impl.
+    flattened leading axes); ``lse`` is the undropped softmax's.  Precision: an element is kept iff its 32-bit
+    Philox word is ``>= ceil(p·2^32)`` (keep probability within ``2^-32`` of ``1 - p``), and the factor is
+    ``1/(1-p)`` computed in float64 and rounded once to float32 (within ``2^-24``); ``p <= 1 - 2^-32``.
+    ``dropout_p=0`` is no dropout, for any impl.
     Not with attention modifiers.
 
     With float32 storage, inputs of any real dtype are converted to float32 (the kernels compute in float32),
@@ -509,8 +512,8 @@ def _check_forward_outputs(entry, q3, k3, v3, o3, lse2, causal, scale, options, 
                 want_lse = m + math.log(p.sum())
                 w = np.ones(int(ok.sum()))
                 if drop_p:                  # the forward's dropout mask, regenerated as the kernels do
-                    u = dropout_uniform_np(seed, np.uint64(b), np.uint64(i), keys[ok])
-                    w = (u >= float(np.float32(drop_p))) / (1.0 - drop_p)
+                    words = dropout_word_np(seed, np.uint64(b), np.uint64(i), keys[ok])
+                    w = (words >= np.uint64(keep_threshold(drop_p))) / (1.0 - drop_p)
                 want_o = (p * w / p.sum()) @ V[ok]
                 # float32 rounding of a score is at most ~d·eps·|scale|·Σ|q||k| (eps = 1.2e-7, d <= 128): this
                 # tolerance is that bound for d = 128 with a margin of ~60, yet far below what a wrong o / lse gives

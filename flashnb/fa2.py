@@ -64,7 +64,7 @@ from .common import (
     storage_of,
 )
 from .registry import kernel_factory, register_impl
-from .rng import check_dropout, dropout_scale, split_seed
+from .rng import check_dropout, dropout_kernel_args, dropout_scale
 
 __all__ = ["BlockMask", "PreparedMask", "prepare_block_mask",
            "make_forward", "make_preprocess", "make_backward", "forward", "backward", "model_forward",
@@ -77,7 +77,7 @@ LC = 8                 # lanes of a warp along the columns (key columns of S, he
 FULL_MASK = 0xFFFFFFFF  # every lane takes part in every shuffle (no divergence around them)
 PRE_WARPS = 4          # preprocessing kernel: one warp per query row, 4 rows per thread block
 EMPTY, FULL, PARTIAL = 0, 1, 2   # block-mask entries: skip the tile / no per-element work / apply mask_mod
-NO_SEED = uint32(0)    # the seed halves a kernel without dropout passes on (never used)
+NO_SEED = uint32(0)    # the threshold and seed halves a kernel without dropout passes on (never used)
 
 _A3 = "float32[:, :, ::1]"
 _A2 = "float32[:, ::1]"
@@ -106,7 +106,7 @@ def _convert_sig(storage="float16", **_):
 
 
 _FWD_SIG, _PRE_SIG, _BWD_SIG = _fwd_sig(), _pre_sig(), _bwd_sig()   # the float32 kernels' signatures
-_DROPOUT_ARGS = ", float32, uint32, uint32)"   # dropout=True: dropout_p, seed_lo, seed_hi appended
+_DROPOUT_ARGS = ", uint32, float32, uint32, uint32)"   # dropout=True: threshold, inv_keep, seed_lo, seed_hi appended
 
 
 def _with_dropout(signature):
@@ -297,11 +297,13 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
     read ``M`` (the launcher passes a 1×1×1 dummy).  ``score_mod``, ``mask_mod``, ``H``, ``gqa``: see the
     module docstring (attention modifiers, grouped-query attention).
 
-    ``dropout``: attention dropout as FA1 Alg. 2 does it; the kernel takes three more arguments, ``dropout_p``
-    (float32), ``seed_lo``, ``seed_hi`` (uint32).  The softmax statistics ``m_i``, ``l_i`` (and so ``L``) come
-    from the *undropped* ``P~``; ``O~`` accumulates ``(P~ ∘ Z) V / (1 - p)``, where ``Z_ij`` (keep = 1) is
-    regenerated per element from Philox (:func:`flashnb.rng.dropout_scale`, counter ``(col, row, z, 0)``): no
-    mask is read or written.  Without ``dropout`` the kernel is the one above, unchanged.
+    ``dropout``: attention dropout as FA1 Alg. 2 does it; the kernel takes four more arguments, ``threshold``
+    (uint32: keep iff the Philox word >= it, :func:`flashnb.rng.keep_threshold`), ``inv_keep`` (float32
+    ``1/(1 - p)``, :func:`flashnb.rng.keep_scale`), ``seed_lo``, ``seed_hi`` (uint32), all made on the host.  The
+    softmax statistics ``m_i``, ``l_i`` (and so ``L``) come from the *undropped* ``P~``; ``O~`` accumulates
+    ``(P~ ∘ Z) V / (1 - p)``, where ``Z_ij`` (keep = 1) is regenerated per element from Philox
+    (:func:`flashnb.rng.dropout_scale`, counter ``(col, row, z, 0)``): no mask is read or written.  Without
+    ``dropout`` the kernel is the one above, unchanged.
 
     ``storage``: the dtype of Q, K, V, O in HBM (:data:`flashnb.common.STORAGES`); they are widened to float32
     as they are loaded into shared memory and O is narrowed as it is stored -- every tile, m_i, l_i and L stay
@@ -317,7 +319,7 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
 
     @cuda.jit(device=True, inline="always")
     def fa2_tile(QsT, KsT, Vs, S, Oi, m, l, qv, kv, p, r0, lr, lc, i0, j0, Nk, scale, diag, z, Nq, mij,
-                 dropout_p, seed_lo, seed_hi, inv_keep):
+                 threshold, seed_lo, seed_hi, inv_keep):
         """Alg. 1 lines 8-10 for one K/V tile, on this lane's micro-tile (no other warp involved)."""
         for a in range(TM):
             for b in range(TN):
@@ -368,7 +370,7 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
                 for b in range(TN):
                     if S[a, b] != ZERO:
                         S[a, b] *= dropout_scale(seed_lo, seed_hi, z, i0 + r0 + LR * a, j0 + lc + LC * b,
-                                                 dropout_p, inv_keep)
+                                                 threshold, inv_keep)
         for b in range(TN):                          # ... + P~ V_j; P~_ij comes from its owner lane
             for src in range(LC):
                 for a in range(TM):
@@ -380,7 +382,7 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
                         Oi[a, c] += p[a] * vj
 
     @cuda.jit(device=True, inline="always")
-    def fa2_forward_block(Q, K, V, O, L, scale, diag, M, dropout_p, seed_lo, seed_hi):
+    def fa2_forward_block(Q, K, V, O, L, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi):
         """One thread block of the forward (the kernel below, with or without the dropout arguments)."""
         QsT = cuda.shared.array((d, Br), float32)    # Q_i (transposed: lanes read consecutive rows)
         KsT = cuda.shared.array((d, Bc), float32)    # K_j (transposed)
@@ -402,7 +404,6 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
         Nq = Q.shape[1]
         Nk = K.shape[1]
         kz = z // (Q.shape[0] // K.shape[0]) if gqa else z   # GQA: the K/V head of query head z
-        inv_keep = ONE / (ONE - dropout_p)           # dropout: 1/(1-p), the scale of a kept P~_ij
         for e in range(tid, Br * d, NT):             # Alg. 1 line 4: load Q_i once (coalesced)
             r = e // d
             k = e - r * d
@@ -435,7 +436,7 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
                 Vs[c, k] = to_f32(V[kz, j0 + c, k]) if j0 + c < Nk and k < d else ZERO
             cuda.syncthreads()
             fa2_tile(QsT, KsT, Vs, S, Oi, m, l, qv, kv, p, r0, lr, lc, i0, j0, Nk, scale, diag, z, Nq, mij,
-                     dropout_p, seed_lo, seed_hi, inv_keep)
+                     threshold, seed_lo, seed_hi, inv_keep)
         for a in range(TM):                          # lines 12-14: O_i = diag(l)^-1 O~_i, L_i = m + log l
             ls = l[a]
             off = LC // 2
@@ -454,12 +455,12 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
 
     if dropout:
         @cuda.jit
-        def fa2_forward(Q, K, V, O, L, scale, diag, M, dropout_p, seed_lo, seed_hi):
-            fa2_forward_block(Q, K, V, O, L, scale, diag, M, dropout_p, seed_lo, seed_hi)
+        def fa2_forward(Q, K, V, O, L, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi):
+            fa2_forward_block(Q, K, V, O, L, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi)
     else:
         @cuda.jit
         def fa2_forward(Q, K, V, O, L, scale, diag, M):
-            fa2_forward_block(Q, K, V, O, L, scale, diag, M, ZERO, NO_SEED, NO_SEED)
+            fa2_forward_block(Q, K, V, O, L, scale, diag, M, NO_SEED, ONE, NO_SEED, NO_SEED)
 
     return fa2_forward
 
@@ -506,10 +507,10 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
     ``score_mod_grad``: ``d score_mod / d score`` (default: the ``grad`` attribute of ``score_mod``, as the
     gallery of :mod:`flashnb.flex` sets it); ``gqa``: grid ``(Tc, BH_kv)``, each block loops over its query heads.
 
-    ``dropout`` (FA1 Alg. 4 with dropout, in FA2 Alg. 2's loop order): three more kernel arguments, ``dropout_p``,
-    ``seed_lo``, ``seed_hi`` -- the forward's.  ``P = exp(S - L)`` is the undropped softmax (``L`` came from the
-    undropped ``P~``); ``Z_ij`` is regenerated from the same Philox counters as in the forward, so it is the
-    forward's mask, never stored.  With ``W = Z / (1-p)``: ``dV_j += (P ∘ W)ᵀ dO_i``, ``dP = (dO_i V_jᵀ) ∘ W``,
+    ``dropout`` (FA1 Alg. 4 with dropout, in FA2 Alg. 2's loop order): four more kernel arguments, ``threshold``,
+    ``inv_keep``, ``seed_lo``, ``seed_hi`` -- the forward's.  ``P = exp(S - L)`` is the undropped softmax (``L``
+    came from the undropped ``P~``); ``Z_ij`` is regenerated from the same Philox counters as in the forward, so it
+    is the forward's mask, never stored.  With ``W = Z / (1-p)``: ``dV_j += (P ∘ W)ᵀ dO_i``, ``dP = (dO_i V_jᵀ) ∘ W``,
     ``dS = P ∘ (dP - D)``.  ``D_i = rowsum(dO_i ∘ O_i)`` of the *dropped* output ``O = (P ∘ W) V`` is still
     ``Σ_j P_ij dP_ij``: ``Σ_c dO_ic O_ic = Σ_c dO_ic Σ_j P_ij W_ij V_jc = Σ_j P_ij W_ij (dO_i · V_j)
     = Σ_j P_ij dP_ij`` -- the preprocessing kernel is unchanged.
@@ -534,7 +535,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
 
     @cuda.jit(device=True, inline="always")
     def fa2_bwd_tile(QsT, KsT, VsT, dOsT, Ls, Ds, dSs, S, dP, dKj, dVj, kv, vv, qv, ov,
-                     c0, lr, lc, i0, j0, Nk, scale, diag, zq, mij, dropout_p, seed_lo, seed_hi, inv_keep):
+                     c0, lr, lc, i0, j0, Nk, scale, diag, zq, mij, threshold, seed_lo, seed_hi, inv_keep):
         """Alg. 2 lines 10-16 for one Q tile on this lane's micro-tile of the transposed scores."""
         for a in range(TM):
             for b in range(TN):
@@ -567,7 +568,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
                 if dropout:                          # lines 11-14 with FA1 Alg. 4's Z_ij regenerated, W = Z/(1-p)
                     w = ZERO
                     if pv != ZERO:
-                        w = dropout_scale(seed_lo, seed_hi, zq, i0 + r, key, dropout_p, inv_keep)
+                        w = dropout_scale(seed_lo, seed_hi, zq, i0 + r, key, threshold, inv_keep)
                     S[a, b] = pv * w                 # (P ∘ W), for dV_j += (P ∘ W)ᵀ dO_i
                     dP[a, b] = pv * (dP[a, b] * w - Dr)   # dS = P ∘ ((dO_i V_jᵀ) ∘ W - D)
                     continue
@@ -590,7 +591,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
                 dSs[c0 + LR * a, lc + LC * b] = dP[a, b]
 
     @cuda.jit(device=True, inline="always")
-    def fa2_backward_block(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, dropout_p, seed_lo, seed_hi):
+    def fa2_backward_block(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi):
         """One thread block of the backward (the kernel below, with or without the dropout arguments)."""
         # Transposed tiles get one padding column (BcP = Bc + 1, BrP = Br + 1): lanes that walk down a column
         # then hit 32 different banks instead of one (no shared-memory bank conflicts; never read).
@@ -618,7 +619,6 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
         c0 = (tid // 32) * (TM * LR) + lr            # this lane's key rows: c0 + LR·a
         Nq = Q.shape[1]
         Nk = K.shape[1]
-        inv_keep = ONE / (ONE - dropout_p)           # dropout: 1/(1-p)
         for e in range(tid, Bc * d, NT):             # Alg. 2 line 6: load K_j, V_j
             c = e // d
             k = e - c * d
@@ -657,7 +657,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
                 Ds[r] = D[z, i0 + r] if i0 + r < Nq else ZERO
             cuda.syncthreads()
             fa2_bwd_tile(QsT, KsT, VsT, dOsT, Ls, Ds, dSs, S, dP, dKj, dVj, kv, vv, qv, ov,
-                         c0, lr, lc, i0, j0, Nk, scale, diag, z, mij, dropout_p, seed_lo, seed_hi, inv_keep)
+                         c0, lr, lc, i0, j0, Nk, scale, diag, z, mij, threshold, seed_lo, seed_hi, inv_keep)
             cuda.syncthreads()                       # dSs complete (written by every warp)
             for e in range(tid, Br * d, NT):         # line 15: dQ_i += scale · dS K_j (atomic, HBM)
                 r = e // d
@@ -678,12 +678,12 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
 
     if dropout:
         @cuda.jit
-        def fa2_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, dropout_p, seed_lo, seed_hi):
-            fa2_backward_block(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, dropout_p, seed_lo, seed_hi)
+        def fa2_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi):
+            fa2_backward_block(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi)
     else:
         @cuda.jit
         def fa2_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M):
-            fa2_backward_block(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, ZERO, NO_SEED, NO_SEED)
+            fa2_backward_block(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, NO_SEED, ONE, NO_SEED, NO_SEED)
 
     return fa2_backward
 
@@ -1002,15 +1002,16 @@ def _storage(storage, **arrays) -> str:
 
 
 def _dropout_args(dropout_p, seed, score_mod, mask_mod, block_mask):
-    """``()`` without dropout (``dropout_p == 0``), else the kernels' extra arguments ``(p, seed_lo, seed_hi)``;
-    checks them (:func:`flashnb.rng.check_dropout`) and refuses dropout with attention modifiers."""
+    """``()`` without dropout (``dropout_p == 0``), else the kernels' extra arguments ``(threshold, inv_keep,
+    seed_lo, seed_hi)`` (:func:`flashnb.rng.dropout_kernel_args`); checks them (:func:`flashnb.rng.check_dropout`)
+    and refuses dropout with attention modifiers."""
     p = check_dropout(dropout_p, seed)
     if p == 0:
         return ()
     if score_mod is not None or mask_mod is not None or getattr(block_mask, "mask_mod", None) is not None:
         raise ValueError("dropout_p > 0 with attention modifiers (score_mod / mask_mod) is not supported: fa2's "
                          "dropout covers dense, causal, block-sparse (a plain block_mask) and grouped-query attention")
-    return (np.float32(p), *split_seed(seed))
+    return dropout_kernel_args(p, seed)
 
 
 def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block_mask=None, score_mod=None,
