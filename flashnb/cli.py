@@ -437,9 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Compile a registered kernel (compile_ptx + ptxas) and disassemble it with "
                                     "nvdisasm: the instruction mix of the whole kernel and of its hot loop.")
     sa.add_argument("kernel", help="a registered kernel name, e.g. fa2.forward (see 'flashnb inspect')")
-    sa.add_argument("--config", default=None, help="its configuration as JSON, e.g. "
-                    "'{\"Br\": 64, \"Bc\": 32, \"warps\": 4, \"d\": 64, \"causal\": false}' (default: the first "
-                    "the PTX guard compiles)")
+    sa.add_argument("--config", default=None, help="its configuration as a JSON object, e.g. "
+                    "'{\"Br\": 64, \"Bc\": 32, \"warps\": 4, \"d\": 64, \"causal\": false}', merged over the "
+                    "default (the first configuration the PTX guard compiles): '{\"d\": 32}' changes d alone")
     sa.add_argument("--cc", default="90", choices=("75", "80", "90"), help="architecture (default 90)")
     sa.add_argument("--hot", action="store_true", help="also print the hot loop's instructions")
     course = sub.add_parser("course", help="graded assignments: make the student release, grade submissions",
@@ -461,9 +461,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def cmd_sass(args) -> int:
+def _kind(value) -> str:
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(type(value), "null")
+
+
+def kernel_config(spec, text: str | None) -> dict:
+    """The configuration ``flashnb sass --config TEXT`` asks for: the JSON object merged over the kernel's default
+    (the first configuration the PTX guard compiles), each given value of its default's JSON type, checked by
+    building the kernel.  ValueError with the usage message otherwise (not JSON, not an object, an unknown key,
+    a value of another type, a value the kernel factory refuses)."""
+    import inspect
     import json
 
+    default = dict(spec.configs[0])
+    if text is None:
+        return default
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--config is not JSON ({exc})") from None
+    if not isinstance(given, dict):
+        raise ValueError(f"--config must be a JSON object of {spec.name}'s options (merged over its default "
+                         f"{json.dumps(default)}), got {text!r}")
+    params = inspect.signature(spec.factory).parameters
+    unknown = sorted(set(given) - set(params))
+    if unknown:
+        raise ValueError(f"--config: {spec.name} has no option(s) {', '.join(map(repr, unknown))}; its options: "
+                         f"{', '.join(params)}")
+    for name, value in given.items():
+        want = default.get(name, params[name].default)
+        ok = isinstance(value, str) or value is None if want is None else \
+            type(value) is type(want) or (type(want) is float and type(value) is int)
+        if want is not inspect.Parameter.empty and not ok:
+            raise ValueError(f"--config: {name} must be {_kind(want)} (as in the default {json.dumps(default)}), "
+                             f"got {json.dumps(value)}")
+    config = {**default, **given}
+    try:
+        spec.signature_for(config)
+        spec.factory(**config)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--config {json.dumps(config)}: {exc}") from None
+    return config
+
+
+def cmd_sass(args) -> int:
     from .registry import KERNELS
     from .sass import sass
 
@@ -472,11 +513,15 @@ def cmd_sass(args) -> int:
               file=sys.stderr)
         return 2
     try:
-        config = json.loads(args.config) if args.config else None
-    except json.JSONDecodeError as exc:
-        print(f"flashnb sass: --config is not JSON ({exc})", file=sys.stderr)
+        config = kernel_config(KERNELS[args.kernel], args.config)
+    except ValueError as exc:
+        print(f"flashnb sass: {exc}", file=sys.stderr)
         return 2
-    s = sass(args.kernel, cc=(int(args.cc[0]), int(args.cc[1])), config=config)
+    try:
+        s = sass(args.kernel, cc=(int(args.cc[0]), int(args.cc[1])), config=config)
+    except RuntimeError as exc:                 # the compile (NVVM, ptxas) or nvdisasm failed: its own message
+        print(f"flashnb sass: {args.kernel} {config} did not compile for sm_{args.cc}: {exc}", file=sys.stderr)
+        return 1
     print(s.table())
     if args.hot:
         print("\n".join(str(i) for i in s.hot_loop))
