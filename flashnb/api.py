@@ -479,6 +479,18 @@ def _mask_rows(entry, options: dict, BH: int, Nq: int, Nk: int, d: int, causal: 
 CHECK_ALL_ROWS = 2048
 
 
+def _mismatch_hint(lse_bad: bool, options: dict) -> str:
+    """What to do about o and lse that are not the forward's.  lse is the *undropped* softmax's, so a right lse
+    with a wrong o is what a dropout forward checked without its dropout arguments (or with other ones) gives."""
+    if lse_bad:
+        return "pass the o and lse that attention_forward returned for the same inputs and options"
+    if not options.get("dropout_p"):
+        return ("lse is right but o is not, as after a forward with dropout: pass attention_backward the forward's "
+                "dropout_p and seed (its o is the dropped output), or the o attention_forward returned")
+    return (f"lse is right but o is not: the mask of dropout_p={options['dropout_p']!r}, seed={options['seed']!r} "
+            "is not the forward's; pass the forward's dropout_p and seed (dropout_p=0 if it had none)")
+
+
 def _check_forward_outputs(entry, q3, k3, v3, o3, lse2, causal, scale, options, rounding=0.0) -> None:
     """Recompute a few rows of ``o`` and ``lse`` in float64 and refuse ones that are not the forward of these
     inputs (see :func:`attention_backward`); ``rounding``: the relative rounding of ``o``'s storage, allowed on top."""
@@ -525,6 +537,5 @@ def _check_forward_outputs(entry, q3, k3, v3, o3, lse2, causal, scale, options, 
                 raise ValueError(
                     f"o and lse are not the forward of these q, k, v (causal={causal}, scale={scale:.6g}"
                     f"{', options ' + str(sorted(options)) if options else ''}): at {where} lse is {given_lse:.6g} "
-                    f"(recomputed: {want_lse:.6g}) and o differs by up to {o_err:.3g}; pass the o and lse that "
-                    "attention_forward returned for the same inputs and options (check_forward=False skips this "
-                    "check)")
+                    f"(recomputed: {want_lse:.6g}) and o differs by up to {o_err:.3g}; "
+                    f"{_mismatch_hint(lse_bad, options)} (check_forward=False skips this check)")

@@ -273,6 +273,22 @@ def test_p_zero_is_accepted_by_every_impl_and_check_forward_catches_another_seed
         flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", dropout_p=0.5, seed=4, **SMALL)
 
 
+def test_backward_without_the_forwards_dropout_arguments_says_so(rng):
+    """Before: a backward given a dropout forward's o and lse but no dropout_p/seed (or another seed) was told to
+    "pass the o and lse that attention_forward returned" -- which it had.  lse is the undropped softmax's, so a
+    right lse with a wrong o points at the dropout arguments, and the message says so; a wrong lse keeps the
+    general message."""
+    q, k, v, do = qkv(rng, (1, 12, 8), 12, do=True)
+    o, lse = flashnb.attention_forward(q, k, v, impl="fa2", dropout_p=0.5, seed=3, **SMALL)
+    with pytest.raises(ValueError, match="lse is right but o is not, as after a forward with dropout: pass "
+                                         "attention_backward the forward's dropout_p and seed"):
+        flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", **SMALL)
+    with pytest.raises(ValueError, match=r"the mask of dropout_p=0.5, seed=4 is not the forward's"):
+        flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", dropout_p=0.5, seed=4, **SMALL)
+    with pytest.raises(ValueError, match="pass the o and lse that attention_forward returned"):
+        flashnb.attention_backward(q, k, v, o, lse + 1, do, impl="fa2", dropout_p=0.5, seed=3, **SMALL)
+
+
 # --------------------------------------------------------------------------- PyTorch
 
 
