@@ -664,8 +664,8 @@ def measure_gpu(BH: int = 8, length: int = 32768, d: int = 128, Nq: int = 1, spl
     with poisoning(False):                           # time the kernels, not the NaN fill of fresh outputs
         for S in splits:
             S_used = default_splits(BH, Nq, length, d, gpu=None) if S is None else S
-            timing = bench.time_call(lambda: decode(q, cache, scale=scale, num_splits=S_used), repeats=repeats,
-                                     warmup=warmup, info=info, flops=flops)
+            timing = bench.time_call(lambda: decode(q, cache, scale=scale, causal=True, num_splits=S_used),
+                                     repeats=repeats, warmup=warmup, info=info, flops=flops)
             blocks = launch_blocks(BH, Nq, length, d, num_splits=S_used)
             out.append(timing.row(impl="flash-decoding", num_splits=S_used, heuristic=S is None, BH=BH, Nq=Nq,
                                   length=length, d=d, blocks=sum(blocks.values()),
