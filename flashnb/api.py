@@ -379,8 +379,14 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale=None,
     q, k, v, o and do (all five float16 for ``storage=None`` to pick float16), and the gradients come back in it
     (``lse`` is float32 whatever the storage; with half storage dq is summed in float32 and rounded once).
     float16 holds at most 65504 in magnitude: a gradient beyond that is a ValueError naming it (use
-    ``storage="float32"``, or scale ``do`` down), never a silent inf.  The ``check_forward`` tolerance on ``o``
-    also allows the storage's rounding (half an ulp: 2^-11 relative in float16, 2^-8 in bfloat16).
+    ``storage="float32"``, or scale ``do`` down), never a silent inf.  Precision with half storage (unit
+    roundoff ``u`` = 2^-11 float16, 2^-8 bfloat16): besides each gradient's own rounding, dq and dk inherit the
+    rounding of the stored o through ``D = rowsum(do ∘ o)`` (as in every FlashAttention): ``δD_i <= u·Σ_c
+    |do_ic·o_ic|``, so ``|δdq_i| <= |scale|·δD_i·Σ_j P_ij |k_j|`` and ``|δdk_j| <= |scale|·Σ_i P_ij δD_i |q_i|``,
+    which scales with ``|v|·|do|·u`` rather than with the gradient (it dominates where ``dP - D`` nearly
+    cancels, e.g. v with a large common offset); dv has no such term; ``storage="float32"`` removes it.  The
+    ``check_forward`` tolerance on ``o`` also allows the storage's rounding (half an ulp: 2^-11 relative in
+    float16, 2^-8 in bfloat16).
 
     Dropout: pass the forward's ``dropout_p`` and ``seed``; the kernels regenerate its mask from them (nothing
     was stored).  Another seed gives gradients of another mask, without error -- except that

@@ -26,17 +26,18 @@ through ``__cuda_array_interface__`` (``numba.cuda.as_cuda_array``) and launch o
 (``numba.cuda.external_stream``); the outputs are numba allocations wrapped as tensors, not copies.  On the
 simulator this path is rehearsed (:func:`rehearse_cuda`): CPU tensors take it, wrapped zero-copy.
 
-**dtypes.** flashnb's kernels compute in float32.  float32 tensors are used as they are.  float16 and bfloat16
-tensors given to an impl with half-precision storage (``impl="fa2"``, issue #17) stay in their dtype: the
-kernels read them as they are (half the bytes), widen every element to float32 on chip, and write ``o`` and the
-gradients in the input dtype, rounded once (dq is summed in float32 and rounded at the end), as
-FlashAttention does; ``lse`` is float32.  bfloat16 tensors reach the kernels as their uint16 bit patterns
-(``Tensor.view(torch.uint16)``, zero-copy: NumPy and numba have no bfloat16).  For every other impl, or with
-``storage="float32"``, half tensors are converted to float32 (exact), computed, and ``o`` and the gradients are
-converted back to the input dtype.  A float16 gradient beyond 65504 in magnitude is a ValueError on CPU
-tensors (the NumPy API's check); on CUDA tensors, which never leave the GPU, it is inf, as in torch's own half
-kernels.  float64 is refused unless ``allow_float64=True``, which
-computes in float32 and returns float64: float32 accuracy (~1e-7 relative), not float64's.  A conversion or a
+**dtypes.** flashnb's kernels compute in float32.  float32 tensors are used as they are.  float16 and bfloat16 tensors
+given to an impl with half-precision storage (``impl="fa2"``, issue #17) stay in their dtype: the kernels read them
+as they are (half the bytes), widen every element to float32 on chip, and write ``o`` and the gradients in the input
+dtype, rounded once (dq is summed in float32 and rounded at the end), as FlashAttention does; ``lse`` is float32.  dq
+and dk also inherit the rounding of the stored ``o`` through ``D = rowsum(dO ∘ O)``, an error of order
+``|v|·|dO|·2^-11`` (float16; 2^-8 bfloat16) rather than of the gradient (:func:`flashnb.attention_backward` gives
+the bound).  bfloat16 tensors reach the kernels as their uint16 bit patterns (``Tensor.view(torch.uint16)``,
+zero-copy: NumPy and numba have no bfloat16).  For every other impl, or with ``storage="float32"``, half tensors are
+converted to float32 (exact), computed, and ``o`` and the gradients are converted back to the input dtype.  A float16
+gradient beyond 65504 in magnitude is a ValueError on CPU tensors (the NumPy API's check); on CUDA tensors, which
+never leave the GPU, it is inf, as in torch's own half kernels.  float64 is refused unless ``allow_float64=True``,
+which computes in float32 and returns float64: float32 accuracy (~1e-7 relative), not float64's.  A conversion or a
 ``.contiguous()`` of a non-contiguous input is a torch op on the tensor's own device (tracked by autograd).
 """
 
