@@ -225,7 +225,8 @@ def _frozen(value, memo: dict):
 
 def _freeze(fn, memo: dict | None = None):
     """A copy of the Python function ``fn`` that sees read-only copies of the arrays it captured (closure cells,
-    globals its code loads -- in a copy of its globals --, defaults, ``.numpy`` / ``.grad`` attributes)."""
+    globals its code loads -- in a copy of its globals, made only when one of them holds an array --, defaults,
+    and its ``.numpy`` / ``.grad`` functions, copied the same way)."""
     import types as py_types
 
     from .inspect import _loaded_names
@@ -253,7 +254,8 @@ def _freeze(fn, memo: dict | None = None):
     copy.__kwdefaults__ = None if fn.__kwdefaults__ is None else \
         {n: _frozen(v, memo) for n, v in fn.__kwdefaults__.items()}
     copy.__qualname__, copy.__module__, copy.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
-    copy.__dict__.update({n: _frozen(v, memo) for n, v in vars(fn).items()})
+    copy.__dict__.update({n: _freeze(v, memo) if isinstance(v, py_types.FunctionType) else _frozen(v, memo)
+                          for n, v in vars(fn).items()})       # .grad, .numpy: copies of their own
     return copy
 
 
@@ -311,7 +313,9 @@ def snapshot(fn) -> Snapshot:
         _FROZEN = OrderedDict()
     frozen = _FROZEN.get(key)
     if frozen is None:
-        frozen = _FROZEN[key] = _freeze(py) if _holds_arrays(py) else py
+        # a function object of its own per content, even without arrays: numba compiles a device function once
+        # (per signature) and keeps the global numbers it read then, so each content gets its own
+        frozen = _FROZEN[key] = _freeze(py)
         while len(_FROZEN) > KERNEL_CACHE_SIZE:
             _FROZEN.popitem(last=False)
     else:
