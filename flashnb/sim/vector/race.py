@@ -41,7 +41,7 @@ def analyse(log, sink, label, kernel, grid, T):
         sink.launches += 1
         return
     spaces: dict = {}
-    keys, accs, codes, entry_of, pos = [], [], [], [], []
+    keys, accs, blocks, phases, codes, entry_of, pos = [], [], [], [], [], [], []
     for e, (arr, op, f, lanes, block_lin, tid, phase, wphase, site, seq, rank) in enumerate(log):
         if arr.memory == "shared":
             sp = spaces.setdefault(id(arr.root), len(spaces) + 1)
@@ -50,26 +50,41 @@ def analyse(log, sink, label, kernel, grid, T):
             k = np.int64(arr.addr0) + f.astype(np.int64) * arr.dtype.itemsize
         keys.append(k)
         accs.append(block_lin * T + tid)
+        blocks.append(np.broadcast_to(block_lin, f.shape))
+        phases.append(np.broadcast_to(phase, f.shape))
         codes.append(np.full(len(f), _CODE[op], np.int8))
         entry_of.append(np.full(len(f), e, np.int64))
         pos.append(np.arange(len(f)))
     key = np.concatenate(keys)
     acc = np.concatenate(accs)
+    blk = np.concatenate(blocks).astype(np.int64)
+    ph = np.concatenate(phases).astype(np.int64)
     code = np.concatenate(codes)
+
+    def conflicting(order, new_group, who):
+        """The first sorted position of each group whose accesses come from more than one ``who`` and
+        conflict (a write, or an atomic beside a plain access)."""
+        starts = np.flatnonzero(np.r_[True, new_group])
+        w = who[order]
+        cs = code[order]
+        many = np.minimum.reduceat(w, starts) != np.maximum.reduceat(w, starts)
+        anyw = np.maximum.reduceat((cs == 1).astype(np.int8), starts).astype(bool)
+        anya = np.maximum.reduceat((cs == 2).astype(np.int8), starts).astype(bool)
+        anyp = np.maximum.reduceat((cs != 2).astype(np.int8), starts).astype(bool)
+        return starts[many & (anyw | (anya & anyp))]
+
+    # An element can race only where two threads conflict on it unordered: in two blocks, or in one block
+    # within one barrier phase (a superset of the races: the replay below applies the exact rules).
     order = np.argsort(key, kind="stable")
     ks = key[order]
-    starts = np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]])
-    amin = np.minimum.reduceat(acc[order], starts)
-    amax = np.maximum.reduceat(acc[order], starts)
-    cs = code[order]
-    anyw = np.maximum.reduceat((cs == 1).astype(np.int8), starts).astype(bool)
-    anya = np.maximum.reduceat((cs == 2).astype(np.int8), starts).astype(bool)
-    anyp = np.maximum.reduceat((cs != 2).astype(np.int8), starts).astype(bool)
-    suspect = (amin != amax) & (anyw | (anya & anyp))
-    if not suspect.any():
+    across = conflicting(order, ks[1:] != ks[:-1], blk)
+    order2 = np.lexsort((ph, blk, key))
+    k2, b2, p2 = key[order2], blk[order2], ph[order2]
+    within = conflicting(order2, (k2[1:] != k2[:-1]) | (b2[1:] != b2[:-1]) | (p2[1:] != p2[:-1]), acc)
+    if not len(across) and not len(within):
         sink.launches += 1
         return
-    sus_keys = set(ks[starts[suspect]].tolist())
+    sus_keys = set(ks[across].tolist()) | set(k2[within].tolist())
     entries = np.concatenate(entry_of)
     positions = np.concatenate(pos)
     sel = np.flatnonzero(np.isin(key, np.fromiter(sus_keys, np.int64)))
