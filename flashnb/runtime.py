@@ -11,6 +11,10 @@ GPU, ``import flashnb`` raises :class:`RuntimeModeError` saying what to do.  The
   and the simulator is used everywhere else (the common case for readers of the notebooks).
 
 The probe talks to the driver through :mod:`ctypes` so that it never imports ``numba.cuda``.
+
+On the simulator, ``FLASHNB_SIM`` chooses how kernels run: ``vector`` (the default; :mod:`flashnb.sim.vector`,
+every thread of a grid in lockstep as NumPy vectors) or ``threads`` (the Numba simulator's one Python thread per
+CUDA thread).  :data:`SIM` is the choice made at import; :func:`flashnb.sim.set_mode` changes it later.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ import os
 import sys
 import warnings
 
-__all__ = ["MODE", "is_simulator", "select_mode", "driver_device_count", "RuntimeModeError"]
+__all__ = ["MODE", "SIM", "SIMULATORS", "is_simulator", "select_mode", "driver_device_count", "RuntimeModeError"]
 
 _VALID = ("gpu", "sim")
+#: The simulators ``FLASHNB_SIM`` may choose (the first is the default).
+SIMULATORS = ("vector", "threads")
 
 
 class RuntimeModeError(RuntimeError):
@@ -117,6 +123,18 @@ def select_mode() -> str:
 
 
 MODE: str = select_mode()
+
+
+def _sim_requested() -> str:
+    value = os.environ.get("FLASHNB_SIM", "").strip().lower()
+    if not value:
+        return SIMULATORS[0]
+    if value not in SIMULATORS:
+        raise RuntimeModeError(f"FLASHNB_SIM must be 'vector' or 'threads' (or unset for 'vector'), got {value!r}")
+    return value
+
+
+SIM: str = _sim_requested()
 
 
 def is_simulator() -> bool:

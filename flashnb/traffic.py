@@ -28,7 +28,9 @@ never alias); ``FakeCUDAAtomic``'s functions count one atomic and then work on t
 Counters are per simulator thread (no lock on the hot path) and summed when the launch ends.  The
 patches are installed on the first :func:`count` and stay installed, inert, when nothing is counting
 (they then behave exactly like the simulator's own code).  Nothing else of the simulator is replaced, so
-other patches (e.g. ``flashnb.sim``'s barrier and warp shuffles) compose with these.
+other patches (e.g. ``flashnb.sim``'s barrier and warp shuffles) compose with these.  On the vectorised
+simulator (:mod:`flashnb.sim.vector`, the default) the launch is counted there instead, by the same rules: each
+vectorised access adds its active lanes; a kernel it hands to the threads simulator is counted here.
 
 Counting needs the simulator: in GPU mode :func:`count` raises :class:`TrafficError`.
 """
@@ -78,6 +80,10 @@ _current: "_Recorder | None" = None  # the launch being counted (the simulator r
 # an optional ``locals`` flag; set by flashnb.sim.racecheck, flashnb.sim.sanitize and flashnb.sim.profile: while
 # it is set, every access of a counted launch is also shown to it (local arrays too when ``locals`` is True)
 observer_factory = None
+# vector_launch(kernel, args) runs a top-level launch on flashnb.sim's vectorised simulator and returns None, or
+# FELL_BACK when the threads simulator must run it (set by flashnb.sim while the vectorised simulator is chosen)
+vector_launch = None
+FELL_BACK = object()
 _install_lock = threading.Lock()
 _installed = False
 
@@ -304,7 +310,11 @@ def _install() -> None:
 
         def __call__(self, *args):
             global _current
-            if self._device or sim_kernel._kernel_context is not None or not _stack or _current is not None:
+            if self._device or sim_kernel._kernel_context is not None or _current is not None:
+                return call(self, *args)
+            if vector_launch is not None and vector_launch(self, args) is not FELL_BACK:
+                return None          # the vectorised simulator ran it (and recorded its traffic)
+            if not _stack:
                 return call(self, *args)
             rec = _Recorder()
             label = current_label() or self.fn.__name__

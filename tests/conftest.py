@@ -54,6 +54,7 @@ STAGE_OF_MODULE = {
     "test_ptx_guard": "stage0", "test_cli": "stage0", "test_notebooks": "stage0", "test_readme": "stage0",
     "test_rehearsal": "stage0", "test_sim_racecheck": "stage0", "test_sim_sanitizer": "stage0",
     "test_sim_memprofile": "stage0", "test_inspect_user_kernels": "stage0", "test_course": "stage0",
+    "test_sim_vector": "stage0", "test_sim_vector_ops": "stage0", "test_sim_vector_fallback": "stage0",
     "test_course_a1": "stage2", "test_course_a2": "stage3", "test_course_a3": "stage4", "test_course_a4": "stage4",
     "test_course_a5": "stage5",
     "test_gpu_path_bugs": "stage0", "test_sass": "stage0",

@@ -276,6 +276,20 @@ class _LaunchProfiler:
         self.prof.launches.append((self.label, self.kernel))
 
 
+class _Observers:
+    """``traffic.observer_factory`` of a profile block (threads simulator: one profiler per launch; vectorised
+    simulator: :mod:`flashnb.sim.vector.profile` groups the launch's logged accesses into the same requests)."""
+
+    def __init__(self, prof):
+        self.prof = prof
+
+    def __call__(self, label, kernel):
+        return _LaunchProfiler(self.prof, label, kernel)
+
+    def vector_spec(self, label, kernel):
+        return dict(profile=True, profile_sink=self.prof)
+
+
 @contextlib.contextmanager
 def profile():
     """Group every access of every launch in the ``with`` block into warp requests; yields a
@@ -287,7 +301,7 @@ def profile():
     if traffic.observer_factory is not None:
         raise RuntimeError("a sanitizer, race checker or profiler is already active")
     prof = MemoryProfile()
-    traffic.observer_factory = lambda label, kernel: _LaunchProfiler(prof, label, kernel)
+    traffic.observer_factory = _Observers(prof)
     try:
         with traffic.count() as t:
             prof.traffic = t

@@ -186,6 +186,20 @@ class _Tracker:
         self.report.launches += 1
 
 
+class _Observers:
+    """``traffic.observer_factory`` of a check block: a tracker per threads-simulator launch, or the vectorised
+    simulator's settings (its launches log their accesses and :mod:`flashnb.sim.vector.race` replays these rules)."""
+
+    def __init__(self, report):
+        self.report = report
+
+    def __call__(self, label, kernel):
+        return _Tracker(label, kernel, self.report)
+
+    def vector_spec(self, label, kernel):
+        return dict(tools=("racecheck",), race_sink=self.report)
+
+
 @contextlib.contextmanager
 def check(raise_on_race: bool = True):
     """Watch every launch in the ``with`` block for data races; yields a :class:`RaceReport`."""
@@ -196,7 +210,7 @@ def check(raise_on_race: bool = True):
     if traffic.observer_factory is not None:
         raise RuntimeError("racecheck.check() is already active")
     report = RaceReport()
-    traffic.observer_factory = lambda label, kernel: _Tracker(label, kernel, report)
+    traffic.observer_factory = _Observers(report)
     try:
         with traffic.count():
             yield report

@@ -145,8 +145,7 @@ class _Session:
         self.races = racecheck.RaceReport()
         self.seen: dict = {}
         self.lock = threading.Lock()
-        self.poisoned: list = []          # (start address, end address, array kept alive)
-        self.written_global: set = set()  # addresses of poisoned elements some launch wrote
+        self.poisoned: list = []          # _Poisoned outputs: address range, the array (kept alive), written flags
         self.launch = None                # the _LaunchObserver in progress
 
     # -- findings
@@ -170,10 +169,23 @@ class _Session:
         a = getattr(dev, "_ary", None)
         if isinstance(a, np.ndarray) and a.size:
             start = a.__array_interface__["data"][0]
-            self.poisoned.append((start, start + a.nbytes, a))
+            self.poisoned.append(_Poisoned(start, start + a.nbytes, a, np.zeros(a.size, bool)))
 
-    def is_poisoned(self, addr) -> bool:
-        return any(s <= addr < e for s, e, _ in self.poisoned)
+    def poisoned_at(self, addr):
+        """The poisoned output holding address ``addr`` (None if none does)."""
+        for p in self.poisoned:
+            if p.start <= addr < p.end:
+                return p
+        return None
+
+    def lookup(self, arr):
+        """The vectorised simulator's view of a global array: ``(written flags, element offset)`` of the poisoned
+        output it lies in (None if it is not one)."""
+        addr = getattr(arr, "addr0", 0)
+        p = self.poisoned_at(addr)
+        if p is None or p.array.dtype.itemsize != arr.dtype.itemsize:
+            return None
+        return p.written, (addr - p.start) // p.array.dtype.itemsize
 
     def barrier(self, block, sites, exited):
         """synccheck, told by the fast barrier each time a block barrier is released."""
@@ -198,6 +210,46 @@ class _Session:
                      "a branch that not every thread of the block takes (e.g. after an early return) is undefined "
                      "behaviour in CUDA",
                      site)
+
+
+@dataclass
+class _Poisoned:
+    """An output the launcher poisoned with NaN: its addresses, the array, which elements some launch wrote."""
+
+    start: int
+    end: int
+    array: np.ndarray
+    written: np.ndarray
+
+
+class _Launch:
+    """What a finding names of its launch."""
+
+    def __init__(self, label, kernel):
+        self.label = label
+        self.kernel = kernel
+
+
+class _Observers:
+    """``traffic.observer_factory`` of a sanitize block: a threads-simulator observer per launch, or the
+    vectorised simulator's tool settings (:meth:`vector_spec`)."""
+
+    def __init__(self, session):
+        self.s = session
+
+    def __call__(self, label, kernel):
+        return self.s.observer(label, kernel)
+
+    def vector_spec(self, label, kernel):
+        s = self.s
+
+        def add(tool, kind, label, kernel, message, where, extra):
+            s.add(tool, kind, _Launch(label, kernel), message, where, extra)
+
+        def launched():
+            s.report.launches += 1
+
+        return dict(tools=s.tools, add=add, race_sink=s.races, poison=s, on_launch=launched)
 
 
 def _ranges(ids) -> str:
@@ -295,13 +347,16 @@ class _LaunchObserver:
         elif self.s.poisoned:
             s = self.s
             for addr, index in _elements(proxy._a, idx):
+                p = s.poisoned_at(addr)
+                if p is None:
+                    continue
+                e = (addr - p.start) // p.array.dtype.itemsize
                 if op == "w":
-                    if s.is_poisoned(addr):
-                        s.written_global.add(addr)
-                elif addr not in s.written_global and s.is_poisoned(addr):
+                    p.written[e] = True
+                elif not p.written[e]:
                     self._uninit("global", proxy, index,
                                  "an output the launcher poisoned with NaN that no launch has written")
-                    s.written_global.add(addr)
+                    p.written[e] = True
 
     def new_local(self, proxy):
         """A fresh ``cuda.local.array``: its memory starts uninitialised (forget an earlier array's writes)."""
@@ -348,7 +403,7 @@ def sanitize(tools=TOOLS, raise_on_error: bool = True):
         raise RuntimeError("a sanitizer, race checker or profiler is already active")
     session = _Session(tools)
     report = session.report
-    traffic.observer_factory = session.observer
+    traffic.observer_factory = _Observers(session)
     if "synccheck" in tools:
         fastbarrier.sync_observer = session
     if "initcheck" in tools:
