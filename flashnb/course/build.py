@@ -3,8 +3,9 @@
 The student notebook keeps every cell but the ``hidden-tests`` and ``solution-only`` ones, with each solution
 region replaced by a TODO that says what to write and about how many lines it took.  The bundle
 (``autograder/``) holds ``setup.py`` (the cells tagged ``setup``), ``tests.py`` (public and hidden tests),
-``manifest.json`` (tests, points, timeouts) and ``solution.ipynb`` (the master with library cells expanded:
-for teaching assistants).
+``manifest.json`` (tests, points, timeouts), ``solution.ipynb`` (the master with library cells expanded:
+for teaching assistants) and ``hashes.json`` (the SHA-256 of each, which the grader checks before every
+submission).
 """
 
 from __future__ import annotations
@@ -239,6 +240,10 @@ def build(master_path, out_dir, *, install: str | None = None) -> dict:
                            removed_all)
     if leaks:
         raise MasterError(f"{name}: the student release still holds solution lines: {leaks[:3]}")
+    from .grade import bundle_hashes  # the grader checks the bundle against these before every submission
+
+    (out_dir / "autograder" / "hashes.json").write_text(
+        json.dumps(bundle_hashes(out_dir / "autograder"), indent=1) + "\n")
     return manifest
 
 
