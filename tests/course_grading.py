@@ -3,6 +3,7 @@ notebook, its bugs and every hostile submission of tests/course_hostile.py, in o
 graded before the solution and the untouched release), and the checks every assignment must pass.  Each
 assignment has its own test file so that pytest-xdist spreads the grading over both CI workers."""
 
+import ast
 import csv
 import json
 import os
@@ -33,7 +34,10 @@ def graded_assignment(name: str, tmp_path_factory, *, all_bugs: bool = False) ->
         for stem in [s for s, b in subs.items() if b is not None and s not in keep]:
             os.remove(tmp / "subs" / f"{stem}.ipynb")
             del subs[stem]
-    hostile = course_hostile.write(name, tmp / "release", tmp / "subs")
+    # every hostile submission; the one that runs (memory-hog: the screen passes it, the limits stop it) only
+    # with all_bugs (TINY's limits test covers it in the default run)
+    kinds = None if all_bugs else {h.kind for h in course_hostile.HOSTILE if h.kind != "memory-hog"}
+    hostile = course_hostile.write(name, tmp / "release", tmp / "subs", kinds=kinds)
     results = grade.grade(tmp / "release" / "autograder", tmp / "subs", tmp / "out" / "scores.csv",
                           progress=lambda *_: None)
     return dict(adir=adir, tmp=tmp, manifest=manifest, subs=subs, hostile=hostile,
@@ -55,8 +59,11 @@ def check_release_holds_no_solution_code(graded):
                 assert text.count(code) <= (tmp / "release" / "autograder" / "solution.ipynb").read_text() \
                     .count(json.dumps(code)[1:-1]) - 1, code
     assert "hidden-tests" not in json.dumps([c["metadata"] for c in nb.cells])
-    # the answer cells say what to write, with a line count
+    # the answer cells say what to write, with a line count, and parse (a cut that ends on the wrong line leaves
+    # the rest of a block behind)
     answers = [c for c in nb.cells if "answer" in c["metadata"].get("tags", [])]
+    for c in answers:
+        ast.parse(grade._code(c["source"]))
     assert answers and all("TODO" in c["source"] for c in answers)
     assert all("about" in c["source"] for c in answers if "NotImplementedError" in c["source"])
 
@@ -102,7 +109,8 @@ def check_scores_csv_and_feedback(graded):
 
 def check_hostile_submissions_score_zero(graded):
     """Every hostile submission scores 0 with the message that names what stopped it (graded before the
-    solution and the untouched release, which still score full marks and 0: checked above)."""
+    solution and the untouched release, which still score full marks and 0: checked above).  The default run
+    grades all but memory-hog, which the screen lets run (``-m slow`` grades it too)."""
     assert len(graded["hostile"]) >= 10
     for stem, h in graded["hostile"].items():
         g = graded["results"][stem]
@@ -141,6 +149,8 @@ def install_tests(namespace: dict, name: str) -> None:
 
     @pytest.mark.slow
     def test_every_bug_loses_exactly_its_points(tmp_path_factory):
-        check_each_bug_loses_exactly_its_points(graded_assignment(name, tmp_path_factory, all_bugs=True))
+        everything = graded_assignment(name, tmp_path_factory, all_bugs=True)
+        check_each_bug_loses_exactly_its_points(everything)
+        check_hostile_submissions_score_zero(everything)
 
     namespace.update({k: v for k, v in locals().items() if k == "graded" or k.startswith("test_")})

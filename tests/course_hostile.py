@@ -79,10 +79,13 @@ HOSTILE = [
             "        return True\n"
             "flashnb.common.launch_hooks.append(lambda label, kernel, grid, block, args: _Fix(label, args))\n",
             says=".launch_hooks is not available", stops="screen, integrity", deep="launch_hooks changed"),
-    Hostile("uncounted-reads", "reads a whole row through NumPy inside the kernel (X[row].max()): the simulator "
-            "runs it, the traffic counter never sees it (a three-pass softmax passes the two-read IO budget)",
-            "", says="a kernel is CUDA Python", stops="screen",
-            base={"a1_online_softmax": "solution"}),
+    Hostile("uncounted-reads", "reads a whole row through NumPy inside a kernel (X[row].max(), X[row].sum()): the "
+            "simulator runs it, the traffic counter never sees it (A1: a three-pass softmax passes the two-read IO "
+            "budget)",
+            "@cuda.jit\n"
+            "def _row_sums(X, Y):\n"
+            "    Y[cuda.blockIdx.x] = X[cuda.blockIdx.x].sum()      # a whole row through NumPy, never counted\n",
+            says="a kernel is CUDA Python", stops="screen", base={"a1_online_softmax": "solution"}),
     Hostile("forge-channel", "writes result records for every test (full points) to the grader's results channel "
             "-- the log file the old grader named on the child's command line, or any open descriptor -- then exits",
             "import sys, os, json\n"

@@ -343,12 +343,13 @@ def _orphans() -> list[int]:
 
 
 #: one attack per layer behind the screen in the default run; every deep entry with -m slow
-DEEP_IN_CI = ("patch-run-one", "launch-hook", "forge-channel", "rewrite-tests", "rewrite-manifest", "orphan-process")
+DEEP_IN_CI = ("patch-run-one", "launch-hook", "forge-channel", "rewrite-tests", "orphan-process")
 
 
 def _deep(tmp_path, monkeypatch, kinds):
-    """Grade the hostile ``kinds`` on TINY with the screen off, before a correct submission and the untouched
-    release; every attacker must score 0 with its layer's message, the two after it keep 7/7 and 0/7."""
+    """Grade the hostile ``kinds`` on TINY with the screen off (two at a time: a change of the bundle is traced
+    back to its submission), before a correct submission and the untouched release; every attacker must score 0
+    with its layer's message, the two after it keep 7/7 and 0/7."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))      # never the machine's caches
     monkeypatch.setenv("GRADER_SECRET_TOKEN", "must-not-reach-the-child")
     rel = _tiny(tmp_path)
@@ -367,12 +368,11 @@ def _deep(tmp_path, monkeypatch, kinds):
     env_probe = ("import os\ndef scale(x):\n    raise AssertionError('ENV ' + repr([os.environ.get(k) for k in "
                  "('HOME', 'TMPDIR', 'XDG_CACHE_HOME', 'FLASHNB_PTX_CACHE', 'FLASHNB_COURSE_CACHE', "
                  "'GRADER_SECRET_TOKEN')] + [os.getcwd()]))\n")
-    _sub(subs / "zz_env1.ipynb", env_probe)
-    _sub(subs / "zz_env2.ipynb", env_probe)
+    _sub(subs / "zz_env.ipynb", env_probe)
     assert solution is not None
     lines = []
     graded = {g["student"]: g for g in grade.grade(bundle, subs, tmp_path / "out" / "scores.csv", screen=False,
-                                                   work_dir=tmp_path / "work", progress=lines.append)}
+                                                   work_dir=tmp_path / "work", progress=lines.append, jobs=2)}
     for stem, h in made.items():
         g = graded[stem]
         text = "\n".join(g["problems"] + [r["message"] for r in g["results"]])
@@ -382,14 +382,10 @@ def _deep(tmp_path, monkeypatch, kinds):
     assert sum(r["earned"] for r in graded["zz_untouched"]["results"]) == 0
     assert {n: (bundle / n).read_bytes() for n in os.listdir(bundle)} == before      # restored from memory
     assert _orphans() == []
-    envs = []
-    for stem in ("zz_env1", "zz_env2"):
-        msg = graded[stem]["results"][0]["message"]
-        values = json.loads(msg.split("ENV ", 1)[1].splitlines()[0].replace("'", '"').replace("None", "null"))
-        assert values[5] is None, values                                   # the grader's environment stays out
-        assert all(v.startswith(str(tmp_path / "work" / stem)) for v in values[:5] + values[6:]), values
-        envs.append(values)
-    assert envs[0][0] != envs[1][0]                                        # one scratch folder each
+    msg = graded["zz_env"]["results"][0]["message"]
+    values = json.loads(msg.split("ENV ", 1)[1].splitlines()[0].replace("'", '"').replace("None", "null"))
+    assert values[5] is None, values                                       # the grader's environment stays out
+    assert all(v.startswith(str(tmp_path / "work" / "zz_env" / "sub-")) for v in values[:5] + values[6:]), values
     assert [ln.split(":")[0] for ln in lines] == sorted(graded)            # progress in the students' order
     return graded
 
@@ -412,7 +408,7 @@ def test_limits_score_what_they_stop_and_the_batch_goes_on(tmp_path):
          "    return x + 1\n")
     _sub(subs / "b_burn.ipynb", "def f(x):\n    while x == 2:\n        pass\n    return x + 1\n")
     _sub(subs / "c_good.ipynb", "def f(x):\n    return x + 1\n")
-    limits = grade.Limits(cpu_s=4, output_mib=1)
+    limits = grade.Limits(cpu_s=2.5, output_mib=1)
     res = {g["student"]: {r["id"].split(": ")[1]: r for r in g["results"]}
            for g in grade.grade(rel / "autograder", subs, tmp_path / "scores.csv", limits=limits,
                                 progress=lambda *_: None)}
@@ -428,7 +424,9 @@ def test_limits_score_what_they_stop_and_the_batch_goes_on(tmp_path):
     assert [r["earned"] for r in res["c_good"].values()] == [1] * 5
 
 
-def test_jobs_change_nothing_but_the_time(tmp_path):
+def test_jobs_change_nothing_but_the_time(tmp_path, capsys):
+    from flashnb import cli
+
     rel = _tiny(tmp_path)
     subs = tmp_path / "subs"
     subs.mkdir()
@@ -439,8 +437,13 @@ def test_jobs_change_nothing_but_the_time(tmp_path):
     rows, lines = {}, {}
     for jobs in (1, 3):
         lines[jobs] = []
-        grade.grade(rel / "autograder", subs, tmp_path / f"j{jobs}" / "scores.csv", jobs=jobs,
-                    progress=lines[jobs].append)
+        if jobs == 1:
+            grade.grade(rel / "autograder", subs, tmp_path / f"j{jobs}" / "scores.csv", progress=lines[jobs].append)
+        else:                                   # the command line, as an instructor runs it
+            assert cli.main(["course", "grade", str(rel / "autograder"), str(subs), "--out",
+                             str(tmp_path / f"j{jobs}" / "scores.csv"), "--jobs", str(jobs)]) == 0
+            lines[jobs] = [ln for ln in capsys.readouterr().out.splitlines() if ln.split(":")[0] in
+                           ("a_broken", "b_refused", "c_half", "d_good")]
         rows[jobs] = [{k: v for k, v in r.items() if k != "cpu_seconds"}
                       for r in csv.DictReader(open(tmp_path / f"j{jobs}" / "scores.csv"))]
         feedback = sorted(p.name for p in (tmp_path / f"j{jobs}" / "feedback").iterdir())
@@ -449,6 +452,7 @@ def test_jobs_change_nothing_but_the_time(tmp_path):
     assert [r["student"] for r in rows[3]] == ["a_broken", "b_refused", "c_half", "d_good"]
     assert [float(r["autograded"]) for r in rows[3]] == [0, 0, 2, 7]
     assert [ln.split(":")[0] for ln in lines[3]] == ["a_broken", "b_refused", "c_half", "d_good"]
+    assert cli.main(["course", "grade", str(rel / "autograder"), str(subs), "--jobs", "0"]) == 2
 
 
 def test_a_bundle_changed_since_its_release_is_refused(tmp_path):
@@ -492,9 +496,3 @@ def test_gradescope_autograder_runs_on_a_submission_laid_out_as_gradescope_does(
     assert [t["visibility"] for t in tests.values()] == ["visible", "visible", "after_published"]
     assert "differ from the float64 reference" in tests["q1: an array"]["output"]
     assert tests["q1: a number"]["output"] == "passed" and out["stdout_visibility"] == "hidden"
-    # a hostile submission, in the same layout: refused, and the hidden test's message stays hidden until published
-    _sub(root / "submission" / "tiny_jane.ipynb", "import os\ndef scale(x):\n    return 2 * x\n")
-    subprocess.run([str(root / "run_autograder")], env=env, capture_output=True, text=True, timeout=300, check=True)
-    out = json.loads((root / "results" / "results.json").read_text())
-    assert sum(t["score"] for t in out["tests"]) == 0 and "refused" in out["output"]
-    assert [t["visibility"] for t in out["tests"]][-1] == "after_published"

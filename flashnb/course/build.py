@@ -71,12 +71,17 @@ def _todo(indent: str, hint: str, removed: list[str]) -> list[str]:
 
 
 def cut(source: str, start: str, end: str, hint: str) -> tuple[str, list[str]]:
-    """Replace the lines from the first that starts with ``start`` (leading spaces aside) to the next that
-    starts with ``end`` by a TODO; returns the new source and the removed lines."""
+    """Replace the lines from the first that starts with ``start`` (leading spaces aside) to the next whose code is
+    ``end`` -- or, if none is, the next that starts with ``end`` -- by a TODO; returns the new source and the
+    removed lines."""
     lines = source.splitlines()
     try:
         i = next(k for k, ln in enumerate(lines) if ln.strip().startswith(start.strip()))
-        j = next(k for k in range(i, len(lines)) if lines[k].strip().startswith(end.strip()))
+        code = [ln.split("#")[0].strip() for ln in lines]
+        # the line whose code *is* ``end`` if there is one ("S[a, b] = pv", not "S[a, b] = pv * w" before it)
+        j = next((k for k in range(i, len(lines)) if code[k] == end.strip()), None)
+        if j is None:
+            j = next(k for k in range(i, len(lines)) if lines[k].strip().startswith(end.strip()))
     except StopIteration:
         raise MasterError(f"todo {start!r} .. {end!r}: not found in the source (the library changed?)") from None
     indent = re.match(r"\s*", lines[i]).group(0)

@@ -52,17 +52,18 @@ MIB = 1 << 20
 @dataclass
 class Limits:
     """What one submission may use.  ``cpu_s``: CPU seconds of all its processes together (the course's goal is
-    at most 3 CPU-minutes per submission); ``memory_gib``: address space of each of its processes (a grading
-    child of the solutions peaks at about 2.4 GiB of address space, most of it simulator threads' stacks, and
-    under 200 MiB resident); ``output_mib``: what it may print (stdout and stderr together) and the largest file
-    it may write; ``processes``: processes and threads it may add to what the grading account already runs
-    (not enforced for root, which the kernel exempts: grade as an ordinary account); ``startup_s``: wall seconds
-    for the setup and answer cells, before the first test."""
+    at most 3 CPU-minutes per submission); ``memory_gib``: address space of each of its processes (the
+    simulator's threads reserve a stack each, so this counts more than the memory in use; the course tests grade
+    every solution under the default); ``output_mib``: what it may print (stdout and stderr together) and the
+    largest file it may write; ``processes``: processes and threads it may add to what the grading account
+    already runs, times the submissions graded at once (the kernel counts them per account, not per process,
+    and does not hold root to it: grade as an ordinary account, best one of its own); ``startup_s``: wall
+    seconds for the setup and answer cells, before the first test."""
 
     cpu_s: float = 180.0
     memory_gib: float = 4.0
     output_mib: float = 8.0
-    processes: int = 512
+    processes: int = 4096
     startup_s: float = 120.0
 
     def __post_init__(self):
@@ -175,12 +176,12 @@ def _proc_stat(pid: int):
     return ppid, sid, cpu
 
 
-def _tagged(sid: int, tag: str) -> list[int]:
-    """The processes of one submission: its session, and any that left it but still carry its tag."""
+def _tagged(sid: int, tag: str | None) -> list[int]:
+    """The processes of one submission: its session, and (``tag``) any that left it but still carry its tag."""
     if not _PROC.is_dir():
         return []
     out = []
-    needle = tag.encode()
+    needle = tag.encode() if tag else b""
     for d in _PROC.iterdir():
         if not d.name.isdigit():
             continue
@@ -190,6 +191,8 @@ def _tagged(sid: int, tag: str) -> list[int]:
             continue
         if st[1] == sid:
             out.append(pid)
+            continue
+        if not tag:
             continue
         try:
             if needle in (d / "environ").read_bytes():
@@ -293,7 +296,8 @@ def _child_env(scratch: Path, tag: str) -> dict:
 class _Run:
     """One child process: spawned, fed its payload, watched (deadlines, CPU, output), its records checked."""
 
-    def __init__(self, bundle: Bundle, answers, skip, done, scratch: Path, limits: Limits, cpu_left: float):
+    def __init__(self, bundle: Bundle, answers, skip, done, scratch: Path, limits: Limits, cpu_left: float,
+                 jobs: int = 1):
         self.events: list[dict] = []
         self.stop: str | None = None          # why this process was stopped (timeout, cpu, output, forged)
         self.forged = ""
@@ -313,8 +317,8 @@ class _Run:
         for d in (work, scratch / "home", scratch / "tmp", scratch / "cache"):
             d.mkdir(parents=True, exist_ok=True)
         nproc = None
-        if os.geteuid() != 0:
-            nproc = _uid_tasks() + int(limits.processes)
+        if os.geteuid() != 0:      # per account: what it runs now, and this much more for each submission at once
+            nproc = _uid_tasks() + int(limits.processes) * max(1, int(jobs))
         payload = dict(secret=secret.hex(), fd=w, setup=bundle.setup, tests=bundle.tests_text, answers=answers,
                        skip=sorted(skip), done=done,
                        limits=dict(cpu=max(1, int(cpu_left + 0.999)), memory=int(limits.memory_gib * GIB),
@@ -384,7 +388,7 @@ class _Run:
                     break
                 if now > next_cpu_check:
                     next_cpu_check = now + 0.5
-                    if _tree_cpu(_tagged(self.proc.pid, self.tag)) > cpu_left + 1.0:
+                    if _tree_cpu(_tagged(self.proc.pid, None)) > cpu_left + 1.0:
                         self._kill("cpu")
                         break
                 if self._exited() and open_streams and not sel.select(timeout=0):
@@ -485,11 +489,13 @@ def _zero_all(tests: dict, status: str, message: str) -> list[dict]:
     return [_result(tid, t, status, message) for tid, t in tests.items()]
 
 
-def grade_one(bundle, submission, work, *, limits: Limits | None = None, screen: bool = True) -> dict:
+def grade_one(bundle, submission, work, *, limits: Limits | None = None, screen: bool = True,
+              jobs: int = 1) -> dict:
     """Grade one submission; returns ``dict(student, results=[Result dicts], cpu_s, wall_s, problems, prose)``.
 
     ``bundle``: a :class:`Bundle` (or its folder); ``work``: a folder for the submission's scratch (removed
-    afterwards); ``screen=False`` skips the static screen (for a submission a person has read and trusts)."""
+    afterwards); ``screen=False`` skips the static screen (for a submission a person has read and trusts);
+    ``jobs``: how many submissions are graded at once (the process limit is per account)."""
     from . import screen as screening
 
     limits = limits or Limits()
@@ -523,7 +529,8 @@ def grade_one(bundle, submission, work, *, limits: Limits | None = None, screen:
                    "(assignments/README.md, 'Threat model'):\n" + "\n".join(str(f) for f in found[:10])
                    + (f"\n... and {len(found) - 10} more" if len(found) > 10 else ""))
             problems.append(msg)
-            return finished({r["id"]: r for r in _zero_all(tests, "refused", msg)}, status="refused")
+            short = "not run: the grader refused this submission (" + str(found[0]) + ")"
+            return finished({r["id"]: r for r in _zero_all(tests, "refused", short)}, status="refused")
     results: dict[str, dict] = {}
     cpu_used = 0.0
     attempts = 0
@@ -554,7 +561,7 @@ def grade_one(bundle, submission, work, *, limits: Limits | None = None, screen:
                 elif ev == "tampered":
                     tampered.append(rec)
 
-            run = _Run(bundle, answers, set(results), results, scratch, limits, cpu_left)
+            run = _Run(bundle, answers, set(results), results, scratch, limits, cpu_left, jobs)
             run.watch(tests, limits, cpu_left, on_event)
             cpu_used += run.cpu
             if run.stop == "forged":
@@ -704,7 +711,7 @@ def grade(bundle, submissions, out_csv, *, feedback_dir=None, work_dir=None, pro
     def one(sub: Path) -> dict:
         guard.begin(sub.stem)
         try:
-            g = grade_one(bundle, sub, work_root / sub.stem, limits=limits, screen=screen)
+            g = grade_one(bundle, sub, work_root / sub.stem, limits=limits, screen=screen, jobs=int(jobs))
         finally:
             guard.end(sub.stem)
         done[sub.stem] = g

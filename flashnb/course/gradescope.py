@@ -82,12 +82,11 @@ def results(graded: dict, manifest: dict, seconds: float) -> dict:
     for r in graded["results"]:
         out = r["message"] or "passed"
         tests.append(dict(name=r["id"], score=r["earned"], max_score=r["points"], output=out,
-                          status="passed" if r["status"] == "pass" else "failed",
                           visibility="after_published" if r["hidden"] else "visible"))
     notes = list(graded["problems"])
     for m in manifest.get("manual", []):
         notes.append(f"graded by a person: {m['question']} ({m['points']:g} points)")
-    return dict(execution_time=round(seconds, 1), output="\n".join(notes), tests=tests,
+    return dict(execution_time=int(round(seconds)), output="\n".join(notes), tests=tests,
                 stdout_visibility="hidden")
 
 

@@ -34,6 +34,7 @@ grader's process limits, its integrity check and its authenticated results chann
 from __future__ import annotations
 
 import ast
+import string
 from dataclasses import dataclass
 
 __all__ = ["Finding", "screen", "ALLOWED_IMPORTS"]
@@ -98,7 +99,7 @@ DENIED_ATTRS = DENIED_NAMES - {"input", "help", "compile", "open", "exit", "quit
     "tofile", "dump", "dumps", "memmap", "open_memmap", "DataSource", "fromregex", "ctypeslib", "lib", "core",
     "_core", "f2py", "distutils", "compat", "simulator", "cudadrv", "kernelapi", "njit", "cfunc", "carray",
     "farray", "intrinsic", "extending", "generated_jit", "objmode", "config", "declare_device",
-    "get_type_hints", "singledispatch", "singledispatchmethod",
+    "get_type_hints", "singledispatch", "singledispatchmethod", "update_wrapper", "wraps", "format_map",
 })
 #: methods that change a container in place: refused on modules' objects and on what was imported
 MUTATORS = frozenset({
@@ -392,9 +393,19 @@ class _Screen(ast.NodeVisitor):
 
     def visit_Constant(self, node):
         v = node.value
-        if isinstance(v, str) and len(v) > 4 and v.startswith("__") and v.endswith("__") \
-                and v[2:-2].isidentifier() and v not in READABLE_DUNDERS:
+        if not isinstance(v, str):
+            return
+        if len(v) > 4 and v.startswith("__") and v.endswith("__") and v[2:-2].isidentifier() \
+                and v not in READABLE_DUNDERS:
             self.refuse(node, f"the string {v!r} names an interpreter internal")
+        elif "{" in v:              # str.format fields read attributes and items: "{0.__globals__[sys]}"
+            try:
+                fields = [f for _, f, _, _ in string.Formatter().parse(v) if f]
+            except ValueError:
+                fields = []
+            if any("." in f or "[" in f for f in fields):
+                self.refuse(node, "a format string whose fields read attributes or items ({0.x}, {0[k]}): "
+                                  "format the values themselves")
 
     # ----------------------------------------------------------------- changes to outside objects
 
