@@ -181,7 +181,7 @@ HOSTILE = [
             "        time.sleep(0.001)\n"
             "threading.Thread(target=_loop, daemon=True).start()\n",
             says="imports threading", stops="screen, integrity", deep="run_one replaced"),
-    Hostile("orphan-process", "starts a process in a session of its own that outlives the grading",
+    Hostile("orphan-process", "starts a detached process (setsid) that outlives the grading",
             "import subprocess\n"
             "subprocess.Popen(['sleep', '987.654'], start_new_session=True, stdout=subprocess.DEVNULL, "
             "stderr=subprocess.DEVNULL)\n",

@@ -177,7 +177,8 @@ def _proc_stat(pid: int):
 
 
 def _tagged(sid: int, tag: str | None) -> list[int]:
-    """The processes of one submission: its session, and (``tag``) any that left it but still carry its tag."""
+    """The processes of one submission: its child's session (setsid), and (``tag``) any that left it but still
+    carry its tag."""
     if not _PROC.is_dir():
         return []
     out = []
