@@ -530,7 +530,7 @@ def grade_one(bundle, submission, work, *, limits: Limits | None = None, screen:
                    "(assignments/README.md, 'Threat model'):\n" + "\n".join(str(f) for f in found[:10])
                    + (f"\n... and {len(found) - 10} more" if len(found) > 10 else ""))
             problems.append(msg)
-            short = "not run: the grader refused this submission (" + str(found[0]) + ")"
+            short = f"not run: the grader refused this submission ({len(found)} line(s) listed at the top)"
             return finished({r["id"]: r for r in _zero_all(tests, "refused", short)}, status="refused")
     results: dict[str, dict] = {}
     cpu_used = 0.0
