@@ -445,7 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
     course = sub.add_parser("course", help="graded assignments: make the student release, grade submissions",
                             description="Graded assignments (assignments/README.md): 'release' builds the student "
                                         "notebooks and autograder bundles from the masters; 'grade' grades a folder "
-                                        "of submitted notebooks into a CSV and one feedback file per student.")
+                                        "of submitted notebooks into a CSV and one feedback file per student; "
+                                        "'gradescope' writes a bundle as a Gradescope autograder zip.")
     csub = course.add_subparsers(dest="course_command", required=True, metavar="ACTION")
     rel = csub.add_parser("release", help="build student notebooks and autograder bundles from the masters")
     rel.add_argument("masters", nargs="*", help="master.py files (default: assignments/*/master.py)")
@@ -458,6 +459,25 @@ def build_parser() -> argparse.ArgumentParser:
     gr.add_argument("submissions", help="folder of submitted notebooks (<student>.ipynb)")
     gr.add_argument("--out", default="scores.csv", help="the CSV to write (default ./scores.csv); feedback goes "
                     "into a 'feedback' folder beside it")
+    gr.add_argument("--jobs", type=int, default=1, metavar="N",
+                    help="grade N submissions at once, each in processes of its own (default 1; about one per core)")
+    gr.add_argument("--cpu-seconds", type=float, default=180.0, metavar="S",
+                    help="CPU seconds a submission may use, all its processes together (default 180)")
+    gr.add_argument("--memory-gib", type=float, default=4.0, metavar="G",
+                    help="address space of each of a submission's processes, in GiB (default 4)")
+    gr.add_argument("--output-mib", type=float, default=8.0, metavar="M",
+                    help="what a submission may print, and the largest file it may write, in MiB (default 8)")
+    gr.add_argument("--no-screen", action="store_true",
+                    help="skip the static screen of the answer cells (only for submissions a person has read: the "
+                         "limits and checks still apply, but code the screen would refuse then runs)")
+    gs = csub.add_parser("gradescope", help="write an assignment's bundle as a Gradescope autograder zip",
+                         description="Gradescope's autograder format: setup.sh, run_autograder and the bundle "
+                                     "(assignments/README.md, 'Gradescope').")
+    gs.add_argument("bundle", help="an assignment's autograder folder, e.g. release/a1_online_softmax/autograder")
+    gs.add_argument("--out", default="autograder.zip", help="the zip to write (default ./autograder.zip)")
+    gs.add_argument("--install", default="flashnb[course]", metavar="PIP_SPEC",
+                    help="the pip requirement setup.sh installs: the course's copy of flashnb (default "
+                         "'flashnb[course]')")
     return parser
 
 
@@ -544,11 +564,24 @@ def cmd_course(args) -> int:
             print(f"{m['name']}: {len(m['tests'])} tests, {pts:g} points ({hidden:g} hidden) -> "
                   f"{Path(args.out) / m['name']}/student, /autograder")
         return 0
-    from .course.grade import grade
+    from .course.grade import BundleError, Limits, grade
 
+    if args.course_command == "gradescope":
+        from .course.gradescope import build
+
+        try:
+            out = build(args.bundle, args.out, install=args.install)
+        except (FileNotFoundError, BundleError) as exc:
+            print(f"flashnb course gradescope: {exc}", file=sys.stderr)
+            return 2
+        print(f"{out}: upload it as the assignment's autograder (setup.sh installs {args.install})")
+        return 0
     try:
-        grade(args.bundle, args.submissions, args.out)
-    except FileNotFoundError as exc:
+        limits = Limits(cpu_s=args.cpu_seconds, memory_gib=args.memory_gib, output_mib=args.output_mib)
+        if args.jobs < 1:
+            raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
+        grade(args.bundle, args.submissions, args.out, jobs=args.jobs, limits=limits, screen=not args.no_screen)
+    except (FileNotFoundError, BundleError, ValueError) as exc:
         print(f"flashnb course grade: {exc}", file=sys.stderr)
         return 2
     print(f"scores: {args.out}; feedback: {Path(args.out).parent / 'feedback'}")

@@ -23,6 +23,7 @@ def catalogue(names=None) -> str:
     from flashnb.course import bugs as course_bugs
     from flashnb.course import build, grade
 
+    limits = grade.Limits()
     masters = sorted((ROOT / "assignments").glob("*/master.py"))
     if names:
         masters = [m for m in masters if m.parent.name in names]
@@ -31,7 +32,10 @@ def catalogue(names=None) -> str:
            "its solution, its untouched student notebook and every bug of its `bugs.py` were graded with "
            "`flashnb course grade`. The messages below are what the grader printed.", "",
            f"Graded on {datetime.date.today().isoformat()}, {platform.processor() or platform.machine()}, "
-           f"Python {platform.python_version()}.", ""]
+           f"Python {platform.python_version()}, under the grader's default limits ({limits.cpu_s:g} CPU-seconds "
+           f"per submission, {limits.memory_gib:g} GiB of address space per process, {limits.output_mib:g} MiB "
+           "of output), each submission in processes of its own with its own caches (nothing shared between "
+           "submissions, so every one compiles its kernels).", ""]
     with tempfile.TemporaryDirectory() as tmp:
         for m in masters:
             name = m.parent.name

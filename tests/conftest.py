@@ -56,7 +56,7 @@ STAGE_OF_MODULE = {
     "test_sim_memprofile": "stage0", "test_inspect_user_kernels": "stage0", "test_course": "stage0",
     "test_sim_vector": "stage0", "test_sim_vector_ops": "stage0", "test_sim_vector_fallback": "stage0",
     "test_course_a1": "stage2", "test_course_a2": "stage3", "test_course_a3": "stage4", "test_course_a4": "stage4",
-    "test_course_a5": "stage5",
+    "test_course_a5": "stage5", "test_course_hostile": "stage0",
     "test_gpu_path_bugs": "stage0", "test_sass": "stage0",
     "test_traffic_tools": "stage0", "test_api_checks": "stage0", "test_cli_args": "stage0",
     "test_exercises": "stage0", "test_registry_variant": "stage0",

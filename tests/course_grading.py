@@ -1,12 +1,15 @@
 """Shared by tests/test_course_a*.py: one assignment released and graded (its solution, its untouched student
-notebook, its bugs), and the checks every assignment must pass.  Each assignment has its own test file so that
-pytest-xdist spreads the grading over both CI workers."""
+notebook, its bugs and every hostile submission of tests/course_hostile.py, in one batch: the hostile ones are
+graded before the solution and the untouched release), and the checks every assignment must pass.  Each
+assignment has its own test file so that pytest-xdist spreads the grading over both CI workers."""
 
+import ast
 import csv
 import json
 import os
 from pathlib import Path
 
+import course_hostile
 import nbformat
 import pytest
 
@@ -31,9 +34,14 @@ def graded_assignment(name: str, tmp_path_factory, *, all_bugs: bool = False) ->
         for stem in [s for s, b in subs.items() if b is not None and s not in keep]:
             os.remove(tmp / "subs" / f"{stem}.ipynb")
             del subs[stem]
+    # every hostile submission; the one that runs (memory-hog: the screen passes it, the limits stop it) only
+    # with all_bugs (TINY's limits test covers it in the default run)
+    kinds = None if all_bugs else {h.kind for h in course_hostile.HOSTILE if h.kind != "memory-hog"}
+    hostile = course_hostile.write(name, tmp / "release", tmp / "subs", kinds=kinds)
     results = grade.grade(tmp / "release" / "autograder", tmp / "subs", tmp / "out" / "scores.csv",
                           progress=lambda *_: None)
-    return dict(adir=adir, tmp=tmp, manifest=manifest, subs=subs, results={g["student"]: g for g in results})
+    return dict(adir=adir, tmp=tmp, manifest=manifest, subs=subs, hostile=hostile,
+                results={g["student"]: g for g in results})
 
 
 def check_release_holds_no_solution_code(graded):
@@ -51,8 +59,11 @@ def check_release_holds_no_solution_code(graded):
                 assert text.count(code) <= (tmp / "release" / "autograder" / "solution.ipynb").read_text() \
                     .count(json.dumps(code)[1:-1]) - 1, code
     assert "hidden-tests" not in json.dumps([c["metadata"] for c in nb.cells])
-    # the answer cells say what to write, with a line count
+    # the answer cells say what to write, with a line count, and parse (a cut that ends on the wrong line leaves
+    # the rest of a block behind)
     answers = [c for c in nb.cells if "answer" in c["metadata"].get("tags", [])]
+    for c in answers:
+        ast.parse(grade._code(c["source"]))
     assert answers and all("TODO" in c["source"] for c in answers)
     assert all("about" in c["source"] for c in answers if "NotImplementedError" in c["source"])
 
@@ -89,11 +100,25 @@ def check_each_bug_loses_exactly_its_points(graded):
 def check_scores_csv_and_feedback(graded):
     out = graded["tmp"] / "out"
     rows = {r["student"]: r for r in csv.DictReader(open(out / "scores.csv"))}
-    assert set(rows) == set(graded["subs"])
+    assert set(rows) == set(graded["subs"]) | set(graded["hostile"])
     assert float(rows["solution"]["autograded"]) == float(rows["solution"]["possible"]) > 0
     assert float(rows["untouched"]["autograded"]) == 0
     text = (out / "feedback" / "untouched.txt").read_text()
     assert "TODO" in text and "autograded: 0/" in text
+
+
+def check_hostile_submissions_score_zero(graded):
+    """Every hostile submission scores 0 with the message that names what stopped it (graded before the
+    solution and the untouched release, which still score full marks and 0: checked above).  The default run
+    grades all but memory-hog, which the screen lets run (``-m slow`` grades it too)."""
+    assert len(graded["hostile"]) >= 10
+    for stem, h in graded["hostile"].items():
+        g = graded["results"][stem]
+        got = sum(r["earned"] for r in g["results"])
+        text = "\n".join(g["problems"] + [r["message"] for r in g["results"]])
+        assert got == 0, (h.kind, got, text[:500])
+        assert h.says in text, (h.kind, h.says, text[:800])
+        assert g["cpu_s"] <= 30, (h.kind, g["cpu_s"])       # refused before it runs, or stopped at once
 
 
 def install_tests(namespace: dict, name: str) -> None:
@@ -119,8 +144,13 @@ def install_tests(namespace: dict, name: str) -> None:
     def test_scores_csv_and_feedback(graded):
         check_scores_csv_and_feedback(graded)
 
+    def test_hostile_submissions_score_zero(graded):
+        check_hostile_submissions_score_zero(graded)
+
     @pytest.mark.slow
     def test_every_bug_loses_exactly_its_points(tmp_path_factory):
-        check_each_bug_loses_exactly_its_points(graded_assignment(name, tmp_path_factory, all_bugs=True))
+        everything = graded_assignment(name, tmp_path_factory, all_bugs=True)
+        check_each_bug_loses_exactly_its_points(everything)
+        check_hostile_submissions_score_zero(everything)
 
     namespace.update({k: v for k, v in locals().items() if k == "graded" or k.startswith("test_")})

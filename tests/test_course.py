@@ -57,9 +57,11 @@ def test_hangs_crashes_and_deadlocks_are_scored_and_the_batch_goes_on(tmp_path):
     _submission(subs / "good.ipynb", "def add_one(x):\n    return x + 1  # written differently\n")
     # hangs on the second test only: the third must still be scored
     _submission(subs / "hang.ipynb", "def add_one(x):\n    while x == 41:\n        pass\n    return x + 1\n")
-    # kills the process on the second test
-    _submission(subs / "crash.ipynb", "import os\ndef add_one(x):\n    if x == 41:\n        os._exit(3)\n"
-                "    return x + 1\n")
+    # kills the process on the second test (the screen refuses `os`: graded with the screen off, below)
+    crash = "import os\ndef add_one(x):\n    if x == 41:\n        os._exit(3)\n    return x + 1\n"
+    (tmp_path / "unscreened").mkdir()
+    _submission(tmp_path / "unscreened" / "crash.ipynb", crash)
+    _submission(subs / "crash_screened.ipynb", crash)
     # a kernel whose barrier only half the threads reach (the simulator reports the deadlock)
     _submission(subs / "deadlock.ipynb", "from numba import cuda\n@cuda.jit\ndef k(a):\n"
                 "    if cuda.threadIdx.x < 8:\n        cuda.syncthreads()\n    else:\n"
@@ -69,7 +71,13 @@ def test_hangs_crashes_and_deadlocks_are_scored_and_the_batch_goes_on(tmp_path):
     _submission(subs / "syntax.ipynb", "def add_one(x)\n    return x + 1\n")
     res = {g["student"]: {r["id"].split(": ")[1]: r for r in g["results"]}
            for g in grade.grade(tmp_path / "rel" / "autograder", subs, tmp_path / "scores.csv",
-                                progress=lambda *_: None)}
+                                progress=lambda *_: None)
+           + grade.grade(tmp_path / "rel" / "autograder", tmp_path / "unscreened", tmp_path / "unscreened.csv",
+                         progress=lambda *_: None, screen=False)}
+    assert [r["status"] for r in res["crash_screened"].values()] == ["refused"] * 3
+    assert "refused" in res["crash_screened"]["first"]["message"]
+    refused = (tmp_path / "feedback" / "crash_screened.txt").read_text()
+    assert "answer cell 1, line 1: `import os` -- imports os" in refused, refused
     assert [r["earned"] for r in res["good"].values()] == [1, 2, 4]
     assert [r["earned"] for r in res["hang"].values()] == [1, 0, 4]
     assert res["hang"]["second"]["status"] == "timeout" and "stopped after 4 s" in res["hang"]["second"]["message"]

@@ -61,7 +61,8 @@ class Result:
     message: str = ""
     hidden: bool = False
     seconds: float = 0.0
-    status: str = "pass"      # pass / fail / error / timeout / crash / skipped
+    status: str = "pass"      # pass / fail / error / timeout / crash / skipped; a limit: cpu / output / limit;
+    #                           the whole submission: refused (screen) / tampered / forged / bundle
 
     @property
     def passed(self) -> bool:

@@ -3,8 +3,9 @@
 The student notebook keeps every cell but the ``hidden-tests`` and ``solution-only`` ones, with each solution
 region replaced by a TODO that says what to write and about how many lines it took.  The bundle
 (``autograder/``) holds ``setup.py`` (the cells tagged ``setup``), ``tests.py`` (public and hidden tests),
-``manifest.json`` (tests, points, timeouts) and ``solution.ipynb`` (the master with library cells expanded:
-for teaching assistants).
+``manifest.json`` (tests, points, timeouts), ``solution.ipynb`` (the master with library cells expanded:
+for teaching assistants) and ``hashes.json`` (the SHA-256 of each, which the grader checks before every
+submission).
 """
 
 from __future__ import annotations
@@ -70,12 +71,17 @@ def _todo(indent: str, hint: str, removed: list[str]) -> list[str]:
 
 
 def cut(source: str, start: str, end: str, hint: str) -> tuple[str, list[str]]:
-    """Replace the lines from the first that starts with ``start`` (leading spaces aside) to the next that
-    starts with ``end`` by a TODO; returns the new source and the removed lines."""
+    """Replace the lines from the first that starts with ``start`` (leading spaces aside) to the next whose code is
+    ``end`` -- or, if none is, the next that starts with ``end`` -- by a TODO; returns the new source and the
+    removed lines."""
     lines = source.splitlines()
     try:
         i = next(k for k, ln in enumerate(lines) if ln.strip().startswith(start.strip()))
-        j = next(k for k in range(i, len(lines)) if lines[k].strip().startswith(end.strip()))
+        code = [ln.split("#")[0].strip() for ln in lines]
+        # the line whose code *is* ``end`` if there is one ("S[a, b] = pv", not "S[a, b] = pv * w" before it)
+        j = next((k for k in range(i, len(lines)) if code[k] == end.strip()), None)
+        if j is None:
+            j = next(k for k in range(i, len(lines)) if lines[k].strip().startswith(end.strip()))
     except StopIteration:
         raise MasterError(f"todo {start!r} .. {end!r}: not found in the source (the library changed?)") from None
     indent = re.match(r"\s*", lines[i]).group(0)
@@ -239,6 +245,10 @@ def build(master_path, out_dir, *, install: str | None = None) -> dict:
                            removed_all)
     if leaks:
         raise MasterError(f"{name}: the student release still holds solution lines: {leaks[:3]}")
+    from .grade import bundle_hashes  # the grader checks the bundle against these before every submission
+
+    (out_dir / "autograder" / "hashes.json").write_text(
+        json.dumps(bundle_hashes(out_dir / "autograder"), indent=1) + "\n")
     return manifest
 
 

@@ -1,26 +1,141 @@
 """``flashnb course grade``: a folder of submitted notebooks -> ``scores.csv`` and one feedback file each.
 
-Each submission is graded in a child process (simulator mode) that runs the bundle's setup cells, the
-submission's ``answer`` cells (nothing else of the submission), then every test of the bundle, and reports
-each test as it starts and ends.  The parent enforces each test's timeout: a test that hangs (an endless
-loop, a barrier that never completes) or kills the process (a crash) is scored 0 with the reason, and a new
-child goes on with the remaining tests -- one submission never stops the batch.
+What a submission's code can do to its grade, to other grades and to the grading machine is bounded in layers
+(``assignments/README.md``, "Threat model"):
+
+1. **The screen** (:mod:`flashnb.course.screen`) reads the answer cells before anything runs and refuses what
+   an answer never needs (other imports, changing modules' objects, dunders, exec, files, processes); a refused
+   submission scores 0 with the lines and the rule.
+2. **A child process per submission** (:mod:`flashnb.course.child`) runs the bundle's setup, the answer cells
+   (nothing else of the notebook) and the tests, in a scratch folder of its own (its cwd, ``HOME``, ``TMPDIR``
+   and caches, removed afterwards), with a clean environment and no path to the bundle: the setup and tests
+   reach it on stdin, read from the copy this process verified.
+3. **Process limits**: CPU seconds for the whole submission (all its processes), address space, the size of
+   what it prints and of any file it writes, processes and threads; a test's time limit.  What a limit stops
+   scores 0 with the reason; a fresh child goes on with the remaining tests, and the batch with the next
+   student.
+4. **An authenticated channel**: the child reports on a pipe, each record tagged with an HMAC under a secret
+   only the child's harness holds; a record that fails the check, or an integrity change the child reports
+   (:func:`flashnb.course.child.changes`), scores the whole submission 0.  Points come from this process's
+   manifest, never from the child.
+5. **The bundle** is hashed against the ``hashes.json`` the release wrote, held in memory, and checked again
+   before and after every submission; a change is undone from memory, and the submission that made it scores 0
+   (with ``--jobs``, the submissions that ran in that window are graded again one at a time to find it).
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
+import hmac
 import json
 import os
-import resource
+import secrets
+import selectors
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-#: seconds a child may take to start (import flashnb, run the setup and answer cells) before its first test
-STARTUP_TIMEOUT = 120.0
+#: files a bundle holds, each hashed in its ``hashes.json`` (``solution.ipynb`` and ``removed.json`` are for
+#: teaching assistants: the grader checks them but never sends them to a child)
+BUNDLE_FILES = ("setup.py", "tests.py", "manifest.json", "solution.ipynb", "removed.json")
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+@dataclass
+class Limits:
+    """What one submission may use.  ``cpu_s``: CPU seconds of all its processes together (the course's goal is
+    at most 3 CPU-minutes per submission); ``memory_gib``: address space of each of its processes (the
+    simulator's threads reserve a stack each, so this counts more than the memory in use; the course tests grade
+    every solution under the default); ``output_mib``: what it may print (stdout and stderr together) and the
+    largest file it may write; ``processes``: processes and threads it may add to what the grading account
+    already runs, times the submissions graded at once (the kernel counts them per account, not per process,
+    and does not hold root to it: grade as an ordinary account, best one of its own); ``startup_s``: wall
+    seconds for the setup and answer cells, before the first test."""
+
+    cpu_s: float = 180.0
+    memory_gib: float = 4.0
+    output_mib: float = 8.0
+    processes: int = 4096
+    startup_s: float = 120.0
+
+    def __post_init__(self):
+        for name in ("cpu_s", "memory_gib", "output_mib", "startup_s"):
+            if not float(getattr(self, name)) > 0:
+                raise ValueError(f"Limits.{name} must be positive, got {getattr(self, name)!r}")
+        if int(self.processes) < 16:
+            raise ValueError(f"Limits.processes must be at least 16 (the simulator runs a thread per CUDA thread), "
+                             f"got {self.processes!r}")
+
+
+class BundleError(RuntimeError):
+    """A bundle that cannot be trusted: a file missing, or different from what its release hashed."""
+
+
+class Bundle:
+    """An autograder bundle held in memory after checking it against the ``hashes.json`` its release wrote."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        if not (self.path / "manifest.json").exists():
+            raise FileNotFoundError(f"{self.path} is not an autograder bundle (no manifest.json); run "
+                                    "'flashnb course release' first and pass <release>/<assignment>/autograder")
+        hashes_path = self.path / "hashes.json"
+        if not hashes_path.exists():
+            raise BundleError(f"{self.path} has no hashes.json (made by an older flashnb course release): "
+                              "release it again, so the grader can check the bundle before each submission")
+        self.hashes_bytes = hashes_path.read_bytes()
+        self.hashes = json.loads(self.hashes_bytes)
+        self.files: dict[str, bytes] = {}
+        for name, digest in self.hashes.items():
+            data = (self.path / name).read_bytes() if (self.path / name).exists() else None
+            if data is None or hashlib.sha256(data).hexdigest() != digest:
+                raise BundleError(f"{self.path / name} does not match the hash its release recorded in hashes.json "
+                                  "(changed since 'flashnb course release'?): release it again")
+            self.files[name] = data
+        self.manifest = json.loads(self.files["manifest.json"])
+        self.setup = self.files["setup.py"].decode()
+        self.tests_text = self.files["tests.py"].decode()
+        self.digest = hashlib.sha256(self.hashes_bytes).hexdigest()
+        self.lock = threading.Lock()
+
+    def changed(self) -> list[str]:
+        """The bundle's files that differ on disk from the verified copy (deleted ones included)."""
+        out = []
+        for name, data in list(self.files.items()) + [("hashes.json", self.hashes_bytes)]:
+            p = self.path / name
+            try:
+                same = p.read_bytes() == data
+            except OSError:
+                same = False
+            if not same:
+                out.append(name)
+        return out
+
+    def restore(self) -> None:
+        """Write the verified copy back over what changed."""
+        for name, data in list(self.files.items()) + [("hashes.json", self.hashes_bytes)]:
+            p = self.path / name
+            try:
+                if p.is_symlink() or p.is_dir():
+                    shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+                if not p.exists() or p.read_bytes() != data:
+                    p.write_bytes(data)
+            except OSError as exc:
+                raise BundleError(f"{p} was changed during grading and cannot be restored ({exc})") from None
+
+
+def bundle_hashes(folder) -> dict:
+    """SHA-256 of each bundle file present in ``folder`` (what ``hashes.json`` records)."""
+    folder = Path(folder)
+    return {n: hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in BUNDLE_FILES if (folder / n).exists()}
 
 
 def answer_cells(path) -> list[str]:
@@ -38,162 +153,472 @@ def prose_cells(path) -> list[str]:
     return [c["source"] for c in nb.cells if "answer-prose" in tags(c)]
 
 
-# --------------------------------------------------------------------------- the child
+def _code(src: str) -> str:
+    return "\n".join(ln for ln in src.splitlines() if not ln.lstrip().startswith(("%", "!"))) + "\n"
 
 
-def _child(bundle: str, answers_json: str, out: str, skip: list[str], done_json: str) -> None:
-    import linecache
-
-    os.environ.setdefault("FLASHNB_DEVICE", "sim")
-    import flashnb  # noqa: F401  -- selects the simulator before numba.cuda is imported
-    from flashnb import course
-
-    bundle_p = Path(bundle)
-    answers = json.loads(Path(answers_json).read_text())
-    previous = json.loads(Path(done_json).read_text()) if done_json else {}
-    log = open(out, "a", buffering=1)
-
-    def emit(**rec):
-        log.write(json.dumps(rec) + "\n")
-        log.flush()
-
-    ns: dict = {"__name__": "__main__"}
-    setup = (bundle_p / "setup.py").read_text()
-    exec(compile(setup, "<setup>", "exec"), ns)
-    problems = []
-    for i, src in enumerate(answers, 1):
-        code = "\n".join(ln for ln in src.splitlines() if not ln.lstrip().startswith(("%", "!"))) + "\n"
-        name = f"<answer cell {i}>"
-        linecache.cache[name] = (len(code), None, code.splitlines(keepends=True), name)
-        try:
-            exec(compile(code, name, "exec"), ns)
-        except Exception as exc:   # noqa: BLE001 -- reported with every test that then fails
-            problems.append(f"answer cell {i} raised {type(exc).__name__}: {exc}")
-    emit(event="answers", problems=problems)
-    course.reset()
-    tests_ns: dict = {"__name__": "flashnb_course_tests"}     # the notebook's view: setup names, then tests
-    for fname, text in (("<setup>", setup), ("<tests>", (bundle_p / "tests.py").read_text())):
-        linecache.cache[fname] = (len(text), None, text.splitlines(keepends=True), fname)
-        exec(compile(text, fname, "exec"), tests_ns)
-    done = {k: course.Result(**v) for k, v in previous.items()}
-    for t in list(course.TESTS.values()):
-        if t.id in skip:
-            continue
-        emit(event="start", id=t.id)
-        r = course.run_one(t, ns, done)
-        if problems and not r.passed:
-            r.message = (r.message + "\n" if r.message else "") + "; ".join(problems)
-        done[t.id] = r
-        emit(event="result", **r.__dict__)
-    emit(event="end")
-    log.close()
-    sys.stdout.flush()
-    os._exit(0)    # kernel threads of a timed-out test must not keep the process alive
+# --------------------------------------------------------------------------- processes (Linux: /proc)
 
 
-# --------------------------------------------------------------------------- the parent
+_PROC = Path("/proc")
+_CLK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _read(path: Path) -> list[dict]:
-    if not path.exists():
+def _proc_stat(pid: int):
+    """(ppid, session id, CPU seconds of the process and its reaped children) from /proc, or None."""
+    try:
+        text = (_PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    ppid, sid = int(fields[1]), int(fields[3])
+    cpu = sum(int(f) for f in fields[11:15]) / _CLK
+    return ppid, sid, cpu
+
+
+def _tagged(sid: int, tag: str | None) -> list[int]:
+    """The processes of one submission: its child's session (setsid), and (``tag``) any that left it but still
+    carry its tag."""
+    if not _PROC.is_dir():
         return []
     out = []
-    for ln in path.read_text().splitlines():
+    needle = tag.encode() if tag else b""
+    for d in _PROC.iterdir():
+        if not d.name.isdigit():
+            continue
+        pid = int(d.name)
+        st = _proc_stat(pid)
+        if st is None or pid == os.getpid():
+            continue
+        if st[1] == sid:
+            out.append(pid)
+            continue
+        if not tag:
+            continue
         try:
-            out.append(json.loads(ln))
-        except json.JSONDecodeError:
-            break    # a line cut by a crash
+            if needle in (d / "environ").read_bytes():
+                out.append(pid)
+        except OSError:
+            pass
     return out
 
 
-def grade_one(bundle, submission, work, *, cache_dir=None) -> dict:
-    """Grade one submission; returns ``dict(student, results=[Result dicts], cpu_s, wall_s, problems)``."""
+def _tree_cpu(pids) -> float:
+    return sum((_proc_stat(p) or (0, 0, 0.0))[2] for p in pids)
+
+
+def _kill_all(sid: int, tag: str) -> None:
+    """SIGKILL every process of a submission (its session, and what escaped it with its tag), then reap those
+    that were re-parented to this process."""
+    for _ in range(3):
+        pids = _tagged(sid, tag)
+        if not pids:
+            break
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.05)
+    _reap_orphans()
+
+
+_LIVE: set[int] = set()       # this process's grading children, reaped only by their own _Run
+
+
+def _reap_orphans() -> None:
+    """Reap what was re-parented here (a submission's processes that outlived their parent), never a grading
+    child another thread is still watching."""
+    if not _PROC.is_dir():
+        return
+    me = os.getpid()
+    for d in _PROC.iterdir():
+        if d.name.isdigit() and int(d.name) not in _LIVE:
+            st = _proc_stat(int(d.name))
+            if st is not None and st[0] == me:
+                try:
+                    os.waitpid(int(d.name), os.WNOHANG)
+                except ChildProcessError:
+                    pass
+
+
+def _subreaper(on: bool) -> bool:
+    """Make this process the subreaper of its descendants (Linux), so that a process a submission leaves behind
+    is re-parented here and can be found and ended; returns whether it took effect."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(36, 1 if on else 0, 0, 0, 0) == 0     # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def _uid_tasks() -> int:
+    """Processes and threads this account runs now (what RLIMIT_NPROC counts)."""
+    if not _PROC.is_dir():
+        return 0
+    uid, n = os.getuid(), 0
+    for d in _PROC.iterdir():
+        if d.name.isdigit():
+            try:
+                status = (d / "status").read_text()
+            except OSError:
+                continue
+            fields = dict(ln.split(":", 1) for ln in status.splitlines() if ":" in ln)
+            if int(fields.get("Uid", "-1").split()[0]) == uid:
+                n += int(fields.get("Threads", "1"))
+    return n
+
+
+def _child_env(scratch: Path, tag: str) -> dict:
+    """A clean environment: the toolchain's paths and flashnb's own settings pass, nothing else of the grader's
+    (no tokens, no paths to the bundle); every cache and temporary file goes into the scratch folder."""
+    keep = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH", "VIRTUAL_ENV",
+            "CONDA_PREFIX", "SYSTEMROOT")
+    env = {k: v for k, v in os.environ.items() if k in keep or (k.startswith(("NUMBA_", "FLASHNB_")) and k not in (
+        "FLASHNB_COURSE_CACHE", "FLASHNB_PTX_CACHE"))}
+    home = scratch / "home"
+    env.update(HOME=str(home), TMPDIR=str(scratch / "tmp"), XDG_CACHE_HOME=str(scratch / "cache"),
+               FLASHNB_PTX_CACHE=str(scratch / "cache" / "ptx"),
+               FLASHNB_COURSE_CACHE=str(scratch / "cache" / "verdicts"),
+               MPLCONFIGDIR=str(scratch / "cache" / "matplotlib"), FLASHNB_DEVICE="sim", PYTHONUNBUFFERED="1",
+               PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               NUMBA_NUM_THREADS="1", FLASHNB_GRADE_RUN=tag)
+    env.setdefault("FLASHNB_INSPECT_PROCESSES", "1")
+    return env
+
+
+# --------------------------------------------------------------------------- one child
+
+
+class _Run:
+    """One child process: spawned, fed its payload, watched (deadlines, CPU, output), its records checked."""
+
+    def __init__(self, bundle: Bundle, answers, skip, done, scratch: Path, limits: Limits, cpu_left: float,
+                 jobs: int = 1):
+        self.events: list[dict] = []
+        self.stop: str | None = None          # why this process was stopped (timeout, cpu, output, forged)
+        self.forged = ""
+        self.stderr_tail = b""
+        self.output = 0
+        self.current: str | None = None
+        self.cpu = 0.0
+        secret = secrets.token_bytes(32)
+        self.secret = secret
+        self.tag = secrets.token_hex(16)
+        r, w = os.pipe()
+        env = _child_env(scratch, self.tag)
+        root = str(Path(__file__).resolve().parents[2])
+        cmd = [sys.executable, "-I", "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+               "from flashnb.course.child import main; main()", root]
+        work = scratch / "work"
+        for d in (work, scratch / "home", scratch / "tmp", scratch / "cache"):
+            d.mkdir(parents=True, exist_ok=True)
+        nproc = None
+        if os.geteuid() != 0:      # per account: what it runs now, and this much more for each submission at once
+            nproc = _uid_tasks() + int(limits.processes) * max(1, int(jobs))
+        payload = dict(secret=secret.hex(), fd=w, setup=bundle.setup, tests=bundle.tests_text, answers=answers,
+                       skip=sorted(skip), done=done,
+                       limits=dict(cpu=max(1, int(cpu_left + 0.999)), memory=int(limits.memory_gib * GIB),
+                                   output=int(limits.output_mib * MIB), nproc=nproc))
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     cwd=str(work), env=env, pass_fds=(w,), start_new_session=True)
+        _LIVE.add(self.proc.pid)
+        os.close(w)
+        self.channel = os.fdopen(r, "rb", buffering=0)
+        try:
+            self.proc.stdin.write(json.dumps(payload).encode())
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        self.seq = 0
+        self.buf = b""
+
+    def _record(self, line: bytes) -> dict | None:
+        try:
+            text, tag = line.decode().rsplit("\t", 1)
+        except (UnicodeDecodeError, ValueError):
+            return None
+        want = hmac.new(self.secret, f"{self.seq}\t{text}".encode(), hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(tag.strip(), want):
+            return None
+        try:
+            rec = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        self.seq += 1
+        return rec if isinstance(rec, dict) else None
+
+    def watch(self, tests: dict, limits: Limits, cpu_left: float, on_event) -> None:
+        """Read the child's output until it ends, stopping it at a deadline or a limit; ``on_event(record)`` is
+        called for each authenticated record."""
+        self.tests, self.limits, self.on_event = tests, limits, on_event
+        sel = selectors.DefaultSelector()
+        sel.register(self.channel, selectors.EVENT_READ, "channel")
+        sel.register(self.proc.stdout, selectors.EVENT_READ, "out")
+        sel.register(self.proc.stderr, selectors.EVENT_READ, "err")
+        open_streams = 3
+        self.deadline = time.monotonic() + limits.startup_s
+        next_cpu_check = 0.0
+        cap = int(limits.output_mib * MIB)
+        try:
+            while open_streams and self.stop is None:
+                for key, _ in sel.select(timeout=0.1):
+                    data = os.read(key.fileobj.fileno(), 65536)
+                    if not data:
+                        sel.unregister(key.fileobj)
+                        open_streams -= 1
+                    elif key.data == "channel":
+                        self._channel(data)
+                    else:
+                        self.output += len(data)
+                        if key.data == "err":
+                            self.stderr_tail = (self.stderr_tail + data)[-4000:]
+                        if self.output > cap:
+                            self._kill("output")
+                    if self.stop is not None:
+                        break
+                if self.stop is not None:
+                    break
+                now = time.monotonic()
+                if now > self.deadline:
+                    self._kill("timeout")
+                    break
+                if now > next_cpu_check:
+                    next_cpu_check = now + 0.5
+                    if _tree_cpu(_tagged(self.proc.pid, None)) > cpu_left + 1.0:
+                        self._kill("cpu")
+                        break
+                if self._exited() and open_streams and not sel.select(timeout=0):
+                    # exited: whatever it left in the pipes was read above; descendants may hold them open
+                    break
+        finally:
+            sel.close()
+            self._finish()
+
+    def _channel(self, data: bytes) -> None:
+        self.buf += data
+        while b"\n" in self.buf and self.stop != "forged":
+            line, self.buf = self.buf.split(b"\n", 1)
+            rec = self._record(line)
+            if rec is None:
+                self.forged = line[:200].decode(errors="replace")
+                self._kill("forged")
+                return
+            ev = rec.get("event")
+            if ev == "start":
+                self.current = rec.get("id")
+                self.deadline = time.monotonic() + self.tests.get(self.current, {}).get("timeout", 120.0)
+            elif ev == "result":
+                self.current = None
+                self.deadline = time.monotonic() + self.limits.startup_s
+            self.events.append(rec)
+            self.on_event(rec)
+        if len(self.buf) > MIB:
+            self.forged = "a record longer than 1 MiB"
+            self._kill("forged")
+
+    def _drain(self) -> None:
+        """After the child is gone: the records it wrote before it ended (only it held the channel)."""
+        end = time.monotonic() + 1.0       # a process that escaped with the channel open must not hold us
+        try:
+            with selectors.DefaultSelector() as sel:
+                sel.register(self.channel, selectors.EVENT_READ)
+                while self.stop != "forged" and time.monotonic() < end:
+                    if not sel.select(timeout=0.1):
+                        continue
+                    data = os.read(self.channel.fileno(), 65536)
+                    if not data:
+                        break
+                    self._channel(data)
+        except OSError:
+            pass
+
+    def _exited(self) -> bool:
+        """Has the child exited?  (Not reaped: :meth:`_finish` reaps it with its resource usage.)"""
+        try:
+            return os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except (ChildProcessError, AttributeError, OSError):
+            return self.proc.poll() is not None
+
+    def _kill(self, why: str) -> None:
+        if self.stop is None or why == "forged":
+            self.stop = why
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+    def _finish(self) -> None:
+        _kill_all(self.proc.pid, self.tag)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        try:
+            _, status, usage = os.wait4(self.proc.pid, 0)
+            self.proc.returncode = os.waitstatus_to_exitcode(status)
+            self.cpu = usage.ru_utime + usage.ru_stime
+        except ChildProcessError:
+            self.proc.wait()
+        _LIVE.discard(self.proc.pid)
+        if hasattr(self, "on_event"):
+            self._drain()
+        for f in (self.channel, self.proc.stdout, self.proc.stderr):
+            try:
+                f.close()
+            except OSError:
+                pass
+        if self.proc.returncode == -signal.SIGXCPU and self.stop is None:
+            self.stop = "cpu"
+        if self.proc.returncode == -signal.SIGXFSZ and self.stop is None:
+            self.stop = "output"
+
+
+def _result(tid: str, t: dict, status: str, message: str = "", seconds: float = 0.0) -> dict:
     from . import Result
 
-    bundle, submission, work = Path(bundle), Path(submission), Path(work)
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    tests = {t["id"]: t for t in manifest["tests"]}
-    work.mkdir(parents=True, exist_ok=True)
+    earned = float(t["points"]) if status == "pass" else 0.0
+    return asdict(Result(tid, t["question"], float(t["points"]), earned, message, bool(t["hidden"]),
+                         round(float(seconds), 3), status))
+
+
+def _zero_all(tests: dict, status: str, message: str) -> list[dict]:
+    return [_result(tid, t, status, message) for tid, t in tests.items()]
+
+
+def grade_one(bundle, submission, work, *, limits: Limits | None = None, screen: bool = True,
+              jobs: int = 1) -> dict:
+    """Grade one submission; returns ``dict(student, results=[Result dicts], cpu_s, wall_s, problems, prose)``.
+
+    ``bundle``: a :class:`Bundle` (or its folder); ``work``: a folder for the submission's scratch (removed
+    afterwards); ``screen=False`` skips the static screen (for a submission a person has read and trusts);
+    ``jobs``: how many submissions are graded at once (the process limit is per account)."""
+    from . import screen as screening
+
+    limits = limits or Limits()
+    bundle = bundle if isinstance(bundle, Bundle) else Bundle(bundle)
+    submission, work = Path(submission), Path(work)
+    tests = {t["id"]: t for t in bundle.manifest["tests"]}
     student = submission.stem
-    results: dict[str, dict] = {}
-    problems: list[str] = []
-    try:
-        answers = answer_cells(submission)
-    except Exception as exc:   # noqa: BLE001 -- an unreadable notebook scores 0, the batch goes on
-        answers, problems = [], [f"could not read the notebook: {type(exc).__name__}: {exc}"]
-    if len(answers) != manifest["answer_cells"] and not problems:
-        problems.append(f"{len(answers)} cells tagged 'answer', the assignment has {manifest['answer_cells']} "
-                        "(keep the answer cells of the release, and their tags)")
-    (work / "answers.json").write_text(json.dumps(answers))
-    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.monotonic()
+    problems: list[str] = []
+
+    def finished(results, cpu=0.0, status=None) -> dict:
+        ordered = [results[tid] for tid in tests]
+        return dict(student=student, results=ordered, cpu_s=round(cpu, 1), wall_s=round(time.monotonic() - start, 1),
+                    problems=problems, prose=_prose(submission), status=status)
+
+    try:
+        answers = [_code(a) for a in answer_cells(submission)]
+    except Exception as exc:   # noqa: BLE001 -- an unreadable notebook scores 0, the batch goes on
+        problems.append(f"could not read the notebook: {type(exc).__name__}: {exc}")
+        return finished({r["id"]: r for r in _zero_all(tests, "error", problems[0])})
+    if not answers:
+        problems.append("no cells tagged 'answer' (keep the answer cells of the release, and their tags)")
+        return finished({r["id"]: r for r in _zero_all(tests, "error", problems[0])})
+    if len(answers) != bundle.manifest["answer_cells"]:
+        problems.append(f"{len(answers)} cells tagged 'answer', the assignment has {bundle.manifest['answer_cells']} "
+                        "(keep the answer cells of the release, and their tags)")
+    if screen:
+        found = screening.screen(answers)
+        if found:
+            msg = ("the grader refused to run this submission: it uses what answers never need "
+                   "(assignments/README.md, 'Threat model'):\n" + "\n".join(str(f) for f in found[:10])
+                   + (f"\n... and {len(found) - 10} more" if len(found) > 10 else ""))
+            problems.append(msg)
+            short = f"not run: the grader refused this submission ({len(found)} line(s) listed at the top)"
+            return finished({r["id"]: r for r in _zero_all(tests, "refused", short)}, status="refused")
+    results: dict[str, dict] = {}
+    cpu_used = 0.0
     attempts = 0
-    while answers and len(results) < len(tests) and attempts <= len(tests):
-        attempts += 1
-        out = work / f"log{attempts}.jsonl"
-        done_path = work / "done.json"
-        done_path.write_text(json.dumps(results))
-        cmd = [sys.executable, "-m", "flashnb.course.grade", "--child", str(bundle), str(work / "answers.json"),
-               str(out), str(done_path), *results]
-        env = dict(os.environ, FLASHNB_DEVICE="sim", PYTHONUNBUFFERED="1")
-        if cache_dir is not None:      # compile verdicts shared by the batch (criteria.compiles)
-            env["FLASHNB_COURSE_CACHE"] = str(cache_dir)
-        err_path = work / f"stderr{attempts}.txt"
-        with open(err_path, "w") as err:
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
-            current, deadline, stop = None, time.monotonic() + STARTUP_TIMEOUT, None
-            seen = 0
-            while proc.poll() is None:
-                time.sleep(0.1)
-                events = _read(out)
-                for ev in events[seen:]:
-                    if ev["event"] == "answers":
-                        problems.extend(p for p in ev["problems"] if p not in problems)
-                    elif ev["event"] == "start":
-                        current = ev["id"]
-                        deadline = time.monotonic() + tests[current]["timeout"]
-                    elif ev["event"] == "result":
-                        results[ev["id"]] = {k: v for k, v in ev.items() if k != "event"}
-                        current = None
-                seen = len(events)
-                if time.monotonic() > deadline:
-                    stop = "timeout"
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    break
-        for ev in _read(out)[seen:]:
-            if ev["event"] == "result":
-                results[ev["id"]] = {k: v for k, v in ev.items() if k != "event"}
-                current = None if current == ev["id"] else current
-            elif ev["event"] == "start":
-                current = ev["id"]
-        if len(results) == len(tests):
-            break
-        tail = err_path.read_text().strip().splitlines()[-3:]
-        if current is None:     # died before its first test: setup or answer cells
-            why = "timeout" if stop else "crash"
-            for tid, t in tests.items():
-                if tid not in results:
-                    results[tid] = Result(tid, t["question"], t["points"], 0.0,
-                                          f"the grader could not run your answer cells ({why}): "
-                                          + " | ".join(tail), t["hidden"], 0.0, why).__dict__
-            break
-        t = tests[current]
-        if stop == "timeout":
-            msg = (f"stopped after {t['timeout']:g} s (an endless loop, or a barrier some threads never reach?);"
-                   " the other tests went on")
-        else:
-            msg = f"the process died during this test (exit code {proc.returncode}): " + " | ".join(tail)
-        results[current] = Result(current, t["question"], t["points"], 0.0, msg, t["hidden"], 0.0,
-                                  stop or "crash").__dict__
-    for tid, t in tests.items():   # no answer cells at all
-        results.setdefault(tid, Result(tid, t["question"], t["points"], 0.0, "; ".join(problems) or "not run",
-                                       t["hidden"], 0.0, "error").__dict__)
-    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
-    ordered = [results[tid] for tid in tests]
-    return dict(student=student, results=ordered, cpu_s=round(cpu, 1), wall_s=round(time.monotonic() - start, 1),
-                problems=problems, prose=_prose(submission))
+    verdict = None          # "tampered" / "forged": the whole submission scores 0
+    scratch = Path(tempfile.mkdtemp(prefix="sub-", dir=str(_mkdir(work))))
+    try:
+        while len(results) < len(tests) and attempts <= len(tests) and verdict is None:
+            attempts += 1
+            cpu_left = limits.cpu_s - cpu_used
+            if cpu_left <= 0.5:
+                for tid, t in tests.items():
+                    results.setdefault(tid, _result(tid, t, "limit", f"not run: the submission used its "
+                                                    f"{limits.cpu_s:g} CPU-seconds (the grader's limit)"))
+                break
+            answered = {"seen": False}
+            tampered: list = []
+
+            def on_event(rec, answered=answered, tampered=tampered):
+                ev = rec.get("event")
+                if ev == "answers":
+                    answered["seen"] = True
+                    problems.extend(str(p) for p in rec.get("problems", []) if str(p) not in problems)
+                elif ev == "result" and rec.get("id") in tests and rec["id"] not in results:
+                    status = rec.get("status")
+                    status = status if status in ("pass", "fail", "error", "skipped", "limit") else "error"
+                    results[rec["id"]] = _result(rec["id"], tests[rec["id"]], status, str(rec.get("message", "")),
+                                                 rec.get("seconds", 0.0))
+                elif ev == "tampered":
+                    tampered.append(rec)
+
+            run = _Run(bundle, answers, set(results), results, scratch, limits, cpu_left, jobs)
+            run.watch(tests, limits, cpu_left, on_event)
+            cpu_used += run.cpu
+            if run.stop == "forged":
+                verdict = ("forged", "the grader received a result it did not write (a forged record on its "
+                                     f"channel: {run.forged[:120]!r}); the whole submission scores 0")
+                break
+            if tampered:
+                what = "; ".join(tampered[0].get("changes", []))[:600]
+                verdict = ("tampered", "the submission changed the grader's objects while it ran (" + what
+                           + "); the whole submission scores 0")
+                break
+            if len(results) == len(tests):
+                break
+            tail = " | ".join(run.stderr_tail.decode(errors="replace").strip().splitlines()[-3:])
+            why = _why(run, limits)
+            if not answered["seen"]:     # died or was stopped before its first test: setup or answer cells
+                for tid, t in tests.items():
+                    if tid not in results:
+                        results[tid] = _result(tid, t, run.stop or "crash",
+                                               f"the grader could not run your answer cells ({why}): " + tail)
+                break
+            current = run.current
+            if current is None or current in results:
+                continue                 # between two tests: a fresh child goes on
+            t = tests[current]
+            if run.stop == "timeout":
+                msg = (f"stopped after {t['timeout']:g} s (an endless loop, or a barrier some threads never reach?);"
+                       " the other tests went on")
+            elif run.stop in ("cpu", "output"):
+                msg = f"{why}; the other tests went on"
+            else:
+                msg = f"the process died during this test (exit code {run.proc.returncode}): " + tail
+            results[current] = _result(current, t, run.stop or "crash", msg)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if verdict is not None:
+        problems.append(verdict[1])
+        results = {r["id"]: r for r in _zero_all(tests, verdict[0], verdict[1])}
+    for tid, t in tests.items():
+        results.setdefault(tid, _result(tid, t, "error", "; ".join(problems) or "not run"))
+    return finished(results, cpu_used, verdict[0] if verdict else None)
+
+
+def _mkdir(p: Path) -> Path:
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def _why(run: _Run, limits: Limits) -> str:
+    if run.stop == "timeout":
+        return "timeout"
+    if run.stop == "cpu":
+        return f"stopped at the grader's CPU limit ({limits.cpu_s:g} CPU-seconds per submission)"
+    if run.stop == "output":
+        return f"stopped after printing more than {limits.output_mib:g} MiB (the grader's output limit)"
+    return "crash"
 
 
 def _prose(submission) -> list[str]:
@@ -222,29 +647,120 @@ def feedback(graded: dict, manifest: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def grade(bundle, submissions, out_csv, *, feedback_dir=None, work_dir=None, progress=print) -> list[dict]:
-    """Grade every ``*.ipynb`` (and jupytext ``*.py``) in ``submissions`` against ``bundle`` (an assignment's
-    ``autograder/`` folder); write ``out_csv`` (one row per student) and ``feedback_dir/<student>.txt``."""
-    import tempfile
+# --------------------------------------------------------------------------- the batch
 
-    bundle, submissions, out_csv = Path(bundle), Path(submissions), Path(out_csv)
-    if not (bundle / "manifest.json").exists():
-        raise FileNotFoundError(f"{bundle} is not an autograder bundle (no manifest.json); run "
-                                "'flashnb course release' first and pass <release>/<assignment>/autograder")
-    manifest = json.loads((bundle / "manifest.json").read_text())
+
+class _Guard:
+    """Checks the bundle on disk before and after every submission; finds who changed it."""
+
+    def __init__(self, bundle: Bundle):
+        self.bundle = bundle
+        self.lock = threading.Lock()
+        self.active: set[str] = set()
+        self.window: set[str] = set()     # submissions that ran since the last clean check
+        self.suspects: list[set[str]] = []
+
+    def _check(self) -> None:
+        changed = self.bundle.changed()
+        if changed:
+            self.bundle.restore()
+            self.suspects.append(self.window | self.active)
+            self.changed = changed
+        self.window = set(self.active)
+
+    def begin(self, student: str) -> None:
+        with self.lock:
+            self._check()
+            self.active.add(student)
+            self.window.add(student)
+
+    def end(self, student: str) -> None:
+        with self.lock:
+            self.active.discard(student)
+            self._check()
+
+
+def grade(bundle, submissions, out_csv, *, feedback_dir=None, work_dir=None, progress=print, jobs: int = 1,
+          limits: Limits | None = None, screen: bool = True) -> list[dict]:
+    """Grade every ``*.ipynb`` (and jupytext ``*.py``) in ``submissions`` against ``bundle`` (an assignment's
+    ``autograder/`` folder); write ``out_csv`` (one row per student) and ``feedback_dir/<student>.txt``.
+
+    ``jobs`` submissions are graded at once (each in its own processes); the CSV, the feedback and the progress
+    lines come out in the students' order whatever finishes first.  ``limits``: :class:`Limits`; ``screen``:
+    see :func:`grade_one`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    limits = limits or Limits()
+    if int(jobs) < 1:
+        raise ValueError(f"jobs must be at least 1, got {jobs!r}")
+    bundle = Bundle(bundle)
+    submissions, out_csv = Path(submissions), Path(out_csv)
+    manifest = bundle.manifest
     subs = sorted(p for p in submissions.iterdir() if p.suffix in (".ipynb", ".py") and p.is_file())
     if not subs:
         raise FileNotFoundError(f"no submissions (*.ipynb) in {submissions}")
     feedback_dir = Path(feedback_dir) if feedback_dir else out_csv.parent / "feedback"
     feedback_dir.mkdir(parents=True, exist_ok=True)
     work_root = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="flashnb-grade-"))
-    graded = []
-    for sub in subs:
-        g = grade_one(bundle, sub, work_root / sub.stem, cache_dir=work_root / "compile-cache")
-        graded.append(g)
+    own_root = not work_dir
+    guard = _Guard(bundle)
+    reaping = _subreaper(True)
+    done: dict[str, dict] = {}
+    shown = [0]
+    show_lock = threading.Lock()
+
+    def one(sub: Path) -> dict:
+        guard.begin(sub.stem)
+        try:
+            g = grade_one(bundle, sub, work_root / sub.stem, limits=limits, screen=screen, jobs=int(jobs))
+        finally:
+            guard.end(sub.stem)
+        done[sub.stem] = g
+        with show_lock:            # progress in the students' order, as soon as the next one is done
+            while shown[0] < len(subs) and subs[shown[0]].stem in done:
+                _progress(progress, done[subs[shown[0]].stem])
+                shown[0] += 1
+        return g
+
+    try:
+        if int(jobs) == 1:
+            for sub in subs:
+                one(sub)
+        else:
+            with ThreadPoolExecutor(max_workers=int(jobs)) as pool:
+                list(pool.map(one, subs))
+        # a change of the bundle: who was running?  Alone: that one.  Several: each again, alone.
+        culprits: set[str] = set()
+        for group in guard.suspects:
+            if len(group) == 1:
+                culprits |= group
+                continue
+            for stem in sorted(group):
+                sub = next(s for s in subs if s.stem == stem)
+                before = len(guard.suspects)
+                guard.begin(stem)
+                try:
+                    done[stem] = grade_one(bundle, sub, work_root / stem, limits=limits, screen=screen)
+                finally:
+                    guard.end(stem)
+                if len(guard.suspects) > before:
+                    culprits.add(stem)
+        for stem in sorted(culprits):
+            msg = ("the bundle's files changed on disk while this submission was graded (restored from the copy "
+                   "the grader checked); the whole submission scores 0")
+            g = done[stem]
+            g["problems"] = g["problems"] + [msg]
+            g["results"] = _zero_all({t["id"]: t for t in manifest["tests"]}, "bundle", msg)
+            g["status"] = "bundle"
+    finally:
+        if reaping:
+            _subreaper(False)
+        _reap_orphans()
+        if own_root:
+            shutil.rmtree(work_root, ignore_errors=True)
+    graded = [done[s.stem] for s in subs]
+    for g in graded:
         (feedback_dir / f"{g['student']}.txt").write_text(feedback(g, manifest))
-        got = sum(r["earned"] for r in g["results"])
-        progress(f"{g['student']}: {got:g}/{sum(r['points'] for r in g['results']):g} ({g['cpu_s']:g} CPU-s)")
     out_csv.parent.mkdir(parents=True, exist_ok=True)
     with open(out_csv, "w", newline="") as f:
         w = csv.writer(f)
@@ -257,8 +773,7 @@ def grade(bundle, submissions, out_csv, *, feedback_dir=None, work_dir=None, pro
     return graded
 
 
-if __name__ == "__main__":   # the child: python -m flashnb.course.grade --child BUNDLE ANSWERS OUT DONE [SKIP...]
-    if len(sys.argv) >= 6 and sys.argv[1] == "--child":
-        _child(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[6:], sys.argv[5])
-    else:
-        sys.exit("usage: flashnb course grade ... (this module's main is the grader's child process)")
+def _progress(progress, g: dict) -> None:
+    got = sum(r["earned"] for r in g["results"])
+    note = f", {g['status']}" if g.get("status") else ""
+    progress(f"{g['student']}: {got:g}/{sum(r['points'] for r in g['results']):g} ({g['cpu_s']:g} CPU-s{note})")

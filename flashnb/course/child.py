@@ -1,0 +1,223 @@
+"""The grader's child process: one submission's answer cells and the bundle's tests, reported on a channel that
+only this module can write.
+
+:mod:`flashnb.course.grade` starts it as ``python -m flashnb.course.child`` in the submission's scratch folder
+and writes one JSON payload to its stdin -- never on the command line or in the environment, where the answer
+cells could read them: the bundle's setup and tests as text (the child never opens the bundle), the answer
+cells, the tests to skip and the results so far (for ``requires=``), the number of the pipe to report on and a
+per-run secret.  The child reads it whole before any submitted code runs, then:
+
+1. runs the setup cells, registers the tests and keeps its own copy of each (function, points, requirements);
+2. warms up what the tests patch into the simulator (the traffic counter, the race checker) with a small
+   launch, then takes the **integrity snapshot**: every name of every module in ``sys.modules``, every
+   attribute of the classes they define, and the items of flashnb's module-level lists and dicts;
+3. runs the answer cells (a ``BaseException`` such as ``SystemExit`` is reported, not obeyed);
+4. compares the snapshot; then runs each test, comparing again after each one.
+
+A change -- ``numpy.abs`` replaced, ``course.Result`` rebound, a hook appended to ``flashnb.common.launch_hooks``
+-- is reported as ``tampered`` with what changed, and the parent scores the whole submission 0.  Each record is
+one line: JSON, a tab, and HMAC-SHA256(secret, sequence number + JSON); a line written by anything else (a
+print goes to stdout, not here; a write to a guessed descriptor has no valid tag) fails the parent's check, and
+the parent scores the submission 0 as forged.  The snapshot, the secret and the channel live in this module's
+function locals, which the static screen (:mod:`flashnb.course.screen`) keeps the answer cells from reaching.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import sys
+
+#: longest message kept from one test (a student's exception text can be any size)
+MESSAGE_LIMIT = 4000
+
+_MISSING = object()
+
+
+def snapshot() -> list:
+    """What the integrity check compares: ``(mapping, [(key, value), ...], where)`` for every name of every
+    module in ``sys.modules``, every attribute of the classes each defines, and the items of flashnb's
+    module-level lists and dicts.  Values are held, so an id is never reused by a new object.  (The tests of
+    every assignment rebind none of this -- the solutions are graded with it -- so a change is the
+    submission's.)"""
+    out = [(sys.modules, list(sys.modules.items()), "sys.modules")]    # a module swapped for another
+    for name, m in list(sys.modules.items()):
+        d = getattr(m, "__dict__", None)
+        if not isinstance(d, dict):
+            continue
+        items = list(d.items())
+        out.append((d, items, f"module {name}"))
+        for k, v in items:
+            if isinstance(v, type) and v.__dict__.get("__module__") == name:     # classes defined there
+                out.append((v.__dict__, list(v.__dict__.items()), f"class {name}.{k}"))
+        if name == "flashnb" or name.startswith("flashnb."):
+            for k, v in list(d.items()):
+                if type(v) is list:
+                    out.append((v, list(v), f"list {name}.{k}"))
+                elif type(v) is dict:
+                    out.append((v, list(v.items()), f"dict {name}.{k}"))
+    return out
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, tuple, list, dict, set, frozenset)
+
+
+def _plain(v) -> bool:
+    """A module-level value that is data, not behaviour: a library may rebind such a global when it is called
+    (``fa2_fast.last_forward``); a function, class, module or ufunc rebound is never the library's doing."""
+    return v is not _MISSING and type(v) in _PLAIN
+
+
+def changes(snap: list, limit: int = 5) -> list[str]:
+    """What differs from ``snap``: deleted names, rebound functions, classes, modules and other objects of
+    modules (a module global rebound from data to data is allowed), any rebound class attribute, changed items
+    of flashnb's lists and dicts (new keys of dicts and modules are allowed: caches fill and submodules load)."""
+    bad = []
+    for obj, items, where in snap:
+        if type(obj) is list:
+            if len(obj) != len(items) or any(a is not b for a, b in zip(obj, items)):
+                bad.append(f"{where} changed")
+        else:
+            get = obj.get
+            for k, v in items:
+                now = get(k, _MISSING)
+                if now is not v and not (where.startswith("module") and _plain(v) and _plain(now)):
+                    bad.append(f"{where}: {k} " + ("deleted" if now is _MISSING else "replaced"))
+                    break
+        if len(bad) >= limit:
+            break
+    return bad
+
+
+_WARM = '''
+from numba import cuda
+import numpy as np
+import flashnb
+from flashnb import traffic
+from flashnb.sim import racecheck
+
+
+@cuda.jit
+def warm_up(a, b):
+    s = cuda.shared.array(32, np.float32)
+    i = cuda.threadIdx.x
+    s[i] = a[i]
+    cuda.syncthreads()
+    b[i] = s[31 - i]
+    cuda.atomic.add(b, 0, a[i])
+
+
+with traffic.count():
+    with racecheck.check(raise_on_race=False):
+        flashnb.common.launch(warm_up, 1, 32, flashnb.common.to_device(np.ones(32, np.float32)),
+                              flashnb.common.empty(32), label="warm-up")
+'''
+
+
+def set_limits(limits: dict) -> None:
+    """This process's resource limits, inherited by what it starts (soft = hard where it may not raise them)."""
+    import resource
+
+    def lim(which, soft, hard=None):
+        try:
+            resource.setrlimit(which, (soft, soft if hard is None else hard))
+        except (ValueError, OSError):
+            pass
+
+    lim(resource.RLIMIT_CORE, 0)
+    lim(resource.RLIMIT_CPU, int(limits["cpu"]), int(limits["cpu"]) + 5)
+    lim(resource.RLIMIT_AS, int(limits["memory"]))
+    lim(resource.RLIMIT_FSIZE, int(limits["output"]))
+    if limits.get("nproc") and hasattr(resource, "RLIMIT_NPROC"):
+        lim(resource.RLIMIT_NPROC, int(limits["nproc"]))
+
+
+def main() -> None:
+    import linecache
+
+    payload = json.loads(sys.stdin.read())
+    sys.stdin.close()
+    set_limits(payload["limits"])
+    memory_gib = payload["limits"]["memory"] / (1 << 30)
+    secret = bytes.fromhex(payload["secret"])
+    channel = os.fdopen(payload["fd"], "w", buffering=1)
+    write, dumps, digest, hmac_new = channel.write, json.dumps, hashlib.sha256, hmac.new
+    flush, exit_now = channel.flush, os._exit
+    seq = [0]
+
+    def emit(**rec):
+        text = dumps(rec)
+        tag = hmac_new(secret, f"{seq[0]}\t{text}".encode(), digest).hexdigest()
+        write(f"{text}\t{tag}\n")
+        flush()
+        seq[0] += 1
+
+    os.environ.setdefault("FLASHNB_DEVICE", "sim")
+    import flashnb  # noqa: F401  -- selects the simulator before numba.cuda is imported
+    from flashnb import course
+
+    setup, tests_text = payload["setup"], payload["tests"]
+    ns: dict = {"__name__": "__main__"}
+    tests_ns: dict = {"__name__": "flashnb_course_tests"}       # the notebook's view: setup names, then tests
+    for fname, text in (("<setup>", setup), ("<tests>", tests_text)):
+        linecache.cache[fname] = (len(text), None, text.splitlines(keepends=True), fname)
+    exec(compile(setup, "<setup>", "exec"), ns)
+    course.reset()
+    exec(compile(setup, "<setup>", "exec"), tests_ns)
+    exec(compile(tests_text, "<tests>", "exec"), tests_ns)
+    import dataclasses
+
+    run_one, Result, replace = course.run_one, course.Result, dataclasses.replace
+    tests = [replace(t) for t in course.TESTS.values()]          # this function's copies: what is run
+    linecache.cache["<grader warm-up>"] = (len(_WARM), None, _WARM.splitlines(keepends=True), "<grader warm-up>")
+    exec(compile(_WARM, "<grader warm-up>", "exec"), {"__name__": "flashnb_course_warm_up"})
+    snap = snapshot()
+    emit(event="ready")
+
+    problems = []
+    for i, src in enumerate(payload["answers"], 1):
+        code = "\n".join(ln for ln in src.splitlines() if not ln.lstrip().startswith(("%", "!"))) + "\n"
+        name = f"<answer cell {i}>"
+        linecache.cache[name] = (len(code), None, code.splitlines(keepends=True), name)
+        try:
+            exec(compile(code, name, "exec"), ns)
+        except BaseException as exc:   # noqa: BLE001 -- SystemExit too: reported with every test that then fails
+            problems.append(f"answer cell {i} raised {type(exc).__name__}: {str(exc)[:500]}")
+    emit(event="answers", problems=problems)
+    bad = changes(snap)
+    if bad:
+        emit(event="tampered", changes=bad)
+        exit_now(0)
+
+    done = {k: Result(**v) for k, v in payload["done"].items()}
+    for t in tests:
+        if t.id in payload["skip"]:
+            continue
+        emit(event="start", id=t.id)
+        try:
+            r = run_one(t, ns, done)
+        except BaseException as exc:   # noqa: BLE001 -- KeyboardInterrupt, SystemExit, GeneratorExit from a test
+            r = Result(t.id, t.question, t.points, 0.0, f"{type(exc).__name__}: {str(exc)[:500]}", t.hidden, 0.0,
+                       "error")
+        if r.message.startswith("MemoryError"):
+            r.status = "limit"
+            r.message += f" (the grader's memory limit: {memory_gib:g} GiB of address space per process)"
+        if problems and not r.passed:
+            r.message = (r.message + "\n" if r.message else "") + "; ".join(problems)
+        if len(r.message) > MESSAGE_LIMIT:
+            r.message = r.message[:MESSAGE_LIMIT] + f"\n... ({len(r.message) - MESSAGE_LIMIT} more characters)"
+        bad = changes(snap)
+        if bad:
+            emit(event="tampered", changes=bad, id=t.id)
+            exit_now(0)
+        done[t.id] = r
+        emit(event="result", id=r.id, status=r.status, message=r.message, seconds=r.seconds)
+    emit(event="end")
+    sys.stdout.flush()
+    exit_now(0)    # kernel threads of a timed-out test must not keep the process alive
+
+
+if __name__ == "__main__":
+    main()

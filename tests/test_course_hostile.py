@@ -1,0 +1,498 @@
+"""Grades an instructor can trust: the static screen refuses every hostile submission of
+tests/course_hostile.py and none of the legitimate code (solutions, catalogued bugs, student helpers); behind it,
+with the screen turned off, the integrity check, the authenticated channel, the bundle check and the process
+reaping each stop what they are meant to, while the submissions graded after the attackers keep their scores;
+the process limits score 0 what they stop and the batch goes on; ``--jobs`` changes nothing but the time; the
+Gradescope autograder runs on a folder laid out the way Gradescope lays it out.
+
+(Every hostile submission is also graded, with the screen, on every assignment by tests/test_course_a*.py.)"""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import course_hostile
+import nbformat
+import pytest
+
+from flashnb.course import bugs as course_bugs
+from flashnb.course import build, grade, screen
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A small assignment with the setup of the real ones (flashnb, NumPy, the grader's modules in reach), so that
+# every hostile entry applies, and tests cheap enough to grade a dozen submissions in seconds.
+TINY = '''# %% [markdown]
+# # Tiny: hostile submissions
+# %% tags=["setup"]
+import math  # noqa: F401
+import os
+
+os.environ.setdefault("FLASHNB_DEVICE", "sim")
+import flashnb  # noqa: E402,I001
+import numpy as np
+from numba import cuda, float32  # noqa: F401
+
+from flashnb import course, registry, softmax  # noqa: F401
+from flashnb.course import criteria
+# %% tags=["answer"]
+def scale(x):
+    ### BEGIN SOLUTION multiply by 2
+    return 2 * x
+    ### END SOLUTION
+# %% tags=["tests"]
+@course.test("q1", points=1, name="an array", timeout=20)
+def _(ns):
+    criteria.close(ns["scale"](np.arange(4.0)), 2 * np.arange(4.0), what="y")
+@course.test("q1", points=2, name="a number", timeout=20)
+def _(ns):
+    criteria.numeric(ns["scale"](21), 42, what="scale(21)")
+# %% tags=["hidden-tests"]
+@course.test("q1", points=4, name="hidden", timeout=20)
+def _(ns):
+    criteria.close(ns["scale"](np.ones(3)), np.full(3, 2.0), what="y")
+'''
+
+# Limits: each test of this one calls f(x) with its own x, so that a submission can misbehave in one test.
+LIMITED = '''# %% [markdown]
+# # Tiny: limits
+# %% tags=["setup"]
+import os
+
+os.environ.setdefault("FLASHNB_DEVICE", "sim")
+import flashnb  # noqa: F401,E402,I001
+import numpy as np  # noqa: F401
+from flashnb import course
+# %% tags=["answer"]
+def f(x):
+    ### BEGIN SOLUTION add one
+    return x + 1
+    ### END SOLUTION
+# %% tags=["tests"]
+@course.test("q1", points=1, name="one", timeout=20)
+def _(ns):
+    assert ns["f"](1) == 2
+@course.test("q1", points=1, name="two", timeout=20)
+def _(ns):
+    assert ns["f"](2) == 3
+@course.test("q1", points=1, name="three", timeout=20)
+def _(ns):
+    assert ns["f"](3) == 4
+@course.test("q1", points=1, name="four", timeout=20)
+def _(ns):
+    assert ns["f"](4) == 5
+@course.test("q1", points=1, name="five", timeout=20)
+def _(ns):
+    assert ns["f"](5) == 6
+'''
+
+# Realistic student code: helpers, NumPy, classes, caches, self-checks -- the screen must refuse none of it.
+STUDENT_HELPERS = [
+    '''import numpy as np
+from functools import lru_cache
+from itertools import product
+from collections import defaultdict
+import math
+
+
+def ref_softmax(x):
+    """My float64 softmax, to check my kernel against."""
+    x = np.asarray(x, dtype=np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    e = np.exp(x - np.where(np.isfinite(m), m, 0.0))
+    s = e.sum(axis=-1, keepdims=True)
+    return np.divide(e, s, out=np.zeros_like(e), where=s > 0)
+
+
+_x = np.random.default_rng(0).normal(size=(4, 8))
+assert np.allclose(ref_softmax(_x).sum(-1), 1.0)
+np.testing.assert_allclose(ref_softmax(_x)[0].sum(), 1.0, rtol=1e-12)
+counts = defaultdict(int)
+for i, j in product(range(3), range(2)):
+    counts[i] += j
+cache = {}
+cache["tiles"] = [(i, j) for i in range(2) for j in range(2) if i <= j]
+cache["tiles"].append((9, 9))
+order = sorted(cache, key=lambda k: len(k))
+print(f"debug: {len(order)} keys, {math.isclose(0.1 + 0.2, 0.3)}")
+
+
+@lru_cache(maxsize=None)
+def tiles(N, B):
+    return (N + B - 1) // B
+
+
+if __name__ == "__main__":
+    print(tiles(100, 32))
+''',
+    '''from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class Tile:
+    Br: int
+    Bc: int
+    note: Optional[str] = None
+
+    def count(self, N: int) -> int:
+        return -(-N // self.Br)
+
+
+class Meter:
+    def __init__(self):
+        self._n = 0
+        self.history = []
+
+    def __repr__(self):
+        return f"Meter({self._n})"
+
+    def add(self, k):
+        self._n += k
+        self.history.append(k)
+        return self
+
+
+m = Meter().add(3)
+t = Tile(64, 32)
+total = 0
+
+
+def bump():
+    global total
+    total += t.count(1000)
+    return total
+
+
+try:
+    ratio = 1 / 0
+except ZeroDivisionError:
+    ratio = float("inf")
+if (n := len(m.history)) > 0:
+    print(n, getattr(t, "Br", None), hasattr(t, "Bc"), type(t).__name__)
+''',
+    '''from numba import cuda, float32, int32
+from flashnb.common import NEG_INF, ZERO, ONE, to_device, empty
+from flashnb.fa2 import geometry
+import flashnb
+import numpy as np
+import math
+
+
+@cuda.jit(device=True, inline="always")
+def my_max(a, b):
+    return a if a > b else b
+
+
+def make_kernel(TPB):
+    """A factory with a closure, a nested device function and shared/local arrays."""
+    half = TPB // 2
+
+    @cuda.jit(device=True)
+    def fold(m, x):
+        return my_max(m, x)
+
+    @cuda.jit
+    def row_max(X, M):
+        s = cuda.shared.array(TPB, float32)
+        loc = cuda.local.array(2, float32)
+        row = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        m = NEG_INF
+        for j in range(tid, X.shape[1], cuda.blockDim.x):
+            m = fold(m, X[row, j])
+        loc[0] = m
+        s[tid] = loc[0]
+        cuda.syncthreads()
+        off = half
+        while off > 0:
+            if tid < off:
+                s[tid] = my_max(s[tid], s[tid + off])
+            cuda.syncthreads()
+            off //= 2
+        if tid == 0:
+            M[row] = s[0] * ONE + ZERO
+            cuda.atomic.add(M, row, np.float32(0))
+        v = cuda.shfl_down_sync(0xFFFFFFFF, m, 1)
+        if v != v:
+            M[row] = float32(math.exp(ZERO))
+
+    return row_max
+
+
+x = np.random.default_rng(1).normal(size=(2, 64)).astype(np.float32)
+out = empty(2)
+flashnb.common.launch(make_kernel(32), 2, 32, to_device(x), out, label="row max")
+got = out.copy_to_host()
+want = x.max(axis=1)
+assert np.allclose(got, want), (got, want)
+q = np.random.default_rng(2).normal(size=(1, 8, 4))
+o, lse = flashnb.reference.attention_forward(q, q, q)
+g = geometry(16, 16, 16, 2)
+print(g["TM"], o.shape, int32(3))
+''',
+    '''N, d, Br, Bc = 1024, 64, 64, 32
+Tr, Tc = N // Br, N // Bc
+kv_bytes = 2 * Tc * Bc * d * 4 * Tr
+ratio = (2 * N * d) / (2 * Tr * Tc * Bc * d)
+answers = {"kv": kv_bytes, "ratio": round(ratio, 4)}
+answers.update(extra=1)
+import statistics, heapq, bisect, random
+random.seed(0)
+print(statistics.mean([1, 2, 3]), heapq.nsmallest(2, [3, 1, 2]), bisect.bisect([1, 3], 2), random.random())
+''',
+]
+
+
+def _answers(nb) -> list[str]:
+    return [grade._code(c["source"]) for c in nb.cells if c["cell_type"] == "code"
+            and "answer" in c["metadata"].get("tags", [])]
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory):
+    """Every assignment's release (only built: nothing graded)."""
+    tmp = tmp_path_factory.mktemp("releases")
+    out = {}
+    for m in sorted((ROOT / "assignments").glob("*/master.py")):
+        build.build(m, tmp / m.parent.name)
+        out[m.parent.name] = tmp / m.parent.name
+    return out
+
+
+def test_screen_refuses_no_solution_no_bug_and_no_student_helper(releases):
+    """The legitimate code: every solution, every catalogued bug, every untouched release, realistic helpers."""
+    checked = 0
+    for name, rel in releases.items():
+        solution = nbformat.read(str(rel / "autograder" / "solution.ipynb"), as_version=4)
+        notebooks = [solution, nbformat.read(str(rel / "student" / f"{name}.ipynb"), as_version=4)]
+        notebooks += [b.apply(solution) for b in course_bugs.load(ROOT / "assignments" / name)]
+        for nb in notebooks:
+            assert screen.screen(_answers(nb)) == [], (name, [str(f) for f in screen.screen(_answers(nb))])
+            checked += 1
+    for helper in STUDENT_HELPERS:
+        assert screen.screen([helper]) == [], [str(f) for f in screen.screen([helper])]
+    assert checked >= 40
+
+
+def test_screen_refuses_every_hostile_submission_and_names_the_line(releases):
+    rel = releases["a1_online_softmax"]
+    for h in course_hostile.HOSTILE:
+        nb = course_hostile.notebook(h, "a1_online_softmax", rel, rel / "autograder")
+        found = screen.screen(_answers(nb))
+        if h.kind == "memory-hog":           # legitimate syntax: the limits stop it (test_limits_...)
+            assert found == []
+            continue
+        assert found, h.kind
+        text = "\n".join(str(f) for f in found)
+        assert h.says in text, (h.kind, text)
+        cell1 = _answers(nb)[0].splitlines()
+        first = found[0]
+        assert first.cell in (1, 3) and first.line >= 1, str(first)      # the edit is in cell 1 (cell 3: the kernel)
+        if first.cell == 1:
+            assert first.line > len(cell1) - len(h.code.splitlines()) - 1, (h.kind, str(first))
+
+
+def test_screen_messages_and_rules():
+    f = screen.screen(["import numpy as np\nx = 1\nnp.abs = abs\n"])
+    assert len(f) == 1 and f[0].line == 3 and "np.abs" in f[0].what and "an answer changes only" in f[0].why
+    alias = screen.screen(["import flashnb\nh = flashnb.common\nh.NEG_INF = 0\n"])
+    assert alias and "belongs to h" in alias[0].why
+    assert screen.screen(["def k(X):\n    return X.copy()\n"]) == []            # host code: NumPy is fine
+    kern = screen.screen(["from numba import cuda\n@cuda.jit\ndef k(X, Y):\n    Y[0] = X.sum()\n"])
+    assert kern and kern[0].line == 4 and "a kernel is CUDA Python" in kern[0].why
+    host_call = screen.screen(["from numba import cuda\ndef h(X):\n    return X.max()\n"
+                               "@cuda.jit\ndef k(X, Y):\n    Y[0] = h(X)\n"])
+    assert host_call and "not @cuda.jit(device=True)" in host_call[0].why
+    assert screen.screen(["x = getattr(1, 'real')\n"]) == []
+    assert screen.screen(["n = 'real'\nx = getattr(1, n)\n"])
+    assert screen.screen(["C = type('C', (), {})\n"])
+    assert screen.screen(["class A:\n    def __eq__(self, o):\n        return True\n"])
+    assert screen.screen(["from numba import njit\n"]) and screen.screen(["import numba\n"])
+    assert screen.screen(["from flashnb import traffic\n"]) and screen.screen(["from flashnb.course import criteria\n"])
+    assert screen.screen(["import numpy as np\nnp.save('x.npy', np.ones(2))\n"])
+
+
+def _sub(path, body):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(body, metadata={"tags": ["answer"]})]
+    nbformat.write(nb, str(path))
+
+
+def _tiny(tmp_path, text=TINY, name="tiny"):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "master.py").write_text(text)
+    build.build(tmp_path / name / "master.py", tmp_path / f"rel_{name}")
+    return tmp_path / f"rel_{name}"
+
+
+def _orphans() -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if d.name.isdigit():
+            try:
+                if b"987.654" in (d / "cmdline").read_bytes():
+                    out.append(int(d.name))
+            except OSError:
+                pass
+    return out
+
+
+#: one attack per layer behind the screen in the default run; every deep entry with -m slow
+DEEP_IN_CI = ("patch-run-one", "launch-hook", "forge-channel", "rewrite-tests", "orphan-process")
+
+
+def _deep(tmp_path, monkeypatch, kinds):
+    """Grade the hostile ``kinds`` on TINY with the screen off (two at a time: a change of the bundle is traced
+    back to its submission), before a correct submission and the untouched release; every attacker must score 0
+    with its layer's message, the two after it keep 7/7 and 0/7."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))      # never the machine's caches
+    monkeypatch.setenv("GRADER_SECRET_TOKEN", "must-not-reach-the-child")
+    rel = _tiny(tmp_path)
+    bundle = rel / "autograder"
+    before = {n: (bundle / n).read_bytes() for n in os.listdir(bundle)}
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    made = {}
+    for k, h in enumerate(course_hostile.HOSTILE, 1):
+        if h.deep is not None and h.kind in kinds:
+            nbformat.write(course_hostile.notebook(h, "tiny", rel, bundle), str(subs / f"h{k:02d}.ipynb"))
+            made[f"h{k:02d}"] = h
+    _sub(subs / "zz_good.ipynb", "def scale(x):\n    return x * 2\n")
+    solution = nbformat.read(str(bundle / "solution.ipynb"), as_version=4)
+    nbformat.write(nbformat.read(str(rel / "student" / "tiny.ipynb"), as_version=4), str(subs / "zz_untouched.ipynb"))
+    env_probe = ("import os\ndef scale(x):\n    raise AssertionError('ENV ' + repr([os.environ.get(k) for k in "
+                 "('HOME', 'TMPDIR', 'XDG_CACHE_HOME', 'FLASHNB_PTX_CACHE', 'FLASHNB_COURSE_CACHE', "
+                 "'GRADER_SECRET_TOKEN')] + [os.getcwd()]))\n")
+    _sub(subs / "zz_env.ipynb", env_probe)
+    assert solution is not None
+    lines = []
+    graded = {g["student"]: g for g in grade.grade(bundle, subs, tmp_path / "out" / "scores.csv", screen=False,
+                                                   work_dir=tmp_path / "work", progress=lines.append, jobs=2)}
+    for stem, h in made.items():
+        g = graded[stem]
+        text = "\n".join(g["problems"] + [r["message"] for r in g["results"]])
+        assert sum(r["earned"] for r in g["results"]) == 0, (h.kind, text[:600])
+        assert h.deep in text, (h.kind, h.deep, text[:600])
+    assert sum(r["earned"] for r in graded["zz_good"]["results"]) == 7, graded["zz_good"]["results"]
+    assert sum(r["earned"] for r in graded["zz_untouched"]["results"]) == 0
+    assert {n: (bundle / n).read_bytes() for n in os.listdir(bundle)} == before      # restored from memory
+    assert _orphans() == []
+    msg = graded["zz_env"]["results"][0]["message"]
+    values = json.loads(msg.split("ENV ", 1)[1].splitlines()[0].replace("'", '"').replace("None", "null"))
+    assert values[5] is None, values                                       # the grader's environment stays out
+    assert all(v.startswith(str(tmp_path / "work" / "zz_env" / "sub-")) for v in values[:5] + values[6:]), values
+    assert [ln.split(":")[0] for ln in lines] == sorted(graded)            # progress in the students' order
+    return graded
+
+
+def test_layers_behind_the_screen_stop_each_attack_and_spare_the_others(tmp_path, monkeypatch):
+    _deep(tmp_path, monkeypatch, DEEP_IN_CI)
+
+
+@pytest.mark.slow
+def test_every_deep_attack_is_stopped_behind_the_screen(tmp_path, monkeypatch):
+    _deep(tmp_path, monkeypatch, {h.kind for h in course_hostile.HOSTILE})
+
+
+def test_limits_score_what_they_stop_and_the_batch_goes_on(tmp_path):
+    rel = _tiny(tmp_path, LIMITED, "limited")
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    _sub(subs / "a_limits.ipynb", "import numpy as np\ndef f(x):\n    if x == 2:\n        np.ones(1 << 30)\n"
+         "    if x == 3:\n        print('x' * (3 << 20))\n    if x == 4:\n        raise SystemExit(0)\n"
+         "    return x + 1\n")
+    _sub(subs / "b_burn.ipynb", "def f(x):\n    while x == 2:\n        pass\n    return x + 1\n")
+    _sub(subs / "c_good.ipynb", "def f(x):\n    return x + 1\n")
+    limits = grade.Limits(cpu_s=2.5, output_mib=1)
+    res = {g["student"]: {r["id"].split(": ")[1]: r for r in g["results"]}
+           for g in grade.grade(rel / "autograder", subs, tmp_path / "scores.csv", limits=limits,
+                                progress=lambda *_: None)}
+    lim = res["a_limits"]
+    assert [r["earned"] for r in lim.values()] == [1, 0, 0, 0, 1], {k: r["message"] for k, r in lim.items()}
+    assert lim["two"]["status"] == "limit" and "memory limit" in lim["two"]["message"]
+    assert lim["three"]["status"] == "output" and "more than 1 MiB" in lim["three"]["message"]
+    assert lim["four"]["status"] == "error" and "SystemExit" in lim["four"]["message"]
+    burn = res["b_burn"]
+    assert [r["earned"] for r in burn.values()] == [1, 0, 0, 0, 0]
+    assert burn["two"]["status"] == "cpu" and "CPU limit" in burn["two"]["message"]
+    assert burn["three"]["status"] == "limit" and "CPU-seconds" in burn["three"]["message"]
+    assert [r["earned"] for r in res["c_good"].values()] == [1] * 5
+
+
+def test_jobs_change_nothing_but_the_time(tmp_path, capsys):
+    from flashnb import cli
+
+    rel = _tiny(tmp_path)
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    _sub(subs / "d_good.ipynb", "def scale(x):\n    return 2 * x\n")
+    _sub(subs / "c_half.ipynb", "def scale(x):\n    return x + x if isinstance(x, int) else x\n")
+    _sub(subs / "b_refused.ipynb", "import os\ndef scale(x):\n    return 2 * x\n")
+    _sub(subs / "a_broken.ipynb", "def scale(x)\n    return 2 * x\n")
+    rows, lines = {}, {}
+    for jobs in (1, 3):
+        lines[jobs] = []
+        if jobs == 1:
+            grade.grade(rel / "autograder", subs, tmp_path / f"j{jobs}" / "scores.csv", progress=lines[jobs].append)
+        else:                                   # the command line, as an instructor runs it
+            assert cli.main(["course", "grade", str(rel / "autograder"), str(subs), "--out",
+                             str(tmp_path / f"j{jobs}" / "scores.csv"), "--jobs", str(jobs)]) == 0
+            lines[jobs] = [ln for ln in capsys.readouterr().out.splitlines() if ln.split(":")[0] in
+                           ("a_broken", "b_refused", "c_half", "d_good")]
+        rows[jobs] = [{k: v for k, v in r.items() if k != "cpu_seconds"}
+                      for r in csv.DictReader(open(tmp_path / f"j{jobs}" / "scores.csv"))]
+        feedback = sorted(p.name for p in (tmp_path / f"j{jobs}" / "feedback").iterdir())
+        assert feedback == ["a_broken.txt", "b_refused.txt", "c_half.txt", "d_good.txt"]
+    assert rows[1] == rows[3]
+    assert [r["student"] for r in rows[3]] == ["a_broken", "b_refused", "c_half", "d_good"]
+    assert [float(r["autograded"]) for r in rows[3]] == [0, 0, 2, 7]
+    assert [ln.split(":")[0] for ln in lines[3]] == ["a_broken", "b_refused", "c_half", "d_good"]
+    assert cli.main(["course", "grade", str(rel / "autograder"), str(subs), "--jobs", "0"]) == 2
+
+
+def test_a_bundle_changed_since_its_release_is_refused(tmp_path):
+    rel = _tiny(tmp_path)
+    grade.Bundle(rel / "autograder")
+    tests = rel / "autograder" / "tests.py"
+    tests.write_text(tests.read_text() + "\n# changed\n")
+    with pytest.raises(grade.BundleError, match="does not match the hash"):
+        grade.Bundle(rel / "autograder")
+    (rel / "autograder" / "hashes.json").unlink()
+    with pytest.raises(grade.BundleError, match="no hashes.json"):
+        grade.Bundle(rel / "autograder")
+
+
+def test_gradescope_autograder_runs_on_a_submission_laid_out_as_gradescope_does(tmp_path):
+    from flashnb import cli
+
+    rel = _tiny(tmp_path)
+    assert cli.main(["course", "gradescope", str(rel / "autograder"), "--out", str(tmp_path / "autograder.zip"),
+                     "--install", "flashnb[course]==0.1.0"]) == 0
+    root = tmp_path / "autograder"                       # Gradescope: /autograder/{source,submission,results}
+    with zipfile.ZipFile(tmp_path / "autograder.zip") as z:
+        names = sorted(z.namelist())
+        assert names == ["bundle/hashes.json", "bundle/manifest.json", "bundle/setup.py", "bundle/tests.py",
+                         "run_autograder", "setup.sh"]                # no solution.ipynb
+        z.extractall(root / "source")
+        for n in ("run_autograder", "setup.sh"):
+            os.chmod(root / "source" / n, (z.getinfo(n).external_attr >> 16) & 0o777)
+    assert "flashnb[course]==0.1.0" in (root / "source" / "setup.sh").read_text()
+    (root / "submission").mkdir(parents=True)
+    _sub(root / "submission" / "tiny_jane.ipynb", "def scale(x):\n    return x * 2 if isinstance(x, int) else x\n")
+    (root / "run_autograder").write_bytes((root / "source" / "run_autograder").read_bytes())   # as Gradescope does
+    os.chmod(root / "run_autograder", 0o755)
+    env = dict(os.environ, AUTOGRADER_ROOT=str(root), FLASHNB_PYTHON=sys.executable)
+    proc = subprocess.run([str(root / "run_autograder")], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads((root / "results" / "results.json").read_text())
+    tests = {t["name"]: t for t in out["tests"]}
+    assert list(tests) == ["q1: an array", "q1: a number", "q1: hidden"]
+    assert [(t["score"], t["max_score"]) for t in tests.values()] == [(0, 1), (2, 2), (0, 4)]
+    assert [t["visibility"] for t in tests.values()] == ["visible", "visible", "after_published"]
+    assert "differ from the float64 reference" in tests["q1: an array"]["output"]
+    assert tests["q1: a number"]["output"] == "passed" and out["stdout_visibility"] == "hidden"
