@@ -190,7 +190,31 @@ def _check_options(entry, impl: str, options: dict, q, k) -> dict:
             getattr(options.get("block_mask"), "mask_mod", None) is not None:
         if options.get("heads") is None:
             options = dict(options, heads=q.shape[-3] if q.ndim >= 3 else 1)
+        if entry.mask_tiles is not None:
+            options = _surface_modifiers(entry, options, q, k)
     return options
+
+
+def _surface_modifiers(entry, options: dict, q, k) -> dict:
+    """For an impl whose kernels take ``mask_mod`` only through its block mask (``Impl.mask_tiles``, e.g.
+    ``"flash"``): the modifiers checked for a GPU here (:func:`flashnb.flex.check_modifiers`: before any launch),
+    and ``mask_mod``'s block mask built here (:func:`flashnb.flex.create_block_mask` at the impl's mask tiles) when
+    none is given.  Shared by this API and :mod:`flashnb.torch`."""
+    from . import flex
+
+    mask_mod = options.get("mask_mod")
+    bm_mod = getattr(options.get("block_mask"), "mask_mod", None)
+    flex.check_modifiers(score_mod=options.get("score_mod"), mask_mod=mask_mod if mask_mod is not None else bm_mod,
+                         score_mod_grad=options.get("score_mod_grad"))
+    if mask_mod is None or options.get("block_mask") is not None:
+        return options
+    H = options["heads"]
+    BH = math.prod(q.shape[:-2])
+    if BH % H:
+        raise ValueError(f"heads={H} must divide batch·heads = {BH} (q's leading axes)")
+    t = entry.mask_tiles(q.shape[-1], Br=options.get("Br"), Bc=options.get("Bc"))
+    return dict(options, block_mask=flex.create_block_mask(mask_mod, BH // H, H, q.shape[-2], k.shape[-2], Br=t["Br"],
+                                                           Bc=t["Bc"]))
 
 
 def _check_qkv(q, k, v):
@@ -444,9 +468,10 @@ def _mask_rows(entry, options: dict, BH: int, Nq: int, Nk: int, d: int, causal: 
     elif full is None and options.get("block_mask") is not None:
         from . import fa2
         from .fa2 import BlockMask
+        from .kernels import flash
 
         bm = options["block_mask"]
-        if isinstance(bm, fa2.PreparedMask):
+        if isinstance(bm, (fa2.PreparedMask, flash.PreparedMask)):
             blocks = (bm.M.copy_to_host().astype(bool), bm.tiles["Br"], bm.tiles["Bc"])
         else:
             if not isinstance(bm, BlockMask):   # a plain array is read at the forward's tiles (fa2.block_tiles)

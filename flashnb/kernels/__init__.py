@@ -6,3 +6,5 @@
 * :mod:`flashnb.kernels.flash` -- the forward and backward kernels, their launchers and traffic models, and
   ``impl="flash"``.
 """
+
+from . import blocks, flash, policies  # noqa: F401  (flash registers impl="flash")
