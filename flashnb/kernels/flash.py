@@ -176,10 +176,10 @@ def _fit(direction, t, within, given):
             raise ValueError(f"block_mask was built for tiles Br={mBr}, Bc={mBc}: the flash {direction} kernel needs "
                              f"{name} a multiple of {s} dividing {m}; build the mask for tiles that are")
         t[name] = x
-    if "warps" not in given:             # the most warps (up to the default) the smaller tiles still split into
+    if "warps" not in given:             # the most warps (up to the default) the tiles still split into
         split = t["Br"] if direction == "forward" else t["Bc"]
-        other = 1 if direction == "forward" else t["Br"]
-        t["warps"] = max(w for w in range(1, t["warps"] + 1) if split % (LR * w) == 0 and other % w == 0)
+        t["warps"] = max(w for w in range(1, t["warps"] + 1) if split % (LR * w) == 0
+                         and (direction == "forward" or t["Br"] % w == 0))   # (the backward's warps split dQ_i)
     return t
 
 
