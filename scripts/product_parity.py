@@ -108,7 +108,7 @@ def sass_rows(d: int = 64, features=None, causal: bool = False, stage6: bool = T
                    stage6_loops=matmul_loops(s6) if s6 else None,
                    hot_lds=s.load_widths(hot), local=mix["ldl"] + mix["stl"], stack=r.stack_bytes,
                    spills=r.spill_store_bytes + r.spill_load_bytes, registers=r.registers,
-                   instructions=len(s.instructions), stage6_instructions=len(s6.instructions))
+                   instructions=len(s.instructions), stage6_instructions=len(s6.instructions) if s6 else None)
         row["only_lds128"] = set(row["hot_lds"]) <= {128}
         if feature == "none":
             row["ok"] = (abs(row["hot_ffma"] - row["stage6_hot_ffma"]) <= NOOP_POINTS and row["loops"] == row[

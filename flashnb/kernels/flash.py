@@ -22,13 +22,16 @@ off (with all of them off the kernels are stage 6's):
 * **Nq != Nk**, both causal alignments (``causal=True`` / ``"lower_right"``, ``"upper_left"``), any ``d <= 128``.
 
 The forward reads K_j, V_j once per (query head, Q block): under GQA the query heads of a group stream the same
-(smaller) K/V tensors, each with its own blocks, as stage 4 does -- sharing one K/V tile between the group's heads
-inside a block would need a block's rows to span heads, whose per-head block-mask states and tile counts the
-three-state loop does not have.
+(smaller) K/V tensors, each with its own blocks, as stage 4 does.  A block whose ``Br`` rows were the group's ``G``
+heads at ``Br/G`` query positions would load each K/V tile once for the group, but it reads exactly as many K/V
+elements whenever ``Br`` divides ``Nq`` (each block still holds ``Br`` rows), and its rows would span heads whose
+block-mask states differ; where the sharing pays -- a few queries against a long cache -- flash-decoding
+(:mod:`flashnb.decode`, ``impl="flash-decoding"``) reads each K/V chunk once per group.
 
 Kernels (``flashnb inspect``/``flashnb sass``): ``"flash.forward"``, ``"flash.preprocess"``, ``"flash.backward"``,
-``"flash.convert"``.  Traffic models equal to the counter: :func:`model_forward`, :func:`model_backward` (elements),
-:func:`model_bytes` (bytes at a storage).  The SASS time model's inputs: :func:`sass_config`, :func:`sass_shape`,
+``"flash.convert"``.  Traffic models equal to the counter (:mod:`flashnb.kernels.models`, re-exported here):
+:func:`model_forward`, :func:`model_backward` (elements), :func:`model_bytes` (bytes at a storage).  Tiles and block
+masks on them: :mod:`flashnb.kernels.tiles`.  The SASS time model's inputs: :func:`sass_config`, :func:`sass_shape`,
 :func:`launch_order`.
 """
 
@@ -36,12 +39,10 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, field
 
 import numpy as np
 from numba import cuda, float32, uint32
 
-from .. import fa2
 from ..common import (
     NEG_INF,
     ONE,
@@ -49,7 +50,6 @@ from ..common import (
     allow_dynamic_shared,
     causal_diag,
     cdiv,
-    check_shared_fit,
     check_storage,
     empty,
     launch,
@@ -61,8 +61,22 @@ from ..common import (
 )
 from ..registry import kernel_factory, register_impl
 from . import blocks, policies
-from .blocks import LC, LR, PAD, VEC, bwd_geometry, bwd_shared_bytes, geometry, needs_dynamic, shared_bytes
+from .blocks import LC, LR, PAD, VEC, bwd_geometry, geometry, needs_dynamic, shared_bytes
+from .models import itemsizes, model_backward, model_bytes, model_forward, tiles_visited  # noqa: F401  (the impl's)
 from .policies import EMPTY, FULL, PARTIAL, python_modifier
+from .tiles import (  # noqa: F401  (the impl's tiles and block masks)
+    DESIGN_OPTIN_BYTES,
+    PreparedMask,
+    _device_mask,
+    _dynamic_bytes,
+    _launch_mask,
+    _mask_at_tiles,
+    _tiles,
+    bwd_default_tiles,
+    default_tiles,
+    mask_tiles,
+    prepare_block_mask,
+)
 
 __all__ = ["make_forward", "make_backward", "make_preprocess", "make_convert", "forward", "backward",
            "default_tiles", "bwd_default_tiles", "mask_tiles", "prepare_block_mask", "PreparedMask", "tiles_visited",
@@ -95,119 +109,6 @@ def _pre_sig(storage="float32", **_):
 
 def _convert_sig(storage="float16", **_):
     return f"void({_A3}, {storage_array_type(storage)})"
-
-
-# --------------------------------------------------------------------------- tiles
-
-# Stage 6's tiles (flashnb.fa2_fast: chosen by the SASS mix, ptxas's registers and the SASS time model), per
-# head-dim class; d = 128's forward default needs dynamic shared memory (100,352 B), the static table is the
-# fallback where a device refuses it.
-_FWD = {32: dict(Br=64, Bc=32, warps=2), 64: dict(Br=64, Bc=32, warps=2), 128: dict(Br=64, Bc=64, warps=4)}
-_FWD_STATIC = {32: dict(Br=64, Bc=32, warps=2), 64: dict(Br=64, Bc=32, warps=2), 128: dict(Br=24, Bc=32, warps=2)}
-_BWD = {32: dict(Br=32, Bc=32, warps=2), 64: dict(Br=32, Bc=32, warps=2), 128: dict(Br=16, Bc=24, warps=2)}
-# With a score_mod the forward's tiles hold at most 16 scores per lane (TM·TN <= 16): score_mod is inlined once per
-# score, and at 32 per lane a long one (tanh soft-capping) makes the compiler stop unrolling the tile's register
-# code, which then lives in local memory.  (The backward's defaults hold 16 and 6.)
-_FWD_SCORED = {32: dict(Br=32, Bc=32, warps=2), 64: dict(Br=32, Bc=32, warps=2), 128: dict(Br=64, Bc=32, warps=4)}
-#: Opt-in limit the defaults are chosen against (sm_80's 163 KiB, the smaller of sm_80 and sm_90).
-DESIGN_OPTIN_BYTES = 163 * 1024
-#: What the last :func:`forward` ran with: ``dict(d=, Br=, Bc=, warps=, dynamic=, shared_bytes=, fallback=)``.
-last_forward: dict = {}
-
-
-def _table(table, d):
-    for dmax in sorted(table):
-        if d <= dmax:
-            return dict(table[dmax])
-    raise ValueError(f"head dim d must be <= {max(table)}, got {d}")
-
-
-def default_tiles(d: int, static: bool = False, score_mod: bool = False) -> dict:
-    """The forward's default ``Br, Bc, warps`` at head dim ``d`` (stage 6's); ``static``: the largest within 48 KiB
-    of static shared memory (the fallback when a device refuses dynamic shared memory); ``score_mod``: at most 16
-    scores per lane (a score_mod is inlined once per score: see ``_FWD_SCORED``)."""
-    return _table(_FWD_STATIC if static else _FWD_SCORED if score_mod else _FWD, d)
-
-
-def bwd_default_tiles(d: int) -> dict:
-    """The backward's default ``Br, Bc, warps`` (Alg. 2's names: ``Br`` query rows per Q tile, ``Bc`` keys per
-    block)."""
-    return _table(_BWD, d)
-
-
-def mask_tiles(d: int) -> dict:
-    """The block size a plain boolean ``block_mask`` array is read at (without ``Br``/``Bc`` options), and that the
-    user surfaces build a ``mask_mod``'s block mask at: ``Br × Bc`` = 64 × 32 up to d = 64, 32 × 32 at d = 128 --
-    FA2's forward tiles (:func:`flashnb.fa2.default_tiles`), so one mask array means the same blocks to every impl.
-    The kernels run at tiles that divide it."""
-    t = fa2.default_tiles(d)
-    return dict(Br=t["Br"], Bc=t["Bc"])
-
-
-def _option(name, value):
-    if value is None:
-        return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be a positive int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
-
-
-def _largest_divisor(n: int, cap: int, step: int) -> int | None:
-    """The largest ``x <= cap`` dividing ``n`` that is a multiple of ``step`` (None if there is none)."""
-    return next((x for x in range(cap - cap % step, 0, -step) if n % x == 0), None)
-
-
-def _fit(direction, t, within, given):
-    """Tiles ``t`` made to divide the block mask's ``within = (mBr, mBc)`` (each tile inside one mask block): a given
-    tile must divide it (ValueError naming both), a default one shrinks to the largest divisor the layout allows."""
-    mBr, mBc = within
-    step = {"forward": (LR, LC), "backward": (LC, LR)}[direction]
-    for name, m, s in (("Br", mBr, step[0]), ("Bc", mBc, step[1])):
-        if m % t[name] == 0:
-            continue
-        if name in given:
-            raise ValueError(f"block_mask was built for tiles Br={mBr}, Bc={mBc}; the flash {direction} tiles "
-                             f"Br={t['Br']}, Bc={t['Bc']} must divide them: build the mask for these tiles or pass "
-                             f"Br, Bc that divide {mBr}, {mBc}")
-        x = _largest_divisor(m, t[name], s)
-        if x is None:
-            raise ValueError(f"block_mask was built for tiles Br={mBr}, Bc={mBc}: the flash {direction} kernel needs "
-                             f"{name} a multiple of {s} dividing {m}; build the mask for tiles that are")
-        t[name] = x
-    if "warps" not in given:             # the most warps (up to the default) the tiles still split into
-        split = t["Br"] if direction == "forward" else t["Bc"]
-        t["warps"] = max(w for w in range(1, t["warps"] + 1) if split % (LR * w) == 0
-                         and (direction == "forward" or t["Br"] % w == 0))   # (the backward's warps split dQ_i)
-    return t
-
-
-def _tiles(direction, d, Br, Bc, warps, within=None, *, optin=DESIGN_OPTIN_BYTES, static=False, scored=False):
-    """Validated tiles of a launch: the defaults (``static``: the forward's static ones; ``scored``: a score_mod's)
-    overridden by the options, made to divide a block mask's tiles ``within``; the forward's get ``dynamic`` (more
-    than 48 KiB: dynamic shared memory up to ``optin``, more is a ValueError naming tiles and limit), the
-    backward's must fit 48 KiB."""
-    given = {n: _option(n, v) for n, v in (("Br", Br), ("Bc", Bc), ("warps", warps)) if v is not None}
-    t = dict(default_tiles(d, static, scored) if direction == "forward" else bwd_default_tiles(d), **given)
-    if within is not None:
-        t = _fit(direction, t, within, given)
-    what = f"Br={t['Br']}, Bc={t['Bc']} at d={d}"
-    if direction == "forward":
-        geometry(t["Br"], t["Bc"], d, t["warps"])
-        check_shared_fit("flash forward", what, shared_bytes(t["Br"], t["Bc"], d, t["warps"]), "choose smaller Br/Bc",
-                         optin=optin)
-        t["dynamic"] = needs_dynamic(t["Br"], t["Bc"], d, t["warps"])
-    else:
-        bwd_geometry(t["Br"], t["Bc"], d, t["warps"])
-        check_shared_fit("flash backward", what, bwd_shared_bytes(t["Br"], t["Bc"], d, t["warps"]),
-                         "choose smaller Br/Bc")
-    return t
-
-
-def _dynamic_bytes(Br, Bc, d, warps, dynamic=False, **_):
-    """Dynamic shared memory a forward launch of this configuration asks for (0 for a static kernel)."""
-    return shared_bytes(Br, Bc, d, warps) if dynamic else 0
 
 
 # --------------------------------------------------------------------------- the PTX guard's configurations
@@ -522,72 +423,6 @@ def make_convert(storage="float16"):
     return flash_convert_dq
 
 
-# --------------------------------------------------------------------------- block masks at the kernel's tiles
-
-
-@dataclass(frozen=True)
-class PreparedMask:
-    """A block mask mapped onto one launch's tiles and copied to the device (:func:`prepare_block_mask`): pass it as
-    ``block_mask=`` to reuse it without host work per call (e.g. outside a timed loop)."""
-
-    direction: str
-    tiles: dict = field(hash=False)
-    M: object = field(hash=False, repr=False)
-    shape: tuple = ()          # (BH, Nq, Nk, d) it was prepared for
-    mask_mod: object = None    # the mask_mod of a block mask from flashnb.flex.create_block_mask
-    partial: bool = False      # whether M has PARTIAL tiles (mask_mod per element)
-
-
-def _as_block_mask(block_mask, d, Br, Bc):
-    """``block_mask`` as a :class:`flashnb.fa2.BlockMask`: a plain boolean array is read at the ``Br``, ``Bc`` options,
-    else at :func:`mask_tiles` ``(d)``."""
-    if isinstance(block_mask, fa2.BlockMask):
-        return block_mask
-    t = mask_tiles(d)
-    return fa2.BlockMask(np.asarray(block_mask), Br=t["Br"] if Br is None else Br, Bc=t["Bc"] if Bc is None else Bc)
-
-
-def _mask_at_tiles(direction, d, Br, Bc, warps, block_mask, BH, Nq, Nk, optin=DESIGN_OPTIN_BYTES, static=False,
-                   scored=False):
-    """``(tiles, M or None, mask_mod)``: the launch's tiles (dividing the block mask's) and the mask's tile states at
-    them, uint8 ``(BH, ceil(Nq/Br), ceil(Nk/Bc))`` -- asked of the mask itself (:meth:`BlockMask.at_tiles`: a
-    ``mask_mod``'s mask recomputes its states at the finer tiles, a plain one repeats its entries)."""
-    if block_mask is None:
-        return _tiles(direction, d, Br, Bc, warps, optin=optin, static=static, scored=scored), None, None
-    bm = _as_block_mask(block_mask, d, Br, Bc)
-    bm.check(Nq, Nk, BH=BH)
-    t = _tiles(direction, d, Br, Bc, warps, (bm.Br, bm.Bc), optin=optin, static=static, scored=scored)
-    return t, bm.at_tiles(t["Br"], t["Bc"], Nq, Nk, BH), bm.mask_mod
-
-
-def _device_mask(M):
-    """M on the device; dense kernels get a 1x1x1 placeholder they never read."""
-    if M is None:
-        return cuda.device_array((1, 1, 1), dtype=np.uint8)
-    return cuda.to_device(np.ascontiguousarray(M, dtype=np.uint8))
-
-
-def prepare_block_mask(block_mask, *, direction, BH, Nq, Nk, d, Br=None, Bc=None, warps=None) -> PreparedMask:
-    """The block mask mapped onto the ``direction``'s tiles and copied to the device, once."""
-    if block_mask is None:
-        raise ValueError("block_mask is required")
-    t, M, mask_mod = _mask_at_tiles(direction, d, Br, Bc, warps, block_mask, BH, Nq, Nk)
-    return PreparedMask(direction, t, _device_mask(M), (BH, Nq, Nk, d), mask_mod, bool((M == PARTIAL).any()))
-
-
-def _launch_mask(direction, d, Br, Bc, warps, block_mask, BH, Nq, Nk, **kw):
-    """``(tiles, device M or None, mask_mod, partial)`` of a launch: from nothing, a mask, or a prepared mask."""
-    if isinstance(block_mask, PreparedMask):
-        if block_mask.direction != direction or block_mask.shape != (BH, Nq, Nk, d):
-            raise ValueError(f"block_mask was prepared for the {block_mask.direction} of (BH, Nq, Nk, d) = "
-                             f"{block_mask.shape}, not the {direction} of {(BH, Nq, Nk, d)}")
-        return dict(block_mask.tiles), block_mask.M, block_mask.mask_mod, block_mask.partial
-    t, M, mask_mod = _mask_at_tiles(direction, d, Br, Bc, warps, block_mask, BH, Nq, Nk, **kw)
-    if M is None:
-        return t, None, None, False
-    return t, _device_mask(M), mask_mod, bool((M == PARTIAL).any())
-
-
 # --------------------------------------------------------------------------- launchers
 
 
@@ -750,131 +585,6 @@ register_impl("flash", stage="product",
                        "seed", "storage"),
               gqa=True, mask_tiles=lambda d, Br=None, Bc=None: dict(mask_tiles(d), **{
                   n: v for n, v in (("Br", Br), ("Bc", Bc)) if v is not None}))
-
-
-# --------------------------------------------------------------------------- analytic traffic models
-
-
-def tiles_visited(Nq, Nk, Br, Bc, causal, direction="forward", states=None):
-    """``[(outer, inner, rows, cols), ...]``: the (Q tile, K/V tile) pairs a launch computes for one head, with their
-    valid row and column counts -- forward: outer = Q block i, inner = K/V block j; backward the reverse.  ``states``:
-    the block mask's ``(ceil(Nq/Br), ceil(Nk/Bc))`` tile states at these tiles (``EMPTY`` pairs are left out)."""
-    diag = causal_diag(causal, Nq, Nk)
-    out = []
-    if direction == "forward":
-        for i in range(cdiv(Nq, Br)):
-            n = cdiv(Nk, Bc)
-            if causal:
-                last = min((i + 1) * Br, Nq) - 1 + diag
-                n = min(n, last // Bc + 1) if last >= 0 else 0
-            out += [(i, j, min(Br, Nq - i * Br), min(Bc, Nk - j * Bc)) for j in range(n)]
-    else:
-        for j in range(cdiv(Nk, Bc)):
-            first = j * Bc - diag
-            i_first = first // Br if (causal and first > 0) else 0
-            out += [(j, i, min(Br, Nq - i * Br), min(Bc, Nk - j * Bc)) for i in range(i_first, cdiv(Nq, Br))]
-    if states is not None:
-        ij = (lambda o, n: (o, n)) if direction == "forward" else (lambda o, n: (n, o))
-        out = [tile for tile in out if states[ij(tile[0], tile[1])] != EMPTY]
-    return out
-
-
-def _visited_per_head(direction, Nq, Nk, t, causal, M, BH):
-    """The visited tiles of each of the BH query heads (one list for all when dense) and the pairs whose block-mask
-    entry each warp reads (the causal-limited set: lane 0 of every warp reads ``M`` once per pair)."""
-    checked = tiles_visited(Nq, Nk, t["Br"], t["Bc"], causal, direction)
-    if M is None:
-        return [checked] * BH, 0
-    memo = {}                                          # heads sharing one mask share one list
-    for z in range(BH):
-        key = M[z].tobytes()
-        if key not in memo:
-            memo[key] = tiles_visited(Nq, Nk, t["Br"], t["Bc"], causal, direction, M[z])
-    return [memo[M[z].tobytes()] for z in range(BH)], len(checked)
-
-
-def _launch_model(name, reads, writes, atomics=None, shared_reads=0, shared_writes=0):
-    return dict(launch=name, reads={a: n for a, n in reads.items() if n}, writes={a: n for a, n in writes.items() if n},
-                atomics={a: n for a, n in (atomics or {}).items() if n}, shared_reads=int(shared_reads),
-                shared_writes=int(shared_writes))
-
-
-def model_forward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None, block_mask=None, group=1,
-                  storage="float32", score_mod=None):
-    """Element accesses of :func:`forward` (one launch): Q, O, L once; K_j, V_j once per visited tile; with a block
-    mask, one byte of ``M`` per warp per tile the causal limit lets a block reach (lane 0 reads, the warp shares) and
-    no K/V for ``EMPTY`` tiles.  ``group`` (GQA) changes nothing: every query head's blocks stream their K/V head's
-    tiles.  ``storage`` changes no element count (bytes: :func:`model_bytes`).  Dropout and modifiers move no memory
-    (Philox in registers; captured modifier arrays are constants of the kernel); a ``score_mod`` only changes the
-    default tiles (:func:`default_tiles`).
-
-    Shared, per block: ``Br·Dp`` written (Q_i), then ``Br·Dp`` written and ``rows·d`` read back (O_i staged); per
-    visited tile ``2·Bc·Dp`` written (K_j, V_j) and, per thread, ``Dp·(TM + TN)`` (line 8) and ``Bc·DN`` (line 10)
-    read."""
-    check_storage(storage)
-    positive_int("group", group)
-    t, M, _ = _mask_at_tiles("forward", d, Br, Bc, warps, block_mask, BH, Nq, Nk, scored=score_mod is not None)
-    g = geometry(t["Br"], t["Bc"], d, t["warps"])
-    per_head, checked = _visited_per_head("forward", Nq, Nk, t, causal, M, BH)
-    kv = sum(cols for visited in per_head for _, _, _, cols in visited) * d
-    n = sum(len(visited) for visited in per_head)
-    blocks_ = BH * cdiv(Nq, t["Br"])
-    per_tile_reads = g["threads"] * (g["Dp"] * (g["TM"] + g["TN"]) + t["Bc"] * g["DN"])
-    return [_launch_model("flash forward", {"Q": BH * Nq * d, "K": kv, "V": kv, "M": BH * checked * t["warps"]},
-                          {"O": BH * Nq * d, "L": BH * Nq},
-                          shared_reads=n * per_tile_reads + BH * Nq * d,
-                          shared_writes=2 * blocks_ * t["Br"] * g["Dp"] + n * 2 * t["Bc"] * g["Dp"])]
-
-
-def model_backward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None, block_mask=None, group=1,
-                   storage="float32"):
-    """Element accesses of :func:`backward`: the preprocessing launch (O, dO read; D, dQ = 0 written), then the main
-    launch -- K_j, V_j once per block, i.e. once per *K/V* head (``group`` = BH_q / BH_kv query heads share them: GQA
-    reads K, V and writes dK, dV once per group); Q_i, dO_i, L_i, D_i once per visited tile; ``rows·d`` atomic adds
-    into dQ per visited tile; one byte of ``M`` per warp per reachable pair with a block mask; then, with half
-    ``storage``, dQ read once and dQh written (:func:`make_convert`).
-
-    Shared, per block: ``2·Bc·Dp`` written (K_j, V_j), then ``2·Bc·Dp`` written and ``2·keys·d`` read back (dK_j, dV_j
-    staged).  Per visited tile: ``2·Br·Dp + 2·Br`` written (Q_i, dO_i, L_i, D_i) and ``Br·Bc`` (dS_ij); per thread
-    ``2·Dp·(TM + TN)`` (lines 10, 13), ``2·TN`` (L, D), ``2·Br·DN`` (lines 12, 16) and ``Bc·(TQ + E)`` (line 15)
-    read."""
-    check_storage(storage)
-    BHkv = BH // positive_int("group", group)
-    t, M, _ = _mask_at_tiles("backward", d, Br, Bc, warps, block_mask, BH, Nq, Nk)
-    Br_, Bc_ = t["Br"], t["Bc"]
-    g = bwd_geometry(Br_, Bc_, d, t["warps"])
-    per_head, checked = _visited_per_head("backward", Nq, Nk, t, causal, M, BH)
-    q_rows = sum(rows for visited in per_head for _, _, rows, _ in visited)
-    n = sum(len(visited) for visited in per_head)
-    blocks_ = BHkv * cdiv(Nk, Bc_)
-    pre = _launch_model("D = rowsum(dO∘O)", {"O": BH * Nq * d, "dO": BH * Nq * d}, {"D": BH * Nq, "dQ": BH * Nq * d})
-    per_tile_reads = g["threads"] * (2 * g["Dp"] * (g["TM"] + g["TN"]) + 2 * g["TN"] + 2 * Br_ * g["DN"]
-                                     + Bc_ * (g["TQ"] + g["E"]))
-    main = _launch_model("flash backward",
-                         {"Q": q_rows * d, "K": BHkv * Nk * d, "V": BHkv * Nk * d, "dO": q_rows * d, "L": q_rows,
-                          "D": q_rows, "M": BH * checked * t["warps"]},
-                         {"dK": BHkv * Nk * d, "dV": BHkv * Nk * d}, {"dQ": q_rows * d},
-                         shared_reads=n * per_tile_reads + 2 * BHkv * Nk * d,
-                         shared_writes=blocks_ * 4 * Bc_ * g["Dp"] + n * (2 * Br_ * g["Dp"] + 2 * Br_ + Br_ * Bc_))
-    if storage == "float32":
-        return [pre, main]
-    return [pre, main, _launch_model(f"dQ -> {storage}", {"dQ": BH * Nq * d}, {"dQh": BH * Nq * d})]
-
-
-def itemsizes(storage="float32") -> dict:
-    """Bytes per element of every global array the flash launches touch, by kernel parameter name: Q, K, V, O, dO, dK,
-    dV and the converted dQh in ``storage`` (4 or 2 bytes); L, D and the dQ accumulator always 4; the block mask M 1."""
-    h = storage_dtype(storage).itemsize
-    return dict(Q=h, K=h, V=h, O=h, dO=h, dK=h, dV=h, dQh=h, L=4, D=4, dQ=4, M=1)
-
-
-def model_bytes(model, storage="float32") -> list:
-    """A traffic model (elements) in bytes at ``storage``: per launch ``dict(launch, read_bytes, write_bytes,
-    atomic_bytes)``, each the sum of elements × :func:`itemsizes` (what the traffic counter reports)."""
-    size = itemsizes(storage)
-    return [dict(launch=m["launch"], read_bytes=sum(n * size[a] for a, n in m["reads"].items()),
-                 write_bytes=sum(n * size[a] for a, n in m["writes"].items()),
-                 atomic_bytes=sum(n * size[a] for a, n in m["atomics"].items())) for m in model]
 
 
 # --------------------------------------------------------------------------- the SASS time model's inputs
