@@ -31,7 +31,7 @@ from .reference import F32_MAX, causal_diag
 from .reference import check_causal as _check_causal  # one rule for the API and the reference
 from .reference import check_scale as _check_scale
 from .registry import IMPLS
-from .rng import check_dropout, dropout_uniform_np
+from .rng import check_dropout, dropout_word_np, keep_threshold
 
 __all__ = ["attention", "attention_forward", "attention_backward", "MAX_HEAD_DIM", "SCORE_LIMIT"]
 
@@ -275,6 +275,8 @@ def _resolve_storage(entry, impl: str, storage, arrays: dict) -> str:
     dtypes, or (``None``) float16 for float16 inputs of an impl with half storage, else float32."""
     half_ok = "storage" in entry.options
     dtypes = {name: np.dtype(a.dtype) for name, a in arrays.items()}
+    for name, a in arrays.items():
+        common.check_bfloat16_bits(name, a, storage)
     if storage is None:
         f16 = [name for name, t in dtypes.items() if t == np.float16]
         if not f16 or not half_ok:
@@ -347,8 +349,11 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
     the same one).  Each weight ``P_ij`` is kept with probability ``1 - p`` and scaled by ``1/(1-p)``, decided by
     Philox4x32-10 from ``(seed, batch·head, row, column)`` (:mod:`flashnb.rng`, whose
     ``dropout_keep_np(seed, p, BH, Nq, Nk)`` gives the same mask in NumPy; batch·head is the index in q's
-    flattened leading axes); ``lse`` is the undropped softmax's.  ``dropout_p=0`` is no dropout, for any impl.
-    ``"fa2"`` takes it without attention modifiers; ``"flash"`` with them too.
+    flattened leading axes); ``lse`` is the undropped softmax's.  Precision: an element is kept iff its 32-bit
+    Philox word is ``>= ceil(p·2^32)`` (keep probability within ``2^-32`` of ``1 - p``), and the factor is
+    ``1/(1-p)`` computed in float64 and rounded once to float32 (within ``2^-24``); ``p <= 1 - 2^-32``.
+    ``dropout_p=0`` is no dropout, for any impl.  ``"fa2"`` takes it without attention modifiers; ``"flash"``
+    with them too.
 
     With float32 storage, inputs of any real dtype are converted to float32 (the kernels compute in float32),
     and may be non-contiguous.  Returns ``o`` with q's shape and ``lse`` (log-sum-exp of each scaled score row)
@@ -403,8 +408,14 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale=None,
     q, k, v, o and do (all five float16 for ``storage=None`` to pick float16), and the gradients come back in it
     (``lse`` is float32 whatever the storage; with half storage dq is summed in float32 and rounded once).
     float16 holds at most 65504 in magnitude: a gradient beyond that is a ValueError naming it (use
-    ``storage="float32"``, or scale ``do`` down), never a silent inf.  The ``check_forward`` tolerance on ``o``
-    also allows the storage's rounding (half an ulp: 2^-11 relative in float16, 2^-8 in bfloat16).
+    ``storage="float32"``, or scale ``do`` down), never a silent inf.  Precision with half storage (unit
+    roundoff ``u`` = 2^-11 float16, 2^-8 bfloat16): besides each gradient's own rounding, dq and dk inherit the
+    rounding of the stored o through ``D = rowsum(do ∘ o)`` (as in every FlashAttention): ``δD_i <= u·Σ_c
+    |do_ic·o_ic|``, so ``|δdq_i| <= |scale|·δD_i·Σ_j P_ij |k_j|`` and ``|δdk_j| <= |scale|·Σ_i P_ij δD_i |q_i|``,
+    which scales with ``|v|·|do|·u`` rather than with the gradient (it dominates where ``dP - D`` nearly
+    cancels, e.g. v with a large common offset); dv has no such term; ``storage="float32"`` removes it.  The
+    ``check_forward`` tolerance on ``o`` also allows the storage's rounding (half an ulp: 2^-11 relative in
+    float16, 2^-8 in bfloat16).
 
     Dropout: pass the forward's ``dropout_p`` and ``seed``; the kernels regenerate its mask from them (nothing
     was stored).  Another seed gives gradients of another mask, without error -- except that
@@ -504,6 +515,18 @@ def _mask_rows(entry, options: dict, BH: int, Nq: int, Nk: int, d: int, causal: 
 CHECK_ALL_ROWS = 2048
 
 
+def _mismatch_hint(lse_bad: bool, options: dict) -> str:
+    """What to do about o and lse that are not the forward's.  lse is the *undropped* softmax's, so a right lse
+    with a wrong o is what a dropout forward checked without its dropout arguments (or with other ones) gives."""
+    if lse_bad:
+        return "pass the o and lse that attention_forward returned for the same inputs and options"
+    if not options.get("dropout_p"):
+        return ("lse is right but o is not, as after a forward with dropout: pass attention_backward the forward's "
+                "dropout_p and seed (its o is the dropped output), or the o attention_forward returned")
+    return (f"lse is right but o is not: the mask of dropout_p={options['dropout_p']!r}, seed={options['seed']!r} "
+            "is not the forward's; pass the forward's dropout_p and seed (dropout_p=0 if it had none)")
+
+
 def _check_forward_outputs(entry, q3, k3, v3, o3, lse2, causal, scale, options, rounding=0.0) -> None:
     """Recompute a few rows of ``o`` and ``lse`` in float64 and refuse ones that are not the forward of these
     inputs (see :func:`attention_backward`); ``rounding``: the relative rounding of ``o``'s storage, allowed on top."""
@@ -537,8 +560,8 @@ def _check_forward_outputs(entry, q3, k3, v3, o3, lse2, causal, scale, options, 
                 want_lse = m + math.log(p.sum())
                 w = np.ones(int(ok.sum()))
                 if drop_p:                  # the forward's dropout mask, regenerated as the kernels do
-                    u = dropout_uniform_np(seed, np.uint64(b), np.uint64(i), keys[ok])
-                    w = (u >= float(np.float32(drop_p))) / (1.0 - drop_p)
+                    words = dropout_word_np(seed, np.uint64(b), np.uint64(i), keys[ok])
+                    w = (words >= np.uint64(keep_threshold(drop_p))) / (1.0 - drop_p)
                 want_o = (p * w / p.sum()) @ V[ok]
                 # float32 rounding of a score is at most ~d·eps·|scale|·Σ|q||k| (eps = 1.2e-7, d <= 128): this
                 # tolerance is that bound for d = 128 with a margin of ~60, yet far below what a wrong o / lse gives
@@ -550,6 +573,5 @@ def _check_forward_outputs(entry, q3, k3, v3, o3, lse2, causal, scale, options, 
                 raise ValueError(
                     f"o and lse are not the forward of these q, k, v (causal={causal}, scale={scale:.6g}"
                     f"{', options ' + str(sorted(options)) if options else ''}): at {where} lse is {given_lse:.6g} "
-                    f"(recomputed: {want_lse:.6g}) and o differs by up to {o_err:.3g}; pass the o and lse that "
-                    "attention_forward returned for the same inputs and options (check_forward=False skips this "
-                    "check)")
+                    f"(recomputed: {want_lse:.6g}) and o differs by up to {o_err:.3g}; "
+                    f"{_mismatch_hint(lse_bad, options)} (check_forward=False skips this check)")

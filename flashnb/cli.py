@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import platform
 import sys
+import threading
 
 import numpy as np
 
@@ -194,11 +197,99 @@ def _simulator_only(what: str) -> int | None:
     return None
 
 
-def cmd_sanitize(args) -> int:
-    """Run impls (forward and backward) or a Python script under the sanitizer; exit 1 when it finds errors."""
-    import os
-    import runpy
+class _HardExit(BaseException):
+    """``os._exit(status)`` called by a sanitized script (see :func:`_run_script`)."""
 
+    def __init__(self, status):
+        super().__init__(status)
+        self.status = status
+
+
+@contextlib.contextmanager
+def _trap_hard_exit():
+    """While a script runs under ``flashnb sanitize``: ``os._exit`` in this process's main thread raises
+    :class:`_HardExit` instead of ending the process at once, so the sanitizer's report is still made and printed
+    (the script's ``finally`` blocks run on the way out); a forked child or another thread exits as usual."""
+    real, pid, main = os._exit, os.getpid(), threading.main_thread()
+
+    def trapped(status):
+        if os.getpid() == pid and threading.current_thread() is main:
+            raise _HardExit(status)
+        real(status)
+
+    os._exit = trapped
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
+def _exit_status(code) -> int:
+    """What Python's interpreter makes of ``SystemExit(code)``: None is 0, an int itself, anything else is printed
+    to stderr and is 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _run_script(path: str) -> tuple[int, bool]:
+    """Run ``path`` as ``__main__`` (with ``sys.argv = [path]``) and return ``(status, hard)``: the exit status
+    Python would give the script -- 0 when it ends, ``n`` for ``sys.exit(n)`` or ``raise SystemExit(n)``, 1 after
+    printing the traceback of an uncaught exception (130 for KeyboardInterrupt), ``n`` for ``os._exit(n)`` (then
+    ``hard`` is True) -- without letting any of them leave the sanitizer's ``with`` block before its report.  A
+    launch that memcheck aborts is left to the sanitizer (it is in the report; the script's status stays 0)."""
+    import runpy
+    import traceback
+
+    from .sim.sanitizer import MemcheckError
+
+    argv = sys.argv
+    sys.argv = [path]
+    try:
+        with _trap_hard_exit():
+            runpy.run_path(path, run_name="__main__")
+        return 0, False
+    except SystemExit as exc:
+        return _exit_status(exc.code), False
+    except _HardExit as exc:
+        return int(exc.status), True
+    except MemcheckError:
+        raise                                   # memcheck aborted a launch: the sanitizer reports it
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        return 130, False
+    except Exception:
+        traceback.print_exc()
+        return 1, False
+    finally:
+        sys.argv = argv
+
+
+def _sanitize_target(target: str, impls) -> str | None:
+    """``"impl"``, ``"script"``, or None after printing why ``target`` is neither (a missing file, a directory, an
+    unknown impl name)."""
+    if target in impls:
+        return "impl"
+    if os.path.isfile(target):
+        return "script"
+    if os.path.isdir(target):
+        why = f"{target!r} is a directory; give a Python script"
+    elif target.endswith(".py") or os.sep in target or (os.altsep and os.altsep in target):
+        why = f"no such file: {target!r}"
+    else:
+        why = f"{target!r} is neither an impl ({', '.join(impls)}) nor a Python file"
+    print(f"flashnb sanitize: {why}", file=sys.stderr)
+    return None
+
+
+def cmd_sanitize(args) -> int:
+    """Run impls (forward and backward) or Python scripts under the sanitizer and print each report, however a
+    script ends.  Exit status: 1 when the sanitizer found errors; else the first nonzero exit status of a script
+    (``sys.exit(n)``, an uncaught exception: 1); else 0.  A script that calls ``os._exit(n)`` ends the process
+    with that status policy right after its report (the remaining targets are not run)."""
     from . import api, sim
     from .registry import IMPLS
 
@@ -206,23 +297,30 @@ def cmd_sanitize(args) -> int:
         return code
     tools = tuple(args.tool) if args.tool else sim.sanitizer.TOOLS
     targets = list(IMPLS) if args.target == ["all"] else args.target
-    found = False
-    for target in targets:
+    kinds = [_sanitize_target(t, IMPLS) for t in targets]
+    if None in kinds:
+        return 2
+    found, status = False, 0
+    for target, kind in zip(targets, kinds):
+        code, hard = 0, False
         with sim.sanitize(tools=tools, raise_on_error=False) as report:
-            if target in IMPLS:
+            if kind == "impl":
                 q, k, v, do = _problem(args)
                 o, lse = api.attention_forward(q, k, v, causal=args.causal, impl=target)
                 if IMPLS[target].backward is not None:
                     api.attention_backward(q, k, v, o, lse, do, causal=args.causal, impl=target)
-            elif os.path.isfile(target):
-                runpy.run_path(target, run_name="__main__")
             else:
-                print(f"flashnb sanitize: {target!r} is neither an impl ({', '.join(IMPLS)}) nor a Python file",
-                      file=sys.stderr)
-                return 2
+                code, hard = _run_script(target)
         print(f"{target}: {report}")
         found |= bool(report)
-    return 1 if found else 0
+        if kind == "script" and code != 0:
+            print(f"{target}: the script exited with status {code}", file=sys.stderr)
+            status = status or code
+        if hard:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1 if found else status)
+    return 1 if found else status
 
 
 def profile_rows(impls, *, BH=1, Nq=64, Nk=64, d=32, causal=False, seed=0):
@@ -339,9 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Compile a registered kernel (compile_ptx + ptxas) and disassemble it with "
                                     "nvdisasm: the instruction mix of the whole kernel and of its hot loop.")
     sa.add_argument("kernel", help="a registered kernel name, e.g. fa2.forward (see 'flashnb inspect')")
-    sa.add_argument("--config", default=None, help="its configuration as JSON, e.g. "
-                    "'{\"Br\": 64, \"Bc\": 32, \"warps\": 4, \"d\": 64, \"causal\": false}' (default: the first "
-                    "the PTX guard compiles)")
+    sa.add_argument("--config", default=None, help="its configuration as a JSON object, e.g. "
+                    "'{\"Br\": 64, \"Bc\": 32, \"warps\": 4, \"d\": 64, \"causal\": false}', merged over the "
+                    "default (the first configuration the PTX guard compiles): '{\"d\": 32}' changes d alone")
     sa.add_argument("--cc", default="90", choices=("75", "80", "90"), help="architecture (default 90)")
     sa.add_argument("--hot", action="store_true", help="also print the hot loop's instructions")
     course = sub.add_parser("course", help="graded assignments: make the student release, grade submissions",
@@ -363,9 +461,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def cmd_sass(args) -> int:
+def _kind(value) -> str:
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(type(value), "null")
+
+
+def kernel_config(spec, text: str | None) -> dict:
+    """The configuration ``flashnb sass --config TEXT`` asks for: the JSON object merged over the kernel's default
+    (the first configuration the PTX guard compiles), each given value of its default's JSON type, checked by
+    building the kernel.  ValueError with the usage message otherwise (not JSON, not an object, an unknown key,
+    a value of another type, a value the kernel factory refuses)."""
+    import inspect
     import json
 
+    default = dict(spec.configs[0])
+    if text is None:
+        return default
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--config is not JSON ({exc})") from None
+    if not isinstance(given, dict):
+        raise ValueError(f"--config must be a JSON object of {spec.name}'s options (merged over its default "
+                         f"{json.dumps(default)}), got {text!r}")
+    params = inspect.signature(spec.factory).parameters
+    unknown = sorted(set(given) - set(params))
+    if unknown:
+        raise ValueError(f"--config: {spec.name} has no option(s) {', '.join(map(repr, unknown))}; its options: "
+                         f"{', '.join(params)}")
+    for name, value in given.items():
+        want = default.get(name, params[name].default)
+        ok = isinstance(value, str) or value is None if want is None else \
+            type(value) is type(want) or (type(want) is float and type(value) is int)
+        if want is not inspect.Parameter.empty and not ok:
+            raise ValueError(f"--config: {name} must be {_kind(want)} (as in the default {json.dumps(default)}), "
+                             f"got {json.dumps(value)}")
+    config = {**default, **given}
+    try:
+        spec.signature_for(config)
+        spec.factory(**config)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--config {json.dumps(config)}: {exc}") from None
+    return config
+
+
+def cmd_sass(args) -> int:
     from .registry import KERNELS
     from .sass import sass
 
@@ -374,11 +513,15 @@ def cmd_sass(args) -> int:
               file=sys.stderr)
         return 2
     try:
-        config = json.loads(args.config) if args.config else None
-    except json.JSONDecodeError as exc:
-        print(f"flashnb sass: --config is not JSON ({exc})", file=sys.stderr)
+        config = kernel_config(KERNELS[args.kernel], args.config)
+    except ValueError as exc:
+        print(f"flashnb sass: {exc}", file=sys.stderr)
         return 2
-    s = sass(args.kernel, cc=(int(args.cc[0]), int(args.cc[1])), config=config)
+    try:
+        s = sass(args.kernel, cc=(int(args.cc[0]), int(args.cc[1])), config=config)
+    except RuntimeError as exc:                 # the compile (NVVM, ptxas) or nvdisasm failed: its own message
+        print(f"flashnb sass: {args.kernel} {config} did not compile for sm_{args.cc}: {exc}", file=sys.stderr)
+        return 1
     print(s.table())
     if args.hot:
         print("\n".join(str(i) for i in s.hot_loop))

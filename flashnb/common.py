@@ -34,7 +34,7 @@ __all__ = [
     "CAUSAL_ALIGNMENTS", "causal_diag", "on_stream", "current_stream", "MAX_GRID", "MAX_BLOCK",
     "MAX_THREADS_PER_BLOCK", "check_launch_dims", "OutOfMemory", "available_bytes",
     "STORAGES", "storage_dtype", "storage_array_type", "storage_conversions", "check_storage", "to_bfloat16",
-    "from_bfloat16", "storage_of",
+    "from_bfloat16", "storage_of", "check_bfloat16_bits",
 ]
 
 #: CUDA's launch limits (every compute capability flashnb targets): gridDim.x up to 2^31 - 1, gridDim.y and .z up
@@ -268,6 +268,20 @@ def storage_array_type(storage: str, ndim: int = 3) -> str:
     return f"{_STORAGE_TYPE[check_storage(storage)]}[{', '.join([':'] * (ndim - 1) + ['::1'])}]"
 
 
+def check_bfloat16_bits(name: str, a, storage: str | None, *, half: bool = True) -> None:
+    """uint16 is flashnb's bfloat16 container (:func:`to_bfloat16`), so an array of that dtype is read only as
+    bfloat16 bit patterns, with ``storage="bfloat16"``: anywhere else it is a TypeError naming ``name`` (computed
+    as integers, bit patterns of values near 0.5 would be numbers near 16,000).  ``half``: whether the caller can
+    take ``storage="bfloat16"`` at all (the message says so).  Other integer dtypes are integer values, converted
+    like any real input."""
+    if np.dtype(getattr(a, "dtype", np.float64)) == np.uint16 and storage != "bfloat16":
+        how = "pass storage='bfloat16' to an impl with half storage, or give" if half else "here give"
+        raise TypeError(f"{name} has dtype uint16, which flashnb reads only as bfloat16 bit patterns "
+                        f"(flashnb.common.to_bfloat16), with storage='bfloat16'; {how} the values: "
+                        f"flashnb.common.from_bfloat16({name}) for bit patterns, {name}.astype(np.float32) for "
+                        "integers")
+
+
 def storage_of(a) -> str | None:
     """The storage a device (or NumPy) array's dtype stands for: float32, float16, uint16 -> bfloat16; else None."""
     dtype = np.dtype(getattr(a, "dtype", np.float64))
@@ -277,6 +291,10 @@ def storage_of(a) -> str | None:
 # bfloat16 <-> float32 reinterprets bits.  On a GPU that is libdevice's ``__nv_int_as_float`` /
 # ``__nv_float_as_int`` (a ``mov.b32``: no instruction, no local memory); the simulator runs no libdevice, so there
 # the same two functions are NumPy bit views (the twins below, which the tests also check the kernels against).
+# float32 -> float16 is numba's cast on a GPU; on the simulator a device function that gives the GPU's inf for what
+# rounds past 65504 without NumPy's overflow warning (the float16 gradient check then reports it alone).
+F16_OVERFLOW = 65520.0   # the smallest magnitude float16's round-to-nearest-even takes to inf (65504 + half an ulp)
+
 if runtime.MODE == "gpu":
     from numba.cuda import libdevice
 
@@ -293,6 +311,8 @@ if runtime.MODE == "gpu":
         u = uint32(libdevice.float_as_int(x))
         r = uint32(u + uint32(0x7FFF) + ((u >> uint32(16)) & uint32(1)))   # 32-bit: numba would widen to 64
         return uint16(r >> uint32(16))
+
+    f32_to_f16 = float16                             # numba's cast, cvt.rn.f16.f32 (beyond 65504: inf)
 else:
     @cuda.jit(device=True, inline="always")
     def bf16_to_f32(bits):
@@ -304,11 +324,20 @@ else:
         """float32 -> bfloat16 bits (simulator: :func:`to_bfloat16`)."""
         return to_bfloat16(x)[()]
 
+    @cuda.jit(device=True, inline="always")
+    def f32_to_f16(x):
+        """float32 -> float16 (simulator: NumPy's cast), and at or beyond 65520 (what rounds past 65504) a signed
+        inf as a GPU's ``cvt.rn.f16.f32`` gives -- without the RuntimeWarning NumPy's cast of it prints."""
+        if abs(x) >= F16_OVERFLOW:
+            return np.float16(np.copysign(np.inf, x))
+        return np.float16(x)
+
 
 # float32 storage: ``float32(x)`` of a float32 is no instruction (the float32 kernels' PTX is unchanged, and the
 # simulator pays one NumPy cast, not a device-function call).  float16: numba's casts, ``cvt.f32.f16`` (exact)
-# and ``cvt.rn.f16.f32`` (round to nearest even; beyond 65504 -> inf).  bfloat16: the functions above.
-_CONVERSIONS = {"float32": (float32, float32), "float16": (float32, float16),
+# and ``cvt.rn.f16.f32`` (round to nearest even; beyond 65504 -> inf; f32_to_f16 above on the simulator).
+# bfloat16: the functions above.
+_CONVERSIONS = {"float32": (float32, float32), "float16": (float32, f32_to_f16),
                 "bfloat16": (bf16_to_f32, f32_to_bf16)}
 
 

@@ -50,6 +50,7 @@ from .common import (
     causal_allowed,
     causal_diag,
     cdiv,
+    check_bfloat16_bits,
     check_shared_fit,
     empty,
     launch,
@@ -323,6 +324,7 @@ def _device_rows(name: str, x, heads: int, d: int):
         a = np.asarray(x)
         if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)) or a.dtype == bool:
             raise TypeError(f"{name} must hold real numbers (a float or integer dtype), got dtype {a.dtype}")
+        check_bfloat16_bits(name, a, None, half=False)
         if a.size and not np.all(np.isfinite(a)):
             raise ValueError(f"{name} contains NaN or inf; cache rows must be finite")
         arr = a
@@ -441,18 +443,33 @@ def _check_warps(warps, d, NQ):
     return warps
 
 
-def decode(q, cache: KVCache, *, scale=None, causal=True, num_splits=None, warps=None, gpu=None):
+def _decode_causal(causal, Nq: int):
+    """:func:`decode`'s ``causal``: as given, or (None) False for a single query, where every mask is the same; a
+    ValueError naming ``causal`` for several queries, where the choice changes the answer."""
+    if causal is not None:
+        return causal
+    if Nq > 1:
+        raise ValueError(f"causal: decoding Nq = {Nq} new queries needs causal=True (bottom-right: query i sees the "
+                         "cache up to position length - Nq + i, the new tokens appended last) or causal=False (every "
+                         "query sees the whole cache, as flashnb.attention(..., impl='flash-decoding') does by "
+                         "default); with one query they are the same")
+    return False
+
+
+def decode(q, cache: KVCache, *, scale=None, causal=None, num_splits=None, warps=None, gpu=None):
     """Attention of ``q`` against the first ``cache.length`` positions of ``cache``: ``(O, L)`` device arrays
     ``(BH, Nq, d)`` and ``(BH, Nq)``.
 
     ``q``: NumPy or float32 device array ``(BH, Nq, d)``, ``BH`` a multiple of ``cache.heads`` (grouped-query
     attention: the ``G = BH / cache.heads`` query heads of a K/V head share its blocks), ``d = cache.d <= 128``;
     meant for ``G·Nq <= 8`` (more rows run in blocks of 8 on gridDim.z, each re-reading the cache).
-    ``causal``: True (bottom-right: query ``i`` sees positions ``<= length - Nq + i``), False or
-    ``"upper_left"``.  ``num_splits``: chunks the cache is split into (default :func:`default_splits` for
-    ``gpu``'s SMs: :func:`sm_count`, this GPU's own when None); more splits than tiles leave some splits
-    empty, which is allowed.  ``warps``: per split block (default :func:`default_warps`); K/V tiles are
-    ``32·warps`` keys."""
+    ``causal``: True (bottom-right: query ``i`` sees positions ``<= length - Nq + i``, the new tokens appended
+    last), False or ``"upper_left"``.  With one query (``Nq = 1``) every choice is the same mask and ``causal``
+    may be left out; with more it must be given: ``flashnb.attention(..., impl="flash-decoding")`` is False by
+    default, like every impl, while decoding new tokens wants True, so no default serves both.
+    ``num_splits``: chunks the cache is split into (default :func:`default_splits` for ``gpu``'s SMs:
+    :func:`sm_count`, this GPU's own when None); more splits than tiles leave some splits empty, which is
+    allowed.  ``warps``: per split block (default :func:`default_warps`); K/V tiles are ``32·warps`` keys."""
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a flashnb.decode.KVCache, got {type(cache).__name__}")
     if cache.length < 1:
@@ -468,7 +485,7 @@ def decode(q, cache: KVCache, *, scale=None, causal=True, num_splits=None, warps
     if d > 128:
         raise ValueError(f"head dim d must be <= 128, got {d}")
     s = check_scale(scale, d)
-    causal = check_causal(causal, Nq, cache.length)
+    causal = check_causal(_decode_causal(causal, Nq), Nq, cache.length)
     NQ, row_blocks = _row_blocks(Nq, G)
     warps = _check_warps(warps, d, NQ)
     Bc = WARP * warps
@@ -647,8 +664,8 @@ def measure_gpu(BH: int = 8, length: int = 32768, d: int = 128, Nq: int = 1, spl
     with poisoning(False):                           # time the kernels, not the NaN fill of fresh outputs
         for S in splits:
             S_used = default_splits(BH, Nq, length, d, gpu=None) if S is None else S
-            timing = bench.time_call(lambda: decode(q, cache, scale=scale, num_splits=S_used), repeats=repeats,
-                                     warmup=warmup, info=info, flops=flops)
+            timing = bench.time_call(lambda: decode(q, cache, scale=scale, causal=True, num_splits=S_used),
+                                     repeats=repeats, warmup=warmup, info=info, flops=flops)
             blocks = launch_blocks(BH, Nq, length, d, num_splits=S_used)
             out.append(timing.row(impl="flash-decoding", num_splits=S_used, heuristic=S is None, BH=BH, Nq=Nq,
                                   length=length, d=d, blocks=sum(blocks.values()),

@@ -64,7 +64,7 @@ from .common import (
     storage_of,
 )
 from .registry import kernel_factory, register_impl
-from .rng import check_dropout, dropout_scale, split_seed
+from .rng import check_dropout, dropout_kernel_args, dropout_scale
 
 __all__ = ["BlockMask", "PreparedMask", "prepare_block_mask",
            "make_forward", "make_preprocess", "make_backward", "forward", "backward", "model_forward",
@@ -77,7 +77,7 @@ LC = 8                 # lanes of a warp along the columns (key columns of S, he
 FULL_MASK = 0xFFFFFFFF  # every lane takes part in every shuffle (no divergence around them)
 PRE_WARPS = 4          # preprocessing kernel: one warp per query row, 4 rows per thread block
 EMPTY, FULL, PARTIAL = 0, 1, 2   # block-mask entries: skip the tile / no per-element work / apply mask_mod
-NO_SEED = uint32(0)    # the seed halves a kernel without dropout passes on (never used)
+NO_SEED = uint32(0)    # the threshold and seed halves a kernel without dropout passes on (never used)
 
 _A3 = "float32[:, :, ::1]"
 _A2 = "float32[:, ::1]"
@@ -106,7 +106,7 @@ def _convert_sig(storage="float16", **_):
 
 
 _FWD_SIG, _PRE_SIG, _BWD_SIG = _fwd_sig(), _pre_sig(), _bwd_sig()   # the float32 kernels' signatures
-_DROPOUT_ARGS = ", float32, uint32, uint32)"   # dropout=True: dropout_p, seed_lo, seed_hi appended
+_DROPOUT_ARGS = ", uint32, float32, uint32, uint32)"   # dropout=True: threshold, inv_keep, seed_lo, seed_hi appended
 
 
 def _with_dropout(signature):
@@ -188,7 +188,7 @@ def _flex_module():
     return _FLEX
 
 
-_DEVICE_FNS: dict = {}
+_DEVICE_FNS: dict = {}   # Python function -> its device function, least recently used first (bounded, see below)
 
 
 def python_modifier(fn):
@@ -204,13 +204,18 @@ def python_modifier(fn):
 
 def device_modifier(fn):
     """``fn`` compiled as an inlined device function, one per Python function (so every kernel that uses it
-    shares it); ``None`` stays ``None``."""
+    shares it; a :func:`flashnb.flex.snapshot` brings its frozen copy); ``None`` stays ``None``.  The
+    :data:`~flashnb.registry.KERNEL_CACHE_SIZE` most recently used are kept."""
+    from .registry import KERNEL_CACHE_SIZE
+
     if fn is None:
         return None
     fn = python_modifier(fn)
-    if fn not in _DEVICE_FNS:
-        _DEVICE_FNS[fn] = cuda.jit(device=True, inline="always")(fn)
-    return _DEVICE_FNS[fn]
+    dev = _DEVICE_FNS.pop(fn, None) or cuda.jit(device=True, inline="always")(fn)
+    _DEVICE_FNS[fn] = dev                            # (re)inserted last: the most recently used
+    while len(_DEVICE_FNS) > KERNEL_CACHE_SIZE:
+        del _DEVICE_FNS[next(iter(_DEVICE_FNS))]
+    return dev
 
 
 @cuda.jit(device=True, inline="always")
@@ -292,11 +297,13 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
     read ``M`` (the launcher passes a 1×1×1 dummy).  ``score_mod``, ``mask_mod``, ``H``, ``gqa``: see the
     module docstring (attention modifiers, grouped-query attention).
 
-    ``dropout``: attention dropout as FA1 Alg. 2 does it; the kernel takes three more arguments, ``dropout_p``
-    (float32), ``seed_lo``, ``seed_hi`` (uint32).  The softmax statistics ``m_i``, ``l_i`` (and so ``L``) come
-    from the *undropped* ``P~``; ``O~`` accumulates ``(P~ ∘ Z) V / (1 - p)``, where ``Z_ij`` (keep = 1) is
-    regenerated per element from Philox (:func:`flashnb.rng.dropout_scale`, counter ``(col, row, z, 0)``): no
-    mask is read or written.  Without ``dropout`` the kernel is the one above, unchanged.
+    ``dropout``: attention dropout as FA1 Alg. 2 does it; the kernel takes four more arguments, ``threshold``
+    (uint32: keep iff the Philox word >= it, :func:`flashnb.rng.keep_threshold`), ``inv_keep`` (float32
+    ``1/(1 - p)``, :func:`flashnb.rng.keep_scale`), ``seed_lo``, ``seed_hi`` (uint32), all made on the host.  The
+    softmax statistics ``m_i``, ``l_i`` (and so ``L``) come from the *undropped* ``P~``; ``O~`` accumulates
+    ``(P~ ∘ Z) V / (1 - p)``, where ``Z_ij`` (keep = 1) is regenerated per element from Philox
+    (:func:`flashnb.rng.dropout_scale`, counter ``(col, row, z, 0)``): no mask is read or written.  Without
+    ``dropout`` the kernel is the one above, unchanged.
 
     ``storage``: the dtype of Q, K, V, O in HBM (:data:`flashnb.common.STORAGES`); they are widened to float32
     as they are loaded into shared memory and O is narrowed as it is stored -- every tile, m_i, l_i and L stay
@@ -312,7 +319,7 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
 
     @cuda.jit(device=True, inline="always")
     def fa2_tile(QsT, KsT, Vs, S, Oi, m, l, qv, kv, p, r0, lr, lc, i0, j0, Nk, scale, diag, z, Nq, mij,
-                 dropout_p, seed_lo, seed_hi, inv_keep):
+                 threshold, seed_lo, seed_hi, inv_keep):
         """Alg. 1 lines 8-10 for one K/V tile, on this lane's micro-tile (no other warp involved)."""
         for a in range(TM):
             for b in range(TN):
@@ -363,7 +370,7 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
                 for b in range(TN):
                     if S[a, b] != ZERO:
                         S[a, b] *= dropout_scale(seed_lo, seed_hi, z, i0 + r0 + LR * a, j0 + lc + LC * b,
-                                                 dropout_p, inv_keep)
+                                                 threshold, inv_keep)
         for b in range(TN):                          # ... + P~ V_j; P~_ij comes from its owner lane
             for src in range(LC):
                 for a in range(TM):
@@ -375,7 +382,7 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
                         Oi[a, c] += p[a] * vj
 
     @cuda.jit(device=True, inline="always")
-    def fa2_forward_block(Q, K, V, O, L, scale, diag, M, dropout_p, seed_lo, seed_hi):
+    def fa2_forward_block(Q, K, V, O, L, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi):
         """One thread block of the forward (the kernel below, with or without the dropout arguments)."""
         QsT = cuda.shared.array((d, Br), float32)    # Q_i (transposed: lanes read consecutive rows)
         KsT = cuda.shared.array((d, Bc), float32)    # K_j (transposed)
@@ -397,7 +404,6 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
         Nq = Q.shape[1]
         Nk = K.shape[1]
         kz = z // (Q.shape[0] // K.shape[0]) if gqa else z   # GQA: the K/V head of query head z
-        inv_keep = ONE / (ONE - dropout_p)           # dropout: 1/(1-p), the scale of a kept P~_ij
         for e in range(tid, Br * d, NT):             # Alg. 1 line 4: load Q_i once (coalesced)
             r = e // d
             k = e - r * d
@@ -430,7 +436,7 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
                 Vs[c, k] = to_f32(V[kz, j0 + c, k]) if j0 + c < Nk and k < d else ZERO
             cuda.syncthreads()
             fa2_tile(QsT, KsT, Vs, S, Oi, m, l, qv, kv, p, r0, lr, lc, i0, j0, Nk, scale, diag, z, Nq, mij,
-                     dropout_p, seed_lo, seed_hi, inv_keep)
+                     threshold, seed_lo, seed_hi, inv_keep)
         for a in range(TM):                          # lines 12-14: O_i = diag(l)^-1 O~_i, L_i = m + log l
             ls = l[a]
             off = LC // 2
@@ -449,12 +455,12 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_mo
 
     if dropout:
         @cuda.jit
-        def fa2_forward(Q, K, V, O, L, scale, diag, M, dropout_p, seed_lo, seed_hi):
-            fa2_forward_block(Q, K, V, O, L, scale, diag, M, dropout_p, seed_lo, seed_hi)
+        def fa2_forward(Q, K, V, O, L, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi):
+            fa2_forward_block(Q, K, V, O, L, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi)
     else:
         @cuda.jit
         def fa2_forward(Q, K, V, O, L, scale, diag, M):
-            fa2_forward_block(Q, K, V, O, L, scale, diag, M, ZERO, NO_SEED, NO_SEED)
+            fa2_forward_block(Q, K, V, O, L, scale, diag, M, NO_SEED, ONE, NO_SEED, NO_SEED)
 
     return fa2_forward
 
@@ -501,10 +507,10 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
     ``score_mod_grad``: ``d score_mod / d score`` (default: the ``grad`` attribute of ``score_mod``, as the
     gallery of :mod:`flashnb.flex` sets it); ``gqa``: grid ``(Tc, BH_kv)``, each block loops over its query heads.
 
-    ``dropout`` (FA1 Alg. 4 with dropout, in FA2 Alg. 2's loop order): three more kernel arguments, ``dropout_p``,
-    ``seed_lo``, ``seed_hi`` -- the forward's.  ``P = exp(S - L)`` is the undropped softmax (``L`` came from the
-    undropped ``P~``); ``Z_ij`` is regenerated from the same Philox counters as in the forward, so it is the
-    forward's mask, never stored.  With ``W = Z / (1-p)``: ``dV_j += (P ∘ W)ᵀ dO_i``, ``dP = (dO_i V_jᵀ) ∘ W``,
+    ``dropout`` (FA1 Alg. 4 with dropout, in FA2 Alg. 2's loop order): four more kernel arguments, ``threshold``,
+    ``inv_keep``, ``seed_lo``, ``seed_hi`` -- the forward's.  ``P = exp(S - L)`` is the undropped softmax (``L``
+    came from the undropped ``P~``); ``Z_ij`` is regenerated from the same Philox counters as in the forward, so it
+    is the forward's mask, never stored.  With ``W = Z / (1-p)``: ``dV_j += (P ∘ W)ᵀ dO_i``, ``dP = (dO_i V_jᵀ) ∘ W``,
     ``dS = P ∘ (dP - D)``.  ``D_i = rowsum(dO_i ∘ O_i)`` of the *dropped* output ``O = (P ∘ W) V`` is still
     ``Σ_j P_ij dP_ij``: ``Σ_c dO_ic O_ic = Σ_c dO_ic Σ_j P_ij W_ij V_jc = Σ_j P_ij W_ij (dO_i · V_j)
     = Σ_j P_ij dP_ij`` -- the preprocessing kernel is unchanged.
@@ -529,7 +535,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
 
     @cuda.jit(device=True, inline="always")
     def fa2_bwd_tile(QsT, KsT, VsT, dOsT, Ls, Ds, dSs, S, dP, dKj, dVj, kv, vv, qv, ov,
-                     c0, lr, lc, i0, j0, Nk, scale, diag, zq, mij, dropout_p, seed_lo, seed_hi, inv_keep):
+                     c0, lr, lc, i0, j0, Nk, scale, diag, zq, mij, threshold, seed_lo, seed_hi, inv_keep):
         """Alg. 2 lines 10-16 for one Q tile on this lane's micro-tile of the transposed scores."""
         for a in range(TM):
             for b in range(TN):
@@ -562,7 +568,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
                 if dropout:                          # lines 11-14 with FA1 Alg. 4's Z_ij regenerated, W = Z/(1-p)
                     w = ZERO
                     if pv != ZERO:
-                        w = dropout_scale(seed_lo, seed_hi, zq, i0 + r, key, dropout_p, inv_keep)
+                        w = dropout_scale(seed_lo, seed_hi, zq, i0 + r, key, threshold, inv_keep)
                     S[a, b] = pv * w                 # (P ∘ W), for dV_j += (P ∘ W)ᵀ dO_i
                     dP[a, b] = pv * (dP[a, b] * w - Dr)   # dS = P ∘ ((dO_i V_jᵀ) ∘ W - D)
                     continue
@@ -585,7 +591,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
                 dSs[c0 + LR * a, lc + LC * b] = dP[a, b]
 
     @cuda.jit(device=True, inline="always")
-    def fa2_backward_block(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, dropout_p, seed_lo, seed_hi):
+    def fa2_backward_block(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi):
         """One thread block of the backward (the kernel below, with or without the dropout arguments)."""
         # Transposed tiles get one padding column (BcP = Bc + 1, BrP = Br + 1): lanes that walk down a column
         # then hit 32 different banks instead of one (no shared-memory bank conflicts; never read).
@@ -613,7 +619,6 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
         c0 = (tid // 32) * (TM * LR) + lr            # this lane's key rows: c0 + LR·a
         Nq = Q.shape[1]
         Nk = K.shape[1]
-        inv_keep = ONE / (ONE - dropout_p)           # dropout: 1/(1-p)
         for e in range(tid, Bc * d, NT):             # Alg. 2 line 6: load K_j, V_j
             c = e // d
             k = e - c * d
@@ -652,7 +657,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
                 Ds[r] = D[z, i0 + r] if i0 + r < Nq else ZERO
             cuda.syncthreads()
             fa2_bwd_tile(QsT, KsT, VsT, dOsT, Ls, Ds, dSs, S, dP, dKj, dVj, kv, vv, qv, ov,
-                         c0, lr, lc, i0, j0, Nk, scale, diag, z, mij, dropout_p, seed_lo, seed_hi, inv_keep)
+                         c0, lr, lc, i0, j0, Nk, scale, diag, z, mij, threshold, seed_lo, seed_hi, inv_keep)
             cuda.syncthreads()                       # dSs complete (written by every warp)
             for e in range(tid, Br * d, NT):         # line 15: dQ_i += scale · dS K_j (atomic, HBM)
                 r = e // d
@@ -673,12 +678,12 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
 
     if dropout:
         @cuda.jit
-        def fa2_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, dropout_p, seed_lo, seed_hi):
-            fa2_backward_block(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, dropout_p, seed_lo, seed_hi)
+        def fa2_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi):
+            fa2_backward_block(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi)
     else:
         @cuda.jit
         def fa2_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M):
-            fa2_backward_block(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, ZERO, NO_SEED, NO_SEED)
+            fa2_backward_block(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, NO_SEED, ONE, NO_SEED, NO_SEED)
 
     return fa2_backward
 
@@ -742,6 +747,9 @@ class BlockMask:
                 raise ValueError(f"block_mask.partial must be a boolean array of the mask's shape {a.shape} marking "
                                  "computed blocks only")
             object.__setattr__(self, "partial", p)
+            # the mask_mod as it was when these tiles were computed (its captured arrays copied): the kernels and
+            # the finer tiles of the backward use that, and a launch refuses the mask once the original changed
+            object.__setattr__(self, "mask_mod", _flex_module().snapshot(self.mask_mod))
         object.__setattr__(self, "mask", a)
         object.__setattr__(self, "Br", positive_int("Br", self.Br))
         object.__setattr__(self, "Bc", positive_int("Bc", self.Bc))
@@ -901,7 +909,8 @@ class PreparedMask:
     tiles: dict = field(hash=False)
     M: object = field(hash=False, repr=False)
     shape: tuple = ()   # (BH, Nq, Nk, d) it was prepared for
-    mask_mod: object = None   # the mask_mod of a block mask from flashnb.flex.create_block_mask
+    mask_mod: object = None   # the mask_mod of a block mask from flashnb.flex.create_block_mask (a snapshot)
+    lead: tuple = ()          # that block mask's leading axes (B, H)
 
 
 def prepare_block_mask(block_mask, *, direction, BH, Nq, Nk, d, Br=None, Bc=None, warps=None) -> PreparedMask:
@@ -909,7 +918,8 @@ def prepare_block_mask(block_mask, *, direction, BH, Nq, Nk, d, Br=None, Bc=None
     t, M = block_tiles(d, direction, Br, Bc, warps, block_mask, BH, Nq, Nk)
     if M is None:
         raise ValueError("block_mask is required")
-    return PreparedMask(direction, t, _mask_device(M), (BH, Nq, Nk, d), getattr(block_mask, "mask_mod", None))
+    lead = tuple(block_mask.mask.shape[:-2]) if isinstance(block_mask, BlockMask) else ()
+    return PreparedMask(direction, t, _mask_device(M), (BH, Nq, Nk, d), getattr(block_mask, "mask_mod", None), lead)
 
 
 def _tiles_and_mask(direction, Br, Bc, warps, block_mask, BH, Nq, Nk, d):
@@ -934,20 +944,26 @@ def _group(BH, BHkv, k, v):
 
 
 def _flex(direction, score_mod, mask_mod, score_mod_grad, block_mask, heads, BH, Nq, Nk, d, Br, Bc):
-    """``(block_mask, mask_mod, H)`` of a launch with modifiers (:mod:`flashnb.flex`): the modifiers checked
-    (compiled alone for a GPU, once per function), the block mask built from ``mask_mod`` when none is given
-    (at the forward's tiles; the backward's are recomputed from ``mask_mod``), or ``mask_mod`` taken from a
-    block mask that carries one.  Without modifiers: ``(block_mask, None, 1)``."""
+    """``(block_mask, score_mod, mask_mod, score_mod_grad, H)`` of a launch with modifiers (:mod:`flashnb.flex`):
+    each modifier a :func:`flashnb.flex.snapshot` of what it captures at this call (the kernels are compiled
+    from, and cached by, that); the modifiers checked (compiled alone for a GPU, once per code and captured
+    types); the block mask built from ``mask_mod`` when none is given (at the forward's tiles; the backward's
+    are recomputed from ``mask_mod``), or ``mask_mod`` taken from a block mask that carries one -- refused when
+    the function it came from has changed what it captures since (:func:`flashnb.flex.check_current`) or the
+    mask was made for other (B, H) than this call's (:func:`flashnb.flex.check_heads`).  Without modifiers:
+    ``(block_mask, None, None, None, 1)``."""
     bm_mod = getattr(block_mask, "mask_mod", None)
     if score_mod is None and mask_mod is None and bm_mod is None:
         if score_mod_grad is not None:
             raise ValueError("score_mod_grad is given without a score_mod")
-        return block_mask, None, 1
+        return block_mask, None, None, None, 1
     flex = _flex_module()
 
     H = positive_int("heads", heads)
     if BH % H:
         raise ValueError(f"heads={H} must divide batch·heads = {BH} (q's leading axes)")
+    score_mod, mask_mod, score_mod_grad = (None if f is None else flex.snapshot(f)
+                                           for f in (score_mod, mask_mod, score_mod_grad))
     if direction == "backward" and score_mod is not None and score_mod_grad is None \
             and getattr(python_modifier(score_mod), "grad", None) is None:
         raise ValueError(f"score_mod {flex.name_of(score_mod)!r} has no derivative: pass score_mod_grad "
@@ -955,16 +971,20 @@ def _flex(direction, score_mod, mask_mod, score_mod_grad, block_mask, heads, BH,
                          "give the function a .grad attribute")
     flex.check_modifiers(score_mod=score_mod, mask_mod=mask_mod if mask_mod is not None else bm_mod,
                          score_mod_grad=score_mod_grad if direction == "backward" else None)
-    if mask_mod is None:
-        return block_mask, bm_mod, H
     if block_mask is None:
-        fwd = default_tiles(d, "forward")
-        block_mask = flex.create_block_mask(mask_mod, BH // H, H, Nq, Nk, Br=fwd["Br"] if Br is None else Br,
-                                            Bc=fwd["Bc"] if Bc is None else Bc)
-    elif bm_mod is None or python_modifier(bm_mod) is not python_modifier(mask_mod):
+        if mask_mod is not None:
+            fwd = default_tiles(d, "forward")
+            block_mask = flex.create_block_mask(mask_mod, BH // H, H, Nq, Nk, Br=fwd["Br"] if Br is None else Br,
+                                                Bc=fwd["Bc"] if Bc is None else Bc)
+        return block_mask, score_mod, mask_mod, score_mod_grad, H
+    if mask_mod is not None and (bm_mod is None or (bm_mod != mask_mod and bm_mod.origin is not mask_mod.origin)):
         raise ValueError(f"block_mask was not made from mask_mod {flex.name_of(mask_mod)!r}: pass "
                          "block_mask=flashnb.flex.create_block_mask(mask_mod, ...) or leave block_mask out")
-    return block_mask, mask_mod, H
+    if bm_mod is not None:
+        flex.check_current(bm_mod)
+        lead = block_mask.lead if isinstance(block_mask, PreparedMask) else block_mask.mask.shape[:-2]
+        flex.check_heads(bm_mod, lead, BH // H, H, Nq, Nk)
+    return block_mask, score_mod, bm_mod, score_mod_grad, H
 
 
 def _storage(storage, **arrays) -> str:
@@ -982,15 +1002,16 @@ def _storage(storage, **arrays) -> str:
 
 
 def _dropout_args(dropout_p, seed, score_mod, mask_mod, block_mask):
-    """``()`` without dropout (``dropout_p == 0``), else the kernels' extra arguments ``(p, seed_lo, seed_hi)``;
-    checks them (:func:`flashnb.rng.check_dropout`) and refuses dropout with attention modifiers."""
+    """``()`` without dropout (``dropout_p == 0``), else the kernels' extra arguments ``(threshold, inv_keep,
+    seed_lo, seed_hi)`` (:func:`flashnb.rng.dropout_kernel_args`); checks them (:func:`flashnb.rng.check_dropout`)
+    and refuses dropout with attention modifiers."""
     p = check_dropout(dropout_p, seed)
     if p == 0:
         return ()
     if score_mod is not None or mask_mod is not None or getattr(block_mask, "mask_mod", None) is not None:
         raise ValueError("dropout_p > 0 with attention modifiers (score_mod / mask_mod) is not supported: fa2's "
                          "dropout covers dense, causal, block-sparse (a plain block_mask) and grouped-query attention")
-    return (np.float32(p), *split_seed(seed))
+    return dropout_kernel_args(p, seed)
 
 
 def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block_mask=None, score_mod=None,
@@ -1015,7 +1036,8 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block
     Nk = k.shape[1]
     G = _group(BH, k.shape[0], k, v)
     drop = _dropout_args(dropout_p, seed, score_mod, mask_mod, block_mask)
-    block_mask, mask_mod, H = _flex("forward", score_mod, mask_mod, None, block_mask, heads, BH, Nq, Nk, d, Br, Bc)
+    block_mask, score_mod, mask_mod, _, H = _flex("forward", score_mod, mask_mod, None, block_mask, heads, BH, Nq, Nk,
+                                                  d, Br, Bc)
     t, M = _tiles_and_mask("forward", Br, Bc, warps, block_mask, BH, Nq, Nk, d)
     O = empty((BH, Nq, d), storage=storage)
     L = empty((BH, Nq))
@@ -1040,8 +1062,8 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     Nk = k.shape[1]
     G = _group(BH, k.shape[0], k, v)
     drop = _dropout_args(dropout_p, seed, score_mod, mask_mod, block_mask)
-    block_mask, mask_mod, H = _flex("backward", score_mod, mask_mod, score_mod_grad, block_mask, heads, BH, Nq, Nk,
-                                    d, Br, Bc)
+    block_mask, score_mod, mask_mod, score_mod_grad, H = _flex("backward", score_mod, mask_mod, score_mod_grad,
+                                                               block_mask, heads, BH, Nq, Nk, d, Br, Bc)
     t, M = _tiles_and_mask("backward", Br, Bc, warps, block_mask, BH, Nq, Nk, d)
     D = empty((BH, Nq))
     dQ = empty((BH, Nq, d))                          # float32: the atomics' accumulator

@@ -46,6 +46,22 @@ FlexAttention's own design is captured tensors; the price is one compile per dis
 per-model data such as slopes, while document ids that change every batch recompile the kernel per batch
 (documented limitation; an ``aux`` argument would be the next step for them).
 
+**Captured values may change between calls; each call uses their values at that call.**  At every launch
+flashnb takes a :func:`snapshot` of each modifier: a BLAKE2 digest of every array it captures (closure cells,
+the globals its code reads, its defaults, its ``.numpy`` twin and ``.grad``), and, once per distinct content, a
+copy of the function that sees read-only copies of those arrays.  The block mask is built, the kernel compiled
+(on a GPU, with those constants) and both cached by the code and that content -- so an array changed in place
+gives the new mask or bias at the next call, and changing it back reuses the earlier kernel.  Kernels are kept in
+a bounded cache (:data:`flashnb.registry.KERNEL_CACHE_SIZE` per factory, least recently used dropped), so a
+training loop with a new ``document(ids)`` per batch does not grow it without end.  The GPU compile check
+(:func:`check_modifiers`) depends only on the code and the *types* of the captured values (array dtype and rank,
+numbers with their values), so a new closure of the same factory is checked once, not per batch.  A block mask
+made by :func:`create_block_mask` is itself a snapshot: passing it after an array its ``mask_mod`` captures
+changed is a ValueError (rebuild it, or pass ``mask_mod=`` alone).  ``flashnb.torch`` takes the snapshot at the
+forward, so the backward uses the forward's values whatever happens to the arrays in between.  Content changes
+the snapshot sees: NumPy arrays and numbers; an object a modifier captures (a dict, a class instance) is keyed
+by identity only.
+
 The gallery (each returns a modifier with its NumPy twin ``.numpy`` for the float64 reference and, for score
 modifiers, its derivative ``.grad``): :func:`causal`, :func:`sliding_window`, :func:`alibi`, :func:`softcap`,
 :func:`document`, :func:`prefix_lm`.  A user's modifier without a twin is evaluated on the host by
@@ -84,14 +100,15 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from numba import float32
+from numba import cuda, float32
 
 from . import fa2
 from .common import cdiv, positive_int
 from .fa2 import BlockMask, python_modifier
 
 __all__ = ["ModifierError", "check_modifiers", "check_many", "create_block_mask", "mask_array", "numpy_modifier",
-           "name_of", "causal", "sliding_window", "alibi", "alibi_slopes", "softcap", "document", "prefix_lm",
+           "name_of", "Snapshot", "snapshot", "check_current", "check_heads",
+           "causal", "sliding_window", "alibi", "alibi_slopes", "softcap", "document", "prefix_lm",
            "GALLERY"]
 
 
@@ -104,11 +121,226 @@ def name_of(fn) -> str:
     return getattr(fn, "__name__", None) or repr(fn)
 
 
+# --------------------------------------------------------------------------- what a modifier captured
+# A modifier is a function *and* the values it captured (closure cells, the globals its code loads, defaults, and
+# the functions it carries as attributes: ``.numpy``, ``.grad``).  numba freezes those values into a compiled
+# kernel, and the host evaluates the block mask from them, so flashnb takes a modifier as it is at each call: a
+# :class:`Snapshot` with read-only copies of its arrays and a key of its code and captured contents.  Kernels,
+# device functions and block masks are cached by that key, never by the function object alone.
+
+
+def _captured(fn):
+    """``[(name, value)]``: what the compiled kernel and the host twin see of ``fn`` besides its code."""
+    from .inspect import _loaded_names
+
+    out = [(f"default {i}", v) for i, v in enumerate(fn.__defaults__ or ())]
+    out += [(f"kwdefault {n}", v) for n, v in sorted((fn.__kwdefaults__ or {}).items())]
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        try:
+            out.append((name, cell.cell_contents))
+        except ValueError:                       # a cell not set yet
+            out.append((name, _UNSET))
+    g = fn.__globals__
+    out += [(name, g[name]) for name in sorted(_loaded_names(fn.__code__)) if name in g]
+    out += [(f".{name}", v) for name, v in sorted(vars(fn).items()) if callable(v)]
+    return out
+
+
+_UNSET = object()
+
+
+def _value_key(value, content: bool, seen: dict):
+    """A hashable key of one captured value: arrays by dtype, ndim and layout (what numba types) plus, with
+    ``content``, their shape and a BLAKE2 digest of their bytes; numbers by type and value (numba may fold them
+    into the code); functions recursively; anything else by identity."""
+    import hashlib
+    import types as py_types
+
+    if isinstance(value, np.ndarray):
+        layout = "C" if value.flags.c_contiguous else "F" if value.flags.f_contiguous else "A"
+        key = ("array", value.dtype.str, value.ndim, layout)
+        if content:
+            digest = hashlib.blake2b(np.ascontiguousarray(value).view(np.uint8).reshape(-1), digest_size=16)
+            key += (value.shape, digest.digest())
+        return key
+    if isinstance(value, np.generic):
+        return ("scalar", value.dtype.str, value.tobytes())
+    if isinstance(value, (bool, int, float, complex, str, bytes, type(None))):
+        return (type(value).__name__, repr(value))
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__,) + tuple(_value_key(v, content, seen) for v in value)
+    if isinstance(value, py_types.ModuleType):
+        return ("module", value.__name__)
+    if isinstance(value, Snapshot):
+        return value.key if content else value.types
+    py = getattr(value, "py_func", value)
+    if isinstance(py, py_types.FunctionType):
+        return ("function", _function_key(py, content, seen))
+    try:
+        hash(value)
+        return ("object", value)                 # numba types (float32, int32), classes, ...
+    except TypeError:
+        return ("id", id(value))
+
+
+def _function_key(fn, content: bool, seen: dict):
+    if id(fn) in seen:                           # a function that reaches itself (recursion through a global)
+        return ("recursive", fn.__qualname__)
+    seen[id(fn)] = fn
+    try:
+        return (fn.__code__,) + tuple((name, _value_key(v, content, seen)) for name, v in _captured(fn))
+    finally:
+        del seen[id(fn)]
+
+
+def _holds_arrays(value, seen=None) -> bool:
+    """Does ``value`` (a captured value) hold a NumPy array, itself or through a function it captures?"""
+    import types as py_types
+
+    seen = set() if seen is None else seen
+    if isinstance(value, np.ndarray):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(_holds_arrays(v, seen) for v in value)
+    py = getattr(value, "py_func", value)
+    if isinstance(py, py_types.FunctionType) and id(py) not in seen:
+        seen.add(id(py))
+        return any(_holds_arrays(v, seen) for _, v in _captured(py))
+    return False
+
+
+def _frozen(value, memo: dict):
+    """``value`` with every array it holds replaced by a read-only copy (functions: :func:`_freeze`)."""
+    import types as py_types
+
+    if isinstance(value, np.ndarray):
+        a = np.array(value, copy=True, order="K")
+        a.setflags(write=False)
+        return a
+    if not _holds_arrays(value):
+        return value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_frozen(v, memo) for v in value)
+    if isinstance(value, py_types.FunctionType):
+        return _freeze(value, memo)
+    return cuda.jit(device=True)(_freeze(value.py_func, memo))   # a device function holding arrays: jit its copy
+
+
+def _freeze(fn, memo: dict | None = None):
+    """A copy of the Python function ``fn`` that sees read-only copies of the arrays it captured (closure cells,
+    globals its code loads -- in a copy of its globals, made only when one of them holds an array --, defaults,
+    and its ``.numpy`` / ``.grad`` functions, copied the same way)."""
+    import types as py_types
+
+    from .inspect import _loaded_names
+
+    memo = {} if memo is None else memo
+    if id(fn) in memo:
+        return memo[id(fn)]
+    cells = None
+    if fn.__closure__:
+        cells = []
+        for cell in fn.__closure__:
+            try:
+                cells.append(py_types.CellType(_frozen(cell.cell_contents, memo)))
+            except ValueError:
+                cells.append(cell)
+        cells = tuple(cells)
+    g = fn.__globals__
+    changed = {n: g[n] for n in _loaded_names(fn.__code__) if n in g and _holds_arrays(g[n])}
+    if changed:
+        g = dict(g)
+    copy = py_types.FunctionType(fn.__code__, g, fn.__name__, None, cells)
+    memo[id(fn)] = copy                          # before the globals: a function may reach itself through them
+    g.update({n: _frozen(v, memo) for n, v in changed.items()})
+    copy.__defaults__ = None if fn.__defaults__ is None else tuple(_frozen(v, memo) for v in fn.__defaults__)
+    copy.__kwdefaults__ = None if fn.__kwdefaults__ is None else \
+        {n: _frozen(v, memo) for n, v in fn.__kwdefaults__.items()}
+    copy.__qualname__, copy.__module__, copy.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    copy.__dict__.update({n: _freeze(v, memo) if isinstance(v, py_types.FunctionType) else _frozen(v, memo)
+                          for n, v in vars(fn).items()})       # .grad, .numpy: copies of their own
+    return copy
+
+
+class Snapshot:
+    """A modifier as it was at one call (see :func:`snapshot`): ``py_func`` is the copy the kernels compile and the
+    host evaluates (its arrays read-only copies), ``key`` its code and captured contents (equal snapshots compile
+    to the same kernel), ``types`` its code and captured types (what the GPU compile check depends on), ``origin``
+    the user's function."""
+
+    __slots__ = ("py_func", "key", "types", "origin", "_hash")
+
+    def __init__(self, py_func, key, types, origin):
+        self.py_func, self.key, self.types, self.origin = py_func, key, types, origin
+        self._hash = hash(key)
+
+    def __eq__(self, other):
+        return isinstance(other, Snapshot) and self._hash == other._hash and self.key == other.key
+
+    def __hash__(self):
+        return self._hash
+
+    @property
+    def __name__(self):
+        return self.py_func.__name__
+
+    def __call__(self, *args):
+        return self.py_func(*args)
+
+    def current(self) -> bool:
+        """Do the values ``origin`` captures still equal the snapshot's?"""
+        return _function_key(self.origin, True, {}) == self.key
+
+    def __repr__(self):
+        return f"Snapshot({self.__name__})"
+
+
+_FROZEN = None   # an OrderedDict: key -> frozen copy, least recently used first (bounded: KERNEL_CACHE_SIZE)
+
+
+def snapshot(fn) -> Snapshot:
+    """``fn`` (a modifier: a function, its ``cuda.jit`` device function, a gallery ``"module:attr"`` name, or a
+    snapshot) as it is now: a :class:`Snapshot` keyed by its code and the contents of what it captured.  A
+    digest of the captured arrays per call (BLAKE2 over their bytes); the frozen copy is made once per distinct
+    content and kept in a bounded cache."""
+    from collections import OrderedDict
+
+    from .registry import KERNEL_CACHE_SIZE
+
+    global _FROZEN
+    if isinstance(fn, Snapshot):
+        return fn
+    py = python_modifier(fn)
+    key = _function_key(py, True, {})
+    if _FROZEN is None:
+        _FROZEN = OrderedDict()
+    frozen = _FROZEN.get(key)
+    if frozen is None:
+        # a function object of its own per content, even without arrays: numba compiles a device function once
+        # (per signature) and keeps the global numbers it read then, so each content gets its own
+        frozen = _FROZEN[key] = _freeze(py)
+        while len(_FROZEN) > KERNEL_CACHE_SIZE:
+            _FROZEN.popitem(last=False)
+    else:
+        _FROZEN.move_to_end(key)
+    return Snapshot(frozen, key, _function_key(py, False, {}), py)
+
+
+def check_current(mask_snapshot, what: str = "block_mask") -> None:
+    """ValueError naming ``what`` when the ``mask_mod`` a block mask was made from has changed what it captured
+    since (an array changed in place): the block mask's empty/full tiles would be stale."""
+    if mask_snapshot is not None and not mask_snapshot.current():
+        raise ValueError(f"{what} was made by create_block_mask from mask_mod {mask_snapshot.__name__!r} when the "
+                         "arrays it captures held other values (one was changed in place since): its empty and full "
+                         "tiles would be wrong; rebuild it with flashnb.flex.create_block_mask, or pass mask_mod= "
+                         "alone (the launcher then builds the block mask from the values of each call)")
+
+
 # --------------------------------------------------------------------------- checking a modifier
 
 ARGS = {"score_mod": ("score", "b", "h", "q_idx", "kv_idx"), "mask_mod": ("b", "h", "q_idx", "kv_idx"),
         "score_mod_grad": ("score", "b", "h", "q_idx", "kv_idx")}
-_CHECKED: dict = {}    # (python function, role) -> None (fine) or the error message
+_CHECKED: dict = {}    # (code and captured types, role) -> None (fine) or the error message
 
 
 def _lambda_source(fn, desc: dict) -> dict:
@@ -250,22 +482,26 @@ def check_modifiers(*, score_mod=None, mask_mod=None, score_mod_grad=None) -> No
 def check_many(given, *, strict: bool = True) -> None:
     """:func:`check_modifiers` for a list of ``(function, role)`` pairs (role ``"score_mod"``, ``"mask_mod"`` or
     ``"score_mod_grad"``), compiled in one batch; raises for the first that fails (``strict=False``: only checks
-    and caches the verdicts, which a later launch then raises)."""
-    todo = []
+    and caches the verdicts, which a later launch then raises).  A verdict is cached by what it depends on: the
+    function's code and the *types* of what it captures (array dtypes and ranks, numbers with their values), so a
+    new closure of the same factory -- ``flex.document(ids)`` for every batch -- is checked once, not per batch."""
+    todo, keys = {}, []
     for fn, role in given:
         if not callable(fn) and not isinstance(fn, str):
             raise ModifierError(f"{role} must be a Python function, got {type(fn).__name__}")
         py = python_modifier(fn)
         _check_signature(py, role)
-        if (py, role) not in _CHECKED:
-            todo.append((py, role))
+        key = (fn.types if isinstance(fn, Snapshot) else _function_key(py, False, {}), role)
+        keys.append(key)
+        if key not in _CHECKED:
+            todo.setdefault(key, (py, role))
     if todo:
-        for (py, role), problem in zip(todo, _compile_many(todo)):
-            _CHECKED[(py, role)] = None if problem is None else _message(role, py, problem)
-    for fn, role in given if strict else ():
-        msg = _CHECKED[(python_modifier(fn), role)]
-        if msg:
-            raise ModifierError(msg)
+        for key, problem in zip(todo, _compile_many(list(todo.values()))):
+            py, role = todo[key]
+            _CHECKED[key] = None if problem is None else _message(role, py, problem)
+    for key in keys if strict else ():
+        if _CHECKED[key]:
+            raise ModifierError(_CHECKED[key])
 
 
 # --------------------------------------------------------------------------- host evaluation (NumPy)
@@ -315,21 +551,30 @@ def numpy_modifier(fn):
     return run
 
 
-@functools.lru_cache(maxsize=64)
 def mask_array(mask_mod, B, H, Nq, Nk) -> np.ndarray:
-    """``mask_mod`` on every element: boolean ``(B, H, Nq, Nk)`` (True = allowed), evaluated on the host."""
+    """``mask_mod`` on every element: boolean ``(B, H, Nq, Nk)`` (True = allowed), evaluated on the host with the
+    values it captures now (cached by them: :func:`snapshot`)."""
+    return _mask_array(snapshot(mask_mod), B, H, Nq, Nk)
+
+
+def _evaluate_mask(mask_mod, B, H, Nq, Nk) -> np.ndarray:
     b = np.arange(B, dtype=np.int64).reshape(B, 1, 1, 1)
     h = np.arange(H, dtype=np.int64).reshape(1, H, 1, 1)
     qi = np.arange(Nq, dtype=np.int64).reshape(1, 1, Nq, 1)
     ki = np.arange(Nk, dtype=np.int64).reshape(1, 1, 1, Nk)
-    out = np.broadcast_to(np.asarray(numpy_modifier(mask_mod)(b, h, qi, ki)), (B, H, Nq, Nk)).astype(bool)
+    return np.broadcast_to(np.asarray(numpy_modifier(mask_mod)(b, h, qi, ki)), (B, H, Nq, Nk)).astype(bool)
+
+
+@functools.lru_cache(maxsize=64)
+def _mask_array(mask_mod: "Snapshot", B, H, Nq, Nk) -> np.ndarray:
+    out = _evaluate_mask(mask_mod, B, H, Nq, Nk)
     out.setflags(write=False)
     return out
 
 
 @functools.lru_cache(maxsize=64)
-def _block_mask(mask_mod, B, H, Nq, Nk, Br, Bc) -> BlockMask:
-    allowed = mask_array(mask_mod, B, H, Nq, Nk)
+def _block_mask(mask_mod: "Snapshot", B, H, Nq, Nk, Br, Bc) -> BlockMask:
+    allowed = _mask_array(mask_mod, B, H, Nq, Nk)
     Tr, Tc = cdiv(Nq, Br), cdiv(Nk, Bc)
     # pad to whole tiles; outside Nq x Nk counts as "allowed" for 'all' (the kernel masks it itself) and as
     # "not allowed" for 'any'
@@ -337,15 +582,18 @@ def _block_mask(mask_mod, B, H, Nq, Nk, Br, Bc) -> BlockMask:
     tiles = lambda a: a.reshape(B, H, Tr, Br, Tc, Bc)
     any_ = tiles(np.pad(allowed, pad, constant_values=False)).any(axis=(3, 5))
     all_ = tiles(np.pad(allowed, pad, constant_values=True)).all(axis=(3, 5))
-    return BlockMask(any_, Br, Bc, partial=any_ & ~all_, mask_mod=python_modifier(mask_mod))
+    return BlockMask(any_, Br, Bc, partial=any_ & ~all_, mask_mod=mask_mod)
 
 
 def create_block_mask(mask_mod, B, H, Nq, Nk, *, Br=None, Bc=None, d=64) -> BlockMask:
     """The block mask of ``mask_mod`` (FlexAttention's ``create_block_mask``): ``(B, H, Tr, Tc)`` at tiles
     ``Br × Bc`` (default: fa2's forward tiles for head dim ``d``); a tile is empty (no element allowed: never
     loaded), full (all allowed: no per-element work) or partial (``mask_mod`` per element).  Pass it as
-    ``block_mask=`` (it keeps ``mask_mod``: no ``mask_mod=`` needed).  ``B``/``H`` None: 1 (the mask is
-    the same for every batch / head, and ``mask_mod`` is evaluated at ``b = 0`` / ``h = 0``).  Cached."""
+    ``block_mask=`` (it keeps a :func:`snapshot` of ``mask_mod``: no ``mask_mod=`` needed; a launch refuses it once
+    an array ``mask_mod`` captures has changed).  ``B``/``H`` None: 1 (the mask is the same for every batch /
+    head, and ``mask_mod`` is evaluated at ``b = 0`` / ``h = 0``; a launch checks that on the host at its own
+    ``(B, H)`` and refuses the mask, naming ``B`` or ``H``, when ``mask_mod`` depends on them:
+    :func:`check_heads`).  Cached by ``mask_mod``'s code and captured contents."""
     fwd = fa2.default_tiles(d)
     B = 1 if B is None else positive_int("B", B)
     H = 1 if H is None else positive_int("H", H)
@@ -354,7 +602,33 @@ def create_block_mask(mask_mod, B, H, Nq, Nk, *, Br=None, Bc=None, d=64) -> Bloc
     if not callable(mask_mod):
         raise ModifierError(f"mask_mod must be a Python function, got {type(mask_mod).__name__}")
     _check_signature(python_modifier(mask_mod), "mask_mod")
-    return _block_mask(python_modifier(mask_mod), B, H, positive_int("Nq", Nq), positive_int("Nk", Nk), Br, Bc)
+    return _block_mask(snapshot(mask_mod), B, H, positive_int("Nq", Nq), positive_int("Nk", Nk), Br, Bc)
+
+
+def check_heads(mask_mod, lead, B, H, Nq, Nk) -> None:
+    """ValueError unless a block mask whose ``mask_mod`` was evaluated at leading axes ``lead`` (its ``(B, H)``;
+    1 where :func:`create_block_mask` got ``None``) serves a launch over ``B`` batches and ``H`` heads: ``lead`` is
+    ``(B, H)``, or 1 on an axis where ``mask_mod`` is the same for every ``b`` (``h``) -- checked on the host at
+    the launch's own ``(B, H)``, once per mask_mod and shape.  A head-dependent mask read at ``h = 0`` for every
+    head would skip or keep the wrong tiles of the other heads."""
+    lead = tuple(int(n) for n in lead) or (1, 1)
+    if lead == (B, H):
+        return
+    if len(lead) != 2 or lead[0] not in (1, B) or lead[1] not in (1, H):
+        raise ValueError(f"block_mask was made by create_block_mask for (B, H) = {lead}, but this call has (B, H) = "
+                         f"({B}, {H}) (q's leading axes): pass B={B}, H={H} to create_block_mask")
+    if not _same_for_all(snapshot(mask_mod), lead, B, H, Nq, Nk):
+        axes = [(a, n) for a, n, m in (("B", B, lead[0]), ("H", H, lead[1])) if m == 1 and n > 1]
+        raise ValueError(f"block_mask was made by create_block_mask with {' and '.join(f'{a}=None' for a, _ in axes)} "
+                         f"(mask_mod evaluated at b = 0, h = 0 only), but mask_mod {name_of(mask_mod)!r} differs "
+                         "between the batches or heads of this call: pass "
+                         f"{', '.join(f'{a}={n}' for a, n in axes)} to create_block_mask")
+
+
+@functools.lru_cache(maxsize=64)
+def _same_for_all(mask_mod: Snapshot, lead, B, H, Nq, Nk) -> bool:
+    full = _evaluate_mask(mask_mod, B, H, Nq, Nk)
+    return bool(np.array_equal(full, np.broadcast_to(full[:lead[0], :lead[1]], full.shape)))
 
 
 # --------------------------------------------------------------------------- the gallery

@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["KernelSpec", "Impl", "KERNELS", "IMPLS", "kernel_factory", "register_impl", "variant", "using"]
+__all__ = ["KernelSpec", "Impl", "KERNELS", "IMPLS", "kernel_factory", "register_impl", "variant", "using",
+           "KERNEL_CACHE_SIZE"]
 
 
 @dataclass
@@ -55,12 +56,18 @@ class KernelSpec:
 
 KERNELS: dict[str, KernelSpec] = {}
 
+#: Kernels each factory keeps (least recently used dropped first): a configuration used again after that many
+#: others is built again (on a GPU: compiled again).  Attention modifiers make configurations without bound --
+#: one kernel per distinct captured array on a GPU, e.g. ``flex.document(ids)`` with new ids every batch -- so
+#: the cache is bounded; flashnb's own configurations number a few dozen per factory.
+KERNEL_CACHE_SIZE = 128
+
 
 def _memoised(factory):
     """``factory`` memoised on its bound arguments: make_x(16, True) and make_x(T=16, trans=True) are one
-    kernel, compiled once."""
+    kernel, compiled once (the :data:`KERNEL_CACHE_SIZE` most recently used are kept)."""
     signature_of = inspect.signature(factory)
-    memo = functools.lru_cache(maxsize=None)(lambda items: factory(**dict(items)))
+    memo = functools.lru_cache(maxsize=KERNEL_CACHE_SIZE)(lambda items: factory(**dict(items)))
 
     @functools.wraps(factory)
     def cached(*args, **kwargs):

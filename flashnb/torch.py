@@ -12,7 +12,9 @@ Needs PyTorch (``pip install "flashnb[torch]"``); ``import flashnb`` never impor
 * :func:`scaled_dot_product_attention` has SDPA's own signature and semantics (``is_causal`` aligned top-left,
   ``attn_mask`` a ``causal_lower_right``/``causal_upper_left`` bias or None), for a literal drop-in.
 * :class:`FlashAttentionFunction` saves what FlashAttention saves -- q, k, v, O and the log-sum-exp ``L``,
-  never P -- and its backward is the impl's recompute backward (P rebuilt tile by tile from ``L``).
+  never P -- and its backward is the impl's recompute backward (P rebuilt tile by tile from ``L``).  That
+  backward is not itself differentiable: a second-order use (a gradient penalty, a Hessian-vector product) is a
+  RuntimeError saying so (:func:`refuse_second_order`), never a gradient missing its terms.
 
 **Causal alignment.** ``causal=True`` means ``"lower_right"``: aligned to the bottom-right corner when
 Nq != Nk, as FlashAttention >= 2.1 and ``torch.nn.attention.bias.causal_lower_right``.  SDPA's
@@ -28,13 +30,15 @@ simulator this path is rehearsed (:func:`rehearse_cuda`): CPU tensors take it, w
 tensors given to an impl with half-precision storage (``impl="flash"`` or ``"fa2"``) stay in their dtype: the
 kernels read them as they are (half the bytes), widen every element to float32 on chip, and write ``o`` and the
 gradients in the input dtype, rounded once (dq is summed in float32 and rounded at the end), as
-FlashAttention does; ``lse`` is float32.  bfloat16 tensors reach the kernels as their uint16 bit patterns
-(``Tensor.view(torch.uint16)``, zero-copy: NumPy and numba have no bfloat16).  For every other impl, or with
-``storage="float32"``, half tensors are converted to float32 (exact), computed, and ``o`` and the gradients are
-converted back to the input dtype.  A float16 gradient beyond 65504 in magnitude is a ValueError on CPU
-tensors (the NumPy API's check); on CUDA tensors, which never leave the GPU, it is inf, as in torch's own half
-kernels.  float64 is refused unless ``allow_float64=True``, which
-computes in float32 and returns float64: float32 accuracy (~1e-7 relative), not float64's.  A conversion or a
+FlashAttention does; ``lse`` is float32.  dq and dk also inherit the rounding of the stored ``o`` through
+``D = rowsum(dO ∘ O)``, an error of order ``|v|·|dO|·2^-11`` (float16; 2^-8 bfloat16) rather than of the
+gradient (:func:`flashnb.attention_backward` gives the bound).  bfloat16 tensors reach the kernels as their
+uint16 bit patterns (``Tensor.view(torch.uint16)``, zero-copy: NumPy and numba have no bfloat16).  For every
+other impl, or with ``storage="float32"``, half tensors are converted to float32 (exact), computed, and ``o`` and
+the gradients are converted back to the input dtype.  A float16 gradient beyond 65504 in magnitude is a
+ValueError on CPU tensors (the NumPy API's check); on CUDA tensors, which never leave the GPU, it is inf, as in
+torch's own half kernels.  float64 is refused unless ``allow_float64=True``, which computes in float32 and
+returns float64: float32 accuracy (~1e-7 relative), not float64's.  A conversion or a
 ``.contiguous()`` of a non-contiguous input is a torch op on the tensor's own device (tracked by autograd).
 """
 
@@ -49,7 +53,7 @@ from .registry import IMPLS
 from .rng import check_dropout
 
 __all__ = ["attention", "scaled_dot_product_attention", "FlashAttentionFunction", "impls_with_backward",
-           "rehearse_cuda"]
+           "rehearse_cuda", "refuse_second_order", "SECOND_ORDER"]
 
 _HALF = (torch.float16, torch.bfloat16)
 _STORAGE_OF = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -204,11 +208,47 @@ def _backward3(q, k, v, o, lse, do, causal, scale, impl, options):
 # --------------------------------------------------------------------------- autograd
 
 
+SECOND_ORDER = ("flashnb's attention backward is not itself differentiable, so a second-order gradient through "
+                "flashnb.torch.attention (a gradient penalty: autograd.grad(..., create_graph=True), then a backward "
+                "through that gradient; a Hessian-vector product) would miss its terms; it is refused.  Compute "
+                "that term with torch.nn.functional.scaled_dot_product_attention under torch.nn.attention.sdpa_kernel("
+                "SDPBackend.MATH), or plain torch ops; first-order gradients through flashnb are unaffected")
+
+
+class _SecondOrderRefused(torch.autograd.Function):
+    """Passes the gradients of flashnb's backward through unchanged; a backward through them raises
+    :data:`SECOND_ORDER` (see :func:`refuse_second_order`)."""
+
+    @staticmethod
+    def forward(ctx, n, *tensors):
+        return tuple(t.detach() for t in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(SECOND_ORDER)
+
+
+def refuse_second_order(grads, inputs):
+    """``grads`` of a backward that is not differentiable, as they are -- unless autograd records that backward
+    (``create_graph=True``) and one of ``inputs`` (the forward's inputs, the incoming gradient) requires grad:
+    then they come back attached to a node whose backward raises :data:`SECOND_ORDER`, so a second-order use is
+    an error naming flashnb instead of a gradient silently missing terms (``once_differentiable`` leaves the
+    gradients detached when the incoming gradient needs none, and the double backward then drops them)."""
+    if not torch.is_grad_enabled():
+        return grads
+    sources = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not sources:
+        return grads
+    given = [g for g in grads if g is not None]
+    out = iter(_SecondOrderRefused.apply(len(given), *given, *sources))
+    return tuple(None if g is None else next(out) for g in grads)
+
+
 class FlashAttentionFunction(torch.autograd.Function):
     """``o, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, impl, options)`` on float32 (or, with
     ``options["storage"]``, float16 / bfloat16), C-contiguous ``(BH, N, d)`` tensors (:func:`attention` prepares
-    them).  Saves q, k, v, o, lse (not P); ``lse`` is not
-    differentiable.  The backward runs once (``once_differentiable``): no double backward."""
+    them).  Saves q, k, v, o, lse (not P); ``lse`` is not differentiable.  The backward is not differentiable:
+    a second-order use is refused (:func:`refuse_second_order`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, impl, options):
@@ -219,12 +259,12 @@ class FlashAttentionFunction(torch.autograd.Function):
         return o, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
         causal, scale, impl, options = ctx.config
-        dq, dk, dv = _backward3(q, k, v, o, lse, do.to(q.dtype).contiguous(), causal, scale, impl, options)
-        return dq, dk, dv, None, None, None, None
+        with torch.no_grad():
+            grads = _backward3(q, k, v, o, lse, do.to(q.dtype).contiguous(), causal, scale, impl, options)
+        return (*refuse_second_order(grads, (q, k, v, do)), None, None, None, None)
 
 
 def _check_tensors(q, k, v, allow_float64):
@@ -315,8 +355,10 @@ def attention(q, k, v, *, causal=False, scale=None, impl: str = "flash", block_m
     # q is flattened to (B·H, N, d) below: the modifiers' h and b need q's H (api checks it like any option)
     options = api._check_options(entry, impl, options, q, k)
     if "heads" in options:
-        from .flex import check_modifiers
+        from .flex import check_modifiers, snapshot
 
+        # the modifiers as they are now, for the forward and the backward alike (whatever their arrays do between)
+        options.update({n: snapshot(options[n]) for n in ("score_mod", "mask_mod", "score_mod_grad") if n in options})
         check_modifiers(score_mod=score_mod, mask_mod=mask_mod, score_mod_grad=score_mod_grad)
         if needs_grad and score_mod is not None and score_mod_grad is None and \
                 getattr(getattr(score_mod, "py_func", score_mod), "grad", None) is None:

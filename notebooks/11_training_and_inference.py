@@ -292,12 +292,16 @@ gen = np.random.default_rng(11)
 # ### The generator, as the kernels run it
 #
 # Ten rounds of two 32×32→64-bit multiplications, XORs with the key, and a key bump; integer arithmetic only
-# (the PTX guard checks that no float64 sneaks in). Straight from the package:
+# (the PTX guard checks that no float64 sneaks in). An element is kept iff its first output word is at least
+# $T = \lceil p\,2^{32} \rceil$, an integer comparison of all 32 bits; $T$ and the factor $1/(1-p)$ (in float64,
+# rounded once to float32) are computed on the host and passed to the kernels. Straight from the package:
 
 # %%
 show_source(rng.philox4x32_10)
-show_source(rng.dropout_uniform)
+show_source(rng.dropout_word)
 show_source(rng.dropout_keep)
+show_source(rng.keep_threshold)
+show_source(rng.keep_scale)
 
 # %% [markdown]
 # A generator is only Philox if it gives Philox's published answers. Random123 (the reference
@@ -408,8 +412,8 @@ plt.show()
 # %% [markdown]
 # ### Keep-rate statistics
 #
-# Each element is kept iff $u \ge p$ with $u$ the top 24 bits of Philox's first output word times $2^{-24}$,
-# so the keep probability is $1 - \lceil p\,2^{24} \rceil / 2^{24}$. Over $n$ elements the kept count is then
+# Each element is kept iff Philox's first output word (32 bits) is at least $T = \lceil p\,2^{32} \rceil$, so the
+# keep probability is $1 - T / 2^{32}$, within $2^{-32}$ of $1 - p$. Over $n$ elements the kept count is then
 # Binomial: below, each measured rate with its distance from the expected one in standard deviations (on the
 # twin's mask, which the tests hold bit for bit to the device's), and the spread of the per-row rates.
 
@@ -418,7 +422,7 @@ shape = (4, 128, 128)
 print(f"{'p':>5}  {'kept':>8}  {'expected':>8}  {'z-score':>7}  {'row rates: min .. max':>22}")
 for p_ in (0.1, 0.3, 0.5, 0.9):
     keep = rng.dropout_keep_np(99, p_, *shape)
-    q_ = 1 - np.ceil(np.float32(p_) * 2.0**24) / 2.0**24
+    q_ = 1 - int(rng.keep_threshold(p_)) / 2.0**32
     zscore = (keep.sum() - keep.size * q_) / np.sqrt(keep.size * q_ * (1 - q_))
     rows = keep.mean(axis=2)
     print(f"{p_:>5}  {keep.mean():>8.4f}  {q_:>8.4f}  {zscore:>7.2f}  {rows.min():>10.3f} .. {rows.max():.3f}")

@@ -74,11 +74,12 @@ STAGE_OF_MODULE = {
     "test_block_sparse": "stage5", "test_flex": "flex", "test_decode": "decode",
     "test_fa2_fast": "stage6", "test_sass_model": "stage6", "test_fa2_fast_steps": "stage6",
     "test_flash": "product", "test_flash_parity": "product",
+    "test_distributed": "distributed",
 }
 
 
 # Notebooks that need the optional PyTorch extra: skipped (not failed) where torch is not installed.
-NEEDS_TORCH = {"09_transformer_on_flashnb.ipynb"}
+NEEDS_TORCH = {"09_transformer_on_flashnb.ipynb", "13_context_parallelism.ipynb"}
 
 
 # Files that run first (pytest -n 2 --dist loadfile hands whole files to the two workers in collection order): the

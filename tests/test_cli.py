@@ -33,3 +33,67 @@ def test_tour_command_prints_the_table():
     for name in IMPLS:
         assert f" {name} " in r.stdout
     assert "modelled" in r.stdout and "not a measurement" in r.stdout
+
+
+# --------------------------------------------------------------------------- flashnb sanitize SCRIPT, however it ends
+
+_RACY = """import os, sys
+import numpy as np
+import flashnb
+from numba import cuda, float32
+
+
+@cuda.jit
+def rotate(x, out):
+    sh = cuda.shared.array(32, float32)
+    t = cuda.threadIdx.x
+    sh[t] = x[t]
+    {barrier}
+    out[t] = sh[(t + 1) % 32]                   # without the barrier: reads a neighbour's write, unordered
+
+
+rotate[1, 32](flashnb.common.to_device(np.arange(32.0)), flashnb.common.to_device(np.zeros(32)))
+print("launched")
+{ending}
+"""
+
+
+def _script(tmp_path, name, ending, racy=True):
+    path = tmp_path / name
+    path.write_text(_RACY.format(ending=ending, barrier="pass" if racy else "cuda.syncthreads()"))
+    return str(path)
+
+
+def _sanitize(*targets):
+    return subprocess.run([sys.executable, "-m", "flashnb.cli", "sanitize", *targets, "--tool", "racecheck"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "FLASHNB_DEVICE": "sim"})
+
+
+def test_sanitize_reports_a_race_however_the_script_ends(tmp_path):
+    """Before: a script ending in sys.exit(...) left with exit status 0 and no report, and one that raised lost
+    the report of its launches.  Each script here launches a racy kernel and ends another way; every report is
+    printed, the exception's traceback too, and the status is 1 (errors found)."""
+    endings = {"exit0.py": "sys.exit(0)", "systemexit.py": "raise SystemExit", "exit3.py": "sys.exit(3)",
+               "raises.py": "raise RuntimeError('after the launch')", "ends.py": ""}
+    r = _sanitize(*(_script(tmp_path, name, ending) for name, ending in endings.items()))
+    assert r.returncode == 1, r.stdout + r.stderr
+    for name in endings:
+        assert f"{name}: 32 error(s) in 1 place(s), 1 launch(es) (racecheck)" in r.stdout, r.stdout + r.stderr
+    assert r.stdout.count("launched") == 5 and "RuntimeError: after the launch" in r.stderr
+    assert "exit3.py: the script exited with status 3" in r.stderr
+
+
+def test_sanitize_keeps_a_clean_scripts_own_status_and_traps_os_exit(tmp_path):
+    """The script's own nonzero status is not lost (a race-free script that ends in sys.exit(3) gives 3, one that
+    raises gives 1 as Python does); os._exit(0) after a racy launch still prints the report and exits 1."""
+    r = _sanitize(_script(tmp_path, "clean.py", "", racy=False), _script(tmp_path, "three.py", "sys.exit(3)", False))
+    assert r.returncode == 3 and "clean.py: no errors in 1 launch(es)" in r.stdout, r.stdout + r.stderr
+    r = _sanitize(_script(tmp_path, "hard.py", "os._exit(0)"), _script(tmp_path, "never.py", ""))
+    assert r.returncode == 1 and "hard.py: 32 error(s)" in r.stdout and "never.py" not in r.stdout, r.stdout + r.stderr
+
+
+def test_sanitize_a_missing_file_says_so(tmp_path, capsys):
+    assert cli.main(["sanitize", str(tmp_path / "missing.py")]) == 2
+    assert f"no such file: {str(tmp_path / 'missing.py')!r}" in capsys.readouterr().err
+    assert cli.main(["sanitize", "fa9"]) == 2
+    assert "'fa9' is neither an impl" in capsys.readouterr().err

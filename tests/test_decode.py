@@ -264,3 +264,27 @@ def test_gpu_measurement_rehearsal():
     assert [(r["impl"], r["num_splits"]) for r in rows] == [("flash-decoding", 2), ("flash-decoding", 1),
                                                             ("fa2", None)]
     assert [r["blocks"] for r in rows] == [2 + 1, 1 + 1, 1] and all(r["mode"] == "rehearsal" for r in rows)
+
+
+def test_decode_and_the_impl_agree_on_causal(rng):
+    """Before: decode.decode defaulted to causal=True while attention(impl="flash-decoding") defaulted to False, so
+    the two gave different answers for Nq > 1 without a word.  Now with one query every mask is the same (causal
+    may be left out of decode, and both match the dense reference); with several, decode needs causal (a
+    ValueError naming it) and each choice equals the impl with the same causal."""
+    k, v = rng.standard_normal((2, 2, 40, 8))
+    cache = _cache(k, v)
+    for Nq in (1, 3):
+        q = rng.standard_normal((2, Nq, 8))
+        impl = {c: flashnb.attention(q, k, v, causal=c, impl="flash-decoding", num_splits=2, warps=1)
+                for c in ((False, True) if Nq > 1 else (False,))}
+        if Nq == 1:
+            o = decode.decode(q, cache, num_splits=2, warps=1)[0].copy_to_host()
+            assert_close(o, reference.attention(q, k, v), **TOL, what="o")
+            assert_close(impl[False], reference.attention(q, k, v), **TOL, what="impl o")
+            continue
+        with pytest.raises(ValueError, match=r"causal: decoding Nq = 3 new queries needs causal=True"):
+            decode.decode(q, cache, num_splits=2, warps=1)
+        for c in (False, True):
+            o = decode.decode(q, cache, causal=c, num_splits=2, warps=1)[0].copy_to_host()
+            assert_close(o, impl[c], **TOL, what=f"causal={c}")
+            assert_close(o, reference.attention(q, k, v, causal=c), **TOL, what=f"causal={c} vs reference")

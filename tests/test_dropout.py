@@ -50,16 +50,42 @@ def _mask(seed, p, lead, Nq, Nk):
 
 @pytest.mark.parametrize("seed, p, BH, Nq, Nk", [(2**40 + 77, 0.3, 2, 3, 40), (5, 0.9, 1, 2, 33)])
 def test_twin_equals_device_bit_for_bit(seed, p, BH, Nq, Nk):
-    """The mask kernel (the same device functions the FA2 kernels call) against the vectorised twin: every u and
-    every keep decision identical (the outputs start as NaN, so every element was written); a kept element's
-    factor is float32's 1/(1 - p), a dropped one's 0.  A seed above 2^32 puts bits in the key's high word."""
-    U, Zs = frng.device_mask(seed, p, BH, Nq, Nk)
+    """The mask kernel (the same device functions the FA2 kernels call) against the vectorised twin: every 32-bit
+    word and every keep decision identical (the factors start as NaN, so every element was written); a kept
+    element's factor is float32(1/(1 - p)) of the float64 value, a dropped one's 0.  A seed above 2^32 puts bits in
+    the key's high word."""
+    W, Zs = frng.device_mask(seed, p, BH, Nq, Nk)
     z, i, j = np.ogrid[:BH, :Nq, :Nk]
-    assert np.array_equal(U.astype(np.float64), frng.dropout_uniform_np(seed, z, i, j))
+    assert W.dtype == np.uint32 and np.array_equal(W.astype(np.uint64), frng.dropout_word_np(seed, z, i, j))
     keep = frng.dropout_keep_np(seed, p, BH, Nq, Nk)
     assert np.array_equal(Zs != 0, keep) and 0 < keep.mean() < 1
-    one = np.float32(1)
-    assert np.all(Zs[keep] == one / (one - np.float32(p)))
+    assert np.all(Zs[keep] == np.float32(1.0 / (1.0 - p)))
+
+
+def test_keep_test_and_factor_are_exact_to_the_stated_precision():
+    """Before: the keep test compared 24-bit uniforms with float32(p), and the factor was float32's
+    1/(1 - float32(p)) computed in the kernel (1000.013 at p = 0.999, 9998.3 at p = 0.9999; the mean of the
+    dropped weights biased by ~0.1 % at p = 0.9999).  Now, as the docs say: kept iff the 32-bit word >=
+    ceil(p·2^32), so the keep probability is within 2^-32 of 1 - p; the factor is the float64 1/(1-p) rounded once
+    to float32.  Checked on the device at a word's exact threshold (kept at p = w/2^32, dropped at (w+1)/2^32 --
+    below the 24-bit grid), and the expected factor E[Z/(1-p)] = (1 - T/2^32)·float32(1/(1-p)) is 1 within
+    2^-32/(1-p) + 2^-24 for p up to 0.9999."""
+    for p, want in ((0.999, 1000.0), (0.9999, 10000.0)):
+        seed = next(s for s in range(10**5) if frng.dropout_keep_np(s, p, 1, 1, 64).any())   # one with a kept element
+        _, Zs = frng.device_mask(seed, p, 1, 1, 64)
+        assert (Zs != 0).any() and set(np.unique(Zs).tolist()) == {0.0, want}, np.unique(Zs)
+        assert frng.keep_scale(p) == np.float32(want)
+    words = frng.dropout_word_np(8, 0, 0, np.arange(64))
+    w = int(next(x for x in words if int(x) & 0xFF and 2**24 < x < 2**32 - 2))   # low bits the 24-bit grid drops
+    j = int(np.flatnonzero(words == w)[0])
+    for p, kept in ((w / 2**32, True), ((w + 1) / 2**32, False)):
+        _, Zs = frng.device_mask(8, p, 1, 1, 64)
+        assert (Zs[0, 0, j] != 0) == kept and frng.dropout_keep_np(8, p, 1, 1, 64)[0, 0, j] == kept
+    for p in (1e-9, 0.1, 0.5, 0.9, 0.999, 0.9999, 1 - 2**-30):
+        T = int(frng.keep_threshold(p))
+        assert 0 <= (1 - p) - (1 - T / 2**32) < 2**-32
+        mean = (1 - T / 2**32) * float(frng.keep_scale(p))
+        assert abs(mean - 1) <= 2**-32 / (1 - p) + 2**-24, p
 
 
 # (lead of q, lead of k/v, Nq, Nk, d, causal, p, tiles): Nq != Nk both ways (with fully masked causal rows when
@@ -119,12 +145,12 @@ def test_backward_uses_the_forwards_mask(rng, impl):
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.85])
 def test_keep_rate_within_binomial_bound(p):
-    """Kept elements of a (4, 128, 128) mask ~ Binomial(n, 1 - p') with p' = ceil(p·2^24)/2^24 (u is on the 2^-24
-    grid): the count must lie within 5 standard deviations (two-sided probability of failing by chance, were
+    """Kept elements of a (4, 128, 128) mask ~ Binomial(n, 1 - p') with p' = ceil(p·2^32)/2^32 (the keep test on
+    the 32-bit word): the count must lie within 5 standard deviations (two-sided probability of failing by chance, were
     the bits ideal: 5.7e-7), and so must every row's and column's mean within 5 of their own deviations at the
     Bonferroni-corrected level for 1,024 rows and columns (z = 5 still covers 1024 · 5.7e-7 = 6e-4)."""
     keep = frng.dropout_keep_np(1234567, p, 4, 128, 128)
-    q = 1 - np.ceil(np.float32(p) * 2.0**24) / 2.0**24
+    q = 1 - int(frng.keep_threshold(p)) / 2.0**32
     n = keep.size
     assert abs(keep.sum() - n * q) <= 5 * np.sqrt(n * q * (1 - q))
     for axis, m in ((2, 128), (1, 128)):
@@ -192,7 +218,8 @@ def test_p_zero_is_no_dropout_bit_for_bit(rng):
     M = fa2._mask_device(None)
     outs = {}
     for dropout in (False, True):
-        extra = (np.float32(0.0), np.uint32(123), np.uint32(7)) if dropout else ()
+        extra = frng.dropout_kernel_args(0.0, 123 + 7 * 2**32) if dropout else ()   # threshold 0, factor 1
+        assert not dropout or (extra[:2] == (0, 1) and extra[2:] == (123, 7))
         O, L = common.empty((BH, Nq, d)), common.empty((BH, Nq))
         kernel = fa2.make_forward(16, 16, d, 1, True, dropout=dropout)
         common.launch(kernel, (2, BH), 32, q, k, v, O, L, scale, diag, M, *extra)
@@ -226,7 +253,7 @@ def test_dropout_kernels_pass_the_sanitizer(rng, impl):
     (dict(dropout_p=1.0, seed=1), ValueError, "dropout_p must be in"),
     (dict(dropout_p=-0.1, seed=1), ValueError, "dropout_p must be in"),
     (dict(dropout_p=float("nan"), seed=1), ValueError, "dropout_p must be in"),
-    (dict(dropout_p=1 - 1e-9, seed=1), ValueError, "float32"),
+    (dict(dropout_p=1 - 2**-33, seed=1), ValueError, r"at most 1 - 2\*\*-32"),
     (dict(dropout_p="0.1", seed=1), TypeError, "dropout_p must be a real number"),
     (dict(dropout_p=0.1), ValueError, "needs a seed"),
     (dict(dropout_p=0.1, seed=-1), ValueError, "seed must be an int"),
@@ -251,6 +278,22 @@ def test_p_zero_is_accepted_by_every_impl_and_check_forward_catches_another_seed
     o, lse = flashnb.attention_forward(q, k, v, impl=impl, dropout_p=0.5, seed=3, **SMALL)
     with pytest.raises(ValueError, match="not the forward"):       # o was made with seed 3's mask, not seed 4's
         flashnb.attention_backward(q, k, v, o, lse, do, impl=impl, dropout_p=0.5, seed=4, **SMALL)
+
+
+def test_backward_without_the_forwards_dropout_arguments_says_so(rng):
+    """Before: a backward given a dropout forward's o and lse but no dropout_p/seed (or another seed) was told to
+    "pass the o and lse that attention_forward returned" -- which it had.  lse is the undropped softmax's, so a
+    right lse with a wrong o points at the dropout arguments, and the message says so; a wrong lse keeps the
+    general message."""
+    q, k, v, do = qkv(rng, (1, 12, 8), 12, do=True)
+    o, lse = flashnb.attention_forward(q, k, v, impl="fa2", dropout_p=0.5, seed=3, **SMALL)
+    with pytest.raises(ValueError, match="lse is right but o is not, as after a forward with dropout: pass "
+                                         "attention_backward the forward's dropout_p and seed"):
+        flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", **SMALL)
+    with pytest.raises(ValueError, match=r"the mask of dropout_p=0.5, seed=4 is not the forward's"):
+        flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", dropout_p=0.5, seed=4, **SMALL)
+    with pytest.raises(ValueError, match="pass the o and lse that attention_forward returned"):
+        flashnb.attention_backward(q, k, v, o, lse + 1, do, impl="fa2", dropout_p=0.5, seed=3, **SMALL)
 
 
 # --------------------------------------------------------------------------- PyTorch

@@ -10,7 +10,7 @@ from conftest import FEATURE_IMPLS, MODULE_OF, assert_close, qkv
 from numba import float32
 
 import flashnb
-from flashnb import flex, reference, traffic
+from flashnb import fa2, flex, reference, traffic
 from flashnb.flex import ModifierError
 
 # As in test_fa2 / test_block_sparse: float32 sums of at most max(Nk, d) <= 64 O(1) products (~1e-5 relative in
@@ -36,6 +36,35 @@ def band_mask(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx + 3 and q_idx - kv_idx < 20
 
 
+TABLE = np.zeros((2, 32), dtype=np.float32)   # a module-level bias table a score_mod reads (a captured global)
+
+
+def table_bias(score, b, h, q_idx, kv_idx):
+    return score + TABLE[h, kv_idx]
+
+
+def table_bias_grad(score, b, h, q_idx, kv_idx):
+    return float32(1)
+
+
+table_bias.grad = table_bias_grad
+def head_window(b, h, q_idx, kv_idx):
+    """Head 0 causal, head 1 also sees the 16 keys after it: a mask that differs between heads."""
+    return kv_idx <= q_idx + 16 * h
+
+
+def batch_prefix(b, h, q_idx, kv_idx):
+    """Batch b sees the first 16·(b + 1) keys: a mask that differs between batches."""
+    return kv_idx < 16 * (b + 1)
+
+
+KEEP = np.ones(32, dtype=np.int32)            # a key-padding mask a mask_mod reads (1 = a real key)
+
+
+def key_padding(b, h, q_idx, kv_idx):
+    return KEEP[kv_idx] != 0
+
+
 DOCS = np.repeat(np.arange(4), [10, 17, 5, 16])             # 48 positions, 4 packed documents
 GALLERY = {                                               # name: (score_mod, mask_mod, Nq, Nk)
     "causal": (None, flex.causal(offset=16), 32, 48),     # bottom-right aligned for Nq != Nk
@@ -50,6 +79,8 @@ GALLERY = {                                               # name: (score_mod, ma
 def checked():
     """Every modifier of this module compiled for a GPU once, in one batch (~3 s), before any test launches."""
     pairs = [(rel_bias, "score_mod"), (rel_bias_grad, "score_mod_grad"), (band_mask, "mask_mod"),
+             (table_bias, "score_mod"), (table_bias_grad, "score_mod_grad"), (key_padding, "mask_mod"),
+             (head_window, "mask_mod"), (batch_prefix, "mask_mod"),
              (flex.document(DOCS, causal=True), "mask_mod")]
     for sm, mm, _, _ in GALLERY.values():
         pairs += [(sm, "score_mod"), (sm.grad, "score_mod_grad")] if sm is not None else []
@@ -231,3 +262,159 @@ def test_torch_passes_modifiers_and_gqa(rng, impl):
     assert_close(o.detach().numpy(), o_ref, **FWD, what="o")
     for name, t, g_ref in zip(("dq", "dk", "dv"), (qt, kt, vt), ref):
         assert_close(t.grad.numpy(), g_ref, **BWD, what=name)
+
+
+# --------------------------------------------------------------------------- captured values that change, heads
+
+
+def _doc_mask(ids):
+    """The document mask computed here, independently of flex: (1, 1, N, N)."""
+    return (ids[:, None] == ids[None, :])[None, None]
+
+
+def test_captured_array_changed_in_place_is_seen(rng):
+    """Before: the block mask of flex.document(ids) was cached on the function, so after ids changed in place the
+    kernel skipped tiles of the old documents and the output was off by ~1 (silently).  Now each call takes the
+    modifier with what it captures then: forward and backward follow the ids, and a block mask made before the
+    change is refused by name."""
+    ids = np.repeat(np.arange(2, dtype=np.int32), 16)           # two documents: the off-diagonal tiles are empty
+    mm = flex.document(ids)
+    q, k, v, do = qkv(rng, (1, 1, 32, 8), 32, do=True)
+    bm = flex.create_block_mask(mm, 1, 1, 32, 32, Br=16, Bc=16)
+    for new in (ids.copy(), np.zeros(32, np.int32)):            # then one document: every tile full
+        ids[:] = new
+        o, lse = flashnb.attention_forward(q, k, v, impl="fa2", mask_mod=mm, **TILES)
+        mask = _doc_mask(ids)
+        assert_close(o, reference.attention_forward(q, k, v, mask=mask)[0], **FWD, what="o")
+        grads = flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", mask_mod=mm, **TILES)
+        for name, g, g_ref in zip(("dq", "dk", "dv"), grads, reference.attention_backward(q, k, v, do, mask=mask)):
+            assert_close(g, g_ref, **BWD, what=name)
+    with pytest.raises(ValueError, match="block_mask was made by create_block_mask from mask_mod 'document_mask' "
+                                         "when the arrays it captures held other values"):
+        flashnb.attention(q, k, v, impl="fa2", block_mask=bm, **TILES)
+
+
+def test_snapshot_keeps_the_values_of_its_call():
+    """What a GPU compiles is a snapshot's frozen copy: read-only copies of the captured arrays, unchanged when the
+    original changes; snapshots are equal exactly when code and captured contents are (the kernels' cache key),
+    whatever the function object."""
+    ids = np.repeat(np.arange(2, dtype=np.int32), 8)
+    mm = flex.document(ids)
+    first = flex.snapshot(mm)
+    assert first == flex.snapshot(flex.document(ids.copy())) and first.current()
+    ids[:] = 0
+    assert flex.snapshot(mm) != first and not first.current()
+    frozen = [c.cell_contents for c in first.py_func.__closure__ if isinstance(c.cell_contents, np.ndarray)]
+    assert frozen and all(a.tolist() == [0] * 8 + [1] * 8 and not a.flags.writeable for a in frozen)
+    assert first.py_func.numpy(0, 0, np.arange(16)[:, None], np.arange(16)[None]).sum() == 2 * 64   # the twin too
+
+
+def test_captured_globals_changed_in_place_are_seen(rng):
+    """The variant: other captured arrays, read as globals rather than closure cells -- a key-padding mask_mod and a
+    per-head bias table score_mod -- changed in place between calls (before: the padded keys' tile stayed "full"
+    in the cached block mask and was attended to).  Forward and backward against the reference with each call's
+    values."""
+    q, k, v, do = qkv(rng, (1, 2, 24, 8), 32, do=True)
+    for fill, padded in ((0.0, 32), (1.5, 13)):
+        TABLE[:] = fill * rng.standard_normal(TABLE.shape)
+        KEEP[:] = np.arange(32) < padded
+        opts = dict(impl="fa2", score_mod=table_bias, mask_mod=key_padding, **TILES)
+        o, lse = flashnb.attention_forward(q, k, v, **opts)
+        t64, keep = TABLE.astype(np.float64), np.broadcast_to(KEEP.astype(bool), (1, 2, 24, 32))
+        sm = lambda s, b, h, i, j: s + t64[h, j]                              # noqa: E731
+        one = lambda s, b, h, i, j: np.ones(np.broadcast_shapes(*map(np.shape, (s, b, h, i, j))))   # noqa: E731
+        assert_close(o, reference.attention_forward(q, k, v, mask=keep, score_mod=sm)[0], **FWD, what=f"o ({padded})")
+        grads = flashnb.attention_backward(q, k, v, o, lse, do, **opts)
+        ref = reference.attention_backward(q, k, v, do, mask=keep, score_mod=sm, score_mod_grad=one)
+        for name, g, g_ref in zip(("dq", "dk", "dv"), grads, ref):
+            assert_close(g, g_ref, **BWD, what=f"{name} ({padded} keys)")
+
+
+def test_torch_backward_uses_the_forwards_captured_values(rng):
+    """flashnb.torch snapshots the modifiers at the forward: ids changed between forward and backward (before: the
+    backward's mask_mod read the new ids) leave the gradients those of the forward's mask."""
+    torch = pytest.importorskip("torch")
+    import flashnb.torch as ft
+
+    ids = np.repeat(np.arange(2, dtype=np.int32), [5, 11])
+    q, k, v, do = qkv(rng, (1, 1, 16, 8), 16, do=True)
+    qt, kt, vt = (torch.tensor(a, dtype=torch.float32, requires_grad=True) for a in (q, k, v))
+    o = ft.attention(qt, kt, vt, mask_mod=flex.document(ids), **TILES)
+    mask = _doc_mask(ids.copy())
+    ids[:] = 0
+    o.backward(torch.tensor(do, dtype=torch.float32))
+    for name, t, g_ref in zip(("dq", "dk", "dv"), (qt, kt, vt), reference.attention_backward(q, k, v, do, mask=mask)):
+        assert_close(t.grad.numpy(), g_ref, **BWD, what=name)
+
+
+def test_block_mask_for_one_head_is_refused_for_a_mask_that_differs_by_head(rng):
+    """Before: create_block_mask(mask_mod, B=None, H=None) evaluated a head-dependent mask_mod at h = 0 only, and
+    head 1 got head 0's empty tiles (output error ~1.9, silently).  Now the launch checks mask_mod at its own
+    (B, H) and names the argument; with H given the result is right.  Variants: B=None with a mask that differs
+    by batch, a (B, H) that does not match the call's, and a mask the same for all heads (accepted)."""
+    q, k, v = qkv(rng, (1, 2, 32, 8), 32)
+    bm = flex.create_block_mask(head_window, None, None, 32, 32, Br=16, Bc=16)
+    with pytest.raises(ValueError, match=r"with H=None .*mask_mod 'head_window' differs .*pass H=2 to create_block"):
+        flashnb.attention(q, k, v, impl="fa2", block_mask=bm, **TILES)
+    o = flashnb.attention(q, k, v, impl="fa2", block_mask=flex.create_block_mask(head_window, 1, 2, 32, 32, Br=16,
+                                                                                  Bc=16), **TILES)
+    assert_close(o, reference.attention(q, k, v, mask=flex.mask_array(head_window, 1, 2, 32, 32)), **FWD, what="o")
+    qb, kb, vb = qkv(rng, (2, 1, 32, 8), 32)
+    with pytest.raises(ValueError, match=r"with B=None .*pass B=2 to create_block_mask"):
+        flashnb.attention(qb, kb, vb, impl="fa2", block_mask=flex.create_block_mask(batch_prefix, None, 1, 32, 32,
+                                                                                     Br=16, Bc=16), **TILES)
+    with pytest.raises(ValueError, match=r"made by create_block_mask for \(B, H\) = \(2, 1\).*has \(B, H\) = \(1, 2\)"):
+        flashnb.attention(q, k, v, impl="fa2", block_mask=flex.create_block_mask(batch_prefix, 2, 1, 32, 32, Br=16,
+                                                                                  Bc=16), **TILES)
+    same = flex.create_block_mask(batch_prefix, None, None, 32, 32, Br=16, Bc=16)   # differs by b, not by h
+    o = flashnb.attention(q, k, v, impl="fa2", block_mask=same, **TILES)
+    assert_close(o, reference.attention(q, k, v, mask=flex.mask_array(batch_prefix, 1, 2, 32, 32)), **FWD, what="o")
+
+
+def _bias_of(table):
+    def captured_bias(score, b, h, q_idx, kv_idx):
+        return score + table[kv_idx]
+    return captured_bias
+
+
+def test_compile_check_is_cached_by_code_and_captured_types(rng, monkeypatch):
+    """Before: every new modifier closure paid a compile check in a child process (~2.5 s), e.g. a new
+    flex.document(ids) per training batch.  The check depends on the code and the captured values' types: new
+    document ids launch with no check at all, a float32 table is checked once for any values, and a float64
+    table -- another type, float64 arithmetic on a GPU -- is checked (and refused) on its own."""
+    batches = []
+    real = flex._compile_many
+    monkeypatch.setattr(flex, "_compile_many", lambda items: batches.append(len(items)) or real(items))
+    q, k, v = qkv(rng, (1, 1, 16, 8), 16)
+    for n in (3, 5):                                           # two new packings (the fixture checked document's)
+        o = flashnb.attention(q, k, v, impl="fa2", mask_mod=flex.document(np.arange(16) // n), **TILES)
+        assert_close(o, reference.attention(q, k, v, mask=_doc_mask(np.arange(16) // n)), **FWD, what="o")
+    assert batches == []
+    f32, f64 = _bias_of(np.zeros(16, np.float32)), _bias_of(np.zeros(16))
+    flex.check_many([(f32, "score_mod"), (f64, "score_mod")], strict=False)
+    assert batches == [2]
+    flex.check_modifiers(score_mod=_bias_of(np.ones(16, np.float32)))
+    with pytest.raises(ModifierError, match="captured_bias' computes in float64"):
+        flex.check_modifiers(score_mod=_bias_of(np.ones(16)))
+    assert batches == [2]
+
+
+def test_kernel_cache_is_bounded():
+    """Before: every distinct modifier kept its kernel for the life of the process.  Each factory keeps the
+    KERNEL_CACHE_SIZE most recently used (and so do the frozen modifier copies and their device functions); an
+    evicted kernel is freed."""
+    import gc
+    import weakref
+
+    from flashnb import registry
+
+    n = registry.KERNEL_CACHE_SIZE
+    assert fa2.make_forward.cache_info().maxsize == n
+    first = None
+    for i in range(n + 3):
+        kernel = fa2.make_forward(16, 16, 8, 1, False, True, None, flex.snapshot(flex.document(np.full(32, i))))
+        first = first or weakref.ref(kernel)
+    del kernel
+    gc.collect()
+    assert fa2.make_forward.cache_info().currsize == n and first() is None
+    assert len(flex._FROZEN) <= n and len(fa2._DEVICE_FNS) <= n

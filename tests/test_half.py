@@ -139,6 +139,43 @@ def test_backward_float16(rng, BH, Nq, Nk, d, causal, impl):
         assert np.all(err <= bound), f"{name}: error {err.max():.3e} over the bound by {np.max(err - bound):.3e}"
 
 
+@pytest.mark.parametrize("storage", ["float16", "bfloat16"])
+def test_half_gradient_error_is_the_rounded_o_in_D(rng, storage):
+    """The documented half-precision gradient error, measured: the backward forms D = rowsum(dO ∘ O) from the
+    *stored* (rounded) O, so dq and dk carry |scale|·δD·Σ P|k| and |scale|·Σ P δD |q| with δD <= u·Σ|dO ∘ O|
+    (u = 2^-11, 2^-8): an error that scales with |v|·|dO|, not with the gradient.  With v = 256 + N(0, 1) the
+    terms dP - D nearly cancel, so dq, dk are O(50) while |v|·|dO| is O(10^4): the measured error is within that
+    bound, of its size (at least 1/30 of it), and far above the gradients' own rounding (20x); the same inputs
+    with O kept in float32 (storage="float32") are 100x more accurate; dv (no D) stays within its own rounding."""
+    u = {"float16": U16, "bfloat16": UBF}[storage]
+    half = (lambda a: a.astype(np.float16)) if storage == "float16" else common.to_bfloat16
+    values = (lambda a: a) if storage == "float16" else common.from_bfloat16
+    q, k = (half(rng.standard_normal((1, n, 16))) for n in (24, 32))
+    v = half(256 + rng.standard_normal((1, 32, 16)))
+    do = half(64 * rng.standard_normal((1, 24, 16)))
+    o, lse = flashnb.attention_forward(q, k, v, impl="fa2", storage=storage, **SMALL)
+    grads = flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", storage=storage, **SMALL)
+    q, k, v, do, o = (values(a) for a in (q, k, v, do, o))
+    exact_o = flashnb.attention_forward(q, k, v, impl="fa2", storage="float32", **SMALL)
+    g32 = flashnb.attention_backward(q, k, v, *exact_o, do, impl="fa2", storage="float32", **SMALL)
+    g_ref = reference.attention_backward(*f64(q, k, v, do))
+    scale = 16 ** -0.5
+    P = reference._softmax(*f64(q, k), False, scale, None)[0]
+    dD = u * np.sum(np.abs(do.astype(np.float64) * o), axis=-1)[..., None]          # (1, Nq, 1)
+    via_D = [scale * dD * (P @ np.abs(k)), scale * (np.swapaxes(P * dD, -1, -2) @ np.abs(q))]
+    bounds = backward_tolerance(q, k, v, do, o, False, scale, g_ref, u)
+    for name, g, g_f32, ref, bound in zip(("dq", "dk", "dv"), grads, g32, g_ref, bounds):
+        err = np.abs(values(g).astype(np.float64) - ref)
+        own = u * np.abs(ref).max()
+        assert np.all(err <= bound), f"{name}: error {err.max():.3e} over the bound"
+        if name == "dv":
+            assert err.max() <= own + 1e-3, f"dv: {err.max():.3e} beyond its own rounding {own:.3e}"
+            continue
+        D_bound = via_D[name == "dk"].max()
+        assert D_bound / 30 <= err.max() <= D_bound and err.max() >= 20 * own, (name, err.max(), D_bound, own)
+        assert np.abs(g_f32 - ref).max() <= err.max() / 100, name
+
+
 # --------------------------------------------------------------------------- bfloat16 (uint16 bit patterns)
 
 
@@ -266,20 +303,54 @@ def test_bad_combinations(rng, impl):
 
 
 @pytest.mark.parametrize("impl", FEATURE_IMPLS)
-@pytest.mark.filterwarnings("ignore:overflow encountered in cast")   # the simulator's float16() of a big float32
 def test_float16_gradient_overflow_is_an_error(rng, impl):
     """dv_j = Σ_i P_ij do_i: 16 queries that all attend to one key with do = 60000 sum to 9.6e5, beyond float16's
-    65504 -- a ValueError naming dv, not an inf; the same inputs in float32 storage give the finite value."""
+    65504 -- a ValueError naming dv, not an inf, and (before: a NumPy "overflow encountered in cast" from the
+    simulator's float16 cast came first) no warning; the same inputs in float32 storage give the finite value.
+    The simulator's float32 -> float16 store is NumPy's cast below 65520 and inf from there, as on a GPU."""
+    import warnings
+
     Nq, d = 16, 8
     q = np.ones((1, Nq, d), np.float16)
     k = np.ones((1, 1, d), np.float16)
     v = rng.standard_normal((1, 1, d)).astype(np.float16)
     do = np.full((1, Nq, d), 60000, np.float16)
     o, lse = flashnb.attention_forward(q, k, v, impl=impl)
-    with pytest.raises(ValueError, match="dv overflows float16"):
+    with warnings.catch_warnings(), pytest.raises(ValueError, match="dv overflows float16"):
+        warnings.simplefilter("error")                 # any warning, in any simulator thread, is an error here
         flashnb.attention_backward(q, k, v, o, lse, do, impl=impl)
+    x = np.float32([65504, 65519.996, 65520, -65520, -1e6, 3.14159, -2.0 ** -20, 0])
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16)
+    assert [common.storage_conversions("float16")[1](e) for e in x] == want.tolist()
     dv = flashnb.attention_backward(q, k, v, o, lse, do, impl=impl, storage="float32")[2]
     assert np.allclose(dv, Nq * 60000.0)
+
+
+def test_uint16_without_bfloat16_storage_is_refused(rng):
+    """Before: bfloat16 bit patterns (common.to_bfloat16's uint16 arrays) passed without storage="bfloat16" were
+    computed as integers (outputs ~4e4 instead of ~0.5), without a word.  Now a uint16 array anywhere but with
+    storage="bfloat16" is a TypeError naming it and storage="bfloat16": for q of the default storage, do alone in a
+    backward, an explicit storage="float32", an impl without half storage, a torch tensor's values, and
+    flash-decoding's cache.  Other integer dtypes stay integer values."""
+    from flashnb import decode
+
+    q, k, v = (rng.standard_normal((1, 16, 8)) for _ in range(3))
+    bits = [common.to_bfloat16(a) for a in (q, k, v)]
+    for kw in (dict(impl="fa2"), dict(impl="fa2", storage="float32"), dict(impl="naive")):
+        with pytest.raises(TypeError, match=r"q has dtype uint16.*bfloat16 bit patterns.*storage='bfloat16'"):
+            flashnb.attention_forward(*bits, **kw)
+    o, lse = flashnb.attention_forward(q, k, v, impl="fa2", **SMALL)
+    with pytest.raises(TypeError, match=r"do has dtype uint16.*from_bfloat16\(do\)"):
+        flashnb.attention_backward(q, k, v, o, lse, common.to_bfloat16(o), impl="fa2", **SMALL)
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="k has dtype uint16"):
+        flashnb.attention(q, torch.from_numpy(bits[1]), v, impl="fa2")
+    with pytest.raises(TypeError, match="k_new has dtype uint16"):
+        decode.KVCache(1, 16, 8).append(bits[1], v)
+    o16, _ = flashnb.attention_forward(*bits, impl="fa2", storage="bfloat16", **SMALL)   # the bits, as meant
+    assert_close(common.from_bfloat16(o16), reference.attention(*(common.from_bfloat16(b) for b in bits)),
+                 atol=0.02, rtol=0.02, what="o")   # bfloat16's rounding of o (2^-8 relative) and of the inputs
 
 
 # --------------------------------------------------------------------------- flashnb.torch

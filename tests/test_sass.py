@@ -108,3 +108,22 @@ def test_cli(capsys):
     assert "fa2.forward" in out and "'causal': True" in out and "on sm_80" in out and "FFMA" in out
     assert cli.main(["sass", "no.such.kernel"]) == 2
     assert cli.main(["sass", "fa2.forward", "--config", "{oops"]) == 2
+
+
+def test_cli_config_is_merged_over_the_default_and_bad_ones_are_usage_errors(capsys):
+    """Before: a partial --config, a non-object, a bad value or an unknown key printed a raw traceback (exit 1).
+    Now a partial config is merged over the kernel's default (the first the PTX guard compiles: causal False
+    here), and the rest are one-line usage errors (exit 2) naming what is wrong."""
+    from flashnb import cli
+
+    assert cli.main(["sass", "fa2.forward", "--config", '{"Br": 16, "Bc": 16, "warps": 2, "d": 16}', "--cc", "80"]) == 0
+    assert "'causal': False" in capsys.readouterr().out
+    for config, message in [('[16, 16]', "--config must be a JSON object of fa2.forward's options"),
+                            ('{"Brr": 16}', "fa2.forward has no option(s) 'Brr'; its options: Br, Bc, d, warps"),
+                            ('{"Br": 7}', "the rows split over warps (7) must be a multiple of 4·warps = 16"),
+                            ('{"d": "64"}', 'd must be an integer (as in the default'),
+                            ('{"causal": 1}', "causal must be true or false"),
+                            ('{"storage": "float8"}', "storage must be one of")]:
+        assert cli.main(["sass", "fa2.forward", "--config", config]) == 2, config
+        err = capsys.readouterr().err
+        assert err.startswith("flashnb sass: ") and message in err and "Traceback" not in err, err

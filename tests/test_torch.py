@@ -132,6 +132,42 @@ def test_saves_o_and_lse_not_p_and_backward_does_not_rerun_the_forward():
     assert labels == ["D = rowsum(dO∘O)", "FA2 backward"]
 
 
+def _penalised(attn, q, k, v):
+    """``sum(o) + |d sum(o) / dq|²``: a gradient penalty, whose second term needs the backward's own derivative."""
+    o = attn(q, k, v)
+    (g,) = torch.autograd.grad(o.sum(), q, create_graph=True)
+    return o.sum() + g.square().sum()
+
+
+def test_second_order_gradients_are_refused_naming_flashnb():
+    """Before: a gradient penalty ran and silently lost its terms (the backward's gradients came back detached
+    when the incoming gradient needed none, so the penalty's backward dropped them: q.grad 4.0 where torch gives
+    20.1), and the simplest double backward failed with torch's unrelated "element 0 of tensors does not require
+    grad".  Now every path refuses with flashnb's message -- attention, the SDPA drop-in, float16 and bfloat16,
+    grouped-query K/V, a Hessian-vector product, an incoming gradient that itself requires grad -- and a
+    create_graph=True gradient used only as a value is the plain gradient."""
+    q, k, v, _ = _inputs(21, (1, 1, 16, 4), 16)
+    refused = r"flashnb's attention backward is not itself differentiable.*sdpa_kernel"
+    paths = {
+        "attention": lambda q, k, v: ft.attention(q, k, v, **SMALL),
+        "sdpa drop-in": lambda q, k, v: ft.scaled_dot_product_attention(q, k, v, is_causal=True, **SMALL),
+        "float16": lambda q, k, v: ft.attention(q.half(), k.half(), v.half(), **SMALL).float(),
+        "bfloat16": lambda q, k, v: ft.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), **SMALL).float(),
+        "gqa": lambda q, k, v: ft.attention(q.expand(1, 2, 16, 4), k, v, **SMALL),   # 2 query heads, 1 K/V
+        "o² loss": lambda q, k, v: ft.attention(q, k, v, **SMALL).square(),
+    }
+    for name, attn in paths.items():
+        with pytest.raises(RuntimeError, match=refused):
+            _penalised(attn, q, k, v).backward()
+    (g,) = torch.autograd.grad(ft.attention(q, k, v, **SMALL).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match=refused):
+        g.sum().backward()
+    with pytest.raises(RuntimeError, match=refused):
+        torch.autograd.functional.hvp(lambda x: ft.attention(x, k, v, **SMALL).sum(), q, torch.ones_like(q))
+    (g1,) = torch.autograd.grad(ft.attention(q, k, v, **SMALL).sum(), q)
+    assert g.requires_grad and torch.equal(g.detach(), g1)
+
+
 def test_dtypes_devices_and_contiguity():
     q, k, v, do = _inputs(5, (1, 1, 16, 8), 24)
     o32 = ft.attention(q, k, v, causal=True, **SMALL)

@@ -173,7 +173,8 @@ def make_forward(Br, Bc, d, warps, causal, dynamic=False, storage="float32", spa
     bytes at launch).  The features (:mod:`flashnb.kernels.policies`, all off by default): ``storage`` of Q, K, V, O;
     ``sparse`` (the block mask ``M`` at these tiles: ``EMPTY`` tiles skipped, ``PARTIAL`` ones ask ``mask_mod``);
     ``score_mod``, ``mask_mod`` and ``H`` (``b = z // H``, ``h = z % H``); ``gqa`` (K/V head ``z // G``);
-    ``dropout`` (the kernel's ``dropout_p, seed_lo, seed_hi``; ``m_i``, ``l_i``, ``L`` from the undropped ``P~``)."""
+    ``dropout`` (the kernel's ``threshold, inv_keep, seed_lo, seed_hi``; ``m_i``, ``l_i``, ``L`` from the
+    undropped ``P~``)."""
     g = geometry(Br, Bc, d, warps)
     TM, TN, DN, Dp, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["threads"]
     H = _check_features(sparse, mask_mod, dropout, H, TM * TN)
@@ -192,7 +193,7 @@ def make_forward(Br, Bc, d, warps, causal, dynamic=False, storage="float32", spa
 
 
     @cuda.jit
-    def flash_forward(Q, K, V, O, L, scale, diag, M, dropout_p, seed_lo, seed_hi):
+    def flash_forward(Q, K, V, O, L, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi):
         if dynamic:                                    # (a compile-time constant: one branch is compiled)
             Qs = cuda.shared.array(0, float32)         # Q_i, K_j from KO, V_j from VO (offsets keep LDS.128)
             Ks = Qs
@@ -220,7 +221,7 @@ def make_forward(Br, Bc, d, warps, causal, dynamic=False, storage="float32", spa
         Nq = Q.shape[1]
         Nk = K.shape[1]
         kz = kv_head(z, Q, K)                          # GQA: the K/V head of query head z
-        dst = drop_state(dropout_p, seed_lo, seed_hi)
+        dst = drop_state(threshold, inv_keep, seed_lo, seed_hi)
         load_tile(Q, Qs, 0, LD, z, i0, Nq, Br, i0 + Br <= Nq, tid)      # line 4: Q_i once
         for a in range(TM):                            # line 5: O~ = 0, l = 0, m = -inf
             m[a] = NEG_INF
@@ -325,7 +326,7 @@ def make_backward(Br, Bc, d, warps, causal, storage="float32", sparse=False, sco
     group = policies.gqa(gqa)[1]
 
     @cuda.jit
-    def flash_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, dropout_p, seed_lo, seed_hi):
+    def flash_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi):
         Ks = cuda.shared.array(KN, float32)            # K_j (at the end: dK_j), rows of LD = Dp + 4 floats
         Vs = cuda.shared.array(KN, float32)            # V_j (at the end: dV_j)
         Qs = cuda.shared.array(QN, float32)            # Q_i
@@ -350,7 +351,7 @@ def make_backward(Br, Bc, d, warps, causal, storage="float32", sparse=False, sco
         Nq = Q.shape[1]
         Nk = K.shape[1]
         G = group(Q, K)                                # GQA: the query heads kz·G .. kz·G + G - 1
-        dst = drop_state(dropout_p, seed_lo, seed_hi)
+        dst = drop_state(threshold, inv_keep, seed_lo, seed_hi)
         kfull = j0 + Bc <= Nk
         load_tile(K, Ks, 0, LD, kz, j0, Nk, Bc, kfull, tid)             # Alg. 2 line 6: K_j, V_j once
         load_tile(V, Vs, 0, LD, kz, j0, Nk, Bc, kfull, tid)

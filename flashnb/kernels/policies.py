@@ -48,7 +48,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint64
 
 from ..common import ONE, ZERO, storage_conversions
-from ..rng import check_dropout, dropout_keep, split_seed
+from ..rng import check_dropout, dropout_keep, dropout_kernel_args
 
 __all__ = ["EMPTY", "FULL", "PARTIAL", "ALL", "MAX_ELEMENTS", "storage", "tile_state", "modifiers", "is_set",
            "dropout", "dropout_args", "gqa",
@@ -190,23 +190,25 @@ def modifiers(score_mod=None, mask_mod=None, H=1, score_mod_grad=None):
 # --------------------------------------------------------------------------- dropout (Philox, flashnb.rng)
 
 #: The kernels' dropout arguments, appended to every product kernel's signature (zeros without dropout).
-DROPOUT_SIG = "float32, uint32, uint32"
+DROPOUT_SIG = "uint32, float32, uint32, uint32"
 #: The dropout arguments of a launch without dropout (never read).
-NO_DROPOUT = (np.float32(0.0), np.uint32(0), np.uint32(0))
+NO_DROPOUT = (np.uint32(0), np.float32(0.0), np.uint32(0), np.uint32(0))
 
 
 def dropout_args(dropout_p, seed) -> tuple:
-    """The host side: the kernels' dropout arguments ``(p, seed_lo, seed_hi)`` for ``dropout_p`` and ``seed``
-    (checked by :func:`flashnb.rng.check_dropout`), :data:`NO_DROPOUT` when ``dropout_p == 0``."""
+    """The host side: the kernels' dropout arguments ``(threshold, inv_keep, seed_lo, seed_hi)`` for ``dropout_p``
+    and ``seed`` (:func:`flashnb.rng.dropout_kernel_args`: the keep test's 32-bit threshold ``ceil(p·2^32)`` and
+    ``1/(1-p)`` rounded once to float32, both computed here on the host), :data:`NO_DROPOUT` when
+    ``dropout_p == 0``."""
     p = check_dropout(dropout_p, seed)
-    return NO_DROPOUT if p == 0 else (np.float32(p), *split_seed(seed))
+    return NO_DROPOUT if p == 0 else dropout_kernel_args(p, seed)
 
 
 def dropout(on: bool):
     """``(state, keep_bits, factor)``: attention dropout as FA1 Alg. 2 and 4 do it, each ``Z_ij`` regenerated from
     Philox (:func:`flashnb.rng.dropout_keep`, counter ``(col, row, z, 0)``) where it is needed, never stored.
 
-    * ``state(p, seed_lo, seed_hi)``: once per thread, the kernel's dropout arguments with ``1/(1-p)``;
+    * ``state(threshold, inv_keep, seed_lo, seed_hi)``: once per thread, the kernel's dropout arguments;
     * ``keep_bits(st, z, r0, rs, c0, cs, NR, NC, Nq, Nk)``: ``Z`` of a lane's ``NR × NC`` elements ``(r0 + rs·i,
       c0 + cs·j)`` inside the problem, one bit each (bit ``i·NC + j``) -- a run-time loop, so the Philox rounds are
       not unrolled once per element into the tile's register code;
@@ -215,8 +217,8 @@ def dropout(on: bool):
     Off: ``keep_bits`` is never evaluated (its result is unused) and ``factor`` is the constant 1."""
 
     @cuda.jit(device=True, inline="always")
-    def state(p, seed_lo, seed_hi):
-        return p, seed_lo, seed_hi, ONE / (ONE - p)
+    def state(threshold, inv_keep, seed_lo, seed_hi):
+        return threshold, seed_lo, seed_hi, inv_keep
 
     @cuda.jit(device=True, inline="always")
     def keep_bits(st, z, r0, rs, c0, cs, NR, NC, Nq, Nk):
