@@ -19,6 +19,7 @@ from . import block_sparse  # noqa: E402,F401  (stage 5 registers impl="fa2-spar
 from . import flex  # noqa: E402,F401  (attention modifiers: score_mod / mask_mod on fa2, the gallery)
 from . import fa2_fast  # noqa: E402,F401  (stage 6 registers impl="fa2-fast")
 from . import fa2_fast_steps  # noqa: E402,F401  (stage 6, step by step: the line-8 kernels of notebook 08)
+from . import kernels  # noqa: E402,F401  (the product kernel registers impl="flash": every feature as a policy)
 from . import decode  # noqa: E402,F401  (decoding with a KV cache: impl="flash-decoding")
 from . import reference, traffic, roofline, bench, inspect, rehearsal  # noqa: E402,F401  (reference and measurement)
 
@@ -26,5 +27,5 @@ __version__ = "0.1.0"
 
 __all__ = ["MODE", "is_simulator", "attention", "attention_forward", "attention_backward", "registry", "common",
            "runtime", "sim", "naive", "softmax", "fa1", "rng", "fa2", "fa2_steps", "block_sparse", "fa2_fast",
-           "fa2_fast_steps", "decode", "reference", "traffic", "roofline", "bench", "inspect", "rehearsal",
+           "fa2_fast_steps", "kernels", "decode", "reference", "traffic", "roofline", "bench", "inspect", "rehearsal",
            "__version__"]

@@ -1,20 +1,21 @@
 """The public API: NumPy in, NumPy out, float32 compute on the device (GPU or simulator).
 
 Every implementation (``impl="naive"``, ``"fa1"``, ``"fa2"``, ...) is reached through these three
-functions; each stage registers itself in :data:`flashnb.registry.IMPLS`.
+functions; each stage registers itself in :data:`flashnb.registry.IMPLS`.  The default is the product kernel,
+``impl="flash"`` (:mod:`flashnb.kernels.flash`): stage 6's fast loop with every feature below.
 
 **dtypes and storage** (issue #17).  Arithmetic is float32 everywhere.  What differs is what the kernels keep in
 HBM, the ``storage`` argument:
 
 * ``"float32"``: inputs of any real dtype are converted to float32 copies; every result is float32.  This is
-  the only path of impls without half storage (all but ``"fa2"``), whatever the inputs' dtype.
-* ``"float16"`` (``impl="fa2"``): q, k, v (and o, do) must be float16; the kernels read them as they are
+  the only path of impls without half storage (all but ``"flash"`` and ``"fa2"``), whatever the inputs' dtype.
+* ``"float16"`` (``impl="flash"`` or ``"fa2"``): q, k, v (and o, do) must be float16; the kernels read them as they are
   (half the bytes), widen each element to float32 on chip, and round o (dq, dk, dv) to float16 once, at the
   store.  lse stays float32.  This is what ``storage=None`` (the default) picks for an impl with half storage
   when q, k, v are float16.
-* ``"bfloat16"`` (``impl="fa2"``): NumPy has no bfloat16, so q, k, v (o, do) are uint16 arrays of bfloat16 bit
-  patterns (:func:`flashnb.common.to_bfloat16`; :func:`flashnb.common.from_bfloat16` reads results back);
-  explicit only, never picked by ``storage=None``.
+* ``"bfloat16"`` (``impl="flash"`` or ``"fa2"``): NumPy has no bfloat16, so q, k, v (o, do) are uint16 arrays of
+  bfloat16 bit patterns (:func:`flashnb.common.to_bfloat16`; :func:`flashnb.common.from_bfloat16` reads results
+  back); explicit only, never picked by ``storage=None``.
 """
 
 from __future__ import annotations
@@ -190,7 +191,31 @@ def _check_options(entry, impl: str, options: dict, q, k) -> dict:
             getattr(options.get("block_mask"), "mask_mod", None) is not None:
         if options.get("heads") is None:
             options = dict(options, heads=q.shape[-3] if q.ndim >= 3 else 1)
+        if entry.mask_tiles is not None:
+            options = _surface_modifiers(entry, options, q, k)
     return options
+
+
+def _surface_modifiers(entry, options: dict, q, k) -> dict:
+    """For an impl whose kernels take ``mask_mod`` only through its block mask (``Impl.mask_tiles``, e.g.
+    ``"flash"``): the modifiers checked for a GPU here (:func:`flashnb.flex.check_modifiers`: before any launch),
+    and ``mask_mod``'s block mask built here (:func:`flashnb.flex.create_block_mask` at the impl's mask tiles) when
+    none is given.  Shared by this API and :mod:`flashnb.torch`."""
+    from . import flex
+
+    mask_mod = options.get("mask_mod")
+    bm_mod = getattr(options.get("block_mask"), "mask_mod", None)
+    flex.check_modifiers(score_mod=options.get("score_mod"), mask_mod=mask_mod if mask_mod is not None else bm_mod,
+                         score_mod_grad=options.get("score_mod_grad"))
+    if mask_mod is None or options.get("block_mask") is not None:
+        return options
+    H = options["heads"]
+    BH = math.prod(q.shape[:-2])
+    if BH % H:
+        raise ValueError(f"heads={H} must divide batch·heads = {BH} (q's leading axes)")
+    t = entry.mask_tiles(q.shape[-1], Br=options.get("Br"), Bc=options.get("Bc"))
+    return dict(options, block_mask=flex.create_block_mask(mask_mod, BH // H, H, q.shape[-2], k.shape[-2], Br=t["Br"],
+                                                           Bc=t["Bc"]))
 
 
 def _check_qkv(q, k, v):
@@ -284,7 +309,7 @@ def _check_finite(name: str, a: np.ndarray):
                          "the kernels compute in float32")
 
 
-def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = "naive", storage=None, **options):
+def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = "flash", storage=None, **options):
     """Attention forward pass; returns ``(o, lse)``.
 
     Args:
@@ -298,33 +323,37 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
         scale: softmax scale, default ``1/sqrt(d)``; any finite real number (0: uniform weights over the
             allowed keys; negative: the smallest score weighs most).  ``|scale · q·k|`` must stay within
             :data:`SCORE_LIMIT` (half the float32 range), else ValueError.
-        impl: a registered implementation (``flashnb.registry.IMPLS``), e.g. ``"naive"``.
+        impl: a registered implementation (``flashnb.registry.IMPLS``); default ``"flash"``, the product kernel
+            (every feature below); a stage's impl (``"naive"``, ``"fa1"``, ``"fa2"``, ``"fa2-fast"``, ...) runs that
+            lesson's kernels.
         storage: ``None`` (default), ``"float32"``, ``"float16"`` or ``"bfloat16"``: the dtype the kernels keep
             q, k, v and o in (see the module docstring).  ``None``: float16 when q, k, v are float16 and the impl
-            has half storage (``"fa2"``; then all three must be float16, else TypeError), float32 otherwise.
+            has half storage (``"flash"``, ``"fa2"``; then all three must be float16, else TypeError), float32
+            otherwise.
             A half storage for an impl without one is a ValueError.
-        **options: implementation-specific options (tile sizes, ``block_mask``, ...).  ``impl="fa2"`` also takes
-            attention modifiers (:mod:`flashnb.flex`): ``score_mod(score, b, h, q_idx, kv_idx)`` (float32),
-            ``mask_mod(b, h, q_idx, kv_idx)`` (bool; becomes a block mask whose empty tiles are skipped),
+        **options: implementation-specific options (tile sizes, ``block_mask``, ...).  ``impl="flash"`` (and
+            ``"fa2"``) also take attention modifiers (:mod:`flashnb.flex`): ``score_mod(score, b, h, q_idx,
+            kv_idx)`` (float32), ``mask_mod(b, h, q_idx, kv_idx)`` (bool; becomes a block mask whose empty tiles
+            are skipped),
             ``block_mask=flashnb.flex.create_block_mask(mask_mod, ...)``, and for the backward
             ``score_mod_grad`` (d score_mod / d score; the gallery's modifiers carry it as ``.grad``).  ``b``,
             ``h`` index q's leading axes (B, H).  ``impl="flash-decoding"`` (forward only; for a few new queries,
             ``N_q <= 8``, against a long K/V cache: :mod:`flashnb.decode`) takes ``num_splits`` (chunks of the keys,
             default: enough blocks to fill the GPU's SMs in one wave) and ``warps``.
 
-    Grouped-/multi-query attention: with ``impl="fa2"`` (or ``"flash-decoding"``), k and v may have fewer heads
-    (axis -3) than q, a divisor of q's heads; query head ``h`` uses K/V head ``h // (H_q / H_kv)``.
+    Grouped-/multi-query attention: with ``impl="flash"``, ``"fa2"`` or ``"flash-decoding"``, k and v may have fewer
+    heads (axis -3) than q, a divisor of q's heads; query head ``h`` uses K/V head ``h // (H_q / H_kv)``.
 
-    Attention dropout (``impl="fa2"``): ``dropout_p`` in ``[0, 1)`` and ``seed``, an int in ``[0, 2**64)``
-    (required when ``dropout_p > 0``; there is no default because :func:`attention_backward` needs the same
-    one).  Each weight ``P_ij`` is kept with probability ``1 - p`` and scaled by ``1/(1-p)``, decided by
+    Attention dropout (``impl="flash"``, ``"fa2"``): ``dropout_p`` in ``[0, 1)`` and ``seed``, an int in
+    ``[0, 2**64)`` (required when ``dropout_p > 0``; there is no default because :func:`attention_backward` needs
+    the same one).  Each weight ``P_ij`` is kept with probability ``1 - p`` and scaled by ``1/(1-p)``, decided by
     Philox4x32-10 from ``(seed, batch·head, row, column)`` (:mod:`flashnb.rng`, whose
     ``dropout_keep_np(seed, p, BH, Nq, Nk)`` gives the same mask in NumPy; batch·head is the index in q's
     flattened leading axes); ``lse`` is the undropped softmax's.  Precision: an element is kept iff its 32-bit
     Philox word is ``>= ceil(p·2^32)`` (keep probability within ``2^-32`` of ``1 - p``), and the factor is
     ``1/(1-p)`` computed in float64 and rounded once to float32 (within ``2^-24``); ``p <= 1 - 2^-32``.
-    ``dropout_p=0`` is no dropout, for any impl.
-    Not with attention modifiers.
+    ``dropout_p=0`` is no dropout, for any impl.  ``"fa2"`` takes it without attention modifiers; ``"flash"``
+    with them too.
 
     With float32 storage, inputs of any real dtype are converted to float32 (the kernels compute in float32),
     and may be non-contiguous.  Returns ``o`` with q's shape and ``lse`` (log-sum-exp of each scaled score row)
@@ -352,12 +381,12 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
     return o.copy_to_host().reshape(q.shape), lse.copy_to_host().reshape(q.shape[:-1])
 
 
-def attention(q, k, v, *, causal: bool = False, scale=None, impl: str = "naive", storage=None, **options):
+def attention(q, k, v, *, causal: bool = False, scale=None, impl: str = "flash", storage=None, **options):
     """Attention output ``softmax(scale · q kᵀ [+ causal mask]) v``; see :func:`attention_forward`."""
     return attention_forward(q, k, v, causal=causal, scale=scale, impl=impl, storage=storage, **options)[0]
 
 
-def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale=None, impl: str = "naive",
+def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale=None, impl: str = "flash",
                        check_forward: bool = True, storage=None, **options):
     """Gradients ``(dq, dk, dv)`` of ``sum(o * do)`` with respect to q, k, v.
 
@@ -455,9 +484,10 @@ def _mask_rows(entry, options: dict, BH: int, Nq: int, Nk: int, d: int, causal: 
     elif full is None and options.get("block_mask") is not None:
         from . import fa2
         from .fa2 import BlockMask
+        from .kernels import flash
 
         bm = options["block_mask"]
-        if isinstance(bm, fa2.PreparedMask):
+        if isinstance(bm, (fa2.PreparedMask, flash.PreparedMask)):
             blocks = (bm.M.copy_to_host().astype(bool), bm.tiles["Br"], bm.tiles["Bc"])
         else:
             if not isinstance(bm, BlockMask):   # a plain array is read at the forward's tiles (fa2.block_tiles)

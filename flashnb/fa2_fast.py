@@ -124,7 +124,10 @@ while the three inner loops run ``Dp/4``, 8 and ``Bc/4`` times per tile.
 causal), 220 at d = 128 (212 causal), 160 at d = 32; static shared memory 23,296 B (d = 32), 39,680 B (d = 64),
 44,160 B (d = 128).
 
-Kernels: :func:`make_forward` (``"fa2_fast.forward"``) and :func:`make_backward` (``"fa2_fast.backward"``).
+Kernels: :func:`make_forward` (``"fa2_fast.forward"``) and :func:`make_backward` (``"fa2_fast.backward"``),
+each composed of the device-function blocks of :mod:`flashnb.kernels.blocks` (tile loads, the ``S = Q_i K_jᵀ``
+micro-tile, the online-softmax update, ``P~ V_j``, the epilogues; the backward's phases), which the product kernels
+(:mod:`flashnb.kernels.flash`) compose too, with their feature policies.
 Impl ``"fa2-fast"``: this forward and this backward.  Its options ``Br, Bc, warps`` go to both, as for stage 4
 (FA2 names the tiles alike in Alg. 1 and Alg. 2); the backward's defaults are :func:`bwd_default_tiles`, and
 tiles that suit the forward but not the backward (``Bc`` a multiple of ``4·warps``, ``Br`` of 8 and of
@@ -142,8 +145,6 @@ from numba import cuda, float32, uint32
 from . import fa2
 from .common import (
     NEG_INF,
-    ONE,
-    SHARED_LIMIT_BYTES,
     ZERO,
     allow_dynamic_shared,
     causal_diag,
@@ -153,17 +154,23 @@ from .common import (
     launch,
     shared_optin_limit,
 )
+from .kernels import blocks
+from .kernels.blocks import (  # noqa: F401  (the geometry is stage 6's public API)
+    LC,
+    LR,
+    PAD,
+    VEC,
+    bwd_geometry,
+    bwd_shared_bytes,
+    geometry,
+    needs_dynamic,
+    shared_bytes,
+)
 from .registry import kernel_factory, register_impl
 
 __all__ = ["make_forward", "make_backward", "forward", "backward", "model_forward", "model_backward", "default_tiles",
            "bwd_default_tiles", "geometry", "bwd_geometry", "shared_bytes", "bwd_shared_bytes", "needs_dynamic",
            "DESIGN_OPTIN_BYTES", "last_forward", "LR", "LC", "VEC", "PAD"]
-
-LR = 4                  # lanes of a warp along its rows
-LC = 8                  # lanes of a warp along the key columns of S (and the head-dim chunks of O)
-VEC = 4                 # floats per 128-bit shared load
-PAD = 4                 # Q_i, K_j rows padded by one 16-byte chunk: row r starts at bank 4r mod 32
-FULL_MASK = 0xFFFFFFFF
 
 _A3 = "float32[:, :, ::1]"
 _A2 = "float32[:, ::1]"
@@ -199,33 +206,6 @@ def default_tiles(d: int, static: bool = False) -> dict:
     raise ValueError(f"head dim d must be <= {max(table)}, got {d}")
 
 
-def needs_dynamic(Br, Bc, d, warps) -> bool:
-    """Whether these tiles need more than 48 KiB of shared memory: then the kernel takes it as dynamic shared
-    memory (``make_forward(..., dynamic=True)``), which needs the driver opt-in on a GPU."""
-    return shared_bytes(Br, Bc, d, warps) > SHARED_LIMIT_BYTES
-
-
-def geometry(Br: int, Bc: int, d: int, warps: int) -> dict:
-    """Per-lane micro-tile and padded sizes: ``TM`` rows × ``TN`` key columns of S, ``DN`` columns of O~;
-    ``Dp = ⌈d/32⌉·32`` is ``d`` padded with zero columns (8 lanes × 4 consecutive columns)."""
-    if warps < 1 or Br % (warps * LR):
-        raise ValueError(f"Br={Br} must be a multiple of {LR}·warps = {LR * warps} (each warp owns Br/warps rows, "
-                         f"{LR} lanes along them)")
-    if Bc % LC:
-        raise ValueError(f"Bc={Bc} must be a multiple of {LC} (the lanes of a row group)")
-    if not 1 <= d <= 128:
-        raise ValueError(f"head dim d must be in 1..128, got {d}")
-    Dp = cdiv(d, LC * VEC) * LC * VEC
-    return dict(TM=Br // (warps * LR), TN=Bc // LC, DN=Dp // LC, Dp=Dp, threads=32 * warps)
-
-
-def shared_bytes(Br, Bc, d, warps):
-    """Shared memory of one thread block, in bytes (static, or dynamic above 48 KiB): Q_i and K_j in rows of
-    ``Dp + PAD``, V_j in ``Dp``."""
-    g = geometry(Br, Bc, d, warps)
-    return 4 * ((g["Dp"] + PAD) * (Br + Bc) + g["Dp"] * Bc)
-
-
 def _configs():
     """What the PTX guard compiles: the default tiles of every head-dim class (causal on and off; dynamic
     shared memory where they need more than 48 KiB), the static fallback at d = 128, odd head dims (d = 20, 1;
@@ -243,59 +223,22 @@ def _dynamic_bytes(Br, Bc, d, warps, dynamic=False, **_):
     return shared_bytes(Br, Bc, d, warps) if dynamic else 0
 
 
-def _make_load_tile(d, Dp, NT):
-    """The tile copy of both directions (a device function of the compile-time ``d``, ``Dp`` and ``NT``)."""
-    # tile loads: a pass of the NT threads covers RSTEP whole rows, or a row takes KREP whole passes (else 0, 0:
-    # the general loop)
-    RSTEP, KREP = (NT // Dp, 1) if NT % Dp == 0 else (1, Dp // NT) if Dp % NT == 0 else (0, 0)
-
-    @cuda.jit(device=True, inline="always")
-    def load_tile(X, Xs, base, ld, z, r0, N, ROWS, full, tid):
-        """Alg. 1 lines 4 / 7: rows ``r0 .. r0+ROWS`` of ``X[z]`` into ``Xs`` from element ``base`` on (rows of
-        ``ld`` floats, zeros beyond ``d`` and ``N``).  Consecutive threads copy consecutive floats of a row:
-        ideal sectors, and consecutive banks.  A thread keeps its columns (``k0 + NT·c``) and steps its row by
-        ``RSTEP``; unsigned indices: no negative-index fix-ups in the address arithmetic."""
-        if RSTEP == 0:                                  # NT and Dp do not divide one another (Dp = 96)
-            e = uint32(tid)
-            while e < uint32(ROWS * Dp):
-                r = e // uint32(Dp)
-                k = e - r * uint32(Dp)
-                row = uint32(r0) + r
-                Xs[uint32(base) + r * uint32(ld) + k] = X[z, row, k] if row < uint32(N) and k < uint32(d) else ZERO
-                e += uint32(NT)
-            return
-        r = uint32(tid // Dp) if RSTEP > 1 else uint32(0)
-        k0 = uint32(tid % Dp) if RSTEP > 1 else uint32(tid)
-        if full and d == Dp:                            # a full tile: no test per element
-            while r < uint32(ROWS):
-                for c in range(KREP):
-                    Xs[uint32(base) + r * uint32(ld) + k0 + uint32(c * NT)] = X[z, uint32(r0) + r, k0 + uint32(c * NT)]
-                r = uint32(r + RSTEP)
-        else:
-            while r < uint32(ROWS):
-                row = uint32(r0) + r
-                for c in range(KREP):
-                    k = k0 + uint32(c * NT)
-                    Xs[uint32(base) + r * uint32(ld) + k] = X[z, row, k] if row < uint32(N) and k < uint32(d) else ZERO
-                r = uint32(r + RSTEP)
-
-    return load_tile
-
-
 @kernel_factory("fa2_fast.forward", stage="6", signature=_FWD_SIG, configs=_configs(),
                 threads=lambda warps, **_: 32 * warps, dynamic_shared=_dynamic_bytes)
 def make_forward(Br, Bc, d, warps, causal, dynamic=False):
-    """FA2 Alg. 1 for one (Br, Bc, d, warps, causal); grid ``(Tr, BH)``, block ``32·warps`` threads.  With
-    ``dynamic`` the kernel declares one *dynamic* shared array (launched with :func:`shared_bytes` dynamic
-    bytes) carved into ``Q_i, K_j, V_j``: what lets a block use more than the 48 KiB of static shared memory."""
+    """FA2 Alg. 1 for one (Br, Bc, d, warps, causal); grid ``(Tr, BH)``, block ``32·warps`` threads, built from
+    the blocks of :mod:`flashnb.kernels.blocks`.  With ``dynamic`` the kernel declares one *dynamic* shared array
+    (launched with :func:`shared_bytes` dynamic bytes) carved into ``Q_i, K_j, V_j``: what lets a block use more
+    than the 48 KiB of static shared memory."""
     g = geometry(Br, Bc, d, warps)
     TM, TN, DN, Dp, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["threads"]
-    CD = DN // VEC                                      # 128-bit chunks of O~ per lane
     LD = Dp + PAD                                       # row length of Q_i, K_j in shared memory
-    LDO = Dp + 1                                        # row length of O_i staged in Q_i's space (odd)
     QN, KN, VN = Br * LD, Bc * LD, Bc * Dp              # shared array sizes (floats)
     KO, VO = (QN, QN + KN) if dynamic else (0, 0)       # where K_j, V_j start in their array
-    load_tile = _make_load_tile(d, Dp, NT)
+    load_tile = blocks.make_load_tile(d, Dp, NT)
+    qk, visible = blocks.make_qk(TM, TN, Dp, LD), blocks.make_visible(causal)
+    softmax_update, pv = blocks.make_softmax_update(TN, DN), blocks.make_pv(TM, TN, DN // VEC, Dp)
+    epilogue = blocks.make_forward_epilogue(Br, TM, DN // VEC, Dp, d, NT)
 
     @cuda.jit
     def fa2_fast_forward(Q, K, V, O, L, scale, diag):
@@ -311,9 +254,6 @@ def make_forward(Br, Bc, d, warps, causal, dynamic=False):
         Oi = cuda.local.array((TM, DN), float32)
         m = cuda.local.array(TM, float32)
         l = cuda.local.array(TM, float32)
-        qv = cuda.local.array((TM, VEC), float32)
-        kv = cuda.local.array((TN, VEC), float32)
-        p = cuda.local.array(TM, float32)
         z = cuda.blockIdx.y
         i0 = cuda.blockIdx.x * Br
         if causal:                                     # heavy first: the last Q block sees the most K/V tiles
@@ -323,10 +263,8 @@ def make_forward(Br, Bc, d, warps, causal, dynamic=False):
         lr = lane // LC
         lc = lane % LC
         rw = (tid // 32) * (TM * LR) + lr              # this lane's rows: rw + LR·a (key columns: lc + LC·b)
-        qrow = uint32(rw * LD)                         # unsigned shared offsets: no negative-index fix-ups
-        kcol = uint32(KO + lc * LD)
-        vcol = uint32(lc * VEC)                        # O~ columns: vcol + 32·c4 + t
-        lane8 = uint32(lr * LC)                        # lane (lr, 0): the first of this lane's row group
+        qrow, kcol = uint32(rw * LD), uint32(KO + lc * LD)              # unsigned shared offsets
+        vcol, lane8 = uint32(lc * VEC), uint32(lr * LC)                 # O~ columns; the row group's first lane
         Nq = Q.shape[1]
         Nk = K.shape[1]
         load_tile(Q, Qs, 0, LD, z, i0, Nq, Br, i0 + Br <= Nq, tid)      # line 4: Q_i once
@@ -346,124 +284,25 @@ def make_forward(Br, Bc, d, warps, causal, dynamic=False):
             load_tile(K, Ks, KO, LD, z, j0, Nk, Bc, full, tid)          # line 7: K_j, V_j
             load_tile(V, Vs, VO, Dp, z, j0, Nk, Bc, full, tid)
             cuda.syncthreads()
-            for a in range(TM):
-                for b in range(TN):
-                    S[a, b] = ZERO
-            k = uint32(0)
-            while k < uint32(Dp):                      # line 8: S = Q_i K_jᵀ, 4 k per step (32-bit counter)
-                for a in range(TM):                    # one LDS.128 per row ...
-                    for t in range(VEC):
-                        qv[a, t] = Qs[qrow + uint32(LR * a * LD + t) + k]
-                for b in range(TN):                    # ... and per key column
-                    for t in range(VEC):
-                        kv[b, t] = Ks[kcol + uint32(LC * b * LD + t) + k]
-                for t in range(VEC):                   # 4·TM·TN FFMAs per TM + TN loads
-                    for a in range(TM):
-                        for b in range(TN):
-                            S[a, b] += qv[a, t] * kv[b, t]
-                k = uint32(k + VEC)
+            qk(Qs, Ks, S, qrow, kcol)                  # line 8: S = Q_i K_jᵀ, LDS.128 loads
             crossing = not full or (causal and j0 + Bc - 1 > i0 + diag)
-            for a in range(TM):                        # line 9: m_new, P~ = exp(S - m_new), l
-                mx = NEG_INF
+            for a in range(TM):                        # line 9: the mask only on tiles that cross an edge
                 row = i0 + rw + LR * a
+                mx = NEG_INF
                 for b in range(TN):
                     s = scale * S[a, b]
-                    if crossing:
-                        col = j0 + lc + LC * b
-                        if col >= Nk or (causal and col > row + diag):
-                            s = NEG_INF
+                    if crossing and not visible(row, j0 + lc + LC * b, Nk, diag):
+                        s = NEG_INF
                     S[a, b] = s
                     mx = max(mx, s)
-                mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, 1))   # row max over the row group's 8 lanes
-                mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, 2))
-                mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, 4))
-                m_new = max(m[a], mx)
-                alpha = ONE
-                rs = ZERO
-                if m_new != NEG_INF:
-                    alpha = float32(math.exp(m[a] - m_new))
-                    for b in range(TN):
-                        pb = float32(math.exp(S[a, b] - m_new))
-                        S[a, b] = pb
-                        rs += pb
-                else:
-                    for b in range(TN):
-                        S[a, b] = ZERO
-                l[a] = alpha * l[a] + rs               # this lane's partial row sum
-                m[a] = m_new
-                for c in range(DN):                    # line 10: O~ = diag(e^(m_old - m_new)) O~ ...
-                    Oi[a, c] *= alpha
-            src = uint32(0)
-            while src < uint32(LC):                    # ... + P~ V_j; P~_ij from its owner lane
-                for b in range(TN):
-                    for a in range(TM):
-                        p[a] = cuda.shfl_sync(FULL_MASK, S[a, b], lane8 + src)
-                    j = uint32(VO + src * Dp + LC * b * Dp)
-                    for c4 in range(CD):               # one LDS.128 of V_j feeds 4·TM FFMAs
-                        for t in range(VEC):
-                            vj = Vs[j + vcol + uint32(c4 * LC * VEC + t)]
-                            for a in range(TM):
-                                Oi[a, c4 * VEC + t] += p[a] * vj
-                src = uint32(src + 1)
-        cuda.syncthreads()                             # every warp is done with Q_i: its space takes O_i
-        for a in range(TM):                            # lines 12-14: O_i = diag(l)^-1 O~_i, L_i = m + log l
-            ls = l[a]
-            ls += cuda.shfl_xor_sync(FULL_MASK, ls, 1)
-            ls += cuda.shfl_xor_sync(FULL_MASK, ls, 2)
-            ls += cuda.shfl_xor_sync(FULL_MASK, ls, 4)
-            inv = ONE / ls if ls > ZERO else ZERO
-            orow = uint32((rw + LR * a) * LDO)         # rows of odd length: the 32 lanes hit 32 banks
-            for c4 in range(CD):
-                for t in range(VEC):
-                    Qs[orow + vcol + uint32(c4 * LC * VEC + t)] = Oi[a, c4 * VEC + t] * inv
-            row = i0 + rw + LR * a
-            if lc == 0 and row < Nq:
-                L[z, row] = m[a] + float32(math.log(ls)) if ls > ZERO else NEG_INF
-        cuda.syncthreads()
-        e = uint32(tid)                                # line 13: O_i to HBM, row by row (ideal sectors)
-        while e < uint32(Br * Dp):
-            r = e // uint32(Dp)
-            k = e - r * uint32(Dp)
-            row = uint32(i0) + r
-            if row < uint32(Nq) and k < uint32(d):
-                O[z, row, k] = Qs[r * uint32(LDO) + k]
-            e += uint32(NT)
+                softmax_update(S, m, l, Oi, a, mx)         # m_new, P~ = exp(S - m_new), l; O~ *= e^(m_old - m_new)
+            pv(Vs, S, Oi, lane8, vcol, VO)             # line 10: O~ += P~ V_j
+        epilogue(Qs, O, L, Oi, m, l, z, i0, rw, lc, vcol, tid, Nq)     # lines 12-14
 
     return fa2_fast_forward
 
 
 # --------------------------------------------------------------------------- backward kernel (FA2 Alg. 2)
-
-
-def bwd_geometry(Br, Bc, d, warps):
-    """The backward's per-lane micro-tiles.  The warps split the ``Bc`` *key* rows: lane ``(lr, lc)`` of warp
-    ``w`` owns key rows ``w·TM·LR + lr + LR·a`` (``a < TM``) and query columns ``lc + LC·b`` (``b < TN``) of
-    Sᵀ and dPᵀ, and the ``TM × DN`` micro-tiles of dK_j, dV_j (head-dim columns ``32·c + 4·lc + t``).  For
-    line 15 the warps split the ``Br`` query rows instead: ``TQ`` rows × the ``E`` columns ``lane + 32·e``
-    of dQ_i (consecutive lanes, consecutive columns: coalesced atomics)."""
-    if warps < 1 or Bc % (warps * LR):
-        raise ValueError(f"Bc={Bc} must be a multiple of {LR}·warps = {LR * warps} (each warp owns Bc/warps key "
-                         f"rows, {LR} lanes along them)")
-    if Br % LC or Br % warps:
-        raise ValueError(f"Br={Br} must be a multiple of {LC} (the lanes of a row group) and of warps={warps} "
-                         f"(each warp owns Br/warps rows of dQ_i)")
-    if not 1 <= d <= 128:
-        raise ValueError(f"head dim d must be in 1..128, got {d}")
-    Dp = cdiv(d, LC * VEC) * LC * VEC
-    return dict(TM=Bc // (warps * LR), TN=Br // LC, DN=Dp // LC, Dp=Dp, TQ=Br // warps, E=Dp // 32,
-                threads=32 * warps)
-
-
-def _ds_row(Bc):
-    """Row length of dS_ij in shared memory: ``Bc + 4`` or ``Bc + 8``, whichever is an odd number of 16-byte
-    chunks (the 4 × 8 lanes' stores then hit 32 distinct banks)."""
-    return Bc + PAD if (Bc // VEC) % 2 == 0 else Bc + 2 * PAD
-
-
-def bwd_shared_bytes(Br, Bc, d, warps):
-    """Static shared memory of one backward block: K_j, V_j, Q_i, dO_i in rows of ``Dp + PAD``; dS_ij; L_i, D_i."""
-    g = bwd_geometry(Br, Bc, d, warps)
-    return 4 * ((g["Dp"] + PAD) * 2 * (Br + Bc) + Br * _ds_row(Bc) + 2 * Br)
 
 
 def bwd_default_tiles(d: int) -> dict:
@@ -485,15 +324,17 @@ def _bwd_configs():
 @kernel_factory("fa2_fast.backward", stage="6", signature=_BWD_SIG, configs=_bwd_configs(),
                 threads=lambda warps, **_: 32 * warps)
 def make_backward(Br, Bc, d, warps, causal):
-    """FA2 Alg. 2 for one (Br, Bc, d, warps, causal); grid ``(Tc, BH)``, block ``32·warps`` threads."""
+    """FA2 Alg. 2 for one (Br, Bc, d, warps, causal); grid ``(Tc, BH)``, block ``32·warps`` threads, built from
+    the blocks of :mod:`flashnb.kernels.blocks`."""
     g = bwd_geometry(Br, Bc, d, warps)
     TM, TN, DN, Dp, TQ, E, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["TQ"], g["E"], g["threads"]
-    CD = DN // VEC                                      # 128-bit chunks of a dK_j / dV_j row per lane
     LD = Dp + PAD                                       # row length of K_j, V_j, Q_i, dO_i in shared memory
-    LDO = Dp + 1                                        # dK_j, dV_j staged in K_j's, V_j's space (odd rows)
-    LS = _ds_row(Bc)                                    # row length of dS_ij
+    LS = blocks.ds_row(Bc)                              # row length of dS_ij
     KN, QN, SN = Bc * LD, Br * LD, Br * LS              # shared array sizes (floats)
-    load_tile = _make_load_tile(d, Dp, NT)
+    load_tile, load_stats = blocks.make_load_tile(d, Dp, NT), blocks.make_load_stats(Br, NT)
+    qk_dp = blocks.make_qk_dp(TM, TN, Dp, LD)
+    dv_dk, dq = blocks.make_dv_dk(TM, TN, DN // VEC, LD), blocks.make_dq(TQ, E, Bc, LD, LS, d, Dp)
+    epilogue = blocks.make_backward_epilogue(Bc, TM, DN // VEC, Dp, d, NT)
 
     @cuda.jit
     def fa2_fast_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag):
@@ -508,15 +349,6 @@ def make_backward(Br, Bc, d, warps, causal):
         dP = cuda.local.array((TM, TN), float32)       # dPᵀ, then dSᵀ
         dKj = cuda.local.array((TM, DN), float32)
         dVj = cuda.local.array((TM, DN), float32)
-        dQi = cuda.local.array((TQ, E), float32)
-        kv = cuda.local.array((TM, VEC), float32)
-        vv = cuda.local.array((TM, VEC), float32)
-        qv = cuda.local.array((TN, VEC), float32)
-        ov = cuda.local.array((TN, VEC), float32)
-        p = cuda.local.array(TM, float32)
-        ds = cuda.local.array(TM, float32)
-        kq = cuda.local.array((E, VEC), float32)
-        sv = cuda.local.array(VEC, float32)
         z = cuda.blockIdx.y
         j0 = cuda.blockIdx.x * Bc
         tid = cuda.threadIdx.x
@@ -524,13 +356,8 @@ def make_backward(Br, Bc, d, warps, causal):
         lr = lane // LC
         lc = lane % LC
         c0 = (tid // 32) * (TM * LR) + lr              # this lane's key rows: c0 + LR·a (query columns lc + LC·b)
-        krow = uint32(c0 * LD)                         # unsigned shared offsets: no negative-index fix-ups
-        qcol = uint32(lc * LD)
-        vcol = uint32(lc * VEC)                        # dK_j, dV_j columns: vcol + 32·c4 + t
-        lane8 = uint32(lr * LC)                        # lane (lr, 0): the first of this lane's row group
-        q0 = (tid // 32) * TQ                          # line 15: this warp's rows q0 + q of dQ_i
-        srow = uint32(q0 * LS)
-        klane = uint32(lane)                           # ... and columns lane + 32·e
+        krow, qcol = uint32(c0 * LD), uint32(lc * LD)                   # unsigned shared offsets
+        vcol, lane8 = uint32(lc * VEC), uint32(lr * LC)                 # dK_j, dV_j columns; the row group's first
         Nq = Q.shape[1]
         Nk = K.shape[1]
         kfull = j0 + Bc <= Nk
@@ -550,30 +377,9 @@ def make_backward(Br, Bc, d, warps, causal):
             cuda.syncthreads()                         # every warp is done with Q_{i-1}, dO_{i-1}, dS
             load_tile(Q, Qs, 0, LD, z, i0, Nq, Br, qfull, tid)          # line 9: Q_i, dO_i, L_i, D_i
             load_tile(dO, dOs, 0, LD, z, i0, Nq, Br, qfull, tid)
-            for r in range(tid, Br, NT):
-                Ls[r] = L[z, i0 + r] if i0 + r < Nq else NEG_INF
-                Ds[r] = D[z, i0 + r] if i0 + r < Nq else ZERO
+            load_stats(L, D, Ls, Ds, z, i0, Nq, tid)
             cuda.syncthreads()
-            for a in range(TM):
-                for b in range(TN):
-                    S[a, b] = ZERO
-                    dP[a, b] = ZERO
-            k = uint32(0)
-            while k < uint32(Dp):                      # line 10: Sᵀ = K_j Q_iᵀ; line 13: dPᵀ = V_j dO_iᵀ
-                for a in range(TM):                    # one LDS.128 per key row ...
-                    for t in range(VEC):
-                        kv[a, t] = Ks[krow + uint32(LR * a * LD + t) + k]
-                        vv[a, t] = Vs[krow + uint32(LR * a * LD + t) + k]
-                for b in range(TN):                    # ... and per query row
-                    for t in range(VEC):
-                        qv[b, t] = Qs[qcol + uint32(LC * b * LD + t) + k]
-                        ov[b, t] = dOs[qcol + uint32(LC * b * LD + t) + k]
-                for t in range(VEC):                   # 8·TM·TN FFMAs per 2·(TM + TN) loads
-                    for a in range(TM):
-                        for b in range(TN):
-                            S[a, b] += kv[a, t] * qv[b, t]
-                            dP[a, b] += vv[a, t] * ov[b, t]
-                k = uint32(k + VEC)
+            qk_dp(Ks, Vs, Qs, dOs, S, dP, krow, qcol)  # lines 10, 13: Sᵀ = K_j Q_iᵀ, dPᵀ = V_j dO_iᵀ
             crossing = not (qfull and kfull) or (causal and j0 + Bc - 1 > i0 + diag)
             for b in range(TN):                        # line 11: P = exp(scale·S - L); line 14: dS = P∘(dP - D)
                 r = lc + LC * b
@@ -590,63 +396,10 @@ def make_backward(Br, Bc, d, warps, causal):
                     S[a, b] = pv
                     dP[a, b] = pv * (dP[a, b] - Dr)
                     dSs[uint32(r * LS + c0 + LR * a)] = dP[a, b]      # for line 15
-            src = uint32(0)
-            while src < uint32(LC):                    # line 12: dV_j += Pᵀ dO_i; line 16: dK_j += dSᵀ Q_i
-                for b in range(TN):                    # query row src + LC·b: P, dS from their owner lane
-                    for a in range(TM):
-                        p[a] = cuda.shfl_sync(FULL_MASK, S[a, b], lane8 + src)
-                        ds[a] = cuda.shfl_sync(FULL_MASK, dP[a, b], lane8 + src)
-                    j = uint32(src * LD + LC * b * LD)
-                    for c4 in range(CD):               # one LDS.128 of dO_i and one of Q_i feed 8·TM FFMAs
-                        for t in range(VEC):
-                            o = dOs[j + vcol + uint32(c4 * LC * VEC + t)]
-                            q = Qs[j + vcol + uint32(c4 * LC * VEC + t)]
-                            for a in range(TM):
-                                dVj[a, c4 * VEC + t] += p[a] * o
-                                dKj[a, c4 * VEC + t] += ds[a] * q
-                src = uint32(src + 1)
+            dv_dk(dOs, Qs, S, dP, dKj, dVj, lane8, vcol)   # lines 12, 16: dV_j += Pᵀ dO_i, dK_j += dSᵀ Q_i
             cuda.syncthreads()                         # dS_ij complete (every warp wrote its key columns)
-            for q in range(TQ):
-                for e in range(E):
-                    dQi[q, e] = ZERO
-            c = uint32(0)
-            cK = uint32(0)                             # c·LD: row c of K_j (base + immediate offsets)
-            while c < uint32(Bc):                      # line 15: dQ_i += dS_ij K_j, 4 keys per step
-                for e in range(E):                     # K_j[c + t, lane + 32·e]: consecutive lanes, banks
-                    for t in range(VEC):
-                        kq[e, t] = Ks[klane + uint32(t * LD + 32 * e) + cK]
-                for q in range(TQ):                    # dS_ij[q0 + q, c .. c+3]: one LDS.128, a broadcast
-                    for t in range(VEC):
-                        sv[t] = dSs[srow + uint32(q * LS + t) + c]
-                    for t in range(VEC):
-                        for e in range(E):
-                            dQi[q, e] += sv[t] * kq[e, t]
-                c = uint32(c + VEC)
-                cK = uint32(cK + VEC * LD)
-            for q in range(TQ):                        # atomically into HBM (other column blocks add too)
-                row = uint32(i0 + q0 + q)              # unsigned indices: no negative-index fix-ups
-                if qfull or row < uint32(Nq):
-                    for e in range(E):
-                        col = klane + uint32(32 * e)
-                        if d == Dp or col < uint32(d):  # (a compile-time True when d = Dp)
-                            cuda.atomic.add(dQ, (z, row, col), scale * dQi[q, e])
-        cuda.syncthreads()                             # every warp is done with K_j, V_j: they take dK_j, dV_j
-        for a in range(TM):                            # line 18 (dK_j gets its factor scale here, once)
-            orow = uint32((c0 + LR * a) * LDO)         # rows of odd length: the 32 lanes hit 32 banks
-            for c4 in range(CD):
-                for t in range(VEC):
-                    Ks[orow + vcol + uint32(c4 * LC * VEC + t)] = scale * dKj[a, c4 * VEC + t]
-                    Vs[orow + vcol + uint32(c4 * LC * VEC + t)] = dVj[a, c4 * VEC + t]
-        cuda.syncthreads()
-        e = uint32(tid)                                # line 18: dK_j, dV_j to HBM, row by row (ideal sectors)
-        while e < uint32(Bc * Dp):
-            r = e // uint32(Dp)
-            k = e - r * uint32(Dp)
-            row = uint32(j0) + r
-            if row < uint32(Nk) and k < uint32(d):
-                dK[z, row, k] = Ks[r * uint32(LDO) + k]
-                dV[z, row, k] = Vs[r * uint32(LDO) + k]
-            e += uint32(NT)
+            dq(dSs, Ks, dQ, z, i0, (tid // 32) * TQ, lane, scale, qfull, Nq)     # line 15: dQ_i += dS_ij K_j
+        epilogue(Ks, Vs, dK, dV, dKj, dVj, z, j0, c0, vcol, tid, scale, Nk)   # line 18: dK_j, dV_j
 
     return fa2_fast_backward
 

@@ -8,11 +8,12 @@ A modifier is a plain Python function the user writes::
     def mask_mod(b, h, q_idx, kv_idx):           # -> bool: may query q_idx see key kv_idx?
         return q_idx >= kv_idx
 
-``flashnb.attention(q, k, v, impl="fa2", score_mod=..., mask_mod=...)`` compiles them (``numba.cuda.jit(device=
-True)``) into the stage-4 kernels (:func:`flashnb.fa2.make_forward` / ``make_backward`` take them as compile-time
-options, so a kernel is compiled once per distinct function and tile configuration, and memoised like every
-other configuration; ``None`` is the unchanged kernel).  ``b``, ``h`` come from ``z = blockIdx.y = b·H + h``
-(``H`` = q's heads), ``q_idx``, ``kv_idx`` are the element's row and column; all four are int32.
+``flashnb.attention(q, k, v, score_mod=..., mask_mod=...)`` compiles them (``numba.cuda.jit(device=True)``) into
+the product kernel (:func:`flashnb.kernels.flash.make_forward` / ``make_backward``; with ``impl="fa2"`` into stage
+4's) as compile-time options, so a kernel is compiled once per distinct function and tile configuration, and
+memoised like every other configuration; ``None`` is the unchanged kernel.  ``b``, ``h`` come from
+``z = blockIdx.y = b·H + h`` (``H`` = q's heads), ``q_idx``, ``kv_idx`` are the element's row and column; all four
+are int32.
 
 How it works:
 
@@ -81,8 +82,10 @@ Deviations from the design brief, and why:
   model.
 * ``causal()`` in the gallery is top-left aligned by default (``q_idx >= kv_idx``, as FlexAttention and SDPA);
   ``causal(offset=Nk - Nq)`` is flashnb's bottom-right ``causal=True``.  ``causal=`` and ``mask_mod`` combine by AND.
-* Only ``impl="fa2"`` takes modifiers and GQA; the others (``fa2-fast`` included) refuse them with an error
-  naming the impl.
+* ``impl="flash"`` (the product kernel, the default: :mod:`flashnb.kernels.flash`) and ``impl="fa2"`` take
+  modifiers and GQA; the others (``fa2-fast`` included) refuse them with an error naming the impl.  The product
+  kernel never calls back into this module: :func:`flashnb.api.attention_forward` and :mod:`flashnb.torch` check
+  its modifiers and build a ``mask_mod``'s block mask for it.
 """
 
 from __future__ import annotations

@@ -120,6 +120,10 @@ class Impl:
     options: tuple[str, ...] = ()
     reference_mask: Callable[..., Any] | None = None
     gqa: bool = False   # takes K, V with fewer batch·heads than Q (grouped-/multi-query attention)
+    # an impl whose kernels take ``mask_mod`` only through its block mask: ``mask_tiles(d, Br=, Bc=) -> dict(Br, Bc)``,
+    # the tiles the user surfaces build that block mask at (flashnb.flex.create_block_mask), after checking the
+    # modifiers for a GPU (flashnb.flex.check_modifiers); None: the impl does both itself
+    mask_tiles: Callable[..., dict] | None = None
 
     def mask_for(self, Nq: int, Nk: int, d: int, causal: bool, **options):
         """The boolean (Nq, Nk) mask this impl applies beyond ``causal`` (None: dense attention), so it can
@@ -184,19 +188,21 @@ def _per_head_chunks(fn):
 
 
 def register_impl(name: str, *, stage: str, description: str, forward, backward=None, options=(),
-                  reference_mask=None, gqa=False):
+                  reference_mask=None, gqa=False, mask_tiles=None):
     """Make ``impl=name`` available in the public API, the tour and the benchmarks.
 
     ``reference_mask(Nq, Nk, d, causal, **options)`` is for impls that do not compute dense attention
     (block-sparse ones): it returns the element mask they apply, for checking against the reference.
     ``gqa``: the impl takes K, V with fewer batch·heads than Q (grouped-query attention: query head ``z`` uses
-    K/V head ``z // G``).
+    K/V head ``z // G``).  ``mask_tiles``: see :class:`Impl` (the user surfaces then check an impl's modifiers and
+    build a ``mask_mod``'s block mask before calling it, so its kernels never call back into :mod:`flashnb.flex`).
     """
     if name in IMPLS:
         raise ValueError(f"impl {name!r} registered twice")
     forward = _per_head_chunks(forward)
     backward = _per_head_chunks(backward) if backward is not None else None
-    IMPLS[name] = Impl(name, stage, description, forward, backward, tuple(options), reference_mask, bool(gqa))
+    IMPLS[name] = Impl(name, stage, description, forward, backward, tuple(options), reference_mask, bool(gqa),
+                       mask_tiles)
     return IMPLS[name]
 
 

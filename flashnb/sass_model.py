@@ -69,12 +69,15 @@ class KernelShape:
 
     ``phases``: FFMAs per thread per K/V tile of each matmul, in source order.  ``tile_loads``: 32-bit
     global words one thread loads per tile (``K_j``, ``V_j``); ``prologue_loads`` / ``epilogue_stores``:
-    per block, before and after the tile loop (``Q_i``; ``O_i``)."""
+    per block, before and after the tile loop (``Q_i``; ``O_i``).  ``element_loops``: the trips per tile of
+    loops over a thread's elements that compute rather than move (the product kernel's Philox and ``mask_mod``
+    loops: one trip per element); without it such loops count 0."""
 
     phases: tuple
     tile_loads: int
     prologue_loads: int = 0
     epilogue_stores: int = 0
+    element_loops: int = 0     # trips per tile of the tile loop's loops that do no FFMA and move no global word
 
 
 @dataclass
@@ -178,6 +181,10 @@ def count(s, shape: KernelShape) -> SassCounts:
         phases = phases[k + 1:]
     tile_body = _region(s, t0, t1, inner)
     mem = [lp for lp in inner if not ffma_in(lp)]
+    moves = lambda lp: any(_words(i, ("ldg", "stg")) for i in s.instructions[lp[0]:lp[1] + 1])
+    for lp in [lp for lp in mem if not moves(lp)] if shape.element_loops else []:
+        trips[lp], roles[lp] = shape.element_loops, "element loop"
+    mem = [lp for lp in mem if lp not in trips]
     for lp, n in _conserve(s, mem, tile_body, shape.tile_loads, ("ldg",)).items():
         trips[lp], roles[lp] = n, "tile load" if n else "partial-tile path (0 on full tiles)"
     pro = [lp for lp in rest if lp[1] < t0]
@@ -259,20 +266,23 @@ def modelled_time(c: SassCounts, *, tiles_per_block: Sequence[int], warps: int, 
 
 def forward_time(kernel: str, BH: int, Nq: int, Nk: int, d: int, *, causal: bool = False,
                  gpu: str | GPU = "H100 SXM", cc=None, **tiles) -> SassTime:
-    """The modelled time of an FA2-style forward (``kernel``: ``"fa2.forward"`` or ``"fa2_fast.forward"``)
-    at ``(BH, Nq, Nk, d)``: its SASS for ``gpu``'s architecture, its module's :class:`KernelShape`
-    (``sass_shape``), its analytic HBM traffic (``model_forward``), its occupancy (ptxas's registers and
-    static shared memory, plus the dynamic shared memory the registry says its launcher asks for), and its
-    blocks in launch order (``launch_order``: heavy-first or not)."""
+    """The modelled time of an FA2-style forward (``kernel``: ``"fa2.forward"``, ``"fa2_fast.forward"`` or
+    ``"flash.forward"``) at ``(BH, Nq, Nk, d)``: its SASS for ``gpu``'s architecture, its module's
+    :class:`KernelShape` (``sass_shape``), its analytic HBM traffic (``model_forward``; in bytes by the module's
+    ``model_bytes`` at the config's ``storage`` where it has one), its occupancy (ptxas's registers and static
+    shared memory, plus the dynamic shared memory the registry says its launcher asks for), and its blocks in
+    launch order (``launch_order``: heavy-first or not).  ``tiles`` go to the module's ``sass_config`` (tiles, and
+    the product kernel's features)."""
     import importlib
 
     from . import inspect as fi
     from . import roofline, sass
     from .fa2 import tiles_visited
+    from .registry import KERNELS
 
     g = get_gpu(gpu)
     cc = tuple(cc or g.cc)
-    module = importlib.import_module(f"flashnb.{kernel.split('.')[0]}")
+    module = importlib.import_module(KERNELS[kernel].factory.__module__)   # the module that defines the kernel
     config = module.sass_config(d, causal, **tiles)
     s = sass.sass(kernel, config=config, cc=cc)
     c = count(s, KernelShape(**module.sass_shape(config)))
@@ -284,7 +294,11 @@ def forward_time(kernel: str, BH: int, Nq: int, Nk: int, d: int, *, causal: bool
     order = module.launch_order(-(-Nq // config["Br"]), causal)
     tiles_per_block = [per_i.get(i, 0) for _ in range(BH) for i in order]
     model = module.model_forward(BH, Nq, Nk, d, causal=causal, **{k: config[k] for k in ("Br", "Bc", "warps")})
-    hbm = 4 * sum(sum(x.get("reads", {}).values()) + sum(x.get("writes", {}).values())
-                  + sum(x.get("atomics", {}).values()) for x in model)
+    if hasattr(module, "model_bytes"):
+        hbm = sum(x["read_bytes"] + x["write_bytes"] + x["atomic_bytes"]
+                  for x in module.model_bytes(model, config.get("storage", "float32")))
+    else:
+        hbm = 4 * sum(sum(x.get("reads", {}).values()) + sum(x.get("writes", {}).values())
+                      + sum(x.get("atomics", {}).values()) for x in model)
     return modelled_time(c, tiles_per_block=tiles_per_block, warps=config["warps"], blocks_per_sm=occ,
                          hbm_bytes=hbm, flops=roofline.flops_forward(1, BH, Nq, Nk, d, causal), gpu=g)

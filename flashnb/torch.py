@@ -3,12 +3,12 @@
 Needs PyTorch (``pip install "flashnb[torch]"``); ``import flashnb`` never imports it -- only
 ``import flashnb.torch`` does.
 
-* :func:`attention` ``(q, k, v, *, causal=False, scale=None, impl="fa2", block_mask=None, score_mod=None,
+* :func:`attention` ``(q, k, v, *, causal=False, scale=None, impl="flash", block_mask=None, score_mod=None,
   mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=None)`` (attention modifiers: :mod:`flashnb.flex`;
   dropout: :mod:`flashnb.rng`, the seed drawn from torch's generator when not given) takes tensors of
   shape ``(B, H, N, d)`` (or ``(H, N, d)``, ``(N, d)``) like ``torch.nn.functional.scaled_dot_product_attention``
   and returns ``o`` with q's shape and dtype; gradients flow to q, k and v.  k and v may have fewer heads than q
-  (grouped-/multi-query attention, ``impl="fa2"``; dk, dv are summed over each group).
+  (grouped-/multi-query attention, ``impl="flash"`` or ``"fa2"``; dk, dv are summed over each group).
 * :func:`scaled_dot_product_attention` has SDPA's own signature and semantics (``is_causal`` aligned top-left,
   ``attn_mask`` a ``causal_lower_right``/``causal_upper_left`` bias or None), for a literal drop-in.
 * :class:`FlashAttentionFunction` saves what FlashAttention saves -- q, k, v, O and the log-sum-exp ``L``,
@@ -26,18 +26,19 @@ through ``__cuda_array_interface__`` (``numba.cuda.as_cuda_array``) and launch o
 (``numba.cuda.external_stream``); the outputs are numba allocations wrapped as tensors, not copies.  On the
 simulator this path is rehearsed (:func:`rehearse_cuda`): CPU tensors take it, wrapped zero-copy.
 
-**dtypes.** flashnb's kernels compute in float32.  float32 tensors are used as they are.  float16 and bfloat16 tensors
-given to an impl with half-precision storage (``impl="fa2"``, issue #17) stay in their dtype: the kernels read them
-as they are (half the bytes), widen every element to float32 on chip, and write ``o`` and the gradients in the input
-dtype, rounded once (dq is summed in float32 and rounded at the end), as FlashAttention does; ``lse`` is float32.  dq
-and dk also inherit the rounding of the stored ``o`` through ``D = rowsum(dO ∘ O)``, an error of order
-``|v|·|dO|·2^-11`` (float16; 2^-8 bfloat16) rather than of the gradient (:func:`flashnb.attention_backward` gives
-the bound).  bfloat16 tensors reach the kernels as their uint16 bit patterns (``Tensor.view(torch.uint16)``,
-zero-copy: NumPy and numba have no bfloat16).  For every other impl, or with ``storage="float32"``, half tensors are
-converted to float32 (exact), computed, and ``o`` and the gradients are converted back to the input dtype.  A float16
-gradient beyond 65504 in magnitude is a ValueError on CPU tensors (the NumPy API's check); on CUDA tensors, which
-never leave the GPU, it is inf, as in torch's own half kernels.  float64 is refused unless ``allow_float64=True``,
-which computes in float32 and returns float64: float32 accuracy (~1e-7 relative), not float64's.  A conversion or a
+**dtypes.** flashnb's kernels compute in float32.  float32 tensors are used as they are.  float16 and bfloat16
+tensors given to an impl with half-precision storage (``impl="flash"`` or ``"fa2"``) stay in their dtype: the
+kernels read them as they are (half the bytes), widen every element to float32 on chip, and write ``o`` and the
+gradients in the input dtype, rounded once (dq is summed in float32 and rounded at the end), as
+FlashAttention does; ``lse`` is float32.  dq and dk also inherit the rounding of the stored ``o`` through
+``D = rowsum(dO ∘ O)``, an error of order ``|v|·|dO|·2^-11`` (float16; 2^-8 bfloat16) rather than of the
+gradient (:func:`flashnb.attention_backward` gives the bound).  bfloat16 tensors reach the kernels as their
+uint16 bit patterns (``Tensor.view(torch.uint16)``, zero-copy: NumPy and numba have no bfloat16).  For every
+other impl, or with ``storage="float32"``, half tensors are converted to float32 (exact), computed, and ``o`` and
+the gradients are converted back to the input dtype.  A float16 gradient beyond 65504 in magnitude is a
+ValueError on CPU tensors (the NumPy API's check); on CUDA tensors, which never leave the GPU, it is inf, as in
+torch's own half kernels.  float64 is refused unless ``allow_float64=True``, which computes in float32 and
+returns float64: float32 accuracy (~1e-7 relative), not float64's.  A conversion or a
 ``.contiguous()`` of a non-contiguous input is a torch op on the tensor's own device (tracked by autograd).
 """
 
@@ -304,7 +305,7 @@ def _draw_seed() -> int:
     return int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64).item())
 
 
-def attention(q, k, v, *, causal=False, scale=None, impl: str = "fa2", block_mask=None, score_mod=None,
+def attention(q, k, v, *, causal=False, scale=None, impl: str = "flash", block_mask=None, score_mod=None,
               mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=None, allow_float64=False, storage=None,
               **options):
     """flashnb attention on torch tensors, differentiable: ``softmax(scale · q kᵀ [masked]) v``.
@@ -315,22 +316,22 @@ def attention(q, k, v, *, causal=False, scale=None, impl: str = "fa2", block_mas
             ``"upper_left"`` (top-left, SDPA's ``is_causal=True``).  Same mask when Nq == Nk.
         scale: softmax scale, default ``1/sqrt(d)``.
         impl: any impl with a backward (:func:`impls_with_backward`); a forward-only impl when no gradient is
-            needed.  Default ``"fa2"``.
-        block_mask: ``impl="fa2"``'s block-sparse mask (see ``flashnb.fa2.block_tiles``), or a
+            needed.  Default ``"flash"``, the product kernel (:mod:`flashnb.kernels.flash`).
+        block_mask: the block-sparse mask of ``impl="flash"`` / ``"fa2"`` (``flashnb.kernels.flash.forward``), or a
             ``flashnb.flex.create_block_mask`` of a ``mask_mod``.
-        score_mod, mask_mod, score_mod_grad: ``impl="fa2"``'s attention modifiers, as in
+        score_mod, mask_mod, score_mod_grad: attention modifiers (``impl="flash"`` / ``"fa2"``), as in
             :func:`flashnb.attention_forward` (:mod:`flashnb.flex`); the backward needs ``score_mod_grad`` or
-            ``score_mod.grad``.  k and v may have fewer heads than q (grouped-query attention, ``impl="fa2"``).
-        dropout_p: attention dropout probability in ``[0, 1)`` (``impl="fa2"``; 0: none).  Applied whenever it is
-            non-zero, as SDPA does (pass 0 in evaluation).
+            ``score_mod.grad``.  k and v may have fewer heads than q (grouped-query attention).
+        dropout_p: attention dropout probability in ``[0, 1)`` (``impl="flash"`` / ``"fa2"``; 0: none).  Applied
+            whenever it is non-zero, as SDPA does (pass 0 in evaluation).
         seed: the dropout seed, an int in ``[0, 2**64)``; when None and ``dropout_p > 0``, one is drawn from
             torch's default generator (``torch.manual_seed`` makes it repeatable).  The autograd context keeps
             it: the backward regenerates exactly the forward's mask (:mod:`flashnb.rng`), nothing N×N is saved.
         allow_float64: accept float64 tensors (computed in float32; see the module docstring).
         storage: ``None`` (default: float16 and bfloat16 tensors stay in their dtype when the impl has half
-            storage, ``"fa2"``; everything else is computed from float32 copies), ``"float32"`` (always float32
-            copies), ``"float16"`` / ``"bfloat16"`` (the tensors must have that dtype and the impl half storage:
-            TypeError / ValueError otherwise).  See the module docstring.
+            storage, ``"flash"``, ``"fa2"``; everything else is computed from float32 copies), ``"float32"``
+            (always float32 copies), ``"float16"`` / ``"bfloat16"`` (the tensors must have that dtype and the impl
+            half storage: TypeError / ValueError otherwise).  See the module docstring.
         **options: the impl's tile options (``Br``, ``Bc``, ``warps``, ...).
 
     Returns ``o`` with q's shape, dtype and device.
@@ -374,12 +375,12 @@ def attention(q, k, v, *, causal=False, scale=None, impl: str = "fa2", block_mas
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False, *, impl: str = "fa2", **options):
+                                 enable_gqa=False, *, impl: str = "flash", **options):
     """``torch.nn.functional.scaled_dot_product_attention``'s signature and semantics on flashnb's kernels:
     ``is_causal=True`` is top-left aligned (``"upper_left"``), ``attn_mask`` may be None or a
     ``torch.nn.attention.bias.causal_lower_right``/``causal_upper_left`` bias.  Anything flashnb does not
     compute (a tensor ``attn_mask``) is an error, never ignored; ``enable_gqa=True`` lets k, v have fewer heads
-    than q (``impl="fa2"``).  ``dropout_p > 0`` is attention dropout (``impl="fa2"``), applied whenever non-zero
+    than q.  ``dropout_p > 0`` is attention dropout (``impl="flash"`` / ``"fa2"``), applied whenever non-zero
     as in SDPA, with a seed drawn from torch's generator (or ``seed=`` among the options): see :func:`attention`.
     Its mask is flashnb's Philox mask, not the one SDPA's kernels would draw."""
     from torch.nn.attention.bias import CausalBias, CausalVariant
@@ -391,7 +392,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if not isinstance(attn_mask, CausalBias):
             raise ValueError("flashnb computes no arbitrary attn_mask: pass None, causal_lower_right(Nq, Nk) or "
                              "causal_upper_left(Nq, Nk) (torch.nn.attention.bias), or use flashnb.torch.attention "
-                             "with impl='fa2', block_mask=... for block sparsity")
+                             "with block_mask=... for block sparsity")
         if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (query.shape[-2], key.shape[-2]):
             raise ValueError(f"attn_mask is a causal bias for (Nq, Nk) = ({attn_mask.seq_len_q}, "
                              f"{attn_mask.seq_len_kv}), but q, k have ({query.shape[-2]}, {key.shape[-2]})")

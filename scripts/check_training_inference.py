@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Notebook 11's features against the float64 reference on random shapes the test suite never uses.
 
-    python scripts/check_training_inference.py [--seed 1] [--cases 6]
+    python scripts/check_training_inference.py [--seed 1] [--cases 6] [--impl flash]
 
-* **float16 storage** (``impl="fa2"``): inputs of large magnitude (q, k up to ~30, v up to ~300), Nq != Nk,
-  causal or not, forward and backward, against the float64 reference run on the same float16 values (a
-  gradient beyond float16's 65504 must be refused with a ValueError).
-* **dropout** (``impl="fa2"``, ``dropout_p``, ``seed``): forward and backward against the reference with the mask
+* **float16 storage** (``--impl``: ``"flash"``, the product kernel, by default, or ``"fa2"``): inputs of large
+  magnitude (q, k up to ~30, v up to ~300), Nq != Nk, causal or not, forward and backward, against the float64
+  reference run on the same float16 values (a gradient beyond float16's 65504 must be refused with a ValueError).
+* **dropout** (the same impl, ``dropout_p``, ``seed``): forward and backward against the reference with the mask
   reproduced in NumPy from the same Philox counters (``flashnb.rng.dropout_scale_np``), and the keep rate of every
   case within 5 standard deviations of ``1 - p``.
 * **flash-decoding** (``flashnb.decode``): cache lengths, split counts, query counts (1..8), head groups and causal
@@ -27,6 +27,8 @@ import numpy as np
 import flashnb
 from flashnb import decode, reference
 from flashnb import rng as frng
+
+IMPL = "flash"        # the impl the half-storage and dropout cases run (--impl)
 
 HEAD_DIMS = (1, 5, 8, 16, 24, 33, 64)
 
@@ -70,7 +72,7 @@ def check_half(rng, case) -> bool:
     v = (rng.standard_normal((BH, Nk, d)) * rng.uniform(1, 300)).astype(np.float16)
     do = (rng.standard_normal((BH, Nq, d)) * rng.uniform(0.01, 3)).astype(np.float16)
     scale = 1 / math.sqrt(d)
-    o, lse = flashnb.attention_forward(q, k, v, impl="fa2", causal=causal)
+    o, lse = flashnb.attention_forward(q, k, v, impl=IMPL, causal=causal)
     f64 = [a.astype(np.float64) for a in (q, k, v, do)]
     o_ref, lse_ref = reference.attention_forward(*f64[:3], causal=causal)
     tol = _fp16_forward_tol(q, k, v, scale)
@@ -79,7 +81,7 @@ def check_half(rng, case) -> bool:
     refs = reference.attention_backward(*f64[:3], f64[3], causal=causal)
     biggest = max(float(np.abs(r).max()) for r in refs)
     try:
-        grads = flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", causal=causal)
+        grads = flashnb.attention_backward(q, k, v, o, lse, do, impl=IMPL, causal=causal)
     except ValueError as exc:                    # a gradient beyond float16's range must be this error, never inf
         good = "overflows float16" in str(exc) and biggest > 65504 * (1 - 2.0 ** -8) and err_o <= tol
         print(f"half    {case}: BH={BH} Nq={Nq} Nk={Nk} d={d} causal={causal}: |o - ref| {err_o:.2e} "
@@ -93,7 +95,7 @@ def check_half(rng, case) -> bool:
     # the gradients; a wrong index or mask gives errors of the gradients' own size.
     refs, _ = _backward_with_stored_o(q, k, v, o, do, causal, scale)
     f32 = flashnb.attention_backward(*(a.astype(np.float32) for a in (q, k, v, o)), lse, do.astype(np.float32),
-                                     impl="fa2", causal=causal, storage="float32", check_forward=False)
+                                     impl=IMPL, causal=causal, storage="float32", check_forward=False)
     # (+ 2^-24: float16's subnormal spacing, the absolute rounding of gradients below 6.1e-5)
     bounds = [2 * float(np.abs(g32 - r).max()) + 2.0 ** -10 * float(np.abs(r).max()) + 2.0 ** -24
               for g32, r in zip(f32, refs)]
@@ -110,10 +112,10 @@ def check_dropout(rng, case) -> bool:
         int(rng.choice(HEAD_DIMS))
     causal, p, seed = bool(rng.integers(0, 2)), float(rng.choice((0.1, 0.5, 0.9))), int(rng.integers(0, 2 ** 63))
     q, k, v, do = (rng.standard_normal((BH, n, d)) for n in (Nq, Nk, Nk, Nq))
-    o, lse = flashnb.attention_forward(q, k, v, impl="fa2", causal=causal, dropout_p=p, seed=seed)
+    o, lse = flashnb.attention_forward(q, k, v, impl=IMPL, causal=causal, dropout_p=p, seed=seed)
     W = frng.dropout_scale_np(seed, p, BH, Nq, Nk)
     o_ref, _ = reference.attention_forward(q, k, v, causal=causal, dropout_mask=W)
-    grads = flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", causal=causal, dropout_p=p, seed=seed)
+    grads = flashnb.attention_backward(q, k, v, o, lse, do, impl=IMPL, causal=causal, dropout_p=p, seed=seed)
     refs = reference.attention_backward(q, k, v, do, causal=causal, dropout_mask=W)
     # float32 vs float64 with weights up to 1/(1-p): scripts/check_random_shapes.py's bounds times 1/(1-p)
     err_o = float(np.abs(o - o_ref).max())
@@ -159,7 +161,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--cases", type=int, default=6, help="cases of each kind")
+    p.add_argument("--impl", default="flash", choices=("flash", "fa2"), help="the impl of the half-storage and "
+                   "dropout cases (default: flash, the product kernel)")
     args = p.parse_args(argv)
+    global IMPL
+    IMPL = args.impl
     rng = np.random.default_rng(args.seed)
     t0 = time.perf_counter()
     results = [check(rng, i) for check in (check_half, check_dropout, check_decode) for i in range(args.cases)]

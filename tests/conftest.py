@@ -8,6 +8,15 @@ import numpy as np
 import pytest
 
 import flashnb  # noqa: F401  (must be imported before numba.cuda)
+from flashnb import fa2
+from flashnb.kernels import flash
+
+# The impls that carry every feature (half storage, block masks, modifiers, dropout, GQA), each module with its
+# launchers and models under the same names: the feature tests run on both (`pytest -m product` selects the product
+# kernel's cases in every file).  CI runs them on the product kernel, the default impl; stage 4's (whose features
+# the product kernel takes over) are `slow`, so that running each feature test twice costs CI no time.
+FEATURE_IMPLS = [pytest.param("fa2", marks=pytest.mark.slow), pytest.param("flash", marks=pytest.mark.product)]
+MODULE_OF = {"fa2": fa2, "flash": flash}
 
 
 @pytest.fixture
@@ -65,6 +74,7 @@ STAGE_OF_MODULE = {
     "test_fa2_steps": "stage4", "test_dropout": "stage4", "test_half": "stage4",
     "test_block_sparse": "stage5", "test_flex": "flex", "test_decode": "decode",
     "test_fa2_fast": "stage6", "test_sass_model": "stage6", "test_fa2_fast_steps": "stage6",
+    "test_flash": "product", "test_flash_parity": "product",
     "test_distributed": "distributed",
 }
 

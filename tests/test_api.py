@@ -55,7 +55,8 @@ def _good(rng):
         (lambda q, k, v: (q[None, None], k[None, None], v[None, None]), ValueError, "ndim"),  # 5-D
         (lambda q, k, v: (q, k, v[:, :4]), ValueError, "k and v"),                 # Nk mismatch
         (lambda q, k, v: (q, k[..., :3], v[..., :3]), ValueError, "head dim"),     # d mismatch
-        (lambda q, k, v: (q, k[:1], v[:1]), ValueError, "leading"),                # heads mismatch
+        (lambda q, k, v: (np.stack([q, q]), k[None], v[None]), ValueError, "leading"),   # batch mismatch
+        (lambda q, k, v: (q[:1], k, v), ValueError, "multiple of k's and v's heads"),   # heads: no GQA group
         (lambda q, k, v: (q[:, :0], k, v), ValueError, "empty"),                   # Nq = 0
         (lambda q, k, v: (q, k[:, :0], v[:, :0]), ValueError, "empty"),            # Nk = 0
         (lambda q, k, v: (q.astype(complex), k, v), TypeError, "real"),            # complex

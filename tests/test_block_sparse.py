@@ -4,7 +4,7 @@ the backward's tiles, counted traffic against the model (and its proportionality
 
 import numpy as np
 import pytest
-from conftest import assert_close, qkv
+from conftest import FEATURE_IMPLS, MODULE_OF, assert_close, qkv
 
 import flashnb
 from flashnb import block_sparse as bs
@@ -19,8 +19,8 @@ BWD = dict(atol=1e-4, rtol=1e-4)
 ONE_WARP = dict(warps=1)
 
 
-def _check(q, k, v, do, bm, causal, *, tiles=ONE_WARP, bwd_tiles=None):
-    """fa2 with ``block_mask=bm`` vs the reference with ``mask=`` its element expansion, both directions."""
+def _check(q, k, v, do, bm, causal, *, tiles=ONE_WARP, bwd_tiles=None, impl="fa2"):
+    """``impl`` with ``block_mask=bm`` vs the reference with ``mask=`` its element expansion, both directions."""
     Nq, Nk = q.shape[-2], k.shape[-2]
     arr = bm.mask if isinstance(bm, bs.BlockMask) else bm
     Br = bm.Br if isinstance(bm, bs.BlockMask) else tiles["Br"]
@@ -28,11 +28,11 @@ def _check(q, k, v, do, bm, causal, *, tiles=ONE_WARP, bwd_tiles=None):
     mask = reference.expand_block_mask(arr, Nq, Nk, Br, Bc)
     if mask.ndim > 2:                                 # per-head masks: (BH, Nq, Nk) under q's leading axes
         mask = mask.reshape(q.shape[:-2] + mask.shape[-2:])
-    o, lse = flashnb.attention_forward(q, k, v, causal=causal, impl="fa2", block_mask=bm, **tiles)
+    o, lse = flashnb.attention_forward(q, k, v, causal=causal, impl=impl, block_mask=bm, **tiles)
     o_ref, lse_ref = reference.attention_forward(q, k, v, causal=causal, mask=mask)
     assert_close(o, o_ref, **FWD, what="o")
     assert_close(lse, lse_ref, **FWD, what="lse")
-    grads = flashnb.attention_backward(q, k, v, o_ref, lse_ref, do, causal=causal, impl="fa2", block_mask=bm,
+    grads = flashnb.attention_backward(q, k, v, o_ref, lse_ref, do, causal=causal, impl=impl, block_mask=bm,
                                        **(tiles if bwd_tiles is None else bwd_tiles))
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads, reference.attention_backward(q, k, v, do, causal=causal,
                                                                                        mask=mask)):
@@ -54,18 +54,20 @@ CASES = [
 IDS = ["random.5", "random.25-causal", "local-BrneBc", "butterfly", "strided-causal", "fixed", "dense-d32"]
 
 
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
 @pytest.mark.parametrize("lead, Nq, Nk, d, build, causal", CASES, ids=IDS)
-def test_matches_masked_reference(rng, lead, Nq, Nk, d, build, causal):
+def test_matches_masked_reference(rng, lead, Nq, Nk, d, build, causal, impl):
     q, k, v, do = qkv(rng, (*lead, Nq, d), Nk, do=True)
-    _check(q, k, v, do, build(Nq, Nk), causal)
+    _check(q, k, v, do, build(Nq, Nk), causal, impl=impl)
 
 
-def test_per_head_masks_and_raw_array(rng):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_per_head_masks_and_raw_array(rng, impl):
     """A (B, H, Tr, Tc) plain boolean array, different for every head, read at the explicit tiles."""
     q, k, v, do = qkv(rng, (1, 2, 33, 8), 47, do=True)
     arr = bs.random(33, 47, 16, 8, 0.5, seed=9, lead=(1, 2)).mask
     assert not np.array_equal(arr[0, 0], arr[0, 1])
-    _check(q, k, v, do, arr, False, tiles=dict(Br=16, Bc=8, warps=1))
+    _check(q, k, v, do, arr, False, tiles=dict(Br=16, Bc=8, warps=1), impl=impl)
 
 
 def test_default_tiles_backward_refines_the_mask(rng):
@@ -82,12 +84,13 @@ def test_default_tiles_backward_refines_the_mask(rng):
     assert np.array_equal(M[0], np.repeat(arr, 2, axis=0)[:3])
 
 
-def test_fully_masked_rows_give_zeros_not_nan(rng):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_fully_masked_rows_give_zeros_not_nan(rng, impl):
     """Query block 1 has no block; key block 0 is never used: O = 0, LSE = -inf, dQ = 0 there; dK = dV = 0."""
     Nq, Nk, d = 40, 40, 8
     bm = bs.BlockMask(np.array([[False, True, True], [False, False, False], [False, True, False]]), 16, 16)
     q, k, v, do = qkv(rng, (1, Nq, d), Nk, do=True)
-    o, lse, (dq, dk, dv) = _check(q, k, v, do, bm, False)
+    o, lse, (dq, dk, dv) = _check(q, k, v, do, bm, False, impl=impl)
     assert np.all(o[:, 16:32] == 0) and np.all(np.isneginf(lse[:, 16:32])) and np.all(dq[:, 16:32] == 0)
     assert np.all(dk[:, :16] == 0) and np.all(dv[:, :16] == 0)
 
@@ -158,35 +161,42 @@ def _dev(*arrays):
     (1, 64, 64, 8, lambda Nq, Nk: bs.butterfly(Nq, Nk, 16, 16), False, dict(Br=8, Bc=16, warps=1)),
     (1, 45, 70, 8, lambda Nq, Nk: bs.strided(Nq, Nk, 16, 16, 2), True, dict(warps=2)),
 ], ids=["random-per-head", "local-causal", "butterfly-refined", "strided-2warps"])
-def test_counted_traffic_equals_model(rng, BH, Nq, Nk, d, build, causal, tiles):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_counted_traffic_equals_model(rng, BH, Nq, Nk, d, build, causal, tiles, impl):
+    mod = MODULE_OF[impl]
     bm = build(Nq, Nk)
     q, k, v, do = qkv(rng, (BH, Nq, d), Nk, do=True)
     with traffic.count() as t:
-        o, lse = fa2.forward(*_dev(q, k, v), causal=causal, scale=0.3, block_mask=bm, **tiles)
-    assert t.summary() == fa2.model_forward(BH, Nq, Nk, d, causal=causal, block_mask=bm, **tiles)
+        o, lse = mod.forward(*_dev(q, k, v), causal=causal, scale=0.3, block_mask=bm, **tiles)
+    assert t.summary() == mod.model_forward(BH, Nq, Nk, d, causal=causal, block_mask=bm, **tiles)
     with traffic.count() as t:
-        fa2.backward(*_dev(q, k, v), o, lse, *_dev(do), causal=causal, scale=0.3, block_mask=bm, **tiles)
-    assert t.summary() == fa2.model_backward(BH, Nq, Nk, d, causal=causal, block_mask=bm, **tiles)
+        mod.backward(*_dev(q, k, v), o, lse, *_dev(do), causal=causal, scale=0.3, block_mask=bm, **tiles)
+    assert t.summary() == mod.model_backward(BH, Nq, Nk, d, causal=causal, block_mask=bm, **tiles)
 
 
-def test_dense_mask_costs_only_the_mask_reads():
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_dense_mask_costs_only_the_mask_reads(impl):
     """An all-ones mask visits the dense tiles: the same counts, plus one byte of M per warp per tile."""
-    dense = fa2.model_forward(1, 64, 64, 16, Br=16, Bc=16, warps=1)[0]
-    ones = fa2.model_forward(1, 64, 64, 16, Br=16, Bc=16, warps=1, block_mask=bs.dense(64, 64, 16, 16))[0]
+    mod = MODULE_OF[impl]
+    dense = mod.model_forward(1, 64, 64, 16, Br=16, Bc=16, warps=1)[0]
+    ones = mod.model_forward(1, 64, 64, 16, Br=16, Bc=16, warps=1, block_mask=bs.dense(64, 64, 16, 16))[0]
     assert ones["reads"].pop("M") == 16 and ones == dense
 
 
-def test_model_traffic_is_proportional_to_s_plus_the_Nd_term():
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_model_traffic_is_proportional_to_s_plus_the_Nd_term(impl):
     """Proposition 4's shape, exactly: K, V reads = 2 · s · Tr · Tc · Bc · d; Q, O, L do not depend on s."""
     BH, N, d, Br, Bc = 2, 1024, 64, 64, 32
     Tr, Tc = N // Br, N // Bc
+    mod = MODULE_OF[impl]
+    warps = mod.default_tiles(d)["warps"]          # the forward's default tiles are 64 x 32 for both impls
     for s in (0.125, 0.25, 0.5, 1.0):
         bm = bs.random(N, N, Br, Bc, s, seed=0)
-        fwd = fa2.model_forward(BH, N, N, d, block_mask=bm)[0]
+        fwd = mod.model_forward(BH, N, N, d, block_mask=bm)[0]
         assert fwd["reads"]["K"] + fwd["reads"]["V"] == 2 * BH * round(s * Tr * Tc) * Bc * d
         nd = (fwd["reads"]["Q"], fwd["writes"]["O"], fwd["writes"]["L"], fwd["reads"]["M"])
-        assert nd == (BH * N * d, BH * N * d, BH * N, BH * Tr * Tc * 4)   # 4 warps
-        bwd = fa2.model_backward(BH, N, N, d, block_mask=bm)[1]
+        assert nd == (BH * N * d, BH * N * d, BH * N, BH * Tr * Tc * warps)   # lane 0 of each warp
+        bwd = mod.model_backward(BH, N, N, d, block_mask=bm)[1]
         assert bwd["reads"]["Q"] == bwd["atomics"]["dQ"] == BH * round(s * Tr * Tc) * 2 * 32 * d  # 32 x 32 tiles
         assert (bwd["reads"]["K"], bwd["writes"]["dK"]) == (BH * N * d, BH * N * d)
 
@@ -194,6 +204,7 @@ def test_model_traffic_is_proportional_to_s_plus_the_Nd_term():
 # --------------------------------------------------------------------------- bad masks
 
 
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
 @pytest.mark.parametrize("mask, opts, err, words", [
     (np.ones((3, 3), dtype=bool), dict(Br=16, Bc=16), ValueError, r"block_mask must have shape \(\.\.\., 3, 4\)"),
     (np.ones((3, 4), dtype=np.int8), dict(Br=16, Bc=16), TypeError, "block_mask must be a boolean"),
@@ -202,19 +213,20 @@ def test_model_traffic_is_proportional_to_s_plus_the_Nd_term():
     (bs.random(40, 40, 16, 16, 0.5), {}, ValueError, r"block_mask must have shape \(\.\.\., 3, 4\)"),
     (np.ones((3, 4), dtype=bool), {}, ValueError, r"block_mask must have shape \(\.\.\., 1, 2\)"),  # d=8: 64x32
 ], ids=["shape", "dtype", "heads", "tiles", "other-problem", "default-tiles"])
-def test_bad_block_mask(rng, mask, opts, err, words):
+def test_bad_block_mask(rng, mask, opts, err, words, impl):
     q, k, v = qkv(rng, (2, 40, 8), 56)
     with pytest.raises(err, match=words):
-        flashnb.attention_forward(q, k, v, impl="fa2", block_mask=mask, **opts)
+        flashnb.attention_forward(q, k, v, impl=impl, block_mask=mask, **opts)
 
 
-def test_bad_block_mask_backward(rng):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_bad_block_mask_backward(rng, impl):
     q, k, v, do = qkv(rng, (1, 40, 8), 56, do=True)
     o, lse = reference.attention_forward(q, k, v)
     with pytest.raises(ValueError, match="block_mask was built for tiles Br=16, Bc=16"):
-        flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", block_mask=bs.dense(40, 56, 16, 16), Bc=32)
+        flashnb.attention_backward(q, k, v, o, lse, do, impl=impl, block_mask=bs.dense(40, 56, 16, 16), Bc=32)
     with pytest.raises(ValueError, match=r"block_mask must have shape \(\.\.\., 3, 4\)"):
-        flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", block_mask=np.ones((2, 2), bool), Br=16, Bc=16)
+        flashnb.attention_backward(q, k, v, o, lse, do, impl=impl, block_mask=np.ones((2, 2), bool), Br=16, Bc=16)
 
 
 def test_fa2_sparse_impl_is_local_attention_checked_against_its_own_mask(rng):
@@ -234,20 +246,22 @@ def test_fa2_sparse_impl_is_local_attention_checked_against_its_own_mask(rng):
     assert np.abs(o - o_dense).max() > 1e-2
 
 
-def test_prepared_mask_is_reused_and_checked(rng):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_prepared_mask_is_reused_and_checked(rng, impl):
     """fa2.prepare_block_mask maps a mask onto a launch's tiles once (outside timed loops); reusing it gives the
     same result as passing the BlockMask, and using it for another direction or shape is an error."""
     BH, Nq, Nk, d = 1, 40, 48, 8
     bm = bs.local(Nq, Nk, 16, 16, 2, causal=False)
     q, k, v = (common.to_device(a) for a in qkv(rng, (BH, Nq, d), Nk))
-    pm = fa2.prepare_block_mask(bm, direction="forward", BH=BH, Nq=Nq, Nk=Nk, d=d)
-    o1, l1 = fa2.forward(q, k, v, scale=0.5, block_mask=bm)
-    o2, l2 = fa2.forward(q, k, v, scale=0.5, block_mask=pm)
+    mod = MODULE_OF[impl]
+    pm = mod.prepare_block_mask(bm, direction="forward", BH=BH, Nq=Nq, Nk=Nk, d=d)
+    o1, l1 = mod.forward(q, k, v, scale=0.5, block_mask=bm)
+    o2, l2 = mod.forward(q, k, v, scale=0.5, block_mask=pm)
     assert np.array_equal(o1.copy_to_host(), o2.copy_to_host()) and np.array_equal(l1.copy_to_host(), l2.copy_to_host())
     with pytest.raises(ValueError, match="prepared for the forward"):
-        fa2.backward(q, k, v, o1, l1, q, scale=0.5, block_mask=pm)
+        mod.backward(q, k, v, o1, l1, q, scale=0.5, block_mask=pm)
     with pytest.raises(ValueError, match="prepared for"):
-        fa2.forward(q, q, q, scale=0.5, block_mask=pm)   # Nk = 40, not 48
+        mod.forward(q, q, q, scale=0.5, block_mask=pm)   # Nk = 40, not 48
 
 
 def test_sparse_flops_count_only_computed_pairs():

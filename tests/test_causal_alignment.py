@@ -3,16 +3,17 @@
 
 import numpy as np
 import pytest
-from conftest import assert_close, qkv
+from conftest import FEATURE_IMPLS, MODULE_OF, assert_close, qkv
 
 import flashnb
-from flashnb import common, fa2, reference, traffic
+from flashnb import common, reference, traffic
 from flashnb.registry import IMPLS
 
 # Dense impls with their fastest small options; naive launches one thread per element of S, so it gets the
 # smallest problem of all (one head) below.
-# fa2 is `slow` here (CI budget): tests/test_fa2.py checks its causal Nq != Nk against the reference
-FAST = ("onepass", "fa1", pytest.param("fa2", marks=pytest.mark.slow))
+# fa2 and flash are `slow` here (CI budget): tests/test_fa2.py and tests/test_flash.py check their causal Nq != Nk
+# against the reference, both alignments
+FAST = ("onepass", "fa1", pytest.param("fa2", marks=pytest.mark.slow), pytest.param("flash", marks=pytest.mark.slow))
 
 
 def test_reference_masks_are_the_documented_ones():
@@ -61,20 +62,22 @@ def test_naive_upper_left(rng):
         assert_close(g, r, atol=1e-5, rtol=1e-5, what="naive grad")
 
 
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
 @pytest.mark.parametrize("Nq, Nk", [(24, 40), (40, 24)])
-def test_fa2_upper_left_traffic_equals_model(rng, Nq, Nk):
-    """The top-left diagonal moves fa2's causal skipping: the model follows it exactly."""
+def test_fa2_upper_left_traffic_equals_model(rng, Nq, Nk, impl):
+    """The top-left diagonal moves the causal skipping: the model follows it exactly."""
+    mod = MODULE_OF[impl]
     q, k, v, do = qkv(rng, (1, Nq, 8), Nk, do=True)
     dev = [common.to_device(a) for a in (q, k, v, do)]
     tiles = dict(Br=8, Bc=8, warps=1)
     with traffic.count() as t:
-        o, lse = fa2.forward(*dev[:3], causal="upper_left", scale=0.25, **tiles)
-    assert t.summary() == fa2.model_forward(1, Nq, Nk, 8, causal="upper_left", **tiles)
+        o, lse = mod.forward(*dev[:3], causal="upper_left", scale=0.25, **tiles)
+    assert t.summary() == mod.model_forward(1, Nq, Nk, 8, causal="upper_left", **tiles)
     with traffic.count() as t:
-        fa2.backward(*dev[:3], o, lse, dev[3], causal="upper_left", scale=0.25, **tiles)
-    assert t.summary() == fa2.model_backward(1, Nq, Nk, 8, causal="upper_left", **tiles)
-    assert fa2.model_forward(1, Nq, Nk, 8, causal="upper_left", **tiles) != \
-        fa2.model_forward(1, Nq, Nk, 8, causal=True, **tiles)
+        mod.backward(*dev[:3], o, lse, dev[3], causal="upper_left", scale=0.25, **tiles)
+    assert t.summary() == mod.model_backward(1, Nq, Nk, 8, causal="upper_left", **tiles)
+    assert mod.model_forward(1, Nq, Nk, 8, causal="upper_left", **tiles) != \
+        mod.model_forward(1, Nq, Nk, 8, causal=True, **tiles)
 
 
 def test_bad_causal_and_sparse_upper_left(rng):

@@ -1,7 +1,7 @@
 """Attention dropout (issue #17, item 2): Philox4x32-10 against published known answers, the NumPy twin against
-the device functions bit for bit, the FA2 forward and backward against the float64 reference with the twin's
-mask, forward/backward mask agreement without the twin, keep-rate statistics, counted traffic (no N×N mask
-crosses HBM), p = 0 against no dropout, and the errors of bad arguments.
+the device functions bit for bit, the FA2 forward and backward (stage 4's and the product kernel's) against the
+float64 reference with the twin's mask, forward/backward mask agreement without the twin, keep-rate statistics,
+counted traffic (no N×N mask crosses HBM), p = 0 against no dropout, and the errors of bad arguments.
 
 Tolerances.  The kernels compute in float32 and the reference in float64 on the same inputs.  Every output
 element is a sum of at most max(Nk, d) <= 40 products of O(1) values (standard-normal inputs, softmax weights
@@ -12,7 +12,7 @@ that factor, 2.  A wrong mask element changes an output by O(0.1 - 1): far above
 
 import numpy as np
 import pytest
-from conftest import assert_close, qkv
+from conftest import FEATURE_IMPLS, MODULE_OF, assert_close, qkv
 
 import flashnb
 from flashnb import common, fa2, reference, sim, traffic
@@ -97,41 +97,44 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
 @pytest.mark.parametrize("lead_q, lead_kv, Nq, Nk, d, causal, p, tiles", CASES,
                          ids=["causal-19x37", "full-2heads-33x20", "gqa-causal"])
-def test_forward_and_backward_match_reference_with_the_twins_mask(rng, lead_q, lead_kv, Nq, Nk, d, causal, p, tiles):
+def test_forward_and_backward_match_reference_with_the_twins_mask(rng, lead_q, lead_kv, Nq, Nk, d, causal, p, tiles,
+                                                                  impl):
     r = rng
     q = r.standard_normal((*lead_q, Nq, d))
     k, v = r.standard_normal((*lead_kv, Nk, d)), r.standard_normal((*lead_kv, Nk, d))
     do = r.standard_normal(q.shape)
     seed = int(r.integers(0, 2**63))
-    o, lse = flashnb.attention_forward(q, k, v, causal=causal, impl="fa2", dropout_p=p, seed=seed, **tiles)
+    o, lse = flashnb.attention_forward(q, k, v, causal=causal, impl=impl, dropout_p=p, seed=seed, **tiles)
     W = _mask(seed, p, lead_q, Nq, Nk)
     o_ref, lse_ref = reference.attention_forward(q, k, v, causal=causal, dropout_mask=W)
     assert_close(o, o_ref, **FWD, what="o")
     assert_close(lse, lse_ref, **FWD, what="lse")          # the statistics of the undropped P~
-    grads = flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, impl="fa2", dropout_p=p, seed=seed,
+    grads = flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, impl=impl, dropout_p=p, seed=seed,
                                        **tiles)
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads,
                               reference.attention_backward(q, k, v, do, causal=causal, dropout_mask=W)):
         assert_close(g, g_ref, **BWD, what=name)
 
 
-def test_backward_uses_the_forwards_mask(rng):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_backward_uses_the_forwards_mask(rng, impl):
     """Forward/backward agreement without the twin: with v = I (d = Nk) the forward's o is P ∘ W itself, so the
     forward's mask W is read off its output; the backward's gradients must be the reference's with *that* W."""
     Nq, Nk, p, seed = 20, 24, 0.4, 99
     q, k = rng.standard_normal((2, Nq, Nk)), rng.standard_normal((2, Nk, Nk))
     v = np.broadcast_to(np.eye(Nk), (2, Nk, Nk)).copy()
-    o, lse = flashnb.attention_forward(q, k, v, impl="fa2", dropout_p=p, seed=seed, **SMALL)
+    o, lse = flashnb.attention_forward(q, k, v, impl=impl, dropout_p=p, seed=seed, **SMALL)
     P, _ = reference.attention_forward(q, k, v)             # = softmax, since v = I
     W_fwd = np.where(o > 0.5 * P / (1 - p), 1 / (1 - p), 0.0)   # kept: o = P/(1-p); dropped: o = 0
     assert_close(o, P * W_fwd, **FWD, what="o = P ∘ W")      # the read-off is exact up to rounding
     assert 0.4 < (W_fwd > 0).mean() < 0.8                    # a real mask (1 - p = 0.6 expected), not all kept
     do = rng.standard_normal(o.shape)
     v2 = rng.standard_normal((2, Nk, Nk))                    # any v: the backward regenerates the same W
-    o2, lse2 = flashnb.attention_forward(q, k, v2, impl="fa2", dropout_p=p, seed=seed, **SMALL)
-    grads = flashnb.attention_backward(q, k, v2, o2, lse2, do, impl="fa2", dropout_p=p, seed=seed, **SMALL)
+    o2, lse2 = flashnb.attention_forward(q, k, v2, impl=impl, dropout_p=p, seed=seed, **SMALL)
+    grads = flashnb.attention_backward(q, k, v2, o2, lse2, do, impl=impl, dropout_p=p, seed=seed, **SMALL)
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads,
                               reference.attention_backward(q, k, v2, do, dropout_mask=W_fwd)):
         assert_close(g, g_ref, **BWD, what=name)
@@ -182,19 +185,21 @@ def _dev(*arrays):
     return [common.to_device(np.asarray(a, dtype=np.float32)) for a in arrays]
 
 
-def test_no_mask_crosses_hbm(rng):
-    """Counted element accesses with dropout equal those without it and fa2's model of the dense kernels: the
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_no_mask_crosses_hbm(rng, impl):
+    """Counted element accesses with dropout equal those without it and the model of the dense kernels: the
     mask is regenerated in registers, no N×N array is read or written (an N×N float32 mask alone would add
     BH·Nq·Nk·4 = 18,432 B here)."""
+    mod = MODULE_OF[impl]
     BH, Nq, Nk, d, tiles = 2, 24, 48, 8, dict(Br=16, Bc=8, warps=2)
     q, k, v, do = qkv(rng, (BH, Nq, d), Nk, do=True)
     counted = {}
     for p in (0.0, 0.3):
         with traffic.count() as t:
-            o, lse = fa2.forward(*_dev(q, k, v), causal=True, scale=0.3, dropout_p=p, seed=5, **tiles)
-            fa2.backward(*_dev(q, k, v), o, lse, *_dev(do), causal=True, scale=0.3, dropout_p=p, seed=5, **tiles)
+            o, lse = mod.forward(*_dev(q, k, v), causal=True, scale=0.3, dropout_p=p, seed=5, **tiles)
+            mod.backward(*_dev(q, k, v), o, lse, *_dev(do), causal=True, scale=0.3, dropout_p=p, seed=5, **tiles)
         counted[p] = t
-    model = fa2.model_forward(BH, Nq, Nk, d, causal=True, **tiles) + fa2.model_backward(BH, Nq, Nk, d, causal=True,
+    model = mod.model_forward(BH, Nq, Nk, d, causal=True, **tiles) + mod.model_backward(BH, Nq, Nk, d, causal=True,
                                                                                           **tiles)
     assert counted[0.3].summary() == counted[0.0].summary() == model
     sizes = {name: e["read_bytes"] + e["write_bytes"] for name, e in counted[0.3].totals_by_array().items()
@@ -228,14 +233,15 @@ def test_p_zero_is_no_dropout_bit_for_bit(rng):
         assert not np.isnan(a).any() and np.array_equal(a, b), name
 
 
-def test_dropout_kernels_pass_the_sanitizer(rng):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_dropout_kernels_pass_the_sanitizer(rng, impl):
     """memcheck, racecheck, initcheck, synccheck on the dropout kernels (tiles small enough that the loops reload
     their shared tiles more than once; two warps in the forward)."""
     q, k, v, do = qkv(rng, (1, 20, 8), 20, do=True)
     with sim.sanitize() as report:
-        o, lse = flashnb.attention_forward(q, k, v, impl="fa2", causal=True, dropout_p=0.3, seed=9, Br=8, Bc=8,
+        o, lse = flashnb.attention_forward(q, k, v, impl=impl, causal=True, dropout_p=0.3, seed=9, Br=8, Bc=8,
                                            warps=2)
-        flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", causal=True, dropout_p=0.3, seed=9, Br=8, Bc=8,
+        flashnb.attention_backward(q, k, v, o, lse, do, impl=impl, causal=True, dropout_p=0.3, seed=9, Br=8, Bc=8,
                                    warps=1)
     assert "no errors in 3 launch(es)" in str(report), str(report)
 
@@ -264,13 +270,14 @@ def test_bad_dropout_arguments(rng, kwargs, err, words):
         flashnb.attention_forward(q, k, v, **kwargs)
 
 
-def test_p_zero_is_accepted_by_every_impl_and_check_forward_catches_another_seed(rng):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_p_zero_is_accepted_by_every_impl_and_check_forward_catches_another_seed(rng, impl):
     q, k, v, do = qkv(rng, (1, 12, 8), 12, do=True)
     o, lse = flashnb.attention_forward(q, k, v, impl="naive", dropout_p=0.0, seed=3)
     assert np.array_equal(o, flashnb.attention_forward(q, k, v, impl="naive")[0])
-    o, lse = flashnb.attention_forward(q, k, v, impl="fa2", dropout_p=0.5, seed=3, **SMALL)
+    o, lse = flashnb.attention_forward(q, k, v, impl=impl, dropout_p=0.5, seed=3, **SMALL)
     with pytest.raises(ValueError, match="not the forward"):       # o was made with seed 3's mask, not seed 4's
-        flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", dropout_p=0.5, seed=4, **SMALL)
+        flashnb.attention_backward(q, k, v, o, lse, do, impl=impl, dropout_p=0.5, seed=4, **SMALL)
 
 
 def test_backward_without_the_forwards_dropout_arguments_says_so(rng):
@@ -292,7 +299,8 @@ def test_backward_without_the_forwards_dropout_arguments_says_so(rng):
 # --------------------------------------------------------------------------- PyTorch
 
 
-def test_torch_draws_a_seed_and_the_backward_reuses_it(rng):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_torch_draws_a_seed_and_the_backward_reuses_it(rng, impl):
     """flashnb.torch.attention with dropout_p and no seed: the seed comes from torch's generator (so
     torch.manual_seed repeats it); output and gradients match the reference with that seed's mask."""
     torch = pytest.importorskip("torch")
@@ -302,7 +310,7 @@ def test_torch_draws_a_seed_and_the_backward_reuses_it(rng):
     for t in (q, k, v):
         t.requires_grad_(True)
     torch.manual_seed(11)
-    o = ft.attention(q, k, v, causal=True, dropout_p=0.3, **SMALL)
+    o = ft.attention(q, k, v, causal=True, dropout_p=0.3, impl=impl, **SMALL)
     o.backward(do)
     torch.manual_seed(11)
     seed = ft._draw_seed()

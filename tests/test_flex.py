@@ -6,7 +6,7 @@ simulator (one compile check per modifier, batched in one child process)."""
 
 import numpy as np
 import pytest
-from conftest import assert_close, qkv
+from conftest import FEATURE_IMPLS, MODULE_OF, assert_close, qkv
 from numba import float32
 
 import flashnb
@@ -101,10 +101,11 @@ def _reference(q, k, v, do, score_mod, mask_mod, grad=None, causal=False):
 
 
 @pytest.mark.parametrize("name", list(GALLERY))
-def test_gallery_forward(rng, name):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_gallery_forward(rng, name, impl):
     score_mod, mask_mod, Nq, Nk = GALLERY[name]
     q, k, v = qkv(rng, (1, 2, Nq, 16), Nk)
-    o, lse = flashnb.attention_forward(q, k, v, impl="fa2", score_mod=score_mod, mask_mod=mask_mod, **TILES)
+    o, lse = flashnb.attention_forward(q, k, v, impl=impl, score_mod=score_mod, mask_mod=mask_mod, **TILES)
     (o_ref, lse_ref), _ = _reference(q, k, v, None, score_mod, mask_mod)
     assert_close(o, o_ref, **FWD, what="o")
     assert_close(lse, lse_ref, **FWD, what="lse")
@@ -114,24 +115,26 @@ def test_gallery_forward(rng, name):
     (flex.alibi(2), None, True),                                    # ALiBi with the kernel's own causal mask
     (flex.softcap(2.0), flex.document(DOCS, causal=True), False),   # soft-capping, causal document mask
 ], ids=["causal+alibi", "softcap+document"])
-def test_gallery_backward(rng, score_mod, mask_mod, causal):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_gallery_backward(rng, score_mod, mask_mod, causal, impl):
     q, k, v, do = qkv(rng, (1, 2, 48, 16), 48, do=True)
-    o, lse = flashnb.attention_forward(q, k, v, impl="fa2", causal=causal, score_mod=score_mod, mask_mod=mask_mod,
+    o, lse = flashnb.attention_forward(q, k, v, impl=impl, causal=causal, score_mod=score_mod, mask_mod=mask_mod,
                                        **TILES)
-    grads = flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", causal=causal, score_mod=score_mod,
+    grads = flashnb.attention_backward(q, k, v, o, lse, do, impl=impl, causal=causal, score_mod=score_mod,
                                        mask_mod=mask_mod, **TILES)
     _, ref = _reference(q, k, v, do, score_mod, mask_mod, causal=causal)
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads, ref):
         assert_close(g, g_ref, **BWD, what=name)
 
 
-def test_user_modifier_never_seen_nq_ne_nk(rng):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_user_modifier_never_seen_nq_ne_nk(rng, impl):
     """A relative-position bias and a band mask the gallery does not have, Nq != Nk, two batches; the
     derivative passed as score_mod_grad; the block mask built from mask_mod by the launcher."""
     q, k, v, do = qkv(rng, (2, 1, 24, 8), 40, do=True)
     opts = dict(score_mod=rel_bias, mask_mod=band_mask, **TILES)
-    o, lse = flashnb.attention_forward(q, k, v, impl="fa2", **opts)
-    grads = flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", score_mod_grad=rel_bias_grad, **opts)
+    o, lse = flashnb.attention_forward(q, k, v, impl=impl, **opts)
+    grads = flashnb.attention_backward(q, k, v, o, lse, do, impl=impl, score_mod_grad=rel_bias_grad, **opts)
     (o_ref, lse_ref), ref = _reference(q, k, v, do, rel_bias, band_mask, grad=rel_bias_grad)
     assert_close(o, o_ref, **FWD, what="o")
     assert_close(lse, lse_ref, **FWD, what="lse")
@@ -139,7 +142,8 @@ def test_user_modifier_never_seen_nq_ne_nk(rng):
         assert_close(g, g_ref, **BWD, what=name)
 
 
-def test_block_mask_states_and_reuse(rng):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_block_mask_states_and_reuse(rng, impl):
     """create_block_mask: empty / full / partial tiles as mask_mod says; passed as block_mask= it carries mask_mod."""
     bm = flex.create_block_mask(flex.sliding_window(16), 1, 1, 64, 64, Br=16, Bc=16)
     st = bm.states[0, 0]
@@ -150,46 +154,49 @@ def test_block_mask_states_and_reuse(rng):
     assert bm.at_tiles(8, 8, 64, 64, 1)[0].tolist()[1][:3] == [1, 2, 0]
     with pytest.raises(ValueError, match="block_mask was not made from mask_mod"):
         q, k, v = qkv(rng, (1, 64, 8), 64)
-        flashnb.attention(q, k, v, impl="fa2", mask_mod=GALLERY["prefix_lm"][1], block_mask=bm, **TILES)
+        flashnb.attention(q, k, v, impl=impl, mask_mod=GALLERY["prefix_lm"][1], block_mask=bm, **TILES)
 
 
-def test_gqa_and_mqa(rng):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_gqa_and_mqa(rng, impl):
     """K/V with fewer heads than Q: forward and backward (dK, dV summed over each group) against the reference
     with K/V repeated; the backward reads K, V once per K/V head (counted), the forward once per query head."""
     q, k, v, do = qkv(rng, (1, 4, 16, 8), 24, do=True)
     for Hkv in (2, 1):                                         # grouped-query, multi-query
         kk, vv = k[:, :Hkv], v[:, :Hkv]
-        o, lse = flashnb.attention_forward(q, kk, vv, impl="fa2", causal=True, **TILES)
+        o, lse = flashnb.attention_forward(q, kk, vv, impl=impl, causal=True, **TILES)
         with traffic.count() as t:
-            grads = flashnb.attention_backward(q, kk, vv, o, lse, do, impl="fa2", causal=True, **TILES)
+            grads = flashnb.attention_backward(q, kk, vv, o, lse, do, impl=impl, causal=True, **TILES)
         o_ref, lse_ref = reference.attention_forward(q, kk, vv, causal=True)
         assert_close(o, o_ref, **FWD, what=f"o (H_kv={Hkv})")
         for name, g, g_ref in zip(("dq", "dk", "dv"), grads, reference.attention_backward(q, kk, vv, do, causal=True)):
             assert_close(g, g_ref, **BWD, what=f"{name} (H_kv={Hkv})")
         assert grads[1].shape == kk.shape
-        model = fa2.model_backward(4, 16, 24, 8, causal=True, group=4 // Hkv, **TILES)
+        model = MODULE_OF[impl].model_backward(4, 16, 24, 8, causal=True, group=4 // Hkv, **TILES)
         assert t.summary() == model
-        dense = fa2.model_backward(4, 16, 24, 8, causal=True, **TILES)[1]
+        dense = MODULE_OF[impl].model_backward(4, 16, 24, 8, causal=True, **TILES)[1]
         assert model[1]["reads"]["K"] * (4 // Hkv) == dense["reads"]["K"] == 4 * 24 * 8
     with pytest.raises(ValueError, match=r"q's heads \(4.*k's and v's heads \(3"):
-        flashnb.attention(q, k[:, :3], v[:, :3], impl="fa2")
+        flashnb.attention(q, k[:, :3], v[:, :3], impl=impl)
     with pytest.raises(ValueError, match="impl 'fa1' does not support grouped-query"):
         flashnb.attention(q, k[:, :2], v[:, :2], impl="fa1")
 
 
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
 @pytest.mark.parametrize("window", [8, 40])
-def test_traffic_equals_model_and_falls_with_density(rng, window):
-    """Counted traffic == fa2's model, forward and backward, at two densities of a sliding window."""
+def test_traffic_equals_model_and_falls_with_density(rng, window, impl):
+    """Counted traffic == the model, forward and backward, at two densities of a sliding window."""
     mm = flex.sliding_window(window)
     q, k, v, do = qkv(rng, (1, 1, 64, 8), 64, do=True)
     with traffic.count() as t:
-        o, lse = flashnb.attention_forward(q, k, v, impl="fa2", mask_mod=mm, **TILES)
-        flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", mask_mod=mm, check_forward=False, **TILES)
-    model = (fa2.model_forward(1, 64, 64, 8, mask_mod=mm, heads=1, **TILES)
-             + fa2.model_backward(1, 64, 64, 8, mask_mod=mm, heads=1, **TILES))
-    assert t.summary() == model
+        o, lse = flashnb.attention_forward(q, k, v, impl=impl, mask_mod=mm, **TILES)
+        flashnb.attention_backward(q, k, v, o, lse, do, impl=impl, mask_mod=mm, check_forward=False, **TILES)
     bm = flex.create_block_mask(mm, 1, 1, 64, 64, Br=16, Bc=16)
-    dense = fa2.model_forward(1, 64, 64, 8, **TILES)[0]["reads"]["K"]
+    mod = MODULE_OF[impl]
+    model = (mod.model_forward(1, 64, 64, 8, block_mask=bm, **TILES)
+             + mod.model_backward(1, 64, 64, 8, block_mask=bm, **TILES))
+    assert t.summary() == model
+    dense = mod.model_forward(1, 64, 64, 8, **TILES)[0]["reads"]["K"]
     assert model[0]["reads"]["K"] == round(bm.density * dense)       # K/V traffic ∝ density of the block mask
     assert bm.density == {8: 7 / 16, 40: 10 / 16}[window]
 
@@ -218,14 +225,16 @@ BAD = [(float_literal, "score_mod"), (unsupported_call, "score_mod"), (int_mask,
     (int_mask, "mask_mod", r"mask_mod 'int_mask' returns int64; it must return a boolean"),
     (lambda b, h, q_idx: True, "mask_mod", r"mask_mod '<lambda>' takes \(b, h, q_idx\); it must take 4"),
 ], ids=["float-literal", "unsupported-call", "int-mask", "signature"])
-def test_bad_modifier_refused_before_launch(rng, fn, kind, match):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_bad_modifier_refused_before_launch(rng, fn, kind, match, impl):
     q, k, v = qkv(rng, (1, 16, 8), 16)
     with traffic.count() as t, pytest.raises(ModifierError, match=match):
-        flashnb.attention(q, k, v, impl="fa2", **{kind: fn})
+        flashnb.attention(q, k, v, impl=impl, **{kind: fn})
     assert t.summary() == []                  # refused before any launch
 
 
-def test_bad_combinations(rng):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_bad_combinations(rng, impl):
     q, k, v, do = qkv(rng, (1, 16, 8), 16, do=True)
     with pytest.raises(TypeError, match="impl 'fa1' does not take attention modifiers"):
         flashnb.attention(q, k, v, impl="fa1", score_mod=rel_bias)
@@ -233,10 +242,11 @@ def test_bad_combinations(rng):
     del no_grad.grad
     o, lse = reference.attention_forward(q, k, v, score_mod=no_grad.numpy)
     with pytest.raises(ValueError, match="score_mod 'softcap_score' has no derivative"):
-        flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", score_mod=no_grad, check_forward=False)
+        flashnb.attention_backward(q, k, v, o, lse, do, impl=impl, score_mod=no_grad, check_forward=False)
 
 
-def test_torch_passes_modifiers_and_gqa(rng):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_torch_passes_modifiers_and_gqa(rng, impl):
     """flashnb.torch.attention takes the same arguments: modifiers (b, h from q's (B, H) although it flattens q)
     and K/V with fewer heads; gradients against the reference."""
     torch = pytest.importorskip("torch")
@@ -246,7 +256,7 @@ def test_torch_passes_modifiers_and_gqa(rng):
     k, v = k[:, :1], v[:, :1]                                   # multi-query: one K/V head per batch
     sm, mm = flex.alibi(2), flex.sliding_window(10)
     qt, kt, vt = (torch.tensor(a, dtype=torch.float32, requires_grad=True) for a in (q, k, v))
-    o = ft.attention(qt, kt, vt, score_mod=sm, mask_mod=mm, **TILES)
+    o = ft.attention(qt, kt, vt, score_mod=sm, mask_mod=mm, impl=impl, **TILES)
     o.backward(torch.tensor(do, dtype=torch.float32))
     (o_ref, _), ref = _reference(q, k, v, do, sm, mm)
     assert_close(o.detach().numpy(), o_ref, **FWD, what="o")

@@ -1,15 +1,15 @@
-"""Half-precision storage (issue #17): fa2 with Q, K, V, O (dO, dK, dV, dQ) kept in float16 or bfloat16 and
-everything else float32 -- against the float64 reference, against the float32 kernels on the same inputs, the
-counted bytes against the model, and the errors for combinations that have no meaning."""
+"""Half-precision storage (issue #17): fa2 and the product kernel (flash) with Q, K, V, O (dO, dK, dV, dQ) kept in
+float16 or bfloat16 and everything else float32 -- against the float64 reference, against the float32 kernels on the
+same inputs, the counted bytes against the model, and the errors for combinations that have no meaning."""
 
 import re
 
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import FEATURE_IMPLS, MODULE_OF, assert_close
 
 import flashnb
-from flashnb import bench, common, fa2, reference, traffic
+from flashnb import bench, common, reference, traffic
 
 U16 = 2.0 ** -11   # float16's unit roundoff: a round-to-nearest store changes a value by at most this, relative
 UBF = 2.0 ** -8    # bfloat16's (8 significand bits)
@@ -63,18 +63,19 @@ def forward_tolerance(q, k, v, causal, scale, rounding):
 MODERATE = 4.0 / (60.0 * 60.0)   # times 1/sqrt(d)
 
 
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("BH, Nq, Nk, d, moderate", [(1, 20, 37, 16, False), (1, 40, 24, 8, True)],
                          ids=["Nq<Nk-default-scale", "Nq>Nk-moderate-scale"])
-def test_forward_float16(rng, BH, Nq, Nk, d, moderate, causal):
+def test_forward_float16(rng, BH, Nq, Nk, d, moderate, causal, impl):
     """float16 storage, large inputs, Nq != Nk."""
     q, k, v, _ = half_inputs(rng, BH, Nq, Nk, d)
     scale = d ** -0.5 * (MODERATE if moderate else 1.0)
-    o, lse = flashnb.attention_forward(q, k, v, causal=causal, scale=scale, impl="fa2", **SMALL)
+    o, lse = flashnb.attention_forward(q, k, v, causal=causal, scale=scale, impl=impl, **SMALL)
     assert o.dtype == np.float16 and lse.dtype == np.float32
     # The same values in float32 storage: the kernels do the same float32 arithmetic in the same order (the
     # loads widen exactly), so o is the float32 result rounded once, bit for bit, and lse is identical.
-    o32, lse32 = flashnb.attention_forward(q, k, v, causal=causal, scale=scale, impl="fa2", storage="float32",
+    o32, lse32 = flashnb.attention_forward(q, k, v, causal=causal, scale=scale, impl=impl, storage="float32",
                                            **SMALL)
     assert o32.dtype == np.float32
     assert np.array_equal(o, o32.astype(np.float16), equal_nan=True)
@@ -112,19 +113,20 @@ def backward_tolerance(q, k, v, do, o, causal, scale, g_ref, rounding):
     return out
 
 
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
 @pytest.mark.parametrize("BH, Nq, Nk, d, causal", [(1, 20, 37, 16, True), (1, 33, 20, 8, False)],
                          ids=["Nq<Nk-causal", "Nq>Nk-full"])
-def test_backward_float16(rng, BH, Nq, Nk, d, causal):
+def test_backward_float16(rng, BH, Nq, Nk, d, causal, impl):
     """float16 storage, large q, k, v, do; the scale keeps scores O(1-10) (at the default scale the rows are
     one-hot and dS ≈ 0, which would leave dq and dk untested)."""
     q, k, v, do = half_inputs(rng, BH, Nq, Nk, d)
     scale = d ** -0.5 * MODERATE
-    o, lse = flashnb.attention_forward(q, k, v, causal=causal, scale=scale, impl="fa2", **SMALL)
-    grads = flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, scale=scale, impl="fa2", **SMALL)
+    o, lse = flashnb.attention_forward(q, k, v, causal=causal, scale=scale, impl=impl, **SMALL)
+    grads = flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, scale=scale, impl=impl, **SMALL)
     assert all(g.dtype == np.float16 for g in grads)
     # Same stored values through the float32 kernels: dK and dV are the float32 results rounded once, bit for
     # bit; dQ is summed by atomics whose order may differ between runs, so up to one float16 spacing apart.
-    g32 = flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, scale=scale, impl="fa2",
+    g32 = flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, scale=scale, impl=impl,
                                      storage="float32", **SMALL)
     assert np.array_equal(grads[1], g32[1].astype(np.float16)) and np.array_equal(grads[2], g32[2].astype(np.float16))
     dq32 = g32[0].astype(np.float16)
@@ -191,24 +193,25 @@ def test_bfloat16_twins_match_torch():
     assert np.isnan(common.from_bfloat16(common.to_bfloat16(np.float32([np.nan])))).all()
 
 
-def test_bfloat16_forward_backward(rng):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_bfloat16_forward_backward(rng, impl):
     """bfloat16 storage (explicit; uint16 bit patterns): the float32 kernels' results rounded to bfloat16 bit for
     bit (dq within one bfloat16 spacing: atomics), and within bfloat16's rounding of the float64 reference."""
     BH, Nq, Nk, d, causal = 1, 24, 33, 8, True
     q, k, v, do = (common.to_bfloat16(a.astype(np.float32)) for a in half_inputs(rng, BH, Nq, Nk, d))
     qf, kf, vf, dof = (common.from_bfloat16(a) for a in (q, k, v, do))
     scale = d ** -0.5 * MODERATE
-    o, lse = flashnb.attention_forward(q, k, v, causal=causal, scale=scale, impl="fa2", storage="bfloat16", **SMALL)
+    o, lse = flashnb.attention_forward(q, k, v, causal=causal, scale=scale, impl=impl, storage="bfloat16", **SMALL)
     assert o.dtype == np.uint16 and lse.dtype == np.float32
-    o32, lse32 = flashnb.attention_forward(qf, kf, vf, causal=causal, scale=scale, impl="fa2", **SMALL)
+    o32, lse32 = flashnb.attention_forward(qf, kf, vf, causal=causal, scale=scale, impl=impl, **SMALL)
     assert np.array_equal(o, common.to_bfloat16(o32)) and np.array_equal(lse, lse32)
     o_ref, bound = forward_tolerance(qf, kf, vf, causal, scale, UBF)
     assert np.all(np.abs(common.from_bfloat16(o) - o_ref) <= bound)
-    grads = flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, scale=scale, impl="fa2",
+    grads = flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, scale=scale, impl=impl,
                                        storage="bfloat16", **SMALL)
     assert all(g.dtype == np.uint16 for g in grads)
     g32 = flashnb.attention_backward(qf, kf, vf, common.from_bfloat16(o), lse, dof, causal=causal, scale=scale,
-                                     impl="fa2", **SMALL)
+                                     impl=impl, **SMALL)
     assert np.array_equal(grads[1], common.to_bfloat16(g32[1])) and np.array_equal(grads[2], common.to_bfloat16(g32[2]))
     dq, dq32 = common.from_bfloat16(grads[0]), common.from_bfloat16(common.to_bfloat16(g32[0]))
     assert np.all(np.abs(dq - dq32) <= 2.0 ** -7 * np.abs(dq32))      # one bfloat16 spacing (8 significand bits)
@@ -222,24 +225,26 @@ def test_bfloat16_forward_backward(rng):
 # --------------------------------------------------------------------------- bytes: counted and modelled
 
 
-def test_counted_bytes_halve(rng):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_counted_bytes_halve(rng, impl):
     """Q, K, V, O (dO, dK, dV) move half the bytes in float16 as in float32 at the same shape; L, D and the dQ
-    accumulator do not change; the model (elements × fa2.itemsizes) equals the count launch by launch."""
+    accumulator do not change; the model (elements × the module's itemsizes) equals the count launch by launch."""
+    mod = MODULE_OF[impl]
     BH, Nq, Nk, d, causal = 1, 16, 24, 8, True
     q, k, v, do = half_inputs(rng, BH, Nq, Nk, d, qk=1.0, vo=1.0)
     counted = {}
     for storage in ("float32", "float16"):
         dev = [common.to_device(a, storage) for a in (q, k, v, do)]
         with traffic.count() as t:
-            o, lse = fa2.forward(*dev[:3], causal=causal, scale=0.01, **SMALL)
-            fa2.backward(*dev[:3], o, lse, dev[3], causal=causal, scale=0.01, **SMALL)
-        model = (fa2.model_forward(BH, Nq, Nk, d, causal=causal, storage=storage, **SMALL)
-                 + fa2.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, **SMALL))
+            o, lse = mod.forward(*dev[:3], causal=causal, scale=0.01, **SMALL)
+            mod.backward(*dev[:3], o, lse, dev[3], causal=causal, scale=0.01, **SMALL)
+        model = (mod.model_forward(BH, Nq, Nk, d, causal=causal, storage=storage, **SMALL)
+                 + mod.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, **SMALL))
         assert t.summary() == model                                    # elements: the same tiles either way
         assert [dict(launch=lt.label, read_bytes=lt.read_bytes, write_bytes=lt.write_bytes,
                      atomic_bytes=sum(n * lt.itemsize[a] for a, n in lt.atomics.items())) for lt in t.launches] \
-            == fa2.model_bytes(model, storage)
-        assert all(lt.itemsize[a] == fa2.itemsizes(storage)[a] for lt in t.launches for a in lt.itemsize)
+            == mod.model_bytes(model, storage)
+        assert all(lt.itemsize[a] == mod.itemsizes(storage)[a] for lt in t.launches for a in lt.itemsize)
         counted[storage] = t.launches
     f32, f16 = counted["float32"], counted["float16"]
 
@@ -255,12 +260,14 @@ def test_counted_bytes_halve(rng):
     assert len(f32) == 3 and [lt.label for lt in f16[3:]] == ["dQ -> float16"]   # half: + the conversion launch
 
 
-def test_model_bytes_halve_at_scale():
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_model_bytes_halve_at_scale(impl):
     """The models at a size the simulator cannot run (N = 4096, d = 64, 8 heads, causal): the bytes of Q, K, V,
     O halve exactly; what stays float32 (L, D, the dQ accumulator) keeps the total above half."""
+    mod = MODULE_OF[impl]
     shape = (8, 4096, 4096, 64)
-    for model in (fa2.model_forward, fa2.model_backward):
-        b32, b16 = (fa2.model_bytes(model(*shape, causal=True, storage=s), s) for s in ("float32", "float16"))
+    for model in (mod.model_forward, mod.model_backward):
+        b32, b16 = (mod.model_bytes(model(*shape, causal=True, storage=s), s) for s in ("float32", "float16"))
         total32, total16 = (sum(x["read_bytes"] + x["write_bytes"] + x["atomic_bytes"] for x in b) for b in (b32, b16))
         assert total32 / 2 < total16 < total32
 
@@ -268,32 +275,35 @@ def test_model_bytes_halve_at_scale():
 # --------------------------------------------------------------------------- bad combinations and range
 
 
-def test_bad_combinations(rng):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_bad_combinations(rng, impl):
+    mod = MODULE_OF[impl]
     q, k, v, do = half_inputs(rng, 1, 8, 8, 8, qk=1.0, vo=1.0)
     with pytest.raises(ValueError, match="storage='float16': impl 'naive' has no half-precision storage"):
         flashnb.attention_forward(q, k, v, impl="naive", storage="float16")
     with pytest.raises(ValueError, match="storage must be one of"):
-        flashnb.attention_forward(q, k, v, impl="fa2", storage="float8")
+        flashnb.attention_forward(q, k, v, impl=impl, storage="float8")
     with pytest.raises(TypeError, match="k is float32"):                      # mixed dtypes, storage=None
-        flashnb.attention_forward(q, k.astype(np.float32), v, impl="fa2")
+        flashnb.attention_forward(q, k.astype(np.float32), v, impl=impl)
     with pytest.raises(TypeError, match="takes v as float16, got dtype float32"):
-        flashnb.attention_forward(q, k, v.astype(np.float32), impl="fa2", storage="float16")
+        flashnb.attention_forward(q, k, v.astype(np.float32), impl=impl, storage="float16")
     with pytest.raises(TypeError, match="takes q as uint16 bfloat16 bit patterns"):
-        flashnb.attention_forward(q, k, v, impl="fa2", storage="bfloat16")
-    o, lse = flashnb.attention_forward(q, k, v, impl="fa2")
+        flashnb.attention_forward(q, k, v, impl=impl, storage="bfloat16")
+    o, lse = flashnb.attention_forward(q, k, v, impl=impl)
     with pytest.raises(TypeError, match="o is float32"):
-        flashnb.attention_backward(q, k, v, o.astype(np.float32), lse, do, impl="fa2")
+        flashnb.attention_backward(q, k, v, o.astype(np.float32), lse, do, impl=impl)
     with pytest.raises(TypeError, match="takes k as float16"):                # the launcher checks device arrays
-        fa2.forward(common.to_device(q, "float16"), common.to_device(k), common.to_device(v, "float16"), scale=1.0)
+        mod.forward(common.to_device(q, "float16"), common.to_device(k), common.to_device(v, "float16"), scale=1.0)
     with pytest.raises(TypeError, match="uint16 bit patterns"):
         common.to_device(q, "bfloat16")
     # the float32 path stays, explicit in the result's dtype: other impls, or storage="float32"
     assert flashnb.attention_forward(q, k, v, impl="naive")[0].dtype == np.float32
-    assert flashnb.attention_forward(q, k, v, impl="fa2", storage="float32")[0].dtype == np.float32
+    assert flashnb.attention_forward(q, k, v, impl=impl, storage="float32")[0].dtype == np.float32
     assert flashnb.attention(q, k.astype(np.float32), v, impl="fa1")[0].dtype == np.float32
 
 
-def test_float16_gradient_overflow_is_an_error(rng):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_float16_gradient_overflow_is_an_error(rng, impl):
     """dv_j = Σ_i P_ij do_i: 16 queries that all attend to one key with do = 60000 sum to 9.6e5, beyond float16's
     65504 -- a ValueError naming dv, not an inf, and (before: a NumPy "overflow encountered in cast" from the
     simulator's float16 cast came first) no warning; the same inputs in float32 storage give the finite value.
@@ -305,15 +315,15 @@ def test_float16_gradient_overflow_is_an_error(rng):
     k = np.ones((1, 1, d), np.float16)
     v = rng.standard_normal((1, 1, d)).astype(np.float16)
     do = np.full((1, Nq, d), 60000, np.float16)
-    o, lse = flashnb.attention_forward(q, k, v, impl="fa2")
+    o, lse = flashnb.attention_forward(q, k, v, impl=impl)
     with warnings.catch_warnings(), pytest.raises(ValueError, match="dv overflows float16"):
         warnings.simplefilter("error")                 # any warning, in any simulator thread, is an error here
-        flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2")
+        flashnb.attention_backward(q, k, v, o, lse, do, impl=impl)
     x = np.float32([65504, 65519.996, 65520, -65520, -1e6, 3.14159, -2.0 ** -20, 0])
     with np.errstate(over="ignore"):
         want = x.astype(np.float16)
     assert [common.storage_conversions("float16")[1](e) for e in x] == want.tolist()
-    dv = flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", storage="float32")[2]
+    dv = flashnb.attention_backward(q, k, v, o, lse, do, impl=impl, storage="float32")[2]
     assert np.allclose(dv, Nq * 60000.0)
 
 
@@ -346,8 +356,9 @@ def test_uint16_without_bfloat16_storage_is_refused(rng):
 # --------------------------------------------------------------------------- flashnb.torch
 
 
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_torch_half_tensors(rng, dtype):
+def test_torch_half_tensors(rng, dtype, impl):
     """float16 / bfloat16 tensors (large, Nq != Nk, causal) reach the half kernels as they are (bfloat16 through
     uint16 bit views) and come back in their dtype, o and the gradients within the storage's rounding of the
     float64 reference (the bounds above)."""
@@ -359,7 +370,7 @@ def test_torch_half_tensors(rng, dtype):
     q, k, v, do = (torch.from_numpy(a.astype(np.float32)).to(tdt) for a in half_inputs(rng, 1, 12, 20, 8))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     scale = 8 ** -0.5 * MODERATE
-    o = ft.attention(q, k, v, causal=True, scale=scale, **SMALL)
+    o = ft.attention(q, k, v, causal=True, scale=scale, impl=impl, **SMALL)
     o.backward(do)
     assert o.dtype == tdt and all(t.grad.dtype == tdt for t in (q, k, v))
     q64, k64, v64, do64, o64 = (t.detach().double().numpy() for t in (q, k, v, do, o))
@@ -369,11 +380,12 @@ def test_torch_half_tensors(rng, dtype):
     for t, ref, b in zip((q, k, v), g_ref, backward_tolerance(q64, k64, v64, do64, o64, True, scale, g_ref, rounding)):
         assert np.all(np.abs(t.grad.double().numpy() - ref) <= b)
     with pytest.raises(TypeError, match="needs q, k, v of dtype"):
-        ft.attention(q.detach().float(), k.detach().float(), v.detach().float(), storage=dtype)
+        ft.attention(q.detach().float(), k.detach().float(), v.detach().float(), impl=impl, storage=dtype)
     assert ft.attention(q.detach(), k.detach(), v.detach(), impl="naive").dtype == tdt   # converted path
 
 
-def test_torch_half_cuda_path_rehearsed(rng):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_torch_half_cuda_path_rehearsed(rng, impl):
     """The CUDA-tensor path (zero-copy views, torch's stream) with float16 and bfloat16 tensors, rehearsed on
     the simulator: the same results as the host path."""
     torch = pytest.importorskip("torch")
@@ -382,9 +394,9 @@ def test_torch_half_cuda_path_rehearsed(rng):
 
     for dtype in (torch.float16, torch.bfloat16):
         q, k, v, do = (torch.from_numpy(a.astype(np.float32)).to(dtype) for a in half_inputs(rng, 1, 16, 24, 8))
-        host = ft.attention(q, k, v, causal=True, scale=0.01, **SMALL)
+        host = ft.attention(q, k, v, causal=True, scale=0.01, impl=impl, **SMALL)
         with pretend_gpu(), ft.rehearse_cuda():
-            dev = ft.attention(q, k, v, causal=True, scale=0.01, **SMALL)
+            dev = ft.attention(q, k, v, causal=True, scale=0.01, impl=impl, **SMALL)
         assert dev.dtype == dtype and torch.equal(dev, host)
 
 
@@ -404,28 +416,32 @@ def test_measure_storage_rehearsed():
 
 
 @pytest.mark.slow   # 3 s each on this machine idle, 25 s under load (CI budget); the float32 fa2 is sanitized in CI
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
 @pytest.mark.parametrize("storage", ["float16", "bfloat16"])
-def test_half_storage_sanitized(rng, storage):
-    """memcheck, racecheck, initcheck and synccheck on fa2's half-storage forward, backward and dQ conversion."""
+def test_half_storage_sanitized(rng, storage, impl):
+    """memcheck, racecheck, initcheck and synccheck on the half-storage forward, backward and dQ conversion."""
     from flashnb import sim
+
+    mod = MODULE_OF[impl]
 
     x = [rng.standard_normal((1, 20, 8)).astype(np.float32) for _ in range(4)]
     q, k, v, do = (common.to_device(common.to_bfloat16(a) if storage == "bfloat16" else a, storage) for a in x)
     with sim.sanitize(raise_on_error=False) as report:
-        o, lse = fa2.forward(q, k, v, causal=True, scale=0.3, **SMALL)
-        fa2.backward(q, k, v, o, lse, do, causal=True, scale=0.3, Br=16, Bc=8, warps=2)
+        o, lse = mod.forward(q, k, v, causal=True, scale=0.3, **SMALL)
+        mod.backward(q, k, v, o, lse, do, causal=True, scale=0.3, Br=16, Bc=8, warps=2)
     assert "no errors in 4 launch(es)" in str(report), str(report)
 
 
-def test_ptx_conversions():
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_ptx_conversions(impl):
     """What the GPU runs (NVVM's PTX for sm_80; the PTX guard checks every config for .f64, spills and shared
     memory): float16 loads are 2-byte loads widened by cvt.f32.f16 (exact), float16 stores round with
     cvt.rn.f16.f32 (to nearest even), bfloat16 stores are 2-byte stores with no float16 conversion, and the
     float32 kernel has no conversion at all."""
     from flashnb import inspect as fi
 
-    jobs = [("fa2.preprocess", {}, (8, 0)), ("fa2.preprocess", dict(storage="float16"), (8, 0)),
-            ("fa2.convert", dict(storage="float16"), (8, 0)), ("fa2.convert", dict(storage="bfloat16"), (8, 0))]
+    jobs = [(f"{impl}.preprocess", {}, (8, 0)), (f"{impl}.preprocess", dict(storage="float16"), (8, 0)),
+            (f"{impl}.convert", dict(storage="float16"), (8, 0)), (f"{impl}.convert", dict(storage="bfloat16"), (8, 0))]
     pre32, pre16, conv16, convbf = (r.ptx for r in fi.resources_many(jobs, keep_ptx=True))
     def half_cvt(ptx):                           # a conversion to or from float16 (not a register named %f16)
         return re.findall(r"\bcvt\.[\w.]*\.f16\b[\w.]*", ptx)
