@@ -154,10 +154,12 @@ def test_every_feature_at_once_in_half_storage_traffic_equals_model(rng):
 
 
 def test_p_zero_is_no_dropout_bit_for_bit(rng):
-    """The dropout kernels launched with p = 0 (every element kept, factor 1) give the dense kernels' bits."""
+    """The dropout kernels launched as p = 0 (threshold 0: every word is at least 0, so every element is kept;
+    factor 1/(1-p) = 1) give the dense kernels' bits."""
     BH, Nq, Nk, d = 1, 20, 28, 8
     q, k, v, do = (common.to_device(a.astype(np.float32)) for a in qkv(rng, (BH, Nq, d), Nk, do=True))
-    args = (np.float32(0.35), Nk - Nq, flash._device_mask(None), np.float32(0.0), np.uint32(123), np.uint32(7))
+    args = (np.float32(0.35), Nk - Nq, flash._device_mask(None), np.uint32(0), np.float32(1.0), np.uint32(123),
+            np.uint32(7))
     outs = {}
     for dropout in (False, True):
         O, L = common.empty((BH, Nq, d)), common.empty((BH, Nq))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import hashlib
 import importlib
 import inspect
 import json
@@ -21,6 +22,15 @@ import textwrap
 from pathlib import Path
 
 from . import Fail, reset
+
+#: The files of an autograder bundle the grader checks against ``hashes.json`` before every submission.
+BUNDLE_FILES = ("setup.py", "tests.py", "manifest.json", "solution.ipynb", "removed.json")
+
+
+def bundle_hashes(folder) -> dict:
+    """SHA-256 of each bundle file present in ``folder`` (what ``hashes.json`` records)."""
+    folder = Path(folder)
+    return {n: hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in BUNDLE_FILES if (folder / n).exists()}
 
 DIRECTIVE = "# flashnb-course:"
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
@@ -245,7 +255,6 @@ def build(master_path, out_dir, *, install: str | None = None) -> dict:
                            removed_all)
     if leaks:
         raise MasterError(f"{name}: the student release still holds solution lines: {leaks[:3]}")
-    from .grade import bundle_hashes  # the grader checks the bundle against these before every submission
 
     (out_dir / "autograder" / "hashes.json").write_text(
         json.dumps(bundle_hashes(out_dir / "autograder"), indent=1) + "\n")

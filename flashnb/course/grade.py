@@ -42,9 +42,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .build import BUNDLE_FILES, bundle_hashes  # noqa: F401  (re-exported: the grader's checks of a bundle)
+
 #: files a bundle holds, each hashed in its ``hashes.json`` (``solution.ipynb`` and ``removed.json`` are for
 #: teaching assistants: the grader checks them but never sends them to a child)
-BUNDLE_FILES = ("setup.py", "tests.py", "manifest.json", "solution.ipynb", "removed.json")
 GIB = 1 << 30
 MIB = 1 << 20
 
@@ -130,12 +131,6 @@ class Bundle:
                     p.write_bytes(data)
             except OSError as exc:
                 raise BundleError(f"{p} was changed during grading and cannot be restored ({exc})") from None
-
-
-def bundle_hashes(folder) -> dict:
-    """SHA-256 of each bundle file present in ``folder`` (what ``hashes.json`` records)."""
-    folder = Path(folder)
-    return {n: hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in BUNDLE_FILES if (folder / n).exists()}
 
 
 def answer_cells(path) -> list[str]:

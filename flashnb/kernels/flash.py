@@ -450,6 +450,12 @@ def _group(BH, k, v):
     return BH // k.shape[0]
 
 
+
+def _origin(fn):
+    """The user's function behind a modifier: a snapshot's ``origin`` (the user surfaces pass snapshots of the
+    modifiers as they were at the call), else the Python function itself."""
+    return getattr(fn, "origin", None) or python_modifier(fn)
+
 def _modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH, backward):
     """``(mask_mod, H)`` of a launch with attention modifiers, checked against the block mask: ``mask_mod`` reaches
     the kernel through its block mask (:func:`flashnb.flex.create_block_mask`; the user surfaces build it), which
@@ -468,7 +474,7 @@ def _modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH, backw
             raise ValueError("mask_mod reaches the flash kernels through its block mask: pass block_mask="
                              "flashnb.flex.create_block_mask(mask_mod, ...) (flashnb.attention and flashnb.torch "
                              "build it for you)")
-        if bm_mod is None or python_modifier(bm_mod) is not python_modifier(mask_mod):
+        if bm_mod is None or (bm_mod != mask_mod and _origin(bm_mod) is not _origin(mask_mod)):
             raise ValueError(f"block_mask was not made from mask_mod {getattr(mask_mod, '__name__', mask_mod)!r}: "
                              "pass block_mask=flashnb.flex.create_block_mask(mask_mod, ...) or leave block_mask out")
     if backward and score_mod is not None and score_mod_grad is None \
