@@ -207,12 +207,18 @@ def _surface_modifiers(entry, options: dict, q, k) -> dict:
     bm_mod = getattr(options.get("block_mask"), "mask_mod", None)
     flex.check_modifiers(score_mod=options.get("score_mod"), mask_mod=mask_mod if mask_mod is not None else bm_mod,
                          score_mod_grad=options.get("score_mod_grad"))
-    if mask_mod is None or options.get("block_mask") is not None:
-        return options
     H = options["heads"]
     BH = math.prod(q.shape[:-2])
     if BH % H:
         raise ValueError(f"heads={H} must divide batch·heads = {BH} (q's leading axes)")
+    if bm_mod is not None:
+        # a given block mask: still what its mask_mod's arrays hold (unless the call's mask_mod is that very
+        # snapshot, as flashnb.torch's backward passes its forward's), and made for this call's (B, H)
+        if not (isinstance(mask_mod, flex.Snapshot) and mask_mod == bm_mod):
+            flex.check_current(bm_mod)
+        flex.check_heads(bm_mod, options["block_mask"].mask.shape[:-2], BH // H, H, q.shape[-2], k.shape[-2])
+    if mask_mod is None or options.get("block_mask") is not None:
+        return options
     t = entry.mask_tiles(q.shape[-1], Br=options.get("Br"), Bc=options.get("Bc"))
     return dict(options, block_mask=flex.create_block_mask(mask_mod, BH // H, H, q.shape[-2], k.shape[-2], Br=t["Br"],
                                                            Bc=t["Bc"]))

@@ -272,7 +272,8 @@ def _doc_mask(ids):
     return (ids[:, None] == ids[None, :])[None, None]
 
 
-def test_captured_array_changed_in_place_is_seen(rng):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_captured_array_changed_in_place_is_seen(rng, impl):
     """Before: the block mask of flex.document(ids) was cached on the function, so after ids changed in place the
     kernel skipped tiles of the old documents and the output was off by ~1 (silently).  Now each call takes the
     modifier with what it captures then: forward and backward follow the ids, and a block mask made before the
@@ -283,15 +284,15 @@ def test_captured_array_changed_in_place_is_seen(rng):
     bm = flex.create_block_mask(mm, 1, 1, 32, 32, Br=16, Bc=16)
     for new in (ids.copy(), np.zeros(32, np.int32)):            # then one document: every tile full
         ids[:] = new
-        o, lse = flashnb.attention_forward(q, k, v, impl="fa2", mask_mod=mm, **TILES)
+        o, lse = flashnb.attention_forward(q, k, v, impl=impl, mask_mod=mm, **TILES)
         mask = _doc_mask(ids)
         assert_close(o, reference.attention_forward(q, k, v, mask=mask)[0], **FWD, what="o")
-        grads = flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", mask_mod=mm, **TILES)
+        grads = flashnb.attention_backward(q, k, v, o, lse, do, impl=impl, mask_mod=mm, **TILES)
         for name, g, g_ref in zip(("dq", "dk", "dv"), grads, reference.attention_backward(q, k, v, do, mask=mask)):
             assert_close(g, g_ref, **BWD, what=name)
     with pytest.raises(ValueError, match="block_mask was made by create_block_mask from mask_mod 'document_mask' "
                                          "when the arrays it captures held other values"):
-        flashnb.attention(q, k, v, impl="fa2", block_mask=bm, **TILES)
+        flashnb.attention(q, k, v, impl=impl, block_mask=bm, **TILES)
 
 
 def test_snapshot_keeps_the_values_of_its_call():
@@ -309,7 +310,8 @@ def test_snapshot_keeps_the_values_of_its_call():
     assert first.py_func.numpy(0, 0, np.arange(16)[:, None], np.arange(16)[None]).sum() == 2 * 64   # the twin too
 
 
-def test_captured_globals_changed_in_place_are_seen(rng):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_captured_globals_changed_in_place_are_seen(rng, impl):
     """The variant: other captured arrays, read as globals rather than closure cells -- a key-padding mask_mod and a
     per-head bias table score_mod -- changed in place between calls (before: the padded keys' tile stayed "full"
     in the cached block mask and was attended to).  Forward and backward against the reference with each call's
@@ -318,7 +320,7 @@ def test_captured_globals_changed_in_place_are_seen(rng):
     for fill, padded in ((0.0, 32), (1.5, 13)):
         TABLE[:] = fill * rng.standard_normal(TABLE.shape)
         KEEP[:] = np.arange(32) < padded
-        opts = dict(impl="fa2", score_mod=table_bias, mask_mod=key_padding, **TILES)
+        opts = dict(impl=impl, score_mod=table_bias, mask_mod=key_padding, **TILES)
         o, lse = flashnb.attention_forward(q, k, v, **opts)
         t64, keep = TABLE.astype(np.float64), np.broadcast_to(KEEP.astype(bool), (1, 2, 24, 32))
         sm = lambda s, b, h, i, j: s + t64[h, j]                              # noqa: E731
@@ -347,7 +349,8 @@ def test_torch_backward_uses_the_forwards_captured_values(rng):
         assert_close(t.grad.numpy(), g_ref, **BWD, what=name)
 
 
-def test_block_mask_for_one_head_is_refused_for_a_mask_that_differs_by_head(rng):
+@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+def test_block_mask_for_one_head_is_refused_for_a_mask_that_differs_by_head(rng, impl):
     """Before: create_block_mask(mask_mod, B=None, H=None) evaluated a head-dependent mask_mod at h = 0 only, and
     head 1 got head 0's empty tiles (output error ~1.9, silently).  Now the launch checks mask_mod at its own
     (B, H) and names the argument; with H given the result is right.  Variants: B=None with a mask that differs
@@ -355,19 +358,19 @@ def test_block_mask_for_one_head_is_refused_for_a_mask_that_differs_by_head(rng)
     q, k, v = qkv(rng, (1, 2, 32, 8), 32)
     bm = flex.create_block_mask(head_window, None, None, 32, 32, Br=16, Bc=16)
     with pytest.raises(ValueError, match=r"with H=None .*mask_mod 'head_window' differs .*pass H=2 to create_block"):
-        flashnb.attention(q, k, v, impl="fa2", block_mask=bm, **TILES)
-    o = flashnb.attention(q, k, v, impl="fa2", block_mask=flex.create_block_mask(head_window, 1, 2, 32, 32, Br=16,
+        flashnb.attention(q, k, v, impl=impl, block_mask=bm, **TILES)
+    o = flashnb.attention(q, k, v, impl=impl, block_mask=flex.create_block_mask(head_window, 1, 2, 32, 32, Br=16,
                                                                                   Bc=16), **TILES)
     assert_close(o, reference.attention(q, k, v, mask=flex.mask_array(head_window, 1, 2, 32, 32)), **FWD, what="o")
     qb, kb, vb = qkv(rng, (2, 1, 32, 8), 32)
     with pytest.raises(ValueError, match=r"with B=None .*pass B=2 to create_block_mask"):
-        flashnb.attention(qb, kb, vb, impl="fa2", block_mask=flex.create_block_mask(batch_prefix, None, 1, 32, 32,
+        flashnb.attention(qb, kb, vb, impl=impl, block_mask=flex.create_block_mask(batch_prefix, None, 1, 32, 32,
                                                                                      Br=16, Bc=16), **TILES)
     with pytest.raises(ValueError, match=r"made by create_block_mask for \(B, H\) = \(2, 1\).*has \(B, H\) = \(1, 2\)"):
-        flashnb.attention(q, k, v, impl="fa2", block_mask=flex.create_block_mask(batch_prefix, 2, 1, 32, 32, Br=16,
+        flashnb.attention(q, k, v, impl=impl, block_mask=flex.create_block_mask(batch_prefix, 2, 1, 32, 32, Br=16,
                                                                                   Bc=16), **TILES)
     same = flex.create_block_mask(batch_prefix, None, None, 32, 32, Br=16, Bc=16)   # differs by b, not by h
-    o = flashnb.attention(q, k, v, impl="fa2", block_mask=same, **TILES)
+    o = flashnb.attention(q, k, v, impl=impl, block_mask=same, **TILES)
     assert_close(o, reference.attention(q, k, v, mask=flex.mask_array(batch_prefix, 1, 2, 32, 32)), **FWD, what="o")
 
 
