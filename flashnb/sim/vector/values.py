@@ -718,6 +718,8 @@ def _bits_after(op, ba, bb, b):
 def _check_int_range(a, dt, m, k_weak):
     """A Python int converted to NumPy integer dtype ``dt``: NumPy's OverflowError if an active lane's value
     does not fit."""
+    if a.dtype.kind == "b":
+        return                  # bools fit every integer type (and NumPy cannot compare them with 2**64 - 1)
     info = np.iinfo(dt)
     bad = (a < info.min) | (a > info.max)
     if m is not None:
@@ -733,6 +735,31 @@ def _scalar_plan(op):
     return plan
 
 
+def _refuse_huge(name, a, b, m):
+    """Python ints ``a ** b`` or ``a << b``: refused before a lane computes a number of ``b`` bits or more when
+    ``b >= 64`` and the result cannot be 0 or +-1 (it would not fit 64 bits; Python would spend seconds and
+    gigabytes on ``2 << 2**40``)."""
+    xb = b.a if type(b) is V else b
+    xa = a.a if type(a) is V else a
+    with np.errstate(all="ignore"):
+        huge = (xb >= 64) & ((xa != 0) if name == "lshift" else ((xa > 1) | (xa < -1)))
+    if type(huge) is np.ndarray:
+        if m is not None:
+            huge = huge & m
+        huge = huge.any()
+    if huge:
+        raise Unsupported("a Python int over 64 bits")
+
+
+def _pyint_pow_plan(op):
+    """``a ** b`` with Python ints (or bools) on both sides: per lane (an int, or a float for a negative ``b``),
+    refused where the result is over 64 bits."""
+    def plan(a, b, m):
+        _refuse_huge("pow", a, b, m)
+        return scalarise(op.fn, (a, b), m)
+    return plan
+
+
 def _build_plan(op, ka, kb):
     sa, sb = _sample(ka), _sample(kb)
     try:
@@ -742,6 +769,8 @@ def _build_plan(op, ka, kb):
     except Exception:
         return _scalar_plan(op)          # the scalar op raises: every lane re-runs it (the first raises)
     rk = type(r)
+    if op.name == "pow" and ka in (int, bool) and kb in (int, bool):
+        return _pyint_pow_plan(op)
     if rk not in KINDS or op.name == "pow":
         return _scalar_plan(op)
     ufunc = op.ufunc
@@ -769,6 +798,10 @@ def _build_plan(op, ka, kb):
             if strong == np.uint64:
                 return _scalar_plan(op)
             conv_a = conv_b = np.dtype(np.int64)
+        elif op.name == "truediv" and weak_kind in (int, bool) and strong.kind in "iub":
+            # a NumPy integer and a Python int: NumPy's scalar division converts both to float64 (an int out of
+            # the integer type's range too: no OverflowError, unlike + or //)
+            conv_a = conv_b = np.dtype(np.float64)
         elif pa:
             conv_a = opdt
         else:
@@ -894,6 +927,8 @@ def _pyint_plan(op, ufunc):
 
 def _exact_int(op, a, b, m):
     """A Python-int operation that might leave int64: computed exactly per active lane."""
+    if op.name == "lshift":
+        _refuse_huge("lshift", a, b, m)
     res = scalarise(op.fn, (a, b), m)
     if type(res) is V and res.k is int:
         return res
@@ -1011,6 +1046,8 @@ def u_pos(x, m):
         return +x
     if x.k is bool:
         return V(x.a.astype(np.int64), int, 1)
+    if x.k is np.bool_:
+        return scalarise(operator.pos, (x,), m)     # NumPy refuses +bool: the same TypeError
     return x
 
 
@@ -1049,11 +1086,55 @@ def _cast_plan_check(x, target, m):
             return scalarise(target, (x,), m)
     if k is int and dt.kind == "f" and x.bits > _PYFLOAT_EXACT_INT:
         return scalarise(target, (x,), m)
+    if dt.kind in "iu" and a.dtype.kind == "f":
+        return _float_to_npint(x, target, dt, m)
     if target is np.bool_:
         return V(truth(x) if k is not np.bool_ else a, np.bool_)
     r = a.astype(dt)
     if _FPE[0]:
         _fp_check_unary(target, x, r, m)
+    return V(r, target)
+
+
+def _user_watches_fp() -> bool:
+    """Whether the caller's NumPy settings turn some float exception into a warning or an error."""
+    ue = now.user_err
+    return ue is not None and any(v != "ignore" for v in ue.values())
+
+
+def _float_to_npint(x, target, dt, m):
+    """``target(x)`` per lane, ``x`` float and ``target`` a NumPy integer type.  A Python float is converted
+    as NumPy converts it: ``int(x)`` (an error for NaN and infinities), then range-checked as a Python int (an
+    OverflowError out of range).  A NumPy float is C's cast, whose value out of range (NaN and infinities too)
+    is the platform's and differs between NumPy's scalar and array loops: those lanes are cast one by one, as the
+    threads simulator casts them, with their 'invalid' warning."""
+    a = x.a
+    info = np.iinfo(dt)
+    if x.k is float:
+        with np.errstate(all="ignore"):
+            odd = ~(np.abs(a) < 2.0 ** 63)          # NaN, infinities and ints over 64 bits: Python's errors
+        if m is not None:
+            odd &= m
+        if odd.any():
+            return scalarise(target, (x,), m)
+        with np.errstate(all="ignore"):
+            ints = np.trunc(a).astype(np.int64)
+        if dt != np.int64:
+            _check_int_range(ints, dt, m, int)
+        return V(ints.astype(dt), target)
+    with np.errstate(all="ignore"):
+        r = a.astype(dt)
+        odd = ~((a > float(info.min) - 1.0) & (a < float(info.max) + 1.0))
+    _FPE[0] = False
+    if m is not None:
+        odd &= m
+    if odd.any():
+        idx = lanes_in_order(odd)
+        r = r.copy()
+        with np.errstate(all="ignore"):
+            r[idx] = [target(v) for v in a[idx]]
+        if _user_watches_fp():
+            _replay_fp(idx, lambda lane: target(a[lane]))
     return V(r, target)
 
 
