@@ -554,7 +554,8 @@ def _kernel_frame():
 
 def _replay_fp(lanes, run_one):
     """Re-run the scalar operation of each lane in ``lanes`` (start order) under the caller's error settings:
-    a warning is re-issued at the kernel's line (as the threads simulator issues it from the kernel's frame),
+    a warning is re-issued at the kernel's line (as the threads simulator issues it from the kernel's frame;
+    one issued from Python code the operation calls, e.g. numba's ``uint32(x)``, stays where it was issued),
     an error (``np.seterr(...='raise')``) is the kernel's."""
     frame = _kernel_frame()
     for lane in lanes:
@@ -569,6 +570,13 @@ def _replay_fp(lanes, run_one):
             except Exception:
                 pass
         for w in caught:
+            if w.filename != __file__:
+                modname = _module_of_file(w.filename)
+                module = sys.modules.get(modname)
+                registry = vars(module).setdefault("__warningregistry__", {}) if module is not None else None
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, module=modname,
+                                       registry=registry)
+                continue
             if frame is None:
                 warnings.warn(w.message, w.category, stacklevel=3)
                 continue
@@ -578,6 +586,19 @@ def _replay_fp(lanes, run_one):
             registry = vars(module).setdefault("__warningregistry__", {}) if module is not None else None
             warnings.warn_explicit(w.message, w.category, frame.f_code.co_filename, frame.f_lineno,
                                    module=modname, registry=registry)
+
+
+_MODULE_OF_FILE: dict = {}
+
+
+def _module_of_file(filename):
+    """The name of the loaded module whose source is ``filename`` (the warning registry a warning issued there
+    uses), or None."""
+    name = _MODULE_OF_FILE.get(filename, 0)
+    if name == 0:
+        name = next((n for n, mod in list(sys.modules.items()) if getattr(mod, "__file__", None) == filename), None)
+        _MODULE_OF_FILE[filename] = name
+    return name
 
 
 def _fp_check_binop(fn, a, b, r, m):
@@ -1074,8 +1095,10 @@ def u_not(x, m):
 # --------------------------------------------------------------------------- casts
 
 
-def _cast_plan_check(x, target, m):
-    """Casting a per-lane value to the NumPy scalar type ``target`` (``np.float32(x)`` per lane)."""
+def _cast_plan_check(x, target, m, via=None):
+    """Casting a per-lane value to the NumPy scalar type ``target`` (``np.float32(x)`` per lane); ``via`` is what
+    the kernel called (a numba type, whose cast calls ``target``), re-run on a lane that warns."""
+    run = target if via is None else via
     k = x.k
     dt = np.dtype(target)
     a = x.a
@@ -1087,12 +1110,12 @@ def _cast_plan_check(x, target, m):
     if k is int and dt.kind == "f" and x.bits > _PYFLOAT_EXACT_INT:
         return scalarise(target, (x,), m)
     if dt.kind in "iu" and a.dtype.kind == "f":
-        return _float_to_npint(x, target, dt, m)
+        return _float_to_npint(x, target, dt, m, run)
     if target is np.bool_:
         return V(truth(x) if k is not np.bool_ else a, np.bool_)
     r = a.astype(dt)
     if _FPE[0]:
-        _fp_check_unary(target, x, r, m)
+        _fp_check_unary(run, x, r, m)
     return V(r, target)
 
 
@@ -1102,7 +1125,7 @@ def _user_watches_fp() -> bool:
     return ue is not None and any(v != "ignore" for v in ue.values())
 
 
-def _float_to_npint(x, target, dt, m):
+def _float_to_npint(x, target, dt, m, run):
     """``target(x)`` per lane, ``x`` float and ``target`` a NumPy integer type.  A Python float is converted
     as NumPy converts it: ``int(x)`` (an error for NaN and infinities), then range-checked as a Python int (an
     OverflowError out of range).  A NumPy float is C's cast, whose value out of range (NaN and infinities too)
@@ -1134,19 +1157,19 @@ def _float_to_npint(x, target, dt, m):
         with np.errstate(all="ignore"):
             r[idx] = [target(v) for v in a[idx]]
         if _user_watches_fp():
-            _replay_fp(idx, lambda lane: target(a[lane]))
+            _replay_fp(idx, lambda lane: run(a[lane]))
     return V(r, target)
 
 
-def cast_np(target, x, m):
-    """``target(x)`` for a NumPy scalar type ``target``."""
+def cast_np(target, x, m, via=None):
+    """``target(x)`` for a NumPy scalar type ``target`` (``via``: the numba type the kernel called, if any)."""
     if type(x) is Mixed:
-        return _mixed1(lambda v, mm: cast_np(target, v, mm), x, m)
+        return _mixed1(lambda v, mm: cast_np(target, v, mm, via), x, m)
     if type(x) is not V:
-        return target(x)
+        return target(x) if via is None else via(x)
     if x.k is target:
         return x
-    return _cast_plan_check(x, target, m)
+    return _cast_plan_check(x, target, m, via)
 
 
 def cast_int(x, m):
@@ -1229,7 +1252,7 @@ def cast(t, x, m):
         return NotImplemented
     if target is bool:
         return cast_bool(x, m)
-    return cast_np(target, x, m)
+    return cast_np(target, x, m, t)
 
 
 # --------------------------------------------------------------------------- builtins
