@@ -554,7 +554,8 @@ def _kernel_frame():
 
 def _replay_fp(lanes, run_one):
     """Re-run the scalar operation of each lane in ``lanes`` (start order) under the caller's error settings:
-    a warning is re-issued at the kernel's line (as the threads simulator issues it from the kernel's frame),
+    a warning is re-issued at the kernel's line (as the threads simulator issues it from the kernel's frame;
+    one issued from Python code the operation calls, e.g. numba's ``uint32(x)``, stays where it was issued),
     an error (``np.seterr(...='raise')``) is the kernel's."""
     frame = _kernel_frame()
     for lane in lanes:
@@ -569,6 +570,13 @@ def _replay_fp(lanes, run_one):
             except Exception:
                 pass
         for w in caught:
+            if w.filename != __file__:
+                modname = _module_of_file(w.filename)
+                module = sys.modules.get(modname)
+                registry = vars(module).setdefault("__warningregistry__", {}) if module is not None else None
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, module=modname,
+                                       registry=registry)
+                continue
             if frame is None:
                 warnings.warn(w.message, w.category, stacklevel=3)
                 continue
@@ -578,6 +586,19 @@ def _replay_fp(lanes, run_one):
             registry = vars(module).setdefault("__warningregistry__", {}) if module is not None else None
             warnings.warn_explicit(w.message, w.category, frame.f_code.co_filename, frame.f_lineno,
                                    module=modname, registry=registry)
+
+
+_MODULE_OF_FILE: dict = {}
+
+
+def _module_of_file(filename):
+    """The name of the loaded module whose source is ``filename`` (the warning registry a warning issued there
+    uses), or None."""
+    name = _MODULE_OF_FILE.get(filename, 0)
+    if name == 0:
+        name = next((n for n, mod in list(sys.modules.items()) if getattr(mod, "__file__", None) == filename), None)
+        _MODULE_OF_FILE[filename] = name
+    return name
 
 
 def _fp_check_binop(fn, a, b, r, m):
@@ -718,6 +739,8 @@ def _bits_after(op, ba, bb, b):
 def _check_int_range(a, dt, m, k_weak):
     """A Python int converted to NumPy integer dtype ``dt``: NumPy's OverflowError if an active lane's value
     does not fit."""
+    if a.dtype.kind == "b":
+        return                  # bools fit every integer type (and NumPy cannot compare them with 2**64 - 1)
     info = np.iinfo(dt)
     bad = (a < info.min) | (a > info.max)
     if m is not None:
@@ -733,6 +756,31 @@ def _scalar_plan(op):
     return plan
 
 
+def _refuse_huge(name, a, b, m):
+    """Python ints ``a ** b`` or ``a << b``: refused before a lane computes a number of ``b`` bits or more when
+    ``b >= 64`` and the result cannot be 0 or +-1 (it would not fit 64 bits; Python would spend seconds and
+    gigabytes on ``2 << 2**40``)."""
+    xb = b.a if type(b) is V else b
+    xa = a.a if type(a) is V else a
+    with np.errstate(all="ignore"):
+        huge = (xb >= 64) & ((xa != 0) if name == "lshift" else ((xa > 1) | (xa < -1)))
+    if type(huge) is np.ndarray:
+        if m is not None:
+            huge = huge & m
+        huge = huge.any()
+    if huge:
+        raise Unsupported("a Python int over 64 bits")
+
+
+def _pyint_pow_plan(op):
+    """``a ** b`` with Python ints (or bools) on both sides: per lane (an int, or a float for a negative ``b``),
+    refused where the result is over 64 bits."""
+    def plan(a, b, m):
+        _refuse_huge("pow", a, b, m)
+        return scalarise(op.fn, (a, b), m)
+    return plan
+
+
 def _build_plan(op, ka, kb):
     sa, sb = _sample(ka), _sample(kb)
     try:
@@ -742,6 +790,8 @@ def _build_plan(op, ka, kb):
     except Exception:
         return _scalar_plan(op)          # the scalar op raises: every lane re-runs it (the first raises)
     rk = type(r)
+    if op.name == "pow" and ka in (int, bool) and kb in (int, bool):
+        return _pyint_pow_plan(op)
     if rk not in KINDS or op.name == "pow":
         return _scalar_plan(op)
     ufunc = op.ufunc
@@ -769,6 +819,10 @@ def _build_plan(op, ka, kb):
             if strong == np.uint64:
                 return _scalar_plan(op)
             conv_a = conv_b = np.dtype(np.int64)
+        elif op.name == "truediv" and weak_kind in (int, bool) and strong.kind in "iub":
+            # a NumPy integer and a Python int: NumPy's scalar division converts both to float64 (an int out of
+            # the integer type's range too: no OverflowError, unlike + or //)
+            conv_a = conv_b = np.dtype(np.float64)
         elif pa:
             conv_a = opdt
         else:
@@ -894,6 +948,8 @@ def _pyint_plan(op, ufunc):
 
 def _exact_int(op, a, b, m):
     """A Python-int operation that might leave int64: computed exactly per active lane."""
+    if op.name == "lshift":
+        _refuse_huge("lshift", a, b, m)
     res = scalarise(op.fn, (a, b), m)
     if type(res) is V and res.k is int:
         return res
@@ -1011,6 +1067,8 @@ def u_pos(x, m):
         return +x
     if x.k is bool:
         return V(x.a.astype(np.int64), int, 1)
+    if x.k is np.bool_:
+        return scalarise(operator.pos, (x,), m)     # NumPy refuses +bool: the same TypeError
     return x
 
 
@@ -1037,8 +1095,10 @@ def u_not(x, m):
 # --------------------------------------------------------------------------- casts
 
 
-def _cast_plan_check(x, target, m):
-    """Casting a per-lane value to the NumPy scalar type ``target`` (``np.float32(x)`` per lane)."""
+def _cast_plan_check(x, target, m, via=None):
+    """Casting a per-lane value to the NumPy scalar type ``target`` (``np.float32(x)`` per lane); ``via`` is what
+    the kernel called (a numba type, whose cast calls ``target``), re-run on a lane that warns."""
+    run = target if via is None else via
     k = x.k
     dt = np.dtype(target)
     a = x.a
@@ -1049,23 +1109,67 @@ def _cast_plan_check(x, target, m):
             return scalarise(target, (x,), m)
     if k is int and dt.kind == "f" and x.bits > _PYFLOAT_EXACT_INT:
         return scalarise(target, (x,), m)
+    if dt.kind in "iu" and a.dtype.kind == "f":
+        return _float_to_npint(x, target, dt, m, run)
     if target is np.bool_:
         return V(truth(x) if k is not np.bool_ else a, np.bool_)
     r = a.astype(dt)
     if _FPE[0]:
-        _fp_check_unary(target, x, r, m)
+        _fp_check_unary(run, x, r, m)
     return V(r, target)
 
 
-def cast_np(target, x, m):
-    """``target(x)`` for a NumPy scalar type ``target``."""
+def _user_watches_fp() -> bool:
+    """Whether the caller's NumPy settings turn some float exception into a warning or an error."""
+    ue = now.user_err
+    return ue is not None and any(v != "ignore" for v in ue.values())
+
+
+def _float_to_npint(x, target, dt, m, run):
+    """``target(x)`` per lane, ``x`` float and ``target`` a NumPy integer type.  A Python float is converted
+    as NumPy converts it: ``int(x)`` (an error for NaN and infinities), then range-checked as a Python int (an
+    OverflowError out of range).  A NumPy float is C's cast, whose value out of range (NaN and infinities too)
+    is the platform's and differs between NumPy's scalar and array loops: those lanes are cast one by one, as the
+    threads simulator casts them, with their 'invalid' warning."""
+    a = x.a
+    info = np.iinfo(dt)
+    if x.k is float:
+        with np.errstate(all="ignore"):
+            odd = ~(np.abs(a) < 2.0 ** 63)          # NaN, infinities and ints over 64 bits: Python's errors
+        if m is not None:
+            odd &= m
+        if odd.any():
+            return scalarise(target, (x,), m)
+        with np.errstate(all="ignore"):
+            ints = np.trunc(a).astype(np.int64)
+        if dt != np.int64:
+            _check_int_range(ints, dt, m, int)
+        return V(ints.astype(dt), target)
+    with np.errstate(all="ignore"):
+        r = a.astype(dt)
+        odd = ~((a > float(info.min) - 1.0) & (a < float(info.max) + 1.0))
+    _FPE[0] = False
+    if m is not None:
+        odd &= m
+    if odd.any():
+        idx = lanes_in_order(odd)
+        r = r.copy()
+        with np.errstate(all="ignore"):
+            r[idx] = [target(v) for v in a[idx]]
+        if _user_watches_fp():
+            _replay_fp(idx, lambda lane: run(a[lane]))
+    return V(r, target)
+
+
+def cast_np(target, x, m, via=None):
+    """``target(x)`` for a NumPy scalar type ``target`` (``via``: the numba type the kernel called, if any)."""
     if type(x) is Mixed:
-        return _mixed1(lambda v, mm: cast_np(target, v, mm), x, m)
+        return _mixed1(lambda v, mm: cast_np(target, v, mm, via), x, m)
     if type(x) is not V:
-        return target(x)
+        return target(x) if via is None else via(x)
     if x.k is target:
         return x
-    return _cast_plan_check(x, target, m)
+    return _cast_plan_check(x, target, m, via)
 
 
 def cast_int(x, m):
@@ -1148,7 +1252,7 @@ def cast(t, x, m):
         return NotImplemented
     if target is bool:
         return cast_bool(x, m)
-    return cast_np(target, x, m)
+    return cast_np(target, x, m, t)
 
 
 # --------------------------------------------------------------------------- builtins
