@@ -202,17 +202,26 @@ for n in (1024, 2048, 4096, 8192, 16384):
 #
 # Without a GPU we can still say how fast this *would* be if each kernel ran at the roofline: its time is at
 # least $\max(\text{FLOPs}/\text{peak}, \text{bytes}/\text{bandwidth})$. This is a **model**, a lower bound
-# from counted bytes and FLOPs, not a measurement. numba has no tensor-core intrinsics, so the honest compute
+# from counted bytes and FLOPs, not a measurement. The bytes are counted at the shape below: one head runs on
+# the simulator (each launch equal to its model), and every head of the batch moves the same. numba has no tensor-core intrinsics, so the honest compute
 # ceiling is the FP32 CUDA-core peak.
 
 # %%
 from flashnb import roofline  # noqa: E402
 
 gpu = roofline.GPUS["A100 80GB SXM"]
+from flashnb.sim import vector  # noqa: E402
+
 BH, N, d = 16 * 64, 1024, 64
+x = rng.standard_normal((1, N, d))
+with traffic.count() as t:                        # one head
+    flashnb.attention_forward(x, x, x, impl="naive")
+assert t.summary() == naive.model_forward(1, N, N, d)
+assert not vector.notes(), vector.notes()         # it ran on the vectorised simulator
 rows = []
-for m in naive.model_forward(BH, N, N, d):
-    nbytes = 4 * (sum(m["reads"].values()) + sum(m["writes"].values()))
+for m, m_bh in zip(t.summary(), naive.model_forward(BH, N, N, d)):
+    nbytes = 4 * BH * (sum(m["reads"].values()) + sum(m["writes"].values()))      # counted, times batch·heads
+    assert nbytes == 4 * (sum(m_bh["reads"].values()) + sum(m_bh["writes"].values()))
     flops = {"S = scale·QKᵀ": 2 * BH * N * N * d, "O = PV": 2 * BH * N * N * d}.get(m["launch"], 5 * BH * N * N)
     rows.append((m["launch"], flops, nbytes, roofline.modelled_time(flops, nbytes, gpu)))
 for name, flops, nbytes, mt in rows:

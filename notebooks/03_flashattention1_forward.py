@@ -229,8 +229,8 @@ plt.show()
 # ## 5 · Counted global traffic against standard attention as N grows
 #
 # The traffic counter (`flashnb.traffic`) counts every element each launch reads and writes. Below both
-# implementations run on the simulator for small $N$ ($d = 16$, budget $M = 1024$, so $B_r = B_c = 16$),
-# and each count is checked against its analytic model, which then extends the curves to long sequences.
+# implementations run on the simulator at the $N$ printed ($d = 16$, budget $M = 1024$, so $B_r = B_c = 16$),
+# and each count is checked against its analytic model; the longer sequences of the figure are the model's.
 # Per head, the FA1 main kernel moves $2Nd + 3T_c Nd + 4T_c N$ elements (counted from Algorithm 1 as written: $K, V$ once; $Q_i, O_i, \ell_i, m_i$
 # read and $O_i, \ell_i, m_i$ written at each of the $T_c$ outer steps), plus $Nd + 2N$
 # for initialising $O, \ell, m$ and $3N$ for the final $L = m + \log \ell$. With $T_c = \lceil 4dN/M\rceil$ the
@@ -243,7 +243,7 @@ def total(model):
 
 d_c, M_c = 16, 1024
 counted = {}
-for N in (16, 32, 64):
+for N in (16, 32, 64, 128, 256):
     q, k, v = (common.to_device(rng.standard_normal((1, N, d_c))) for _ in range(3))
     with traffic.count() as t:
         fa1.forward(q, k, v, causal=False, scale=0.25, M=M_c)
@@ -252,7 +252,7 @@ for N in (16, 32, 64):
         naive.forward(q, k, v, causal=False, scale=0.25)
     assert t2.summary() == naive.model_forward(1, N, N, d_c)
     counted[N] = (total(t.summary()), total(t2.summary()))
-    print(f"N = {N:>3}: counted FA1 {counted[N][0]:>7,}  naive {counted[N][1]:>7,}   (both == model)")
+    print(f"N = {N:>3}: counted FA1 {counted[N][0]:>9,}  naive {counted[N][1]:>9,}   (both == model)")
 
 # %%
 Ns = 2 ** np.arange(4, 15)
@@ -416,17 +416,63 @@ plt.show()
 #
 # FA1's Figure 2 (middle) runs the forward + backward of GPT-2 medium ($N = 1024$, $d = 64$, 16 heads,
 # batch 64) on an A100 for $B_c \in \{64, 128, 256, 512\}$: HBM accesses fall as the block grows, and runtime
-# falls with them until about 256, then stays flat. The model validated above predicts the traffic for
-# *any* block size (tiles this large do not fit this kernel's 48 KiB, so `check_fit=False`). Runtime is
-# **modelled** with the roofline of `flashnb.roofline` on the A100 40GB preset — both with the FP32 CUDA-core
-# roof (what flashnb's kernels use) and the FP16 tensor-core roof (what the paper's kernel used):
+# falls with them until about 256, then stays flat.
+#
+# **Counted, and modelled.** Traffic is per head and the same for every head, so one head is counted and the
+# figure's batch multiplies it. At this shape the simulator can count flashnb's standard attention (the naive
+# kernels, forward + backward) and FA1 with the library's tiles, at the $N$ printed below: FA1 runs one thread
+# block per head that walks all $T_r T_c$ tiles one after another, so its simulated time grows as the number of
+# tiles (the cell prints how many times more tiles $N = 1024$ has). The sweep's larger blocks cannot be
+# launched at all: their tiles need more shared memory than the 48 KiB a block of this kernel may declare
+# (printed), so the launchers refuse them. Everything at those tiles, and FA1 at $N = 1024$, is the model's,
+# the model the counts below check exactly:
 
 # %%
+from flashnb.sim import vector  # noqa: E402
+
+
+def count_fwd_bwd(mod, N_, d_, **opts):
+    """Count one head's forward + backward of `mod` on the simulator; assert each equals its model."""
+    q_, k_, v_, do_ = (common.to_device(rng.standard_normal((1, N_, d_))) for _ in range(4))
+    with traffic.count() as tf:
+        o_, L_ = mod.forward(q_, k_, v_, causal=False, scale=1 / np.sqrt(d_), **opts)
+    with traffic.count() as tb:
+        mod.backward(q_, k_, v_, o_, L_, do_, causal=False, scale=1 / np.sqrt(d_), **opts)
+    assert tf.summary() == mod.model_forward(1, N_, N_, d_, **opts)
+    assert tb.summary() == mod.model_backward(1, N_, N_, d_, **opts)
+    return total(tf.summary()) + total(tb.summary())
+
+
 B, H, N, d = 64, 16, 1024, 64
+N_fa1 = 256                                   # FA1's counted N at d = 64 (one block per head: tiles in series)
+lib = fa1.tiles(d)
+sweep = {16: "library", 64: "paper", 128: "paper", 256: "paper", 384: "formula, A100 SRAM", 512: "paper"}
+assert sweep[lib["Bc"]] == "library" and lib["Br"] == min(lib["Bc"], d)   # the sweep's first row is what FA1 counted
+t_count = time.perf_counter()
+counted_naive = count_fwd_bwd(naive, N, d)    # per head, at the paper's N
+counted_fa1 = count_fwd_bwd(fa1, N_fa1, d)    # per head, library tiles
+t_count = time.perf_counter() - t_count
+assert not vector.notes(), vector.notes()     # every launch ran on the vectorised simulator
+assert B * H * counted_naive == total(naive.model_forward(B * H, N, N, d)) + total(naive.model_backward(B * H, N, N, d))
+tile_ratio = (common.cdiv(N, lib["Br"]) * common.cdiv(N, lib["Bc"])) / (common.cdiv(N_fa1, lib["Br"]) * common.cdiv(N_fa1, lib["Bc"]))
+print(f"counted, one head, forward + backward (each launch == model), {t_count:.1f} s on the simulator:")
+print(f"  naive kernels,  N = {N}, d = {d}: {counted_naive:>12,} elements; x B·H = {B * H}: {B * H * counted_naive:,}")
+print(f"  FA1, Br = {lib['Br']}, Bc = {lib['Bc']}, N = {N_fa1}, d = {d}: {counted_fa1:>12,} elements"
+      f"   (N = {N} has {tile_ratio:.0f}x as many tiles: modelled)")
+for Bc in (b for b in sweep if b != lib["Bc"]):
+    need = fa1.tiles(d, Bc=Bc, Br=min(Bc, d), check_fit=False)
+    print(f"  Bc = {Bc:>3}: needs {need['shared_bytes_forward'] // 1024:>3} KiB forward, "
+          f"{need['shared_bytes_backward'] // 1024:>3} KiB backward of shared memory "
+          f"(limit {common.SHARED_LIMIT_BYTES // 1024} KiB): modelled")
+
+# %% [markdown]
+# Runtime is **modelled** with the roofline of `flashnb.roofline` on the A100 40GB preset — both with the FP32
+# CUDA-core roof (what flashnb's kernels use) and the FP16 tensor-core roof (what the paper's kernel used):
+
+# %%
 gpu = roofline.get_gpu("A100 40GB SXM")
 flops = roofline.flops_forward(B, H, N, N, d) + roofline.flops_backward(B, H, N, N, d)
 std_fb = B * H * ((4 * N * N + 4 * N * d) + (7 * N * N + 8 * N * d))   # Alg. 0 + Alg. 3 as written, elements
-sweep = {16: "library", 64: "paper", 128: "paper", 256: "paper", 384: "formula, A100 SRAM", 512: "paper"}
 rows = []
 for Bc, who in sweep.items():
     el = (total(fa1.model_forward(B * H, N, N, d, Bc=Bc, Br=min(Bc, d), check_fit=False))
@@ -485,12 +531,14 @@ plt.show()
 #
 # The paper reports, for the same GPT-2 medium forward + backward on an A100: standard attention 40.3 GB of
 # HBM reads + writes, FlashAttention 4.4 GB (arXiv v2; the GFLOP counts in that figure use an unstated
-# convention, so they are not compared here). The models give, in fp16 and fp32 bytes:
+# convention, so they are not compared here). Standard attention's flashnb kernels are counted at this shape (one
+# head, §7, times B·H); the rest are the models (FA1's checked against §7's count at a shorter $N$), in fp16 and fp32
+# bytes:
 
 # %%
 BH = B * H
 std_alg = BH * ((4 * N * N + 4 * N * d) + (7 * N * N + 8 * N * d))     # Alg. 0 + Alg. 3 as written
-naive_el = total(naive.model_forward(BH, N, N, d)) + total(naive.model_backward(BH, N, N, d))
+naive_el = BH * counted_naive                                          # counted per head in §7 (== model)
 ours = fa1.tiles(d)
 fa1_el = total(fa1.model_forward(BH, N, N, d)) + total(fa1.model_backward(BH, N, N, d))
 M_a100 = 192 * 1024 // 2                                               # A100 SRAM per SM in fp16 elements
@@ -498,12 +546,12 @@ big = fa1.tiles(d, M=M_a100, check_fit=False)
 fa1_big = (total(fa1.model_forward(BH, N, N, d, M=M_a100, check_fit=False))
            + total(fa1.model_backward(BH, N, N, d, M=M_a100, check_fit=False)))
 table = [("standard, Alg. 0 + Alg. 3 count", std_alg, "40.3"),
-         ("standard, flashnb naive kernels (counted model)", naive_el, ""),
-         (f"FA1, this kernel's tiles Br={ours['Br']}, Bc={ours['Bc']} (M={ours['M']})", fa1_el, "4.4"),
-         (f"FA1, M = A100 SRAM = {M_a100} fp16 elements: Br={big['Br']}, Bc={big['Bc']}", fa1_big, "4.4")]
-print(f"{'':<62} {'fp16 GB':>8} {'fp32 GB':>8} {'paper GB':>9}")
+         ("standard, flashnb naive kernels (counted, one head x B·H)", naive_el, ""),
+         (f"FA1, this kernel's tiles Br={ours['Br']}, Bc={ours['Bc']} (M={ours['M']}), model", fa1_el, "4.4"),
+         (f"FA1, M = A100 SRAM = {M_a100} fp16 elements: Br={big['Br']}, Bc={big['Bc']}, model", fa1_big, "4.4")]
+print(f"{'':<69} {'fp16 GB':>8} {'fp32 GB':>8} {'paper GB':>9}")
 for name, el, paper in table:
-    print(f"{name:<62} {2 * el / 1e9:>8.1f} {4 * el / 1e9:>8.1f} {paper:>9}")
+    print(f"{name:<69} {2 * el / 1e9:>8.1f} {4 * el / 1e9:>8.1f} {paper:>9}")
 Tc_ours = common.cdiv(N, ours["Bc"])
 print(f"FA1 with the A100-SRAM tiles / paper's 4.4 GB = {2 * fa1_big / 1e9 / 4.4:.3f};"
       f" this kernel's tiles: Tc = {N} / {ours['Bc']} = {Tc_ours}, FA1 / standard = {fa1_el / std_alg:.2f}")

@@ -202,7 +202,9 @@ for name, x, g in (("q", q, dq), ("k", k, dk), ("v", v, dv)):
 # **and writes** $dQ_i$ (plus $Q_i, O_i, dO_i$) in HBM on every step of its inner loop. FA2 reads $Q_i, dO_i,
 # L_i, D_i$ per visited tile and *adds* into $dQ$ (one atomic per element per tile); $D$ replaces FA1's
 # per-tile recomputation of $\mathrm{rowsum}(dO_i \circ O_i)$ and $O$ is read only by the preprocessing.
-# Counted (simulator) and modelled, same tiles (16 × 16); the last lines list each implementation's own
+# Counted (simulator) and modelled, same tiles (16 × 16): a small check first, then one head at $N = 1024$,
+# $d = 64$, counted where the simulator takes seconds (each row says whether it was counted or is the model's;
+# FA1's one thread block per head walks all its tiles one after another, so it is modelled there); the last lines list each implementation's own
 # extra allocations besides its outputs, taken from its host launchers with `common.dry_run` (as notebook 04
 # does for FA1): only the naive ones grow with $N^2$.
 
@@ -220,10 +222,24 @@ for impl, opts in (("fa1", dict(Br=16, Bc=16)), ("fa2", dict(Br=16, Bc=16, warps
     print(f"{impl}: counted {total(t.summary())}, equals model: {t.summary() == model}")
     assert t.summary() == model
 
+from flashnb.sim import vector  # noqa: E402
+
 N, d = 1024, 64
-rows = {"naive": naive.model_backward(1, N, N, d), "FA1": fa1.model_backward(1, N, N, d, Br=16, Bc=16),
-        "FA2": fa2.model_backward(1, N, N, d, Br=16, Bc=16), "FA2 causal": fa2.model_backward(
-            1, N, N, d, Br=16, Bc=16, causal=True)}
+specs = {"naive": ("naive", naive.model_backward, {}, False), "FA1": ("fa1", fa1.model_backward, dict(Br=16, Bc=16), False),
+         "FA2": ("fa2", fa2.model_backward, dict(Br=16, Bc=16), False),
+         "FA2 causal": ("fa2", fa2.model_backward, dict(Br=16, Bc=16), True)}
+counted_here = ("naive", "FA2", "FA2 causal")      # one head each, on the simulator; FA1 is the model's
+q, k, v, do = (rng.standard_normal((1, N, d)) for _ in range(4))
+rows, how = {}, {}
+for name, (impl, model, opts, causal) in specs.items():
+    rows[name], how[name] = model(1, N, N, d, causal=causal, **opts), "model"
+    if name in counted_here:
+        o, lse = reference.attention_forward(q, k, v, causal=causal)
+        with traffic.count() as t:
+            flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, impl=impl, **opts)
+        assert t.summary() == rows[name]
+        rows[name], how[name] = t.summary(), "counted"
+assert not vector.notes(), vector.notes()         # every counted launch ran on the vectorised simulator
 fig, ax = plt.subplots(figsize=(7, 3))
 for x, (name, m) in enumerate(rows.items()):
     tot = total(m)
@@ -231,8 +247,8 @@ for x, (name, m) in enumerate(rows.items()):
     for key, colour in (("reads", "C0"), ("writes", "C1"), ("atomics", "C3")):
         ax.bar(x, 4 * tot[key] / 1e6, bottom=bottom, color=colour, label=key if x == 0 else None)
         bottom += 4 * tot[key] / 1e6
-    print(f"{name:10s}: HBM {4 * sum(tot.values()) / 1e6:7.2f} MB  {tot}")
-ax.set_xticks(range(len(rows)), list(rows))
+    print(f"{name:10s} ({how[name]:>7}): HBM {4 * sum(tot.values()) / 1e6:7.2f} MB  {tot}")
+ax.set_xticks(range(len(rows)), [f"{name}\n({how[name]})" for name in rows])
 ax.set_ylabel("MB (float32), N = 1024, d = 64")
 ax.legend()
 savefig(fig, "06_backward_traffic")
