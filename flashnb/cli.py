@@ -40,7 +40,11 @@ def device_description() -> dict:
     from .runtime import MODE
 
     if MODE == "sim":
-        return {"mode": "sim", "device": "simulator (Numba CUDA simulator: each CUDA thread is a Python thread)"}
+        from . import sim
+
+        how = ("flashnb.sim.vector: a whole grid in lockstep as NumPy vectors" if sim.mode() == "vector"
+               else "Numba CUDA simulator: each CUDA thread is a Python thread")
+        return {"mode": "sim", "device": f"simulator ({how})"}
     dev = cuda.get_current_device()
     name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
     return {"mode": "gpu", "device": name, "compute_capability": "%d.%d" % dev.compute_capability,

@@ -473,7 +473,7 @@ assert report.findings[0].tool == "memcheck"
 #
 # ### A.5 · What a GPU adds
 #
-# Everything above is counted or modelled. The simulator runs each CUDA thread as a Python thread, so its
+# Everything above is counted or modelled. The simulator runs the kernels' Python on a CPU, so its
 # wall-clock time says nothing about GPU speed, and flashnb refuses to present it as such:
 
 # %%

@@ -28,7 +28,7 @@
 # 5. the **one-pass attention row**: the online softmax fused with the weighted sum of $V$ — first key by key,
 #    then tile by tile: the computation at the heart of FlashAttention, in the loop order FlashAttention-2 uses.
 #
-# Every kernel runs on the Numba CUDA simulator here (each CUDA thread is a Python thread), and its memory
+# Every kernel runs on flashnb's simulator here (a whole grid in lockstep as NumPy vectors), and its memory
 # accesses are **counted** by `flashnb.traffic` and compared with an analytic model.
 
 # %%

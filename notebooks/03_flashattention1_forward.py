@@ -576,7 +576,7 @@ assert fa1_el > std_alg > fa1_big and abs(2 * fa1_big / 1e9 / 4.4 - 1) < 0.05
 # %% [markdown]
 # ## 9 · Speed: modelled here, measured only on a GPU
 #
-# On the simulator every CUDA thread is a Python thread, so wall time says nothing about a GPU. The
+# On the simulator the kernels' Python runs on a CPU, so wall time says nothing about a GPU. The
 # numbers above are modelled. On a machine with a GPU, `flashnb bench` times every implementation with
 # CUDA events; this cell does a tiny version of that when a GPU is present (in a separate process):
 

@@ -77,7 +77,7 @@ assert diff_lr > 0.1 and diff_ul < 1e-5
 # A GPT-style decoder: token and position embeddings, pre-LayerNorm blocks (causal self-attention, then an
 # MLP), a linear head. The attention is a function passed in, so one model class runs with either. The text
 # is the Zen of Python, which ships with Python (`import this`; nothing is downloaded). The model is tiny
-# because every CUDA thread of the simulator is a Python thread: two layers, width 16, two heads of
+# because the simulator runs every launch of a training step in Python on a CPU: two layers, width 16, two heads of
 # $d = 8$, a context of 16 characters, one sequence per step.
 
 # %%
