@@ -20,11 +20,12 @@ from . import flex  # noqa: E402,F401  (attention modifiers: score_mod / mask_mo
 from . import fa2_fast  # noqa: E402,F401  (stage 6 registers impl="fa2-fast")
 from . import fa2_fast_steps  # noqa: E402,F401  (stage 6, step by step: the line-8 kernels of notebook 08)
 from . import decode  # noqa: E402,F401  (decoding with a KV cache: impl="flash-decoding")
+from . import kernels  # noqa: E402,F401  (stage 7: tensor cores -- the intrinsics and impl="fa2-tc")
 from . import reference, traffic, roofline, bench, inspect, rehearsal  # noqa: E402,F401  (reference and measurement)
 
 __version__ = "0.1.0"
 
 __all__ = ["MODE", "is_simulator", "attention", "attention_forward", "attention_backward", "registry", "common",
            "runtime", "sim", "naive", "softmax", "fa1", "rng", "fa2", "fa2_steps", "block_sparse", "fa2_fast",
-           "fa2_fast_steps", "decode", "reference", "traffic", "roofline", "bench", "inspect", "rehearsal",
+           "fa2_fast_steps", "decode", "kernels", "reference", "traffic", "roofline", "bench", "inspect", "rehearsal",
            "__version__"]

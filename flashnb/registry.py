@@ -32,6 +32,7 @@ class KernelSpec:
     configs: list[dict] = field(default_factory=lambda: [{}])
     threads: int | Callable[..., int] | None = None  # threads per block (int or f(**config)); for occupancy
     dynamic_shared: int | Callable[..., int] | None = None  # dynamic shared bytes per block at launch (f(**config))
+    archs: tuple | Callable[..., tuple] | None = None  # compute capabilities it compiles for (None: every one)
 
     def signature_for(self, config: dict) -> str:
         sig = self.signature
@@ -46,6 +47,24 @@ class KernelSpec:
         """Bytes of *dynamic* shared memory the launcher gives a block of this configuration (0: none)."""
         n = self.dynamic_shared
         return int(n(**config)) if callable(n) else int(n or 0)
+
+    def archs_for(self, config: dict) -> tuple | None:
+        """The compute capabilities ``config`` supports, ascending (e.g. ``((8, 0), (9, 0))``: tensor-core
+        instructions of sm_80), or None when it runs on every architecture flashnb targets."""
+        a = self.archs
+        a = a(**config) if callable(a) else a
+        return None if a is None else tuple(sorted(tuple(cc) for cc in a))
+
+    def supports(self, config: dict, cc) -> bool:
+        archs = self.archs_for(config)
+        return archs is None or tuple(cc) in archs
+
+    def check_arch(self, config: dict, cc) -> None:
+        """ValueError naming the architecture when ``config`` does not compile for ``cc``."""
+        if not self.supports(config, cc):
+            names = ", ".join(f"sm_{a[0]}{a[1]}" for a in self.archs_for(config))
+            raise ValueError(f"kernel {self.name!r} with config {config} compiles for {names} only, not for "
+                             f"sm_{cc[0]}{cc[1]}: it uses instructions that architecture does not have")
 
     def instances(self):
         """Yield ``(config, kernel, signature)`` for every configuration the guard compiles."""
@@ -72,7 +91,8 @@ def _memoised(factory):
     return cached
 
 
-def kernel_factory(name: str, *, stage: str, signature, configs=None, threads=None, dynamic_shared=None):
+def kernel_factory(name: str, *, stage: str, signature, configs=None, threads=None, dynamic_shared=None,
+                   archs=None):
     """Register a kernel factory; the factory is memoised so each configuration compiles once.
 
     ``signature`` is the Numba signature string the kernel is launched with (or a function of the
@@ -81,14 +101,18 @@ def kernel_factory(name: str, *, stage: str, signature, configs=None, threads=No
     ``threads`` (optional) is the block size the launcher uses -- an int or a function of the
     configuration -- so ``flashnb inspect`` can work out occupancy.  ``dynamic_shared`` (optional; an int or a
     function of the configuration) is the dynamic shared memory per block the launcher asks for: the PTX guard
-    checks it against each architecture's opt-in limit, and occupancy counts it.
+    checks it against each architecture's opt-in limit, and occupancy counts it.  ``archs`` (optional; a tuple of
+    compute capabilities or a function of the configuration returning one): the architectures the kernel compiles
+    for, when not all of them (tensor-core instructions): the PTX guard compiles each configuration for those,
+    and compiling it for another is a ValueError naming the architecture.
     """
 
     def decorate(factory):
         cached = _memoised(factory)
         if name in KERNELS:
             raise ValueError(f"kernel {name!r} registered twice")
-        KERNELS[name] = KernelSpec(name, stage, cached, signature, list(configs or [{}]), threads, dynamic_shared)
+        KERNELS[name] = KernelSpec(name, stage, cached, signature, list(configs or [{}]), threads, dynamic_shared,
+                                   archs)
         return cached
 
     return decorate
