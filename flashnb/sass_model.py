@@ -14,10 +14,19 @@ pipe           per SM per clock                       what is charged
                                                       cc 9.0: 4 per clock; 64 on cc 8.0: 2)
 ``mufu``       16 lanes: 0.5 warp-instructions        MUFU (``exp2``, ``rcp``, ``lg2``)
 ``mio``        128 bytes of shared memory (one        LDS/STS: 32 lanes x width / 128 B wavefronts (LDS.128:
-               wavefront); one shuffle                4), assuming no bank conflicts; SHFL: 1
+               wavefront); one shuffle                4), assuming no bank conflicts; LDSM: one per 8×8 matrix
+                                                      (``.4``: 4); LDGSTS.128: 4 (its shared-memory write); SHFL: 1
+``tensor``     dense FP16 multiply-adds per SM per    HMMA: its multiply-adds (``16816``: 2,048, ``1688``: 1,024),
+               clock: cc 7.5 512, cc 8.0 1,024, cc    TF32 counted twice (half the rate); see
+               9.0 2,048 (:mod:`flashnb.roofline`'s   :attr:`flashnb.roofline.GPU.tensor_clock_hz` for the clock
+               whitepaper figures)                    that gives each datasheet's dense peak
 =============  =====================================  =========================================================
 
 and HBM is charged the bytes of the kernel's analytic traffic model at the datasheet bandwidth.
+
+The *work* of a kernel is its FFMAs, or its HMMAs when it has tensor-core instructions (:attr:`flashnb.sass.Sass.work`):
+the tile loop and the matmul loops below are found by that category, and ``phases`` count it.  A tensor-core tile
+loop usually holds no inner loop at all (every MMA of a tile unrolled); then it is the loop with the most HMMAs.
 
 **How many times each instruction runs** (the SASS is static; the count is not).  A FlashAttention kernel is
 a prologue (load ``Q_i``), a loop over K/V tiles -- the *tile loop*, the loop with the most FFMAs that holds
@@ -52,15 +61,29 @@ from typing import Sequence
 
 from .roofline import GPU, get_gpu
 
-__all__ = ["KernelShape", "Counts", "SassCounts", "SassTime", "count", "modelled_time", "forward_time", "PIPES"]
+__all__ = ["KernelShape", "Counts", "SassCounts", "SassTime", "count", "modelled_time", "forward_time", "backward_time",
+           "PIPES", "hmma_fmas"]
 
-PIPES = ("issue", "fp32", "mufu", "mio")
+PIPES = ("issue", "fp32", "mufu", "mio", "tensor")
 _FP32_PIPE = {"ffma", "fp32"}
+_MIO = {"lds", "sts", "ldsm", "ldgsts"}
 
 
 def _per_clock(gpu: GPU) -> dict:
-    """Warp-instructions (or wavefronts) each pipe of one SM takes per clock."""
-    return {"issue": 4.0, "fp32": gpu.fp32_lanes_per_sm / 32, "mufu": 0.5, "mio": 1.0}
+    """Warp-instructions (wavefronts; FP16 multiply-adds for the tensor pipe) each pipe of one SM takes per clock of
+    ``gpu.boost_clock_hz``.  The tensor pipe's per-SM rate runs at :attr:`~flashnb.roofline.GPU.tensor_clock_hz`,
+    converted here to boost-clock cycles, so a tensor-bound kernel meets the datasheet's dense peak."""
+    tensor = gpu.tensor_fma_per_sm_clk * gpu.tensor_clock_hz / gpu.boost_clock_hz if gpu.tensor_fma_per_sm_clk \
+        else 0.0
+    return {"issue": 4.0, "fp32": gpu.fp32_lanes_per_sm / 32, "mufu": 0.5, "mio": 1.0, "tensor": tensor}
+
+
+def hmma_fmas(ins) -> int:
+    """FP16-rate multiply-adds of one warp's HMMA: m16n8k16 2,048, m16n8k8 1,024, TF32 counted twice (its rate is
+    half the FP16 one on cc 8.0 and 9.0)."""
+    m = ins.modifiers
+    fmas = 16 * 8 * 16 if ".16816" in m else 16 * 8 * 8 if ".1688" in m else 16 * 8 * 4
+    return 2 * fmas if ".TF32" in m else fmas
 
 
 @dataclass(frozen=True)
@@ -93,7 +116,9 @@ class Counts:
             self.pipes["mufu"] += times
         elif ins.category in _FP32_PIPE:
             self.pipes["fp32"] += times
-        if ins.category in ("lds", "sts"):
+        elif ins.category == "hmma":
+            self.pipes["tensor"] += times * hmma_fmas(ins)
+        if ins.category in _MIO:
             self.pipes["mio"] += times * max(1, ins.bits // 32)
         elif ins.category == "shfl":
             self.pipes["mio"] += times
@@ -101,6 +126,10 @@ class Counts:
     @property
     def ffma(self) -> int:
         return self.categories.get("ffma", 0)
+
+    @property
+    def hmma(self) -> int:
+        return self.categories.get("hmma", 0)
 
     @property
     def issued(self) -> int:
@@ -117,11 +146,18 @@ class SassCounts:
     tile: Counts
     epilogue: Counts
     loops: list
+    work: str = "ffma"
 
     @property
     def tile_ffma_fraction(self) -> float:
         """FFMAs / instructions issued per K/V tile (the steady state's share of useful work)."""
         return self.tile.ffma / self.tile.issued if self.tile.issued else 0.0
+
+    @property
+    def tile_work_fraction(self) -> float:
+        """The work instructions (FFMA, or HMMA) / instructions issued per K/V tile."""
+        n = self.tile.categories.get(self.work, 0)
+        return n / self.tile.issued if self.tile.issued else 0.0
 
 
 def _words(ins, kinds) -> int:
@@ -150,8 +186,15 @@ def count(s, shape: KernelShape) -> SassCounts:
     """Per-warp dynamic counts of the kernel whose SASS is ``s`` (a :class:`flashnb.sass.Sass`)."""
     ends = [k for k, i in enumerate(s.instructions) if i.opcode == "EXIT"]
     last = ends[-1] if ends else len(s.instructions) - 1   # after the last EXIT: padding, never run
-    ffma_in = lambda lp: sum(i.category == "ffma" for i in s.instructions[lp[0]:lp[1] + 1])
+    work = s.work
+    ffma_in = lambda lp: sum(i.category == work for i in s.instructions[lp[0]:lp[1] + 1])
     outer = [lp for lp in s.loops if any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in s.loops)]
+    if work == "hmma":      # a tensor-core tile loop: the loop with the most HMMAs (its MMAs usually all unrolled)
+        outer = [lp for lp in s.loops if ffma_in(lp)]
+        if outer:
+            best = max(ffma_in(lp) for lp in outer)
+            outer = [lp for lp in outer if ffma_in(lp) == best]
+            outer = [max(outer, key=lambda lp: lp[1] - lp[0])]
     if not outer:
         raise ValueError(f"{s.name}: no loop holds another loop: no K/V tile loop to model")
     tile_loop = max(outer, key=lambda lp: (ffma_in(lp), lp[1] - lp[0]))
@@ -178,11 +221,12 @@ def count(s, shape: KernelShape) -> SassCounts:
         phases = phases[k + 1:]
     tile_body = _region(s, t0, t1, inner)
     mem = [lp for lp in inner if not ffma_in(lp)]
-    for lp, n in _conserve(s, mem, tile_body, shape.tile_loads, ("ldg",)).items():
+    for lp, n in _conserve(s, mem, tile_body, shape.tile_loads, ("ldg", "ldgsts")).items():
         trips[lp], roles[lp] = n, "tile load" if n else "partial-tile path (0 on full tiles)"
     pro = [lp for lp in rest if lp[1] < t0]
     epi = [lp for lp in rest if lp[0] > t1 and lp[1] <= last]
-    for loops, lo, hi, need, kinds, role in ((pro, 0, t0 - 1, shape.prologue_loads, ("ldg",), "prologue load"),
+    for loops, lo, hi, need, kinds, role in ((pro, 0, t0 - 1, shape.prologue_loads, ("ldg", "ldgsts"),
+                                              "prologue load"),
                                              (epi, t1 + 1, last, shape.epilogue_stores,
                                               ("stg",), "epilogue store")):
         moving = [lp for lp in loops if any(_words(i, kinds) for i in s.instructions[lp[0]:lp[1] + 1])]
@@ -202,10 +246,11 @@ def count(s, shape: KernelShape) -> SassCounts:
         return c
 
     tile = counts(t0, t1, inner)
-    if tile.ffma < sum(shape.phases):
-        raise ValueError(f"{s.name}: {tile.ffma} FFMAs counted per tile, the matmuls need {sum(shape.phases)}")
+    done = tile.categories.get(work, 0)
+    if done < sum(shape.phases):
+        raise ValueError(f"{s.name}: {done} {work.upper()}s counted per tile, the matmuls need {sum(shape.phases)}")
     loops = sorted((a, b, n, roles[(a, b)]) for (a, b), n in trips.items()) + [(t0, t1, None, "tile loop")]
-    return SassCounts(s.name, counts(0, t0 - 1, pro), tile, counts(t1 + 1, last, epi), loops)
+    return SassCounts(s.name, counts(0, t0 - 1, pro), tile, counts(t1 + 1, last, epi), loops, work)
 
 
 @dataclass
@@ -221,13 +266,16 @@ class SassTime:
     blocks_per_sm: int
     pipe_seconds: dict         # each pipe's busiest-SM time, and HBM's
     tile_ffma_fraction: float
+    tile_work_fraction: float = 0.0
 
     @property
     def tflops(self) -> float:
         return self.flops / self.seconds / 1e12
 
-    def fraction_of_peak(self, gpu: str | GPU | None = None) -> float:
-        return self.flops / self.seconds / get_gpu(gpu or self.gpu).fp32_peak
+    def fraction_of_peak(self, gpu: str | GPU | None = None, peak: str = "fp32") -> float:
+        """Modelled FLOP/s over a roof of ``gpu``: ``peak`` as in :meth:`flashnb.roofline.GPU.peak` (``"fp32"``,
+        ``"tensor_fp16"``, ``"tensor_tf32"``)."""
+        return self.flops / self.seconds / get_gpu(gpu or self.gpu).peak(peak)
 
 
 def modelled_time(c: SassCounts, *, tiles_per_block: Sequence[int], warps: int, blocks_per_sm: int,
@@ -241,9 +289,11 @@ def modelled_time(c: SassCounts, *, tiles_per_block: Sequence[int], warps: int, 
     slots = g.sm_count * blocks_per_sm
     busy = dict.fromkeys(PIPES, 0.0)      # pipe-cycles of the whole launch, per pipe
     heap = [0.0] * slots                  # when each slot frees (cycles)
+    if not rate["tensor"] and any(x.pipes["tensor"] for x in (c.prologue, c.tile, c.epilogue)):
+        raise ValueError(f"{c.name}: tensor-core instructions, but {g.name} has no tensor pipe rate")
     for tiles in tiles_per_block:
         need = {p: warps * (c.prologue.pipes[p] + tiles * c.tile.pipes[p] + c.epilogue.pipes[p]) / rate[p]
-                for p in PIPES}
+                if rate[p] else 0.0 for p in PIPES}
         for p in PIPES:
             busy[p] += need[p]
         start = heapq.heappop(heap)
@@ -254,37 +304,92 @@ def modelled_time(c: SassCounts, *, tiles_per_block: Sequence[int], warps: int, 
     seconds = max(compute, pipe_seconds["hbm"])
     bound = "hbm" if pipe_seconds["hbm"] >= compute else max(PIPES, key=lambda p: pipe_seconds[p])
     return SassTime(c.name, g.name, seconds, flops, bound, len(tiles_per_block), blocks_per_sm, pipe_seconds,
-                    c.tile_ffma_fraction)
+                    c.tile_ffma_fraction, c.tile_work_fraction)
+
+
+def _module_of(kernel: str):
+    """The module that defines a registered kernel's factory (it provides the model's inputs)."""
+    import sys
+
+    from .registry import KERNELS
+
+    if kernel in KERNELS:
+        return sys.modules[KERNELS[kernel].factory.__module__]
+    import importlib
+
+    return importlib.import_module(f"flashnb.{kernel.split('.')[0]}")
+
+
+def _hbm_bytes(module, model, config) -> float:
+    """Bytes of a traffic model: the module's own ``hbm_bytes(model, config)`` (half storage), else 4 per element."""
+    if hasattr(module, "hbm_bytes"):
+        return float(module.hbm_bytes(model, config))
+    return 4.0 * sum(sum(x.get("reads", {}).values()) + sum(x.get("writes", {}).values())
+                     + sum(x.get("atomics", {}).values()) for x in model)
+
+
+def _launch(kernel, module, config, shape, visited, order, BH, model, flops, g, cc) -> SassTime:
+    """One launch's modelled time; ``visited``: :func:`flashnb.fa2.tiles_visited` (its first field, the block)."""
+    from . import inspect as fi
+    from . import sass
+
+    s = sass.sass(kernel, config=config, cc=cc)
+    c = count(s, KernelShape(**shape))
+    res = fi.resources_for(kernel, config, cc)
+    occ = res.occupancy(32 * config["warps"], cc).blocks_per_sm
+    per_block = {}
+    for v in visited:
+        per_block[v[0]] = per_block.get(v[0], 0) + 1
+    tiles_per_block = [per_block.get(i, 0) for _ in range(BH) for i in order]
+    return modelled_time(c, tiles_per_block=tiles_per_block, warps=config["warps"], blocks_per_sm=occ,
+                         hbm_bytes=_hbm_bytes(module, model, config), flops=flops, gpu=g)
 
 
 def forward_time(kernel: str, BH: int, Nq: int, Nk: int, d: int, *, causal: bool = False,
                  gpu: str | GPU = "H100 SXM", cc=None, **tiles) -> SassTime:
-    """The modelled time of an FA2-style forward (``kernel``: ``"fa2.forward"`` or ``"fa2_fast.forward"``)
-    at ``(BH, Nq, Nk, d)``: its SASS for ``gpu``'s architecture, its module's :class:`KernelShape`
-    (``sass_shape``), its analytic HBM traffic (``model_forward``), its occupancy (ptxas's registers and
-    static shared memory, plus the dynamic shared memory the registry says its launcher asks for), and its
-    blocks in launch order (``launch_order``: heavy-first or not)."""
-    import importlib
-
-    from . import inspect as fi
-    from . import roofline, sass
+    """The modelled time of an FA2-style forward (``kernel``: ``"fa2.forward"``, ``"fa2_fast.forward"`` or
+    ``"fa2_tc.forward"``) at ``(BH, Nq, Nk, d)``: its SASS for ``gpu``'s architecture, its module's
+    :class:`KernelShape` (``sass_shape``), its analytic HBM traffic (``model_forward``, in bytes by the module's
+    ``hbm_bytes`` where it has one), its occupancy (ptxas's registers and static shared memory, plus the dynamic
+    shared memory the registry says its launcher asks for), and its blocks in launch order (``launch_order``:
+    heavy-first or not).  ``tiles`` go to the module's ``sass_config`` (tiles; ``storage`` for fa2-tc)."""
+    from . import roofline
     from .fa2 import tiles_visited
 
     g = get_gpu(gpu)
     cc = tuple(cc or g.cc)
-    module = importlib.import_module(f"flashnb.{kernel.split('.')[0]}")
+    module = _module_of(kernel)
     config = module.sass_config(d, causal, **tiles)
-    s = sass.sass(kernel, config=config, cc=cc)
-    c = count(s, KernelShape(**module.sass_shape(config)))
-    res = fi.resources_for(kernel, config, cc)
-    occ = res.occupancy(32 * config["warps"], cc).blocks_per_sm
-    per_i = {}
-    for i, _, _, _ in tiles_visited(Nq, Nk, config["Br"], config["Bc"], causal):
-        per_i[i] = per_i.get(i, 0) + 1
+    visited = tiles_visited(Nq, Nk, config["Br"], config["Bc"], causal)
     order = module.launch_order(-(-Nq // config["Br"]), causal)
-    tiles_per_block = [per_i.get(i, 0) for _ in range(BH) for i in order]
-    model = module.model_forward(BH, Nq, Nk, d, causal=causal, **{k: config[k] for k in ("Br", "Bc", "warps")})
-    hbm = 4 * sum(sum(x.get("reads", {}).values()) + sum(x.get("writes", {}).values())
-                  + sum(x.get("atomics", {}).values()) for x in model)
-    return modelled_time(c, tiles_per_block=tiles_per_block, warps=config["warps"], blocks_per_sm=occ,
-                         hbm_bytes=hbm, flops=roofline.flops_forward(1, BH, Nq, Nk, d, causal), gpu=g)
+    model = module.model_forward(BH, Nq, Nk, d, causal=causal, **module.model_options(config)) \
+        if hasattr(module, "model_options") else \
+        module.model_forward(BH, Nq, Nk, d, causal=causal, **{k: config[k] for k in ("Br", "Bc", "warps")})
+    return _launch(kernel, module, config, module.sass_shape(config), visited, order, BH, model,
+                   roofline.flops_forward(1, BH, Nq, Nk, d, causal), g, cc)
+
+
+def backward_time(kernel: str, BH: int, Nq: int, Nk: int, d: int, *, causal: bool = False,
+                  gpu: str | GPU = "H100 SXM", cc=None, **tiles) -> SassTime:
+    """The modelled time of an FA2 backward (FA2 Alg. 2; ``kernel`` e.g. ``"fa2_tc.backward"``): its main launch,
+    one block per K/V tile visiting the Q tiles (the module's ``bwd_sass_config``, ``bwd_sass_shape``,
+    ``bwd_launch_order``), plus the HBM time of the launches around it (``D = rowsum(dO∘O)``, dQ's narrowing),
+    which move bytes and do no matmul.  FLOPs: 2.5 × the forward's (the benchmark formula)."""
+    from . import roofline
+    from .fa2 import tiles_visited
+
+    g = get_gpu(gpu)
+    cc = tuple(cc or g.cc)
+    module = _module_of(kernel)
+    config = module.bwd_sass_config(d, causal, **tiles)
+    visited = tiles_visited(Nq, Nk, config["Br"], config["Bc"], causal, "backward")
+    order = module.bwd_launch_order(-(-Nk // config["Bc"]), causal)
+    model = module.model_backward(BH, Nq, Nk, d, causal=causal, **module.bwd_model_options(config))
+    main = [m for m in model if m["launch"] == module.BWD_LABEL]
+    rest = [m for m in model if m["launch"] != module.BWD_LABEL]
+    t = _launch(kernel, module, config, module.bwd_sass_shape(config), visited, order, BH, main,
+                roofline.flops_backward(1, BH, Nq, Nk, d, causal), g, cc)
+    extra = _hbm_bytes(module, rest, config) / g.hbm_bandwidth
+    t.pipe_seconds = dict(t.pipe_seconds, other_launches=extra)
+    t.seconds += extra
+    return t
