@@ -137,6 +137,7 @@ class Impl:
     options: tuple[str, ...] = ()
     reference_mask: Callable[..., Any] | None = None
     gqa: bool = False   # takes K, V with fewer batch·heads than Q (grouped-/multi-query attention)
+    precision: str = "float32"   # what float32 inputs' matmuls run in: "float32" (CUDA cores) or "tf32" (tensor cores)
 
     def mask_for(self, Nq: int, Nk: int, d: int, causal: bool, **options):
         """The boolean (Nq, Nk) mask this impl applies beyond ``causal`` (None: dense attention), so it can
@@ -201,19 +202,23 @@ def _per_head_chunks(fn):
 
 
 def register_impl(name: str, *, stage: str, description: str, forward, backward=None, options=(),
-                  reference_mask=None, gqa=False):
+                  reference_mask=None, gqa=False, precision="float32"):
     """Make ``impl=name`` available in the public API, the tour and the benchmarks.
 
     ``reference_mask(Nq, Nk, d, causal, **options)`` is for impls that do not compute dense attention
     (block-sparse ones): it returns the element mask they apply, for checking against the reference.
     ``gqa``: the impl takes K, V with fewer batch·heads than Q (grouped-query attention: query head ``z`` uses
-    K/V head ``z // G``).
+    K/V head ``z // G``).  ``precision``: ``"tf32"`` for an impl whose float32 inputs go through TF32 tensor cores
+    (10-bit mantissas: errors ~1e-3 where float32 gives ~1e-6; tests and the tour hold it to TF32's tolerance).
     """
     if name in IMPLS:
         raise ValueError(f"impl {name!r} registered twice")
     forward = _per_head_chunks(forward)
     backward = _per_head_chunks(backward) if backward is not None else None
-    IMPLS[name] = Impl(name, stage, description, forward, backward, tuple(options), reference_mask, bool(gqa))
+    if precision not in ("float32", "tf32"):
+        raise ValueError(f"precision must be 'float32' or 'tf32', got {precision!r}")
+    IMPLS[name] = Impl(name, stage, description, forward, backward, tuple(options), reference_mask, bool(gqa),
+                       precision)
     return IMPLS[name]
 
 

@@ -62,7 +62,7 @@ from typing import Sequence
 from .roofline import GPU, get_gpu
 
 __all__ = ["KernelShape", "Counts", "SassCounts", "SassTime", "count", "modelled_time", "forward_time", "backward_time",
-           "PIPES", "hmma_fmas"]
+           "PIPES", "hmma_fmas", "pipe_rates"]
 
 PIPES = ("issue", "fp32", "mufu", "mio", "tensor")
 _FP32_PIPE = {"ffma", "fp32"}
@@ -76,6 +76,11 @@ def _per_clock(gpu: GPU) -> dict:
     tensor = gpu.tensor_fma_per_sm_clk * gpu.tensor_clock_hz / gpu.boost_clock_hz if gpu.tensor_fma_per_sm_clk \
         else 0.0
     return {"issue": 4.0, "fp32": gpu.fp32_lanes_per_sm / 32, "mufu": 0.5, "mio": 1.0, "tensor": tensor}
+
+
+def pipe_rates(gpu: str | GPU) -> dict:
+    """What each pipe of one SM of ``gpu`` takes per boost-clock cycle (see :func:`_per_clock`)."""
+    return _per_clock(get_gpu(gpu))
 
 
 def hmma_fmas(ins) -> int:
@@ -112,6 +117,8 @@ class Counts:
             return
         self.categories[ins.category] = self.categories.get(ins.category, 0) + times
         self.pipes["issue"] += times
+        if ins.predicate.strip() == "@!PT":      # never executes (ptxas pads LDGSTS with these): an issue slot only
+            return
         if ins.opcode == "MUFU":
             self.pipes["mufu"] += times
         elif ins.category in _FP32_PIPE:
@@ -147,6 +154,7 @@ class SassCounts:
     epilogue: Counts
     loops: list
     work: str = "ffma"
+    edge: Counts | None = None   # one edge tile (the masked copy of the tile loop), when the kernel has one
 
     @property
     def tile_ffma_fraction(self) -> float:
@@ -182,30 +190,13 @@ def _region(s, lo, hi, loops):
     return [s.instructions[i] for i in range(lo, hi + 1) if i not in inside]
 
 
-def count(s, shape: KernelShape) -> SassCounts:
-    """Per-warp dynamic counts of the kernel whose SASS is ``s`` (a :class:`flashnb.sass.Sass`)."""
-    ends = [k for k, i in enumerate(s.instructions) if i.opcode == "EXIT"]
-    last = ends[-1] if ends else len(s.instructions) - 1   # after the last EXIT: padding, never run
-    work = s.work
-    ffma_in = lambda lp: sum(i.category == work for i in s.instructions[lp[0]:lp[1] + 1])
-    outer = [lp for lp in s.loops if any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in s.loops)]
-    if work == "hmma":      # a tensor-core tile loop: the loop with the most HMMAs (its MMAs usually all unrolled)
-        outer = [lp for lp in s.loops if ffma_in(lp)]
-        if outer:
-            best = max(ffma_in(lp) for lp in outer)
-            outer = [lp for lp in outer if ffma_in(lp) == best]
-            outer = [max(outer, key=lambda lp: lp[1] - lp[0])]
-    if not outer:
-        raise ValueError(f"{s.name}: no loop holds another loop: no K/V tile loop to model")
-    tile_loop = max(outer, key=lambda lp: (ffma_in(lp), lp[1] - lp[0]))
+def _tile_loop_trips(s, tile_loop, shape, ffma_in, trips, roles):
+    """Trip counts of the loops inside one tile loop (matmul loops by ``shape.phases``, copy loops by
+    conservation); returns those inner loops."""
     t0, t1 = tile_loop
     inner = [lp for lp in s.loops if lp != tile_loop and t0 <= lp[0] and lp[1] <= t1]
     if any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for lp in inner for o in inner):
         raise ValueError(f"{s.name}: loops nested two deep inside the tile loop; this model handles one level")
-    rest = [lp for lp in s.loops if lp != tile_loop and lp not in inner]
-    if any(lp[0] <= t0 and t1 <= lp[1] for lp in rest):
-        raise ValueError(f"{s.name}: the tile loop sits inside another loop; this model handles one tile loop")
-    trips, roles = {}, {}
     ffma_loops = [lp for lp in inner if ffma_in(lp)]
     if len(ffma_loops) > len(shape.phases):
         raise ValueError(f"{s.name}: {len(ffma_loops)} FFMA loops in the tile loop, {len(shape.phases)} phases")
@@ -223,6 +214,40 @@ def count(s, shape: KernelShape) -> SassCounts:
     mem = [lp for lp in inner if not ffma_in(lp)]
     for lp, n in _conserve(s, mem, tile_body, shape.tile_loads, ("ldg", "ldgsts")).items():
         trips[lp], roles[lp] = n, "tile load" if n else "partial-tile path (0 on full tiles)"
+    return inner
+
+
+def count(s, shape: KernelShape) -> SassCounts:
+    """Per-warp dynamic counts of the kernel whose SASS is ``s`` (a :class:`flashnb.sass.Sass`).
+
+    A tensor-core kernel may run its tiles in two loops with the same HMMAs: the tiles no mask touches, and the
+    *edge* tiles (the causal diagonal, the end of the keys) with the masking code.  Then the shorter loop is the
+    tile loop and the other the edge loop, whose counts (:attr:`SassCounts.edge`) are charged per edge tile."""
+    ends = [k for k, i in enumerate(s.instructions) if i.opcode == "EXIT"]
+    last = ends[-1] if ends else len(s.instructions) - 1   # after the last EXIT: padding, never run
+    work = s.work
+    ffma_in = lambda lp: sum(i.category == work for i in s.instructions[lp[0]:lp[1] + 1])
+    outer = [lp for lp in s.loops if any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in s.loops)]
+    edge_loop = None
+    if work == "hmma":      # a tensor-core tile loop: the loop with the most HMMAs (its MMAs usually all unrolled)
+        outer = [lp for lp in s.loops if ffma_in(lp)]
+        if outer:
+            best = max(ffma_in(lp) for lp in outer)
+            top = sorted((lp for lp in outer if ffma_in(lp) == best), key=lambda lp: lp[1] - lp[0])
+            outer = top[:1]
+            if len(top) == 2 and not (top[1][0] <= top[0][0] and top[0][1] <= top[1][1]):
+                edge_loop = top[1]
+    if not outer:
+        raise ValueError(f"{s.name}: no loop holds another loop: no K/V tile loop to model")
+    tile_loop = max(outer, key=lambda lp: (ffma_in(lp), lp[1] - lp[0]))
+    t0, t1 = tile_loop
+    trips, roles = {}, {}
+    inner = _tile_loop_trips(s, tile_loop, shape, ffma_in, trips, roles)
+    edge_inner = _tile_loop_trips(s, edge_loop, shape, ffma_in, trips, roles) if edge_loop else []
+    rest = [lp for lp in s.loops if lp not in (tile_loop, edge_loop) and lp not in inner and lp not in edge_inner]
+    if any(lp[0] <= t0 and t1 <= lp[1] for lp in rest):
+        raise ValueError(f"{s.name}: the tile loop sits inside another loop; this model handles one tile loop")
+    skip = [edge_loop] if edge_loop else []           # the edge loop is charged per edge tile, not as pro/epilogue
     pro = [lp for lp in rest if lp[1] < t0]
     epi = [lp for lp in rest if lp[0] > t1 and lp[1] <= last]
     for loops, lo, hi, need, kinds, role in ((pro, 0, t0 - 1, shape.prologue_loads, ("ldg", "ldgsts"),
@@ -230,15 +255,15 @@ def count(s, shape: KernelShape) -> SassCounts:
                                              (epi, t1 + 1, last, shape.epilogue_stores,
                                               ("stg",), "epilogue store")):
         moving = [lp for lp in loops if any(_words(i, kinds) for i in s.instructions[lp[0]:lp[1] + 1])]
-        for lp, n in _conserve(s, moving, _region(s, lo, hi, loops), need, kinds).items():
+        for lp, n in _conserve(s, moving, _region(s, lo, hi, loops + skip), need, kinds).items():
             trips[lp], roles[lp] = n, role if n else f"{role}: partial path (0 when full)"
         for lp in loops:
             if lp not in trips:
                 trips[lp], roles[lp] = 1, "other (counted once)"
 
-    def counts(lo, hi, loops):
+    def counts(lo, hi, loops, exclude=()):
         c = Counts()
-        for ins in _region(s, lo, hi, loops):
+        for ins in _region(s, lo, hi, list(loops) + list(exclude)):
             c.add(ins)
         for a, b in loops:
             for ins in s.instructions[a:b + 1]:
@@ -249,8 +274,12 @@ def count(s, shape: KernelShape) -> SassCounts:
     done = tile.categories.get(work, 0)
     if done < sum(shape.phases):
         raise ValueError(f"{s.name}: {done} {work.upper()}s counted per tile, the matmuls need {sum(shape.phases)}")
+    edge = counts(edge_loop[0], edge_loop[1], edge_inner) if edge_loop else None
     loops = sorted((a, b, n, roles[(a, b)]) for (a, b), n in trips.items()) + [(t0, t1, None, "tile loop")]
-    return SassCounts(s.name, counts(0, t0 - 1, pro), tile, counts(t1 + 1, last, epi), loops, work)
+    if edge_loop:
+        loops.append((edge_loop[0], edge_loop[1], None, "edge tile loop"))
+    return SassCounts(s.name, counts(0, t0 - 1, pro, skip), tile, counts(t1 + 1, last, epi, skip), loops, work,
+                      edge)
 
 
 @dataclass
@@ -280,8 +309,9 @@ class SassTime:
 
 def modelled_time(c: SassCounts, *, tiles_per_block: Sequence[int], warps: int, blocks_per_sm: int,
                   hbm_bytes: float, flops: float, gpu: str | GPU = "H100 SXM") -> SassTime:
-    """List-schedule the blocks (``tiles_per_block`` in launch order) on ``gpu`` and return the modelled
-    time (see the module docstring for what it assumes)."""
+    """List-schedule the blocks (``tiles_per_block`` in launch order: a tile count, or ``(tiles, edge tiles)``
+    for a kernel with an edge tile loop) on ``gpu`` and return the modelled time (see the module docstring for what
+    it assumes)."""
     g = get_gpu(gpu)
     if blocks_per_sm < 1:
         raise ValueError(f"blocks_per_sm must be >= 1 (the kernel must fit on an SM), got {blocks_per_sm}")
@@ -291,9 +321,13 @@ def modelled_time(c: SassCounts, *, tiles_per_block: Sequence[int], warps: int, 
     heap = [0.0] * slots                  # when each slot frees (cycles)
     if not rate["tensor"] and any(x.pipes["tensor"] for x in (c.prologue, c.tile, c.epilogue)):
         raise ValueError(f"{c.name}: tensor-core instructions, but {g.name} has no tensor pipe rate")
-    for tiles in tiles_per_block:
-        need = {p: warps * (c.prologue.pipes[p] + tiles * c.tile.pipes[p] + c.epilogue.pipes[p]) / rate[p]
-                if rate[p] else 0.0 for p in PIPES}
+    for entry in tiles_per_block:
+        tiles, edges = entry if isinstance(entry, tuple) else (entry, 0)
+        if edges and c.edge is None:
+            raise ValueError(f"{c.name}: edge tiles given, but the kernel has no edge tile loop")
+        edge = c.edge.pipes if edges else dict.fromkeys(PIPES, 0)
+        need = {p: warps * (c.prologue.pipes[p] + (tiles - edges) * c.tile.pipes[p] + edges * edge[p]
+                            + c.epilogue.pipes[p]) / rate[p] if rate[p] else 0.0 for p in PIPES}
         for p in PIPES:
             busy[p] += need[p]
         start = heapq.heappop(heap)
@@ -328,7 +362,8 @@ def _hbm_bytes(module, model, config) -> float:
                      + sum(x.get("atomics", {}).values()) for x in model)
 
 
-def _launch(kernel, module, config, shape, visited, order, BH, model, flops, g, cc) -> SassTime:
+def _launch(kernel, module, config, shape, visited, order, BH, model, flops, g, cc, Nq, Nk,
+            edge_name) -> SassTime:
     """One launch's modelled time; ``visited``: :func:`flashnb.fa2.tiles_visited` (its first field, the block)."""
     from . import inspect as fi
     from . import sass
@@ -337,10 +372,13 @@ def _launch(kernel, module, config, shape, visited, order, BH, model, flops, g, 
     c = count(s, KernelShape(**shape))
     res = fi.resources_for(kernel, config, cc)
     occ = res.occupancy(32 * config["warps"], cc).blocks_per_sm
-    per_block = {}
+    per_block, edges = {}, {}
+    is_edge = getattr(module, edge_name, None) if c.edge is not None else None
     for v in visited:
         per_block[v[0]] = per_block.get(v[0], 0) + 1
-    tiles_per_block = [per_block.get(i, 0) for _ in range(BH) for i in order]
+        if is_edge is not None and is_edge(v, config, Nq, Nk):
+            edges[v[0]] = edges.get(v[0], 0) + 1
+    tiles_per_block = [(per_block.get(i, 0), edges.get(i, 0)) for _ in range(BH) for i in order]
     return modelled_time(c, tiles_per_block=tiles_per_block, warps=config["warps"], blocks_per_sm=occ,
                          hbm_bytes=_hbm_bytes(module, model, config), flops=flops, gpu=g)
 
@@ -366,7 +404,7 @@ def forward_time(kernel: str, BH: int, Nq: int, Nk: int, d: int, *, causal: bool
         if hasattr(module, "model_options") else \
         module.model_forward(BH, Nq, Nk, d, causal=causal, **{k: config[k] for k in ("Br", "Bc", "warps")})
     return _launch(kernel, module, config, module.sass_shape(config), visited, order, BH, model,
-                   roofline.flops_forward(1, BH, Nq, Nk, d, causal), g, cc)
+                   roofline.flops_forward(1, BH, Nq, Nk, d, causal), g, cc, Nq, Nk, "edge_tile")
 
 
 def backward_time(kernel: str, BH: int, Nq: int, Nk: int, d: int, *, causal: bool = False,
@@ -388,7 +426,7 @@ def backward_time(kernel: str, BH: int, Nq: int, Nk: int, d: int, *, causal: boo
     main = [m for m in model if m["launch"] == module.BWD_LABEL]
     rest = [m for m in model if m["launch"] != module.BWD_LABEL]
     t = _launch(kernel, module, config, module.bwd_sass_shape(config), visited, order, BH, main,
-                roofline.flops_backward(1, BH, Nq, Nk, d, causal), g, cc)
+                roofline.flops_backward(1, BH, Nq, Nk, d, causal), g, cc, Nq, Nk, "bwd_edge_tile")
     extra = _hbm_bytes(module, rest, config) / g.hbm_bandwidth
     t.pipe_seconds = dict(t.pipe_seconds, other_launches=extra)
     t.seconds += extra
