@@ -64,7 +64,7 @@ STAGE_OF_MODULE = {
     "test_fa2_steps": "stage4", "test_dropout": "stage4", "test_half": "stage4",
     "test_block_sparse": "stage5", "test_flex": "flex", "test_decode": "decode",
     "test_fa2_fast": "stage6", "test_sass_model": "stage6", "test_fa2_fast_steps": "stage6",
-    "test_distributed": "distributed", "test_tensorcore": "stage7",
+    "test_distributed": "distributed", "test_tensorcore": "stage7", "test_fa2_tc": "stage7",
 }
 
 

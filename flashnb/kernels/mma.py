@@ -24,6 +24,7 @@ name                        PTX                                                 
 ``to_tf32(x)``              ``cvt.rna.tf32.f32``                                    sm_80+
 ``pack_f16x2(lo, hi)``      ``cvt.rn.f16.f32`` twice, ``mov.b32 {lo, hi}``          sm_75+
 ``pack_bf16x2(lo, hi)``     ``cvt.rn.bf16x2.f32``                                   sm_80+
+``exp2(x)``                 ``ex2.approx.ftz.f32`` (one MUFU.EX2; the softmax's)    sm_75+
 ``ldmatrix_x{1,2,4}``       ``ldmatrix.sync.aligned.m8n8.x{1,2,4}.shared.b16``     sm_75+
 ``ldmatrix_x{1,2,4}_trans`` ``... .trans ...``                                      sm_75+
 ``cp_async_16``             ``cp.async.cg.shared.global [d], [s], 16, n``           sm_80+
@@ -56,7 +57,7 @@ from .. import runtime
 
 __all__ = [
     "mma_m16n8k16_f16", "mma_m16n8k16_bf16", "mma_m16n8k8_tf32", "mma_m16n8k8_f16", "to_tf32", "pack_f16x2",
-    "pack_bf16x2", "ldmatrix_x1", "ldmatrix_x2", "ldmatrix_x4", "ldmatrix_x1_trans", "ldmatrix_x2_trans",
+    "pack_bf16x2", "exp2", "ldmatrix_x1", "ldmatrix_x2", "ldmatrix_x4", "ldmatrix_x1_trans", "ldmatrix_x2_trans",
     "ldmatrix_x4_trans", "cp_async_16", "cp_async_commit", "cp_async_wait_group", "cp_async_wait_all",
     "SHARED_ALIGN", "INTRINSICS", "ARCHS", "check_arch",
 ]
@@ -66,7 +67,7 @@ SHARED_ALIGN = 16 if runtime.MODE == "gpu" else None
 
 #: The lowest compute capability that has each instruction (PTX ISA, "Target ISA notes").
 ARCHS = {"mma_m16n8k16_f16": (8, 0), "mma_m16n8k16_bf16": (8, 0), "mma_m16n8k8_tf32": (8, 0),
-         "mma_m16n8k8_f16": (7, 5), "to_tf32": (8, 0), "pack_f16x2": (7, 5), "pack_bf16x2": (8, 0),
+         "mma_m16n8k8_f16": (7, 5), "to_tf32": (8, 0), "pack_f16x2": (7, 5), "pack_bf16x2": (8, 0), "exp2": (7, 5),
          "ldmatrix_x1": (7, 5), "ldmatrix_x2": (7, 5), "ldmatrix_x4": (7, 5), "ldmatrix_x1_trans": (7, 5),
          "ldmatrix_x2_trans": (7, 5), "ldmatrix_x4_trans": (7, 5), "cp_async_16": (8, 0),
          "cp_async_commit": (8, 0), "cp_async_wait_group": (8, 0), "cp_async_wait_all": (8, 0)}
@@ -167,6 +168,17 @@ if runtime.MODE == "gpu":
     def pack_bf16x2(typingctx, lo, hi):
         # cvt.rn.bf16x2.f32 d, a, b puts a in the high half: hi first
         return _convert("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", 2)
+
+    @intrinsic
+    def exp2(typingctx, x):
+        # libdevice's exp2f wraps MUFU.EX2 in a denormal fix-up (FSETP, FSEL, two FMULs); the softmax needs the
+        # instruction only (its arguments are <= 0, and exp2(-inf) = +0)
+        sig = _F(_F)
+
+        def codegen(context, builder, signature, args):
+            return _asm(builder, "ex2.approx.ftz.f32 $0, $1;", "=f,f", list(args), [_F32])
+
+        return sig, codegen
 
     def _pointer(context, builder, aryty, ary, idxty, idx):
         """The address of ``ary[idx]`` (``idx`` an integer or a tuple of them) as a generic LLVM pointer."""
@@ -283,6 +295,7 @@ else:
         cp_async_commit,
         cp_async_wait_all,
         cp_async_wait_group,
+        exp2,
         ldmatrix_x1,
         ldmatrix_x1_trans,
         ldmatrix_x2,

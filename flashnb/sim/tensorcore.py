@@ -44,7 +44,7 @@ __all__ = [
     "LAYOUTS", "LDMATRIX_LAYOUT", "MMA_SHAPES", "decode", "encode", "fragments", "matrices", "mma_core",
     "ldmatrix_core", "to_tf32_core", "pack_core", "unpack_core",
     "mma_m16n8k16_f16", "mma_m16n8k16_bf16", "mma_m16n8k8_tf32", "mma_m16n8k8_f16",
-    "to_tf32", "pack_f16x2", "pack_bf16x2",
+    "to_tf32", "pack_f16x2", "pack_bf16x2", "exp2",
     "ldmatrix_x1", "ldmatrix_x2", "ldmatrix_x4", "ldmatrix_x1_trans", "ldmatrix_x2_trans", "ldmatrix_x4_trans",
     "cp_async_16", "cp_async_commit", "cp_async_wait_group", "cp_async_wait_all", "TensorCoreError",
 ]
@@ -295,6 +295,13 @@ def pack_f16x2(lo, hi):
 def pack_bf16x2(lo, hi):
     """``cvt.rn.bf16x2.f32``: two float32 as one packed bf16x2 register (``lo`` in the low half)."""
     return np.uint32(pack_core(np.float32(lo), np.float32(hi), "bf16")[()])
+
+
+def exp2(x):
+    """``ex2.approx.ftz.f32``: 2**x in float32 (the hardware's approximation is within 2 ulp of it; -inf -> +0;
+    a subnormal result flushes to zero, as ``.ftz`` does)."""
+    r = np.float32(np.exp2(np.float32(x)))
+    return np.float32(0.0) if 0 < abs(r) < np.finfo(np.float32).tiny else r
 
 
 # -- memory: reads and writes through the simulator's arrays, named by the kernel line
