@@ -541,15 +541,17 @@ def bwd_shared_bytes(storage, d, Br, Bc, warps) -> int:
 # d = 64: eight warps of 16 keys (Bc = 128 halves the Q_i, dO_i and dQ re-reads of Bc = 64: the model's HBM bytes),
 # dSᵀ in V_j's space; d = 128: dK_j, dV_j of 16 keys x 128 columns hold half a lane's registers, and Bc = 64 spills
 # on sm_90 -- two warps, Bc = 32 (scripts/stage7_goals.py has the model's verdict on both).  TF32: K_j, V_j's
-# fragments take twice the registers per element: d <= 32 (beyond it every tile choice spills).
-_BWD_DEFAULTS = {"half": {64: dict(Br=32, Bc=128, warps=8), 128: dict(Br=16, Bc=32, warps=2)},
+# fragments take twice the registers per element: d <= 32 (beyond it every tile choice spills).  bfloat16 at d = 64:
+# Br = 16 (its causal kernel spills 76 bytes on sm_80 with Br = 32, where float16's fits in 254 registers).
+_BWD_DEFAULTS = {"float16": {64: dict(Br=32, Bc=128, warps=8), 128: dict(Br=16, Bc=32, warps=2)},
+                 "bfloat16": {64: dict(Br=16, Bc=128, warps=8), 128: dict(Br=16, Bc=32, warps=2)},
                  "float32": {32: dict(Br=16, Bc=32, warps=2)}}
 
 
 def bwd_default_tiles(d: int, storage: str = "float16") -> dict:
     """The backward's default ``Br, Bc, warps`` at head dim ``d`` for ``storage`` (within 48 KiB of static shared
     memory, no spills)."""
-    table = _BWD_DEFAULTS["float32" if storage == "float32" else "half"]
+    table = _BWD_DEFAULTS[storage if storage in _BWD_DEFAULTS else "float16"]
     for dmax in sorted(table):
         if d <= dmax:
             return dict(table[dmax])
