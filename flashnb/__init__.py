@@ -19,8 +19,8 @@ from . import block_sparse  # noqa: E402,F401  (stage 5 registers impl="fa2-spar
 from . import flex  # noqa: E402,F401  (attention modifiers: score_mod / mask_mod on fa2, the gallery)
 from . import fa2_fast  # noqa: E402,F401  (stage 6 registers impl="fa2-fast")
 from . import fa2_fast_steps  # noqa: E402,F401  (stage 6, step by step: the line-8 kernels of notebook 08)
-from . import kernels  # noqa: E402,F401  (the product kernel registers impl="flash": every feature as a policy)
 from . import decode  # noqa: E402,F401  (decoding with a KV cache: impl="flash-decoding")
+from . import kernels  # noqa: E402,F401  (the product kernel, impl="flash"; stage 7, tensor cores, impl="fa2-tc")
 from . import reference, traffic, roofline, bench, inspect, rehearsal  # noqa: E402,F401  (reference and measurement)
 
 __version__ = "0.1.0"

@@ -899,10 +899,11 @@ def resources_many(jobs: Iterable[tuple[str, dict, tuple[int, int]]], *, keep_pt
     runs NVVM once per cc instead and neither reads nor fills the in-process cache (for checking that
     the two agree)."""
     jobs = [(n, dict(c), tuple(cc)) for n, c, cc in jobs]
-    for n, _, cc in jobs:
+    for n, c, cc in jobs:
         if n not in KERNELS:
             raise ValueError(f"name must be a registered kernel ({sorted(KERNELS)}), got {n!r}")
         _limits(cc)
+        KERNELS[n].check_arch(c, cc)     # a tensor-core kernel asked for an architecture without its instructions
     originals = {_key(*j): j for j in jobs}
     cache = _CACHE if reuse_ptx else {}
     todo = [k for k in originals if k not in cache or (keep_ptx and cache[k].ptx is None)]
@@ -1085,7 +1086,8 @@ def report(ccs=((7, 5), (8, 0), (9, 0)), threads=None, names: Iterable[str] | No
     ``{name: int | f(**config)}``; otherwise the spec's ``threads`` is used (occupancy blank if unknown).
     """
     specs = [KERNELS[n] for n in (names if names is not None else KERNELS)]
-    jobs = [(s.name, c, tuple(cc)) for s in specs for c in s.configs for cc in ccs]
+    # a tensor-core kernel's configs only on the architectures they declare (registry: kernel_factory(archs=))
+    jobs = [(s.name, c, tuple(cc)) for s in specs for c in s.configs for cc in ccs if s.supports(c, cc)]
     results = resources_many(jobs)
     rows = []
     for (name, config, cc), res in zip(jobs, results):

@@ -33,6 +33,7 @@ class KernelSpec:
     configs: list[dict] = field(default_factory=lambda: [{}])
     threads: int | Callable[..., int] | None = None  # threads per block (int or f(**config)); for occupancy
     dynamic_shared: int | Callable[..., int] | None = None  # dynamic shared bytes per block at launch (f(**config))
+    archs: tuple | Callable[..., tuple] | None = None  # compute capabilities it compiles for (None: every one)
 
     def signature_for(self, config: dict) -> str:
         sig = self.signature
@@ -47,6 +48,24 @@ class KernelSpec:
         """Bytes of *dynamic* shared memory the launcher gives a block of this configuration (0: none)."""
         n = self.dynamic_shared
         return int(n(**config)) if callable(n) else int(n or 0)
+
+    def archs_for(self, config: dict) -> tuple | None:
+        """The compute capabilities ``config`` supports, ascending (e.g. ``((8, 0), (9, 0))``: tensor-core
+        instructions of sm_80), or None when it runs on every architecture flashnb targets."""
+        a = self.archs
+        a = a(**config) if callable(a) else a
+        return None if a is None else tuple(sorted(tuple(cc) for cc in a))
+
+    def supports(self, config: dict, cc) -> bool:
+        archs = self.archs_for(config)
+        return archs is None or tuple(cc) in archs
+
+    def check_arch(self, config: dict, cc) -> None:
+        """ValueError naming the architecture when ``config`` does not compile for ``cc``."""
+        if not self.supports(config, cc):
+            names = ", ".join(f"sm_{a[0]}{a[1]}" for a in self.archs_for(config))
+            raise ValueError(f"kernel {self.name!r} with config {config} compiles for {names} only, not for "
+                             f"sm_{cc[0]}{cc[1]}: it uses instructions that architecture does not have")
 
     def instances(self):
         """Yield ``(config, kernel, signature)`` for every configuration the guard compiles."""
@@ -79,7 +98,8 @@ def _memoised(factory):
     return cached
 
 
-def kernel_factory(name: str, *, stage: str, signature, configs=None, threads=None, dynamic_shared=None):
+def kernel_factory(name: str, *, stage: str, signature, configs=None, threads=None, dynamic_shared=None,
+                   archs=None):
     """Register a kernel factory; the factory is memoised so each configuration compiles once.
 
     ``signature`` is the Numba signature string the kernel is launched with (or a function of the
@@ -88,14 +108,18 @@ def kernel_factory(name: str, *, stage: str, signature, configs=None, threads=No
     ``threads`` (optional) is the block size the launcher uses -- an int or a function of the
     configuration -- so ``flashnb inspect`` can work out occupancy.  ``dynamic_shared`` (optional; an int or a
     function of the configuration) is the dynamic shared memory per block the launcher asks for: the PTX guard
-    checks it against each architecture's opt-in limit, and occupancy counts it.
+    checks it against each architecture's opt-in limit, and occupancy counts it.  ``archs`` (optional; a tuple of
+    compute capabilities or a function of the configuration returning one): the architectures the kernel compiles
+    for, when not all of them (tensor-core instructions): the PTX guard compiles each configuration for those,
+    and compiling it for another is a ValueError naming the architecture.
     """
 
     def decorate(factory):
         cached = _memoised(factory)
         if name in KERNELS:
             raise ValueError(f"kernel {name!r} registered twice")
-        KERNELS[name] = KernelSpec(name, stage, cached, signature, list(configs or [{}]), threads, dynamic_shared)
+        KERNELS[name] = KernelSpec(name, stage, cached, signature, list(configs or [{}]), threads, dynamic_shared,
+                                   archs)
         return cached
 
     return decorate
@@ -124,6 +148,7 @@ class Impl:
     # the tiles the user surfaces build that block mask at (flashnb.flex.create_block_mask), after checking the
     # modifiers for a GPU (flashnb.flex.check_modifiers); None: the impl does both itself
     mask_tiles: Callable[..., dict] | None = None
+    precision: str = "float32"   # what float32 inputs' matmuls run in: "float32" (CUDA cores) or "tf32" (tensor cores)
 
     def mask_for(self, Nq: int, Nk: int, d: int, causal: bool, **options):
         """The boolean (Nq, Nk) mask this impl applies beyond ``causal`` (None: dense attention), so it can
@@ -188,7 +213,7 @@ def _per_head_chunks(fn):
 
 
 def register_impl(name: str, *, stage: str, description: str, forward, backward=None, options=(),
-                  reference_mask=None, gqa=False, mask_tiles=None):
+                  reference_mask=None, gqa=False, mask_tiles=None, precision="float32"):
     """Make ``impl=name`` available in the public API, the tour and the benchmarks.
 
     ``reference_mask(Nq, Nk, d, causal, **options)`` is for impls that do not compute dense attention
@@ -196,13 +221,17 @@ def register_impl(name: str, *, stage: str, description: str, forward, backward=
     ``gqa``: the impl takes K, V with fewer batch·heads than Q (grouped-query attention: query head ``z`` uses
     K/V head ``z // G``).  ``mask_tiles``: see :class:`Impl` (the user surfaces then check an impl's modifiers and
     build a ``mask_mod``'s block mask before calling it, so its kernels never call back into :mod:`flashnb.flex`).
+    K/V head ``z // G``).  ``precision``: ``"tf32"`` for an impl whose float32 inputs go through TF32 tensor cores
+    (10-bit mantissas: errors ~1e-3 where float32 gives ~1e-6; tests and the tour hold it to TF32's tolerance).
     """
     if name in IMPLS:
         raise ValueError(f"impl {name!r} registered twice")
     forward = _per_head_chunks(forward)
     backward = _per_head_chunks(backward) if backward is not None else None
+    if precision not in ("float32", "tf32"):
+        raise ValueError(f"precision must be 'float32' or 'tf32', got {precision!r}")
     IMPLS[name] = Impl(name, stage, description, forward, backward, tuple(options), reference_mask, bool(gqa),
-                       mask_tiles)
+                       mask_tiles, precision)
     return IMPLS[name]
 
 

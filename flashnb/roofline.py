@@ -1,8 +1,20 @@
 """A roofline model: how fast a kernel *could* run, from its FLOPs and HBM bytes and a GPU's datasheet.
 
-Everything here is **modelled**, not measured: ``time = max(FLOPs / peak FP32, bytes / HBM bandwidth)``.
-flashnb's kernels run on the FP32 CUDA cores (no tensor cores), so the compute roof is the non-tensor FP32
-peak; the FP16/BF16 tensor peak is listed only to show how far a production kernel's roof sits above it.
+Everything here is **modelled**, not measured: ``time = max(FLOPs / peak, bytes / HBM bandwidth)``.  Stages 1-6
+run on the FP32 CUDA cores, so their compute roof is the non-tensor FP32 peak; stage 7 (``impl="fa2-tc"``) runs its
+matmuls on the tensor cores, whose *dense* peaks (FP16/BF16 and TF32; datasheets also quote twice these "with
+sparsity") are :attr:`GPU.tensor_fp16_dense` and :attr:`GPU.tensor_tf32_dense` (``modelled_time(...,
+peak="tensor_fp16")``).
+
+Tensor cores per SM (dense FP16/BF16 multiply-adds with FP32 accumulation per SM per clock,
+:attr:`GPU.tensor_fma_per_sm_clk`): Turing (T4) 8 Tensor Cores x 64 = 512 (NVIDIA Turing architecture
+whitepaper); A100 4 x 256 = 1,024 (NVIDIA A100 Tensor Core GPU Architecture whitepaper, "256 FP16/FP32 FMA
+operations per clock" per Tensor Core); H100 2,048 ("2x the MMA rate of A100 per SM, clock-for-clock", NVIDIA
+H100 Tensor Core GPU Architecture whitepaper).  TF32 runs at half the FP16 rate on both (A100 156 TF, H100 495
+TF dense).  The clock that turns the per-SM rate into the datasheet's dense peak is
+:attr:`GPU.tensor_clock_hz`: 1.41 GHz on A100 (its boost clock), 1.59 GHz on T4, but 1.83 GHz on H100/H200 --
+NVIDIA's 989.5 TFLOPS assumes a lower clock than the 1.98 GHz of its 67 TFLOPS FP32 figure
+(``tests/test_roofline.py`` checks both products).
 
 GPU presets (NVIDIA datasheet values, decimal units: 1 GB/s = 1e9 B/s, 1 TFLOP/s = 1e12 FLOP/s):
 
@@ -46,10 +58,30 @@ class GPU:
     sm_count: int
     hbm_bandwidth: float          # bytes/s
     fp32_peak: float              # FLOP/s on the FP32 CUDA cores (non-tensor)
-    tensor_fp16_dense: float      # FLOP/s, FP16/BF16 tensor cores, dense -- context only
+    tensor_fp16_dense: float      # FLOP/s, FP16/BF16 tensor cores, dense (FP32 accumulation)
     boost_clock_hz: float
     smem_per_sm: int              # bytes of shared memory per SM at the maximum carve-out
     fp32_lanes_per_sm: int
+    tensor_tf32_dense: float = 0.0   # FLOP/s, TF32 tensor cores, dense (0: the GPU has no TF32)
+    tensor_fma_per_sm_clk: int = 0   # dense FP16 multiply-adds per SM per clock (whitepapers; 0: unknown)
+
+    @property
+    def tensor_clock_hz(self) -> float:
+        """The clock at which :attr:`tensor_fma_per_sm_clk` on every SM gives the datasheet's dense FP16 peak
+        (``peak / (2 · SMs · rate)``; NaN when the rate is unknown)."""
+        if not self.tensor_fma_per_sm_clk:
+            return float("nan")
+        return self.tensor_fp16_dense / (2 * self.sm_count * self.tensor_fma_per_sm_clk)
+
+    def peak(self, which: str = "fp32") -> float:
+        """A compute roof in FLOP/s: ``"fp32"`` (CUDA cores), ``"tensor_fp16"`` (also BF16) or ``"tensor_tf32"``."""
+        peaks = {"fp32": self.fp32_peak, "tensor_fp16": self.tensor_fp16_dense, "tensor_bf16": self.tensor_fp16_dense,
+                 "tensor_tf32": self.tensor_tf32_dense}
+        if which not in peaks:
+            raise ValueError(f"peak must be one of {sorted(peaks)}, got {which!r}")
+        if not peaks[which]:
+            raise ValueError(f"{self.name} has no {which} peak (no such tensor cores)")
+        return peaks[which]
 
     @property
     def ridge_intensity(self) -> float:
@@ -63,11 +95,11 @@ class GPU:
 
 
 GPUS: dict[str, GPU] = {
-    "A100 40GB SXM": GPU("A100 40GB SXM", (8, 0), 108, 1555e9, 19.5e12, 312e12, 1410e6, 164 * 1024, 64),
-    "A100 80GB SXM": GPU("A100 80GB SXM", (8, 0), 108, 2039e9, 19.5e12, 312e12, 1410e6, 164 * 1024, 64),
-    "H100 SXM": GPU("H100 SXM", (9, 0), 132, 3.35e12, 67e12, 989.5e12, 1980e6, 228 * 1024, 128),
-    "H200": GPU("H200", (9, 0), 132, 4.8e12, 67e12, 989.5e12, 1980e6, 228 * 1024, 128),
-    "T4": GPU("T4", (7, 5), 40, 320e9, 8.1e12, 65e12, 1590e6, 64 * 1024, 64),
+    "A100 40GB SXM": GPU("A100 40GB SXM", (8, 0), 108, 1555e9, 19.5e12, 312e12, 1410e6, 164 * 1024, 64, 156e12, 1024),
+    "A100 80GB SXM": GPU("A100 80GB SXM", (8, 0), 108, 2039e9, 19.5e12, 312e12, 1410e6, 164 * 1024, 64, 156e12, 1024),
+    "H100 SXM": GPU("H100 SXM", (9, 0), 132, 3.35e12, 67e12, 989.5e12, 1980e6, 228 * 1024, 128, 494.7e12, 2048),
+    "H200": GPU("H200", (9, 0), 132, 4.8e12, 67e12, 989.5e12, 1980e6, 228 * 1024, 128, 494.7e12, 2048),
+    "T4": GPU("T4", (7, 5), 40, 320e9, 8.1e12, 65e12, 1590e6, 64 * 1024, 64, 0.0, 512),
 }
 
 
@@ -118,13 +150,14 @@ def _time_unit(seconds: float) -> tuple[float, str]:
     return 1e9, "ns"
 
 
-def modelled_time(flops: float, bytes: float, gpu: str | GPU = "H100 SXM") -> ModelledTime:
-    """Roofline time ``max(flops / FP32 peak, bytes / HBM bandwidth)`` -- a model, never a measurement."""
+def modelled_time(flops: float, bytes: float, gpu: str | GPU = "H100 SXM", peak: str = "fp32") -> ModelledTime:
+    """Roofline time ``max(flops / peak, bytes / HBM bandwidth)`` -- a model, never a measurement.  ``peak``:
+    ``"fp32"`` (the CUDA cores, default), ``"tensor_fp16"`` / ``"tensor_bf16"`` or ``"tensor_tf32"`` (dense)."""
     g = get_gpu(gpu)
     for name, value in (("flops", flops), ("bytes", bytes)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    t_c = flops / g.fp32_peak
+    t_c = flops / g.peak(peak)
     t_m = bytes / g.hbm_bandwidth
     return ModelledTime(max(t_c, t_m), t_c, t_m, "compute" if t_c >= t_m else "memory", float(flops),
                         float(bytes), g.name)

@@ -5,19 +5,23 @@ one architecture), disassembles the cubin with ``nvdisasm`` (the ``nvidia-cuda-n
 the rest of the toolchain) and sorts every instruction into what it costs:
 
 =================  ===========================================================================================
-``ffma``           FP32 fused multiply-adds -- the useful work of a matmul (2 FLOPs each)
+``hmma``           tensor-core matrix multiply-accumulates (``HMMA.16816.F32``: one m16n8k16 tile, 4,096 FLOPs)
+``ffma``           FP32 fused multiply-adds -- the useful work of a matmul on the CUDA cores (2 FLOPs each)
 ``fp32``           other FP32 arithmetic: FADD, FMUL, FMNMX, FSETP, FSEL, MUFU (exp2, rcp), ...
 ``fp64``           float64 arithmetic and conversions (DFMA, DADD, F2F.F64...): a Python float literal leaked in
 ``lds`` / ``sts``  shared-memory loads / stores (with their widths: 32, 64 or 128 bits)
+``ldsm``           ``ldmatrix`` (``LDSM.16.M88.4``: four 8×8 b16 matrices, ``.MT88``: transposed)
 ``ldg`` / ``stg``  global loads / stores;  ``atom``: global and shared atomics
+``ldgsts``         ``cp.async``: a global load written straight to shared memory (``LDGSTS.E.128``)
 ``ldl`` / ``stl``  local memory (the stack: spills, or arrays indexed at run time)
 ``shfl``           warp shuffles;  ``int``: integer and address arithmetic (IMAD, IADD3, LEA, SHF, ...)
 ``control``        branches, barriers, predicates' bookkeeping, moves and everything else
 =================  ===========================================================================================
 
-Loops are found from backward branches; the **hot loop** is the innermost loop with the most FFMAs, and its
-mix is what decides whether a kernel can run near the FP32 peak (the FA2 paper's argument in SASS terms: a
-matmul inner loop should be mostly FFMA, fed by wide shared loads).
+Loops are found from backward branches; the **hot loop** is the innermost loop with the most FFMAs -- with the
+most HMMAs in a kernel that has any -- and its mix is what decides whether a kernel can run near the FP32 (or the
+tensor) peak (the FA2 paper's argument in SASS terms: a matmul inner loop should be mostly FFMA, fed by wide shared
+loads; on tensor cores, HMMAs fed by LDSM, with the softmax's FP32 and MUFU work beside them).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from pathlib import Path
 
 __all__ = ["sass", "sass_many", "Sass", "Instruction", "find_nvdisasm", "classify", "CATEGORIES"]
 
-CATEGORIES = ("ffma", "fp32", "fp64", "lds", "sts", "ldg", "stg", "atom", "ldl", "stl", "shfl", "int", "control")
+CATEGORIES = ("hmma", "ffma", "fp32", "fp64", "lds", "ldsm", "sts", "ldg", "ldgsts", "stg", "atom", "ldl", "stl",
+              "shfl", "int", "control")
 
 _FP32 = {"FADD", "FMUL", "FMNMX", "FSETP", "FSEL", "MUFU", "FCHK", "FSET", "FRND", "FSWZADD", "I2F", "F2I", "F2F"}
 _INT = {"IMAD", "IADD3", "IADD", "LEA", "SHF", "LOP3", "ISETP", "SEL", "IABS", "IMNMX", "PRMT", "FLO", "POPC",
@@ -48,6 +53,10 @@ def classify(opcode: str, modifiers: str = "") -> str:
     """The category of one SASS instruction (``opcode`` without modifiers, ``modifiers`` like ``.128``)."""
     if opcode == "FFMA":
         return "ffma"
+    if opcode == "HMMA":
+        return "hmma"
+    if opcode in ("LDSM", "LDGSTS"):
+        return opcode.lower()
     if opcode in _FP32 and ".F64" not in modifiers:
         return "fp32"
     if opcode in ("DADD", "DMUL", "DFMA", "DSETP", "DMNMX") or ".F64" in modifiers:
@@ -65,8 +74,11 @@ def classify(opcode: str, modifiers: str = "") -> str:
     return "control"
 
 
-def _width(modifiers: str) -> int:
-    """Bits moved by a load or store (32 unless the modifiers say 64 or 128; U8/S16... narrower)."""
+def _width(modifiers: str, opcode: str = "") -> int:
+    """Bits moved per lane by a load or store (32 unless the modifiers say 64 or 128; U8/S16... narrower); an
+    ``LDSM`` moves 32 bits per lane per matrix (``.M88.4``: 128)."""
+    if opcode == "LDSM":
+        return 32 * (4 if modifiers.endswith(".4") else 2 if modifiers.endswith(".2") else 1)
     for bits in ("128", "64", "U16", "S16", "U8", "S8"):
         if f".{bits}" in modifiers:
             return {"U16": 16, "S16": 16, "U8": 8, "S8": 8}.get(bits, int(bits) if bits.isdigit() else 32)
@@ -109,14 +121,27 @@ class Sass:
         return [lp for lp in self.loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in self.loops)]
 
     @property
+    def work(self) -> str:
+        """The category that does a matmul's work here: ``"hmma"`` when the kernel has tensor-core instructions,
+        else ``"ffma"``."""
+        return "hmma" if any(i.category == "hmma" for i in self.instructions) else "ffma"
+
+    @property
     def hot_loop(self) -> list:
-        """The instructions of the innermost loop with the most FFMAs (empty when the kernel has no loop)."""
+        """The instructions of the innermost loop with the most FFMAs -- HMMAs in a kernel that has them (empty
+        when the kernel has no loop)."""
         loops = self.innermost_loops()
         if not loops:
             return []
-        s, e = max(loops, key=lambda lp: (sum(i.category == "ffma" for i in self.instructions[lp[0]:lp[1] + 1]),
+        work = self.work
+        s, e = max(loops, key=lambda lp: (sum(i.category == work for i in self.instructions[lp[0]:lp[1] + 1]),
                                           lp[1] - lp[0]))
         return self.instructions[s:e + 1]
+
+    def hmma_fraction(self, instructions=None) -> float:
+        """HMMAs / instructions of ``instructions`` (default: the whole kernel)."""
+        ins = self.instructions if instructions is None else instructions
+        return sum(i.category == "hmma" for i in ins) / len(ins) if ins else 0.0
 
     def fma_fraction(self, instructions=None) -> float:
         ins = self.instructions if instructions is None else instructions
@@ -133,6 +158,7 @@ class Sass:
                     loops=len(self.loops), hot_loop_instructions=len(hot),
                     hot_loop_ffma_fraction=round(self.fma_fraction(hot), 3) if hot else None,
                     kernel_ffma_fraction=round(self.fma_fraction(), 3),
+                    hot_loop_hmma_fraction=round(self.hmma_fraction(hot), 3) if hot else None,
                     **{f"hot_{k}": v for k, v in self.mix(hot).items()},
                     hot_lds_bits=self.load_widths(hot), local=self.mix()["ldl"] + self.mix()["stl"])
 
@@ -146,6 +172,8 @@ class Sass:
         for c in CATEGORIES:
             rows.append(f"{c:<9} {whole[c]:>7} {inner[c]:>9}")
         rows.append(f"{'FFMA %':<9} {100 * self.fma_fraction():>6.1f}% {100 * self.fma_fraction(hot):>8.1f}%")
+        if self.work == "hmma":
+            rows.append(f"{'HMMA %':<9} {100 * self.hmma_fraction():>6.1f}% {100 * self.hmma_fraction(hot):>8.1f}%")
         if hot:
             rows.append(f"hot loop shared loads by width (bits: count): {self.load_widths(hot)}")
         return "\n".join(rows)
@@ -193,7 +221,8 @@ def parse(text: str, name: str = "kernel", cc=(9, 0)) -> Sass:
         addr, pred, op, mods, operands = m.groups()
         cat = classify(op, mods)
         ins = Instruction(int(addr, 16), op, mods, operands.strip(), pred or "", cat,
-                          _width(mods) if cat in ("lds", "sts", "ldg", "stg", "ldl", "stl") else 32)
+                          _width(mods, op) if cat in ("lds", "ldsm", "sts", "ldg", "ldgsts", "stg", "ldl", "stl")
+                          else 32)
         if op == "BRA":
             t = _TARGET.search(operands)
             if t:

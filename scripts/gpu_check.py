@@ -1,12 +1,20 @@
 #!/usr/bin/env python
 """Everything flashnb can only check on a real GPU, in one run of under five minutes.
 
+0. The tensor-core intrinsics (``flashnb.kernels.mma``: mma.sync, ldmatrix, cp.async, the conversions) against
+   their simulator twins' NumPy core on the same random fragments (``flashnb.kernels.mma_check``): whether the
+   fragment layouts the twins (and so every simulator test of ``impl="fa2-tc"``) assume are the hardware's.
+   Rows ``impl=intrinsics`` of ``correctness.csv``.
 1. Correctness of every registered implementation (``flashnb.registry.IMPLS``) at realistic sizes
-   (default B=2, H=4, N=1024, d=64, causal and not) against the float64 ``flashnb.reference``.
+   (default B=2, H=4, N=1024, d=64, causal and not) against the float64 ``flashnb.reference``; an impl whose
+   float32 path runs through TF32 tensor cores (``Impl.precision``) at TF32's tolerance.
 2. Where ``ncu`` (Nsight Compute) is on PATH: DRAM bytes per kernel launch (``dram__bytes_read.sum``,
    ``dram__bytes_write.sum``) beside the analytic (modelled) traffic of the same call.
 3. The notebooks' GPU measurements (softmax methods, block-sparse densities).
-4. The benchmark sweep (``flashnb.bench.sweep``): CUDA-event timings with provenance columns, until the budget.
+4. The tensor cores' speed: ``impl="fa2-tc"`` forward and backward in float16 at N = 4096, d = 64 and 128 (the FA2
+   paper's batch 4, hidden 2048), TFLOP/s by the FlashAttention benchmark's formula, beside ``fa2-fast`` (float32
+   SIMT) and torch's SDPA in float16 where torch has CUDA (rows of ``measurements.csv``).
+5. The benchmark sweep (``flashnb.bench.sweep``): CUDA-event timings with provenance columns, until the budget.
 
 Everything measured goes under the output directory: ``--out``, else ``$OUT``, else ``results/gpu/``.
 On the simulator it refuses (exit status 2): nothing it measures would mean anything there.
@@ -39,6 +47,9 @@ import flashnb  # noqa: E402  (chooses GPU or simulator before numba.cuda is imp
 # relative; 2e-4 absolute + 2e-4 relative leaves room for exp() and the backward's longer reductions.
 ATOL = 2e-4
 RTOL = 2e-4
+# TF32 (fa2-tc's float32 path) keeps 10 mantissa bits: inputs and P rounded by up to 2^-11 relative; on the
+# simulator's O(1) problems the errors are <= 2e-3 (tests/test_fa2_tc.py), at N = 1024 o is an average of 1024 values
+TF32_TOL = 5e-3
 NCU_METRICS = "dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum"
 
 
@@ -58,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bench-d", type=int, action="append", default=None, help="sweep head dims (default 64 128)")
     p.add_argument("--measure-n", type=int, default=4096,
                    help="size of the notebooks' measurements (n x n softmax, N of block-sparse; default 4096)")
+    p.add_argument("--tc-N", type=int, default=4096, help="sequence length of the tensor cores' speed step (default "
+                   "4096, batch 4, 2048 / d heads; below 1024: one head, for a rehearsal)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--budget", type=float, default=270.0, help="seconds before remaining work is skipped")
     p.add_argument("--quick", action="store_true", help="small sweep (N 1024, d 64) and short repeats")
@@ -128,7 +141,8 @@ def check_correctness(args, deadline: float) -> list[dict]:
     for causal in (False, True):
         dev = [to_device(x.reshape(B * H, N, d)) for x in (q, k, v, do)]
         for name in _impls(args):
-            row = dict(impl=name, B=B, H=H, N=N, d=d, causal=causal, atol=ATOL, rtol=RTOL)
+            tol = TF32_TOL if IMPLS[name].precision == "tf32" else ATOL
+            row = dict(impl=name, B=B, H=H, N=N, d=d, causal=causal, atol=tol, rtol=tol)
             if time.monotonic() > deadline:
                 rows.append({**row, "ok": "", "error": "skipped: time budget"})
                 continue
@@ -147,9 +161,9 @@ def check_correctness(args, deadline: float) -> list[dict]:
                 for key in got:
                     a, r = got[key], want[key]
                     fin = np.isfinite(r)
-                    err = float(np.max(np.abs(a[fin] - r[fin]) - RTOL * np.abs(r[fin]))) if fin.any() else 0.0
+                    err = float(np.max(np.abs(a[fin] - r[fin]) - tol * np.abs(r[fin]))) if fin.any() else 0.0
                     row[f"{key}_max_abs_err"] = float(np.max(np.abs(a[fin] - r[fin]))) if fin.any() else 0.0
-                    good = (not np.isnan(a).any()) and err <= ATOL and np.array_equal(a[~fin], r[~fin])
+                    good = (not np.isnan(a).any()) and err <= tol and np.array_equal(a[~fin], r[~fin])
                     ok &= bool(good)
                 row["ok"] = ok
             except Exception as exc:
@@ -159,6 +173,106 @@ def check_correctness(args, deadline: float) -> list[dict]:
             print(f"correctness {name:>10} causal={causal!s:<5} {'OK' if row.get('ok') else 'FAIL'} "
                   f"{row.get('error', '')}", flush=True)
     return rows
+
+
+def check_intrinsics() -> list[dict]:
+    """Step 0: every tensor-core intrinsic on this GPU against its twin's NumPy core (``mma_check.run``)."""
+    from flashnb.kernels import mma_check
+
+    try:
+        rows = mma_check.run(seed=0)
+    except Exception as exc:
+        traceback.print_exc()
+        return [dict(impl="intrinsics", intrinsic="(all)", ok=False, error=f"{type(exc).__name__}: {exc}"[:300])]
+    for r in rows:
+        print(f"intrinsic {r['intrinsic']:<42} {'OK' if r['ok'] else 'FAIL'} ({r['mismatches']} of {r['values']} "
+              f"differ, max {r['max_diff']:.3g})", flush=True)
+    return [dict(impl="intrinsics", **r) for r in rows]
+
+
+def tensorcore_speed(deadline: float, repeats: int = 10, N: int = 4096) -> list[dict]:
+    """Step 4: fa2-tc (float16) beside fa2-fast (float32) and SDPA (float16) at the FA2 paper's shapes, N = 4096:
+    median CUDA-event milliseconds and TFLOP/s (forward ``4·B·H·N²·d``, backward 2.5x that)."""
+    import numpy as np
+
+    from flashnb import bench, common, roofline
+    from flashnb.registry import IMPLS
+
+    rows = []
+    info = bench.device_info()
+    for d, H in ((128, 16), (64, 32)):
+        B = 4
+        if N < 1024:                          # a rehearsal's size
+            B, H = 1, 1
+        rng = np.random.default_rng(0)
+        x32 = [rng.standard_normal((B * H, N, d), dtype=np.float32) for _ in range(4)]
+        for impl, storage in (("fa2-tc", "float16"), ("fa2-fast", "float32")):
+            entry = IMPLS[impl]
+            for direction in ("forward", "backward"):
+                row = dict(measurement="tensor cores", impl=impl, storage=storage, direction=direction, B=B, H=H,
+                           N=N, d=d, causal=False)
+                if time.monotonic() > deadline:
+                    rows.append({**row, "error": "skipped: time budget"})
+                    continue
+                try:
+                    with common.poisoning(False):
+                        dev = [common.to_device(a.astype(np.float16) if storage == "float16" else a, storage)
+                               for a in x32]
+                        scale = 1.0 / math.sqrt(d)
+                        opts = dict(storage=storage) if storage != "float32" else {}
+                        o, lse = entry.forward(*dev[:3], causal=False, scale=scale, **opts)
+                        call = (lambda: entry.forward(*dev[:3], causal=False, scale=scale, **opts)) \
+                            if direction == "forward" else \
+                            (lambda: entry.backward(*dev[:3], o, lse, dev[3], causal=False, scale=scale, **opts))
+                        t = bench.time_call(call, repeats=repeats, warmup=2, info=info)
+                    fl = (roofline.flops_forward if direction == "forward" else roofline.flops_backward)(B, H, N, N, d)
+                    row.update(median_ms=t.median_ms, tflops=fl / (t.median_ms * 1e-3) / 1e12)
+                except Exception as exc:
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                    traceback.print_exc()
+                rows.append(row)
+                print(f"tensor cores {impl:>8} {storage} {direction:<8} d={d}: {row.get('median_ms')} ms "
+                      f"{row.get('tflops', '')} TFLOP/s {row.get('error', '')}", flush=True)
+        rows += _sdpa_speed(B, H, N, d, repeats)
+    return rows
+
+
+def _sdpa_speed(B, H, N, d, repeats) -> list[dict]:
+    """torch's SDPA in float16 on CUDA at the same shape (forward, and forward + backward's backward share)."""
+    try:
+        import torch
+    except ImportError:
+        return [dict(measurement="tensor cores", impl="torch sdpa", error="skipped: torch is not installed here")]
+    if not torch.cuda.is_available():
+        return [dict(measurement="tensor cores", impl="torch sdpa", error="skipped: this torch build has no CUDA")]
+    from flashnb import roofline
+
+    q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
+    do = torch.randn_like(q)
+    F = torch.nn.functional.scaled_dot_product_attention
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    out = []
+    for direction in ("forward", "backward"):
+        times = []
+        for rep in range(repeats + 2):
+            o = F(q, k, v) if direction == "backward" else None
+            start.record()
+            if direction == "forward":
+                F(q, k, v)
+            else:
+                o.backward(do)
+            end.record()
+            torch.cuda.synchronize()
+            if rep >= 2:
+                times.append(start.elapsed_time(end))
+        ms = sorted(times)[len(times) // 2]
+        fl = (roofline.flops_forward if direction == "forward" else roofline.flops_backward)(B, H, N, N, d)
+        out.append(dict(measurement="tensor cores", impl="torch sdpa", storage="float16", direction=direction, B=B,
+                        H=H, N=N, d=d, causal=False, median_ms=ms, tflops=fl / (ms * 1e-3) / 1e12,
+                        torch=torch.__version__))
+        print(f"tensor cores torch sdpa float16 {direction:<8} d={d}: {ms:.3f} ms {out[-1]['tflops']:.1f} TFLOP/s",
+              flush=True)
+    return out
 
 
 def ncu_child(impl: str, N: int, d: int, causal: bool) -> None:
@@ -310,8 +424,9 @@ def torch_interop(N: int = 256, d: int = 64) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    """Correctness, then ncu DRAM bytes, then the notebooks' measurements, then the sweep (which stops at the
-    budget). Writes at most 7 files under ``--out`` (the device tool brings back 8)."""
+    """The intrinsics against their twins, correctness, then ncu DRAM bytes, the notebooks' measurements, the
+    tensor cores' speed, then the sweep (which stops at the budget). Writes at most 7 files under ``--out`` (the
+    device tool brings back 8)."""
     args = parse_args(argv)
     if args.ncu_child:
         impl, N, d, causal = args.ncu_child
@@ -341,9 +456,12 @@ def main(argv=None) -> int:
     from flashnb import common as fcommon
     from flashnb import inspect as finspect
 
+    intrinsics = check_intrinsics()          # first: the layouts every fa2-tc number below depends on
+    if not all(r.get("ok") for r in intrinsics):
+        status = 1
     fcommon.launch_hooks.append(remember)
     try:
-        correct = check_correctness(args, deadline)
+        correct = intrinsics + check_correctness(args, deadline)
     finally:
         fcommon.launch_hooks.remove(remember)
     write_rows(args.out / "correctness.csv", correct, prov)
@@ -368,6 +486,11 @@ def main(argv=None) -> int:
         meas.append(dict(measurement="flashnb.torch cuda", error=f"{type(exc).__name__}: {exc}"[:300]))
         traceback.print_exc()
     print(f"flashnb.torch on CUDA tensors: {meas[-1]}", flush=True)
+    try:
+        meas += tensorcore_speed(deadline - 20, repeats=min(args.repeats, 10), N=args.tc_N)
+    except Exception as exc:   # a failure here must not cost the sweep below
+        meas.append(dict(measurement="tensor cores", error=f"{type(exc).__name__}: {exc}"[:300]))
+        traceback.print_exc()
     write_rows(args.out / "measurements.csv", meas, prov)
     rows = bench.sweep(_impls(args, square=True), tuple(args.bench_N), tuple(args.bench_d), (False, True), B=args.B,
                        H=args.H, repeats=args.repeats, warmup=2, out_dir=args.out, figures_dir=args.out,

@@ -75,7 +75,7 @@ STAGE_OF_MODULE = {
     "test_block_sparse": "stage5", "test_flex": "flex", "test_decode": "decode",
     "test_fa2_fast": "stage6", "test_sass_model": "stage6", "test_fa2_fast_steps": "stage6",
     "test_flash": "product", "test_flash_parity": "product",
-    "test_distributed": "distributed",
+    "test_distributed": "distributed", "test_tensorcore": "stage7", "test_fa2_tc": "stage7",
 }
 
 

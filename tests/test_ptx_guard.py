@@ -1,4 +1,4 @@
-"""The PTX guard: every registered kernel compiles for real GPUs (sm_80, sm_90) with no GPU present.
+"""The PTX guard: every registered kernel compiles for real GPUs (sm_75, sm_80, sm_90) with no GPU present.
 
 The simulator hides float64 promotion, oversized shared memory and register spills; compiling with NVVM
 (``numba.cuda.compile_ptx``) and assembling with ``ptxas -v`` does not.  The simulator process cannot
@@ -22,7 +22,9 @@ tests/test_ptx_guard.py`` (compiles everything afresh and rewrites the file).  N
 Also checked: no ``@cuda.jit`` kernel in ``flashnb/`` escapes the registry (AST scan), and the guard does
 fail on kernels that are deliberately wrong (a float64 literal, 64 KiB of static shared memory).  A kernel that
 takes dynamic shared memory declares its bytes per config (``kernel_factory(dynamic_shared=...)``); the guard
-checks static + dynamic against the opt-in limits of sm_80 and sm_90 (``inspect.MAX_OPTIN_SHARED``).
+checks static + dynamic against the opt-in limits of sm_80 and sm_90 (``inspect.MAX_OPTIN_SHARED``).  A kernel built
+on tensor-core instructions declares the architectures it compiles for (``kernel_factory(archs=...)``): each of its
+configs is compiled for those, and asking for another is a ValueError naming the architecture.
 """
 
 from __future__ import annotations  # noqa: I001  (flashnb must be imported before numba.cuda)
@@ -46,6 +48,8 @@ SIMULATOR_ONLY = ("flashnb.sim",)
 EXERCISES = ("flashnb.exercises",)
 
 CASES = [(name, config) for name, spec in KERNELS.items() for config in spec.configs]
+# every case on every architecture it declares (a tensor-core kernel: kernel_factory(archs=...); the rest: all)
+JOBS = [(name, config, cc) for name, config in CASES for cc in CCS if KERNELS[name].supports(config, cc)]
 
 
 def _id(case):
@@ -97,10 +101,10 @@ def compiled():
     import json
     import os
 
-    jobs = [(name, config, cc) for name, config in CASES for cc in CCS]
+    jobs = JOBS
     record = _load_record()
     if record is not None and all((n, fi._key(n, c, cc)) in record for n, c, cc in jobs):
-        spot = [(n, c, cc) for n, c in _spot_sample(CASES) for cc in CCS]
+        spot = [(n, c, cc) for n, c in _spot_sample(CASES) for cc in CCS if KERNELS[n].supports(c, cc)]
         for (n, c, cc), fresh in zip(spot, fi.resources_many(spot)):
             kept = record[(n, fi._key(n, c, cc))]
             assert _same_report(fresh, kept), (
@@ -123,10 +127,9 @@ def test_ptxas_available():
     assert fi.find_ptxas(), "ptxas not found: install numba-cuda[cu12] (nvidia-cuda-nvcc-cu12 ships ptxas)"
 
 
-@pytest.mark.parametrize("cc", CCS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
-@pytest.mark.parametrize("case", CASES, ids=_id)
-def test_kernel_passes_guard(compiled, case, cc):
-    name, config = case
+@pytest.mark.parametrize("job", JOBS, ids=lambda j: f"{_id(j[:2])}-sm_{j[2][0]}{j[2][1]}")
+def test_kernel_passes_guard(compiled, job):
+    name, config, cc = job
     res = compiled[(name, fi._key(name, config, cc))]
     assert res.error is None, res.error
     assert res.f64_count == 0, f"{name} {config}: {res.f64_count} .f64 PTX lines (Python float literal?)"
@@ -304,6 +307,17 @@ def test_guard_passes_clean_kernel(module_level):
     assert res.f64_count == 0 and res.registers and res.spill_bytes == 0
 
 
+def test_a_kernel_is_compiled_only_for_the_architectures_it_declares():
+    # the tensor-core kernels declare theirs: m16n8k16 and cp.async need sm_80, m16n8k8.f16 and ldmatrix sm_75
+    spec = KERNELS["mma_check.mma"]
+    assert spec.archs_for(spec.configs[0]) == ((8, 0), (9, 0))
+    assert KERNELS["mma_check.ldmatrix"].archs_for({"num": 4, "trans": False}) == ((7, 5), (8, 0), (9, 0))
+    assert all(KERNELS[n].supports(c, (7, 5)) for n, c in CASES if KERNELS[n].archs is None)
+    with pytest.raises(ValueError, match=r"'mma_check.mma' .* compiles for sm_80, sm_90 only, not for sm_75: it uses "
+                                         "instructions that architecture does not have"):
+        fi.resources_for("mma_check.mma", spec.configs[0], (7, 5))
+
+
 def test_retarget_ptx():
     ptx = "//\n.version 8.8\n.target sm_80\n.address_size 64\n"
     assert fi.retarget_ptx(ptx, (9, 0)) == ptx.replace("sm_80", "sm_90")
@@ -345,7 +359,7 @@ def test_record_matches_its_cases():
     if data["key"] != _record_key():
         pytest.skip("the record is stale (another source or toolchain): the guard compiled every case")
     recorded = {(e["name"], fi._key(e["name"], e["config"], tuple(e["cc"]))) for e in data["results"]}
-    assert recorded == {(n, fi._key(n, c, cc)) for n, c in CASES for cc in CCS}
+    assert recorded == {(n, fi._key(n, c, cc)) for n, c, cc in JOBS}
     a = fi.Resources.from_json(data["results"][0]["resources"])
     b = fi.Resources.from_json(dict(a.to_json(), registers=(a.registers or 0) + 1))
     assert _same_report(a, a) and not _same_report(a, b)

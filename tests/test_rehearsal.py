@@ -295,10 +295,13 @@ def test_gpu_check_rehearsal(tmp_path, monkeypatch):
     with pretend_gpu():
         status = gc.main(["--out", str(out), "--impl", "fa2", "--impl", "fa2-sparse", "--B", "1", "--H", "1",
                           "--N", "32", "--d", "16", "--bench-N", "16", "--bench-d", "16", "--repeats", "1",
-                          "--measure-n", "32"])
+                          "--measure-n", "32", "--tc-N", "32"])
     assert status == 0
     with open(out / "correctness.csv") as f:
         correct = list(csv.DictReader(f))
+    intrinsics = [r for r in correct if r["impl"] == "intrinsics"]   # step 0, here on the twins themselves
+    assert len(intrinsics) == 15 and all(r["ok"] == "True" for r in intrinsics)
+    correct = [r for r in correct if r["impl"] != "intrinsics"]
     # fa2-sparse (local attention, 16 x 16 blocks, window 1: not dense at N = 32) is checked against its own mask
     assert [(r["impl"], r["causal"], r["ok"]) for r in correct] == [
         ("fa2", "False", "True"), ("fa2-sparse", "False", "True"), ("fa2", "True", "True"),
@@ -314,5 +317,10 @@ def test_gpu_check_rehearsal(tmp_path, monkeypatch):
         assert float(r["dram_bytes_total"]) == 3000.0
         model = bench.modelled_bytes(r["impl"], 1, 8, 32, 16, False, "fwd")
         assert float(r["modelled_bytes"]) == model and float(r["measured_over_modelled"]) == pytest.approx(3000 / model)
+    with open(out / "measurements.csv") as f:
+        tc = [r for r in csv.DictReader(f) if r["measurement"] == "tensor cores" and r["impl"] != "torch sdpa"]
+    want = {(i, dr, d) for i in ("fa2-tc", "fa2-fast") for dr in ("forward", "backward") for d in ("64", "128")}
+    assert {(r["impl"], r["direction"], r["d"]) for r in tc} == want
+    assert all(r["tflops"] and r["mode"] == "rehearsal" for r in tc)
     assert (out / "ncu_log.txt").exists() and (out / "device.json").exists()
     assert len(list(out.iterdir())) <= 8     # the device tool brings back at most 8 files

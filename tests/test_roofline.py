@@ -11,6 +11,22 @@ def test_fp32_peaks_follow_from_sm_count_and_clock():
         assert g.fp32_peak_from_clock == pytest.approx(g.fp32_peak, rel=0.01), g.name
 
 
+def test_tensor_peaks_follow_from_the_per_sm_rates():
+    # dense FP16 = SMs x FMA/clk/SM x 2 x clock: A100 108 x 1024 x 2 x 1.41 GHz = 311.9 TF (the boost clock);
+    # T4 40 x 512 x 2 x 1.59 GHz = 65.1 TF; H100 132 x 2048 x 2 x 1.83 GHz = 989 TF (not its 1.98 GHz FP32 clock)
+    a, h, t = rl.GPUS["A100 80GB SXM"], rl.GPUS["H100 SXM"], rl.GPUS["T4"]
+    assert a.tensor_clock_hz == pytest.approx(a.boost_clock_hz, rel=0.01)
+    assert t.tensor_clock_hz == pytest.approx(t.boost_clock_hz, rel=0.01)
+    assert h.tensor_clock_hz == pytest.approx(1.83e9, rel=0.01)
+    for g in rl.GPUS.values():
+        assert g.tensor_tf32_dense in (0.0, pytest.approx(g.tensor_fp16_dense / 2, rel=0.01)), g.name
+    assert rl.modelled_time(312e12, 1.0, a, peak="tensor_fp16").seconds == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="T4 has no tensor_tf32 peak"):
+        rl.modelled_time(1.0, 1.0, t, peak="tensor_tf32")
+    with pytest.raises(ValueError, match="peak must be one of"):
+        a.peak("int8")
+
+
 def test_presets():
     assert rl.GPUS["A100 40GB SXM"].hbm_bandwidth == 1555e9
     assert rl.GPUS["A100 80GB SXM"].hbm_bandwidth == 2039e9

@@ -32,11 +32,51 @@ def test_parse_hand_written_sass():
     assert len(s.instructions) == 14 and s.loops == [(2, 9)]
     hot = s.hot_loop
     assert [i.opcode for i in hot] == ["LDS", "LDS", "FFMA", "FFMA", "SHFL", "IADD3", "ISETP", "BRA"]
-    assert s.mix(hot) == dict(ffma=2, fp32=0, fp64=0, lds=2, sts=0, ldg=0, stg=0, atom=0, ldl=0, stl=0, shfl=1,
-                              int=2, control=1)
+    assert s.mix(hot) == dict(hmma=0, ffma=2, fp32=0, fp64=0, lds=2, ldsm=0, sts=0, ldg=0, ldgsts=0, stg=0, atom=0,
+                              ldl=0, stl=0, shfl=1, int=2, control=1)
     assert s.fma_fraction(hot) == 2 / 8 and s.load_widths(hot) == {32: 1, 128: 1}
     whole = s.mix()
     assert (whole["fp64"], whole["stl"], whole["stg"], whole["int"], whole["control"]) == (1, 1, 1, 3, 3)
+
+
+# A tensor-core kernel's shape: a loop with more FFMAs (the softmax's) and one with the HMMAs, fed by LDSM; the cp.async
+# copy of the next tile (LDGSTS) beside them.  The hot loop is the HMMA loop.
+TENSOR_SNIPPET = """
+        /*0000*/                   S2R R0, SR_TID.X ;
+.L_x_1:
+        /*0010*/                   FFMA R10, R4, R8, R10 ;
+        /*0020*/                   FFMA R11, R5, R8, R11 ;
+        /*0030*/                   FFMA R12, R5, R8, R12 ;
+        /*0040*/                   MUFU.EX2 R12, R12 ;
+        /*0050*/               @P0 BRA `(.L_x_1) ;
+.L_x_2:
+        /*0060*/                   LDGSTS.E.BYPASS.128 [R2], desc[UR4][R6.64] ;
+        /*0070*/                   LDSM.16.M88.4 R16, [R3] ;
+        /*0080*/                   LDSM.16.MT88.2 R20, [R3+0x800] ;
+        /*0090*/                   HMMA.16816.F32 R24, R16, R20, R24 ;
+        /*00a0*/                   HMMA.1688.F32.TF32 R28, R16, R20, R28 ;
+        /*00b0*/               @P1 BRA `(.L_x_2) ;
+        /*00c0*/                   EXIT ;
+"""
+
+
+def test_parse_tensor_core_sass():
+    s = sass.parse(TENSOR_SNIPPET, "tensor")
+    assert s.work == "hmma" and [i.opcode for i in s.hot_loop] == ["LDGSTS", "LDSM", "LDSM", "HMMA", "HMMA", "BRA"]
+    hot = s.mix(s.hot_loop)
+    assert (hot["hmma"], hot["ldsm"], hot["ldgsts"], hot["ffma"], hot["control"]) == (2, 2, 1, 0, 1)
+    assert s.load_widths(s.hot_loop, "ldsm") == {64: 1, 128: 1}          # x2 and x4: 2 and 4 matrices per lane
+    assert s.load_widths(s.hot_loop, "ldgsts") == {128: 1}
+    assert s.hmma_fraction(s.hot_loop) == 2 / 6 and "HMMA %" in s.table()
+
+
+def test_registered_tensor_core_kernel():
+    s = sass.sass("mma_check.mma", config={"shape": "m16n8k16.f16"}, cc=(8, 0))
+    assert [i.opcode + i.modifiers for i in s.instructions if i.category == "hmma"] == ["HMMA.16816.F32"]
+    s = sass.sass("mma_check.ldmatrix", config={"num": 4, "trans": True}, cc=(8, 0))
+    assert [i.opcode + i.modifiers for i in s.instructions if i.category == "ldsm"] == ["LDSM.16.MT88.4"]
+    s = sass.sass("mma_check.cp_async", config={}, cc=(9, 0))
+    assert s.mix()["ldgsts"] == 2 and {"LDGDEPBAR", "DEPBAR"} <= {i.opcode for i in s.instructions}
 
 
 @cuda.jit

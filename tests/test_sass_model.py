@@ -98,3 +98,49 @@ def test_hbm_bound_when_the_bytes_dominate():
     t = sass_model.modelled_time(c, tiles_per_block=[1], warps=1, blocks_per_sm=1, hbm_bytes=1e6, flops=1.0,
                                  gpu=gpu)
     assert t.bound == "hbm" and t.seconds == pytest.approx(1.0)
+
+
+# A tensor-core tile loop: everything of a tile unrolled (no inner loop), 2 HMMAs per matmul, 2 LDSM.x4 and one
+# LDSM.x2 feeding them, a cp.async of the next tile, 4 exponentials.
+_TC_TEXT = """
+        /*0000*/                   LDG.E.128 R2, [R4.64] ;
+.L_x_0:
+        /*0010*/                   LDGSTS.E.BYPASS.128 [R2], desc[UR4][R6.64] ;
+        /*0020*/                   LDSM.16.M88.4 R16, [R3] ;
+        /*0030*/                   LDSM.16.M88.4 R20, [R3+0x200] ;
+        /*0040*/                   HMMA.16816.F32 R24, R16, R20, R24 ;
+        /*0050*/                   HMMA.16816.F32 R28, R16, R22, R28 ;
+        /*0060*/                   MUFU.EX2 R30, R24 ;
+        /*0070*/                   MUFU.EX2 R31, R25 ;
+        /*0080*/                   MUFU.EX2 R32, R26 ;
+        /*0090*/                   MUFU.EX2 R33, R27 ;
+        /*00a0*/                   LDSM.16.MT88.2 R34, [R3+0x400] ;
+        /*00b0*/                   HMMA.16816.F32 R36, R30, R34, R36 ;
+        /*00c0*/                   HMMA.1688.F32.TF32 R40, R30, R34, R40 ;
+        /*00d0*/              @!P2 BRA `(.L_x_0) ;
+        /*00e0*/                   STG.E.128 [R4.64], R36 ;
+        /*00f0*/                   EXIT ;
+"""
+
+
+def test_tensor_pipe_worked_by_hand():
+    s = sass.parse(_TC_TEXT, "hand-made tensor")
+    c = sass_model.count(s, sass_model.KernelShape(phases=(2, 2), tile_loads=4, prologue_loads=4,
+                                                   epilogue_stores=4))
+    assert c.work == "hmma" and c.tile.hmma == 4 and c.tile.issued == 13
+    # HMMA.16816: 16·8·16 = 2048 multiply-adds; the TF32 m16n8k8 (1024) counts twice: it runs at half the rate
+    assert c.tile.pipes["tensor"] == 3 * 2048 + 2 * 1024
+    assert c.tile.pipes["mio"] == 4 + 4 + 4 + 2              # LDGSTS.128 (its shared write), LDSM x4, x4, x2
+    assert c.tile.pipes["mufu"] == 4 and c.tile_work_fraction == pytest.approx(4 / 13)
+    # one SM of an A100: 1024 FP16 multiply-adds per clock at 1.41 GHz (its tensor clock is its boost clock); 4 warps
+    # x 10 tiles: 8 tensor cycles per warp-tile, but 14 wavefronts of shared memory -- 3 LDSM for 4 HMMAs is too few
+    # MMAs per byte: the shared-memory pipe binds (why fa2-tc gives each warp more rows than one m16 tile)
+    a100 = GPU("toy A100", (8, 0), 1, 1e15, 19.5e12 / 108, 312e12 / 108, 1410e6, 164 * 1024, 64, 156e12 / 108, 1024)
+    t = sass_model.modelled_time(c, tiles_per_block=[10], warps=4, blocks_per_sm=1, hbm_bytes=0.0, flops=1.0,
+                                 gpu=a100)
+    assert t.pipe_seconds["tensor"] == pytest.approx(4 * 10 * c.tile.pipes["tensor"] / 1024 / 1410e6, rel=1e-3)
+    assert t.bound == "mio" and t.seconds == pytest.approx(4 * 10 * 14 / 1410e6, rel=1e-3)
+    no_tensor = GPU("toy", (9, 0), 1, 1e15, 1e12, 1e12, 1e9, 228 * 1024, 128)
+    with pytest.raises(ValueError, match="no tensor pipe rate"):
+        sass_model.modelled_time(c, tiles_per_block=[1], warps=1, blocks_per_sm=1, hbm_bytes=0.0, flops=1.0,
+                                 gpu=no_tensor)

@@ -331,16 +331,17 @@ def test_cli_sanitize_a_script(tmp_path, capsys):
 # are between one iteration's reads of a shared tile and the next iteration's reload of it.
 OPTIONS = {"fa1": dict(Br=8, Bc=16, warps=2), "fa2": dict(Br=16, Bc=16, warps=2),
            "fa2-rows": dict(Br=64, Bc=16), "fa2-splitq": dict(Br=64, Bc=16, warps=2),
-           "fa2-fast": dict(Br=8, Bc=8, warps=2), "flash": dict(Br=8, Bc=8, warps=2)}
+           "fa2-fast": dict(Br=8, Bc=8, warps=2), "flash": dict(Br=8, Bc=8, warps=2),
+           "fa2-tc": dict(Br=32, Bc=32, warps=2)}
 
 
 # CI runs every impl causal (its masked, partial and skipped tiles are a superset of the non-causal code paths at
 # these shapes: Nk = 20 is not a multiple of any tile, and Nq > Nk leaves the first causal rows no key); the
 # non-causal runs are `slow` (CI's time budget). So are
 # naive (one thread per element of S, the slowest to sanitize), the stage-4 step impls (fa2-rows, fa2-splitq),
-# fa2-sparse and onepass: CI sanitizes fa1, fa2, fa2-fast and flash; the others' races are checked in their own tests
-# (flash's features: tests/test_flash.py).
-_CI = ("fa1", "fa2", "fa2-fast", "flash")
+# fa2-sparse and onepass: CI sanitizes fa1, fa2, fa2-fast, flash and fa2-tc; the others' races are checked in their
+# own tests (flash's features: tests/test_flash.py; fa2-tc's cp.async path: tests/test_fa2_tc.py).
+_CI = ("fa1", "fa2", "fa2-fast", "flash", "fa2-tc")   # fa2-tc here: float64 inputs, its float32 (TF32) path
 
 
 @pytest.mark.parametrize("causal", [pytest.param(False, marks=pytest.mark.slow), True])

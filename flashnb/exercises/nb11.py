@@ -29,8 +29,8 @@ def _counted_forward_bytes(BH, Nq, Nk, d, storage):
           explain="""Half storage halves every term but one: L stays float32 (it is a statistic, and its precision
           matters for the backward's exp(S - L)). The K/V term dominates (it is read Tr times), so the total falls by
           almost exactly 2x. On a GPU the kernel is memory-bound at small d, so this is close to a 2x speed-up there;
-          at large d the FLOPs dominate and half storage helps through tensor cores instead (which this library's
-          FP32 kernels do not use).""")
+          at large d the FLOPs dominate and half storage helps through tensor cores instead (which fa2's FP32
+          arithmetic does not use; notebook 12's impl="fa2-tc" does).""")
 def check_11_1(forward_bytes):
     """forward_bytes(BH, Nq, Nk, d, itemsize) -> HBM bytes (reads + writes) of fa2's forward at its default tiles for
     d <= 64, with Q, K, V and O stored at ``itemsize`` bytes per element (L is float32)."""

@@ -24,6 +24,11 @@ the lanes run the line together.  Then, per request,
   broadcast); ``bank conflicts`` = wavefronts - ideal, ideal = ceil(distinct words / 32).  Each shared array is
   taken to start at bank 0.
 
+Tensor-core loads and copies (:mod:`flashnb.sim.tensorcore`) are grouped as the hardware serves them: an
+``ldmatrix`` is one request per 8×8 matrix -- its 8 rows of 16 bytes, one 128-byte phase, ideal 1 wavefront -- so
+rows that share banks (a ``d = 64`` half tile without a swizzle: rows 128 bytes apart) cost up to 8; a
+``cp.async`` is one request of the warp's 32 chunks of 16 bytes, named by the line that issued it.
+
 Metric names follow Nsight Compute (``l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum``,
 ``l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum``, ...).  How these counts differ from ncu's:
 
@@ -257,9 +262,11 @@ class _LaunchProfiler:
         size = a.itemsize
         offsets = [(addr - base, size) for addr, _ in racecheck._elements(a, idx)]
         key = (block, tid, where, op, name)
-        with self.lock:
-            k = self.seq.get(key, 0)
-            self.seq[key] = k + 1
+        request = getattr(racecheck._site, "request", None)   # an instruction twin's own grouping (ldmatrix's
+        with self.lock:                                         # 8-row phases, one cp.async), else the k-th access
+            k = self.seq.get(key, 0) if request is None else request
+            if request is None:
+                self.seq[key] = k + 1
             self.requests.setdefault((block, tid >> 5, where, _OP[op], name, memory, k), []).extend(offsets)
 
     def finish(self):

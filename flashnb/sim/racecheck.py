@@ -91,9 +91,16 @@ class RaceReport:
 _SKIP = {traffic.__file__, __file__}   # the proxy's and this module's frames are not the kernel's
 
 
+#: Per-thread attribution set by an instruction's simulator twin (:mod:`flashnb.sim.tensorcore`) while it makes
+#: accesses on a kernel's behalf: ``where`` names the kernel line (a ``cp.async`` lands at ``wait_group`` but is the
+#: issuing line's), ``request`` groups the accesses into one hardware request for the profiler.
+_site = threading.local()
+
+
 def _where() -> str:
     """file:line (function) of the kernel code making the access."""
-    return kernel_line(_SKIP, 3)
+    where = getattr(_site, "where", None)
+    return where if where is not None else kernel_line(_SKIP, 3)
 
 
 def _elements(a: np.ndarray, idx):

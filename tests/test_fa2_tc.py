@@ -1,0 +1,221 @@
+"""impl="fa2-tc" (stage 7): FlashAttention-2 on tensor cores, on the simulator's twins of mma.sync, ldmatrix and
+cp.async.
+
+Half inputs are held to FlashAttention's own rule: against the float64 reference of the (upcast) half inputs,
+fa2-tc's output error is at most 2x, and its gradients' errors at most 3x, those of the same attention computed by
+PyTorch in the same half dtype (what a user of half precision accepts already).  float32 inputs run through TF32:
+a stated tolerance below.  Also: the exact traffic model (cp.async copies and ldmatrix reads are counted through the
+simulator's arrays), poisoned outputs fully written, the sanitizer's four tools, no bank conflicts on full tiles,
+the sm_75 forward (m16n8k8, plain copies), and bad input.
+"""
+
+import numpy as np
+import pytest
+from conftest import assert_close
+
+import flashnb
+from flashnb import common, reference, sim, traffic
+from flashnb.kernels import flash_tc, mma
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.skipif(flashnb.MODE != "sim", reason="simulator checks")
+
+TILES = dict(Br=32, Bc=32, warps=2)      # several tiles of each loop at these sizes, two warps
+HALF = {"float16": (np.float16, torch.float16), "bfloat16": (np.uint16, torch.bfloat16)}
+
+
+def half_inputs(rng, storage, shape_q, Nk, do=True):
+    """Random half q, k, v (and do): what fa2-tc gets (NumPy: float16, or uint16 bfloat16 bits), the same values
+    as float64 (the reference's inputs) and as torch tensors of the half dtype."""
+    *lead, Nq, d = shape_q
+    arrays = [rng.standard_normal(s) for s in (shape_q, (*lead, Nk, d), (*lead, Nk, d), shape_q)[:4 if do else 3]]
+    if storage == "float16":
+        held = [a.astype(np.float16) for a in arrays]
+        exact = [h.astype(np.float64) for h in held]
+    else:
+        held = [common.to_bfloat16(a) for a in arrays]
+        exact = [common.from_bfloat16(h).astype(np.float64) for h in held]
+    tensors = [torch.tensor(e, dtype=HALF[storage][1]) for e in exact]
+    return held, exact, tensors
+
+
+def values(a, storage):
+    """float64 values of what fa2-tc returned in ``storage``."""
+    return (common.from_bfloat16(a) if storage == "bfloat16" else np.asarray(a)).astype(np.float64)
+
+
+def torch_half(q, k, v, do, causal, scale):
+    """Attention computed by PyTorch in the half dtype of its inputs (matmuls, softmax and all), with autograd."""
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        Nq, Nk = s.shape[-2:]
+        allowed = torch.tensor(reference._allowed((Nq, Nk), causal, None))
+        s = s.masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)     # a row with no key: o = 0 (flashnb's and FlashAttention's rule)
+    o = p @ v
+    o.backward(do)
+    return [x.detach().double().numpy() for x in (o, q.grad, k.grad, v.grad)]
+
+
+def maxerr(a, b):
+    finite = np.isfinite(b)
+    return float(np.abs(np.asarray(a)[finite] - b[finite]).max())
+
+
+CASES = [  # (storage, q's shape, Nk, causal): partial tiles, Nq != Nk, both alignments, padded d, a row with no key
+    ("float16", (2, 40, 24), 56, True),
+    ("bfloat16", (1, 48, 16), 32, "upper_left"),
+    ("float16", (1, 33, 64), 40, False),
+    ("bfloat16", (1, 40, 20), 24, True),          # Nq > Nk, bottom-right: the first 16 rows see no key
+]
+
+
+@pytest.mark.parametrize("storage, shape_q, Nk, causal", CASES)
+def test_half_precision_within_flashattentions_rule(rng, storage, shape_q, Nk, causal):
+    (q, k, v, do), exact, tensors = half_inputs(rng, storage, shape_q, Nk)
+    d = shape_q[-1]
+    scale = 1 / np.sqrt(d)
+    o, lse = flashnb.attention_forward(q, k, v, causal=causal, impl="fa2-tc", storage=storage, **TILES)
+    o_ref, lse_ref = reference.attention_forward(*exact[:3], causal=causal)
+    pt = torch_half(*tensors, causal, scale)
+    assert not np.isnan(values(o, storage)).any() and not np.isnan(lse).any()       # every element written
+    # FlashAttention's rule: output error <= 2x PyTorch's in the same half dtype (both against float64)
+    assert maxerr(values(o, storage), o_ref) <= 2 * maxerr(pt[0], o_ref), (maxerr(values(o, storage), o_ref),
+                                                                             maxerr(pt[0], o_ref))
+    # L is float32 from exact half inputs: float32 accumulation error only (measured <= 1e-6 here)
+    assert_close(lse, lse_ref, atol=2e-5, rtol=2e-5, what=f"{storage} lse")
+    grads = flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, impl="fa2-tc", storage=storage, **TILES)
+    refs = reference.attention_backward(*exact, causal=causal)
+    for name, g, r, p in zip(("dq", "dk", "dv"), grads, refs, pt[1:]):
+        got = values(g, storage)
+        assert not np.isnan(got).any(), name
+        # gradients: at most 3x PyTorch's half-precision error
+        assert maxerr(got, r) <= 3 * maxerr(p, r), (name, maxerr(got, r), maxerr(p, r))
+
+
+# TF32 keeps 10 of float32's 23 mantissa bits: Q, K, V (rounded when copied to shared memory) and P (when formed)
+# carry a relative error of up to 2^-11 = 4.9e-4 each, and a score Σ_l q_l k_l up to ~2·2^-11·Σ|q||k|.  On these
+# O(1) inputs the errors measured 2e-4 .. 1.5e-3 (o, lse, gradients); 5e-3 absolute plus 5e-3 relative is ~3x that,
+# and far below what a wrong fragment or mask gives (O(1)).
+TF32 = dict(atol=5e-3, rtol=5e-3)
+
+
+@pytest.mark.parametrize("shape_q, Nk, causal, scale", [((1, 33, 20), 37, True, None), ((2, 16, 8), 24, False, -0.7),
+                                                        ((1, 24, 16), 20, True, 0.0)])
+def test_float32_inputs_through_tf32(rng, shape_q, Nk, causal, scale):
+    q, k, v, do = (rng.standard_normal(s) for s in (shape_q, (*shape_q[:-2], Nk, shape_q[-1]),
+                                                      (*shape_q[:-2], Nk, shape_q[-1]), shape_q))
+    o, lse = flashnb.attention_forward(q, k, v, causal=causal, scale=scale, impl="fa2-tc", **TILES)
+    assert o.dtype == np.float32
+    o_ref, lse_ref = reference.attention_forward(q, k, v, causal=causal, scale=scale)
+    assert_close(o, o_ref, **TF32, what="tf32 o")
+    assert_close(lse, lse_ref, **TF32, what="tf32 lse")
+    grads = flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, scale=scale, impl="fa2-tc", **TILES)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, reference.attention_backward(q, k, v, do, causal=causal,
+                                                                              scale=scale)):
+        assert_close(g, r, **TF32, what=f"tf32 {name}")
+
+
+def test_default_tiles_and_negative_scale_in_half(rng):
+    # the default tiles (two m-tiles a warp, cp.async double buffering) on a problem smaller than one tile; a
+    # negative scale (folded into Q's sign bits) against the same rule
+    (q, k, v, do), exact, tensors = half_inputs(rng, "float16", (1, 20, 64), 70)
+    o, lse = flashnb.attention_forward(q, k, v, causal=True, scale=-0.2, impl="fa2-tc")
+    o_ref, _ = reference.attention_forward(*exact[:3], causal=True, scale=-0.2)
+    pt = torch_half(*tensors, True, -0.2)
+    assert maxerr(o, o_ref) <= 2 * maxerr(pt[0], o_ref)
+
+
+# --------------------------------------------------------------------------- exact traffic
+
+
+@pytest.mark.parametrize("storage, d, causal", [("float16", 64, True), ("bfloat16", 20, False),
+                                                ("float32", 16, True)])
+def test_traffic_equals_the_model(rng, storage, d, causal):
+    BH, Nq, Nk = 1, 40, 72
+    dt = {"float16": np.float16, "float32": np.float32}.get(storage)
+    conv = common.to_bfloat16 if storage == "bfloat16" else (lambda a: a.astype(dt))
+    q, k, v, do = (common.to_device(conv(rng.standard_normal((BH, n, d))), storage) for n in (Nq, Nk, Nk, Nq))
+    scale = 1 / np.sqrt(d)
+    with traffic.count() as t:
+        o, lse = flash_tc.forward(q, k, v, causal=causal, scale=scale, storage=storage, **TILES)
+    t.check_model(flash_tc.model_forward(BH, Nq, Nk, d, causal=causal, storage=storage, **TILES))
+    with traffic.count() as t:
+        flash_tc.backward(q, k, v, o, lse, do, causal=causal, scale=scale, storage=storage, **TILES)
+    t.check_model(flash_tc.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, **TILES))
+    from flashnb.fa2 import model_bytes
+    assert [lt.read_bytes for lt in t.launches] == [m["read_bytes"] for m in model_bytes(
+        flash_tc.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, **TILES), storage)]
+
+
+# --------------------------------------------------------------------------- tools
+
+
+def test_all_four_sanitizer_tools_on_the_async_path(rng):
+    # float16 at d = 16: cp.async double buffering (the float64 inputs of the every-impl sanitizer test take the
+    # float32 path, plain copies); partial tiles, a causal mask, several K/V and Q tiles per block
+    (q, k, v, do), _, _ = half_inputs(rng, "float16", (1, 40, 16), 36)
+    with sim.sanitize() as report:
+        o, lse = flashnb.attention_forward(q, k, v, causal=True, impl="fa2-tc", **TILES)
+        flashnb.attention_backward(q, k, v, o, lse, do, causal=True, impl="fa2-tc", **TILES)
+    assert report.launches == 4 and not report.findings          # forward; D, backward, dQ -> float16
+
+
+def test_no_bank_conflicts_on_full_tiles(rng):
+    # d = 64 halves: rows of 128 bytes, the case a plain layout makes 8-way conflicted (tests/test_tensorcore.py);
+    # every shared access of both passes -- ldmatrix phases, cp.async chunks, dS stores, L/D -- conflict-free
+    (q, k, v, do), _, _ = half_inputs(rng, "float16", (1, 64, 64), 64)
+    with sim.profile() as fwd:
+        o, lse = flashnb.attention_forward(q, k, v, impl="fa2-tc", **TILES)
+    with sim.profile() as bwd:
+        flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2-tc", **TILES)
+    for name, prof in (("forward", fwd), ("backward", bwd)):
+        shared = prof.total(memory="shared")
+        assert shared["requests"] > 0 and shared["bank_conflicts"] == 0, f"{name}:\n{prof.table(prof.worst(5))}"
+    ldsm = [s for s in fwd.select(memory="shared", op="ld") if s.array == "sm"]
+    assert ldsm and all(s.ideal == s.requests for s in ldsm)    # one wavefront per 8x8 matrix, as ideal
+
+
+def test_sm75_forward_on_the_simulator(rng):
+    # the T4 kernel: m16n8k8 (two per k-step), plain copies into one buffer; launched by hand (the simulator is
+    # an sm_80 to the launcher)
+    (q, k, v), exact, _ = half_inputs(rng, "float16", (1, 40, 32), 48, do=False)
+    kernel = flash_tc.make_forward(32, 32, 32, 2, True, "float16", 75)
+    O = common.empty((1, 40, 32), storage="float16")
+    L = common.empty((1, 40))
+    dev = [common.to_device(a, "float16") for a in (q, k, v)]
+    common.launch(kernel, (2, 1), 64, *dev, O, L, 1 / np.sqrt(32), common.causal_diag(True, 40, 48))
+    o_ref, lse_ref = reference.attention_forward(*exact, causal=True)
+    # half output (one rounding of |o| <= 1: 2^-11) plus P's rounding: 2e-3 is ~4x the measured 5e-4
+    assert_close(O.copy_to_host(), o_ref, atol=2e-3, rtol=2e-3, what="sm_75 o")
+    assert_close(L.copy_to_host(), lse_ref, atol=2e-5, rtol=2e-5, what="sm_75 lse")
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_names_the_argument(rng):
+    x = rng.standard_normal((8, 16)).astype(np.float16)
+    with pytest.raises(ValueError, match=r"head dim d .* must be in 1\.\.128"):
+        flashnb.attention(np.zeros((4, 130), np.float16), np.zeros((4, 130), np.float16),
+                          np.zeros((4, 130), np.float16), impl="fa2-tc")
+    with pytest.raises(ValueError, match="Bc=24 must be a multiple of 16"):
+        flashnb.attention(x, x, x, impl="fa2-tc", Br=32, Bc=24, warps=2)
+    with pytest.raises(ValueError, match=r"Br=24 must be a multiple of 16·warps = 32"):
+        flashnb.attention(x, x, x, impl="fa2-tc", Br=24, Bc=32, warps=2)
+    with pytest.raises(TypeError, match="fa2-tc: k must be float16"):
+        flash_tc.forward(*(common.to_device(a, s) for a, s in ((x, "float16"), (x.astype(np.float32), "float32"),
+                                                                 (x, "float16"))), scale=1.0)
+    with pytest.raises(ValueError, match=r"fa2-tc needs tensor-core instructions this GPU \(sm_70\) does not have: "
+                                         r"it runs on sm_75 and newer"):
+        mma.check_arch("fa2-tc", ((7, 5),), cc=(7, 0))
+    with pytest.raises(ValueError, match=r"fa2-tc backward needs .* \(sm_75\) .* sm_80, sm_90 and newer"):
+        mma.check_arch("fa2-tc backward", flash_tc.ARCHS[80], cc=(7, 5))
+    with pytest.raises(ValueError, match=r"head dim d must be <= 64 .* forward with float32 \(TF32\)"):
+        flashnb.attention_forward(*(rng.standard_normal((1, 8, 72)) for _ in range(3)), impl="fa2-tc")
+    with pytest.raises(ValueError, match=r"head dim d must be <= 32 .* backward with float32 \(TF32\)"):
+        flash_tc.bwd_default_tiles(40, "float32")
+    with pytest.raises(ValueError, match="on sm_75 takes float16 only"):
+        flash_tc.geometry("bfloat16", 64, 64, 32, 4, arch=75)
