@@ -326,7 +326,7 @@ def modelled_time(c: SassCounts, *, tiles_per_block: Sequence[int], warps: int, 
     slots = g.sm_count * blocks_per_sm
     busy = dict.fromkeys(PIPES, 0.0)      # pipe-cycles of the whole launch, per pipe
     heap = [0.0] * slots                  # when each slot frees (cycles)
-    if not rate["tensor"] and any(x.pipes["tensor"] for x in (c.prologue, c.tile, c.epilogue)):
+    if not rate["tensor"] and any(x.pipes.get("tensor", 0) for x in (c.prologue, c.tile, c.epilogue)):
         raise ValueError(f"{c.name}: tensor-core instructions, but {g.name} has no tensor pipe rate")
     for entry in tiles_per_block:
         tiles, edges = entry if isinstance(entry, tuple) else (entry, 0)

@@ -103,10 +103,28 @@ def _fwd_bwd(name, causal, **opts):
     return run
 
 
+# fa2-tc's kernels call the tensor-core twins, warp collectives of the threads simulator (each lane hands its
+# registers to the warp): the vectorised simulator hands those launches over, which the next test checks.
+VECTORISED = [n for n in IMPLS if n != "fa2-tc"]
+
+
 @pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("name", list(IMPLS))
+@pytest.mark.parametrize("name", VECTORISED)
 def test_every_impl_forward_and_backward(name, causal):
     differential(_fwd_bwd(name, causal, **OPTIONS.get(name, {})))
+
+
+def test_tensor_core_kernels_fall_back_to_the_threads_simulator_with_a_note():
+    """fa2-tc on the vectorised simulator: its forward and backward (they call the twins) run on the threads
+    simulator after a note naming the twin, the launch between them (D = rowsum(dO∘O)) vectorised; the bytes
+    and counts are the threads simulator's."""
+    fn = _fwd_bwd("fa2-tc", True, **OPTIONS.get("fa2-tc", {}))
+    out_v, sum_v, n_v = _run("vector", fn)
+    out_t, sum_t, _ = _run("threads", fn)
+    assert n_v["threads"] >= 2, n_v
+    assert any("flashnb.sim.tensorcore" in note for note in vector.notes()), vector.notes()[-3:]
+    _same(out_v, out_t)
+    assert sum_v == sum_t
 
 
 @pytest.mark.parametrize("opts", [

@@ -212,6 +212,9 @@ def call(f, m, site, args, kw=None, used=True):
             raise Unsupported("a kernel launched from a kernel")
         vf = INSTANCE[0](f.fn)
         return vf(m, *args, **(kw or {}))
+    if getattr(f, "__module__", None) == "flashnb.sim.tensorcore":
+        # the tensor-core twins run on the threads simulator (its warp collectives: each lane hands its registers)
+        raise Unsupported(f"a tensor-core intrinsic's twin ({getattr(f, '__name__', f)}, flashnb.sim.tensorcore)")
     handler = _BUILTINS.get(f) if _hashable(f) else None
     if handler is not None and not kw:
         return handler(args, m)

@@ -1269,6 +1269,8 @@ def b_min(args, m):
 
 
 def _minmax(args, m, cmp):
+    if any(type(a) is Mixed for a in args):      # lanes of different types: each lane as Python computes it
+        return scalarise(max if cmp == "gt" else min, tuple(args), m)
     if len(args) == 1:
         if is_lanes(args[0]):
             raise Unsupported("max()/min() of a per-lane iterable")
