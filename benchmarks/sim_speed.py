@@ -12,6 +12,7 @@ most about 5x a plain vectorised run.  These are wall times of the simulator on 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import platform
 import sys
@@ -89,6 +90,9 @@ def main():
     # racecheck against a plain vectorised run of the same launches
     fn = forward_backward("fa2", 128, 64, True)
     fn()
+    with sim.simulating("vector"), racecheck.check():
+        fn()  # warm-up, as for every row above
+    gc.collect()
     with sim.simulating("vector"):
         t0 = time.perf_counter()
         fn()

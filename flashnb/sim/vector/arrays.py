@@ -198,6 +198,41 @@ def resolve(arr, idx, m, op):
     sub-array."""
     if type(idx) is not tuple:
         idx = (idx,)
+    shape = arr.shape
+    n = len(idx)
+    if n == len(shape):
+        # The common case first: one element, every index an int or a per-lane int, all in bounds on every
+        # lane.  Anything else (a view, a slice, an index out of bounds on some lane, memcheck's report) takes
+        # the general path below, which gives the same flat index where this one does.
+        flat = arr.off
+        st = arr.st
+        for axis in range(n):
+            i = idx[axis]
+            t = type(i)
+            if t is V:
+                c = i.ix
+                if c is None:
+                    if i.k not in _INT_KINDS:
+                        break
+                    a = i.a
+                    if a.dtype != np.int64:
+                        a = a.astype(np.int64)
+                    c = i.ix = [a, int(a.view(np.uint64).max(initial=0)), 1, a]
+                if c[1] >= shape[axis]:
+                    break
+                s = st[axis]
+                if c[2] != s:
+                    c[2] = s
+                    c[3] = c[0] * s
+                flat = flat + c[3]
+            elif t is int:
+                if not 0 <= i < shape[axis]:
+                    break
+                flat = flat + i * st[axis]
+            else:
+                break
+        else:
+            return flat
     if any(type(i) is Mixed for i in idx):
         idx = tuple(collapse_int(i) for i in idx)       # an index is its value, whatever its type
     shape = arr.shape

@@ -41,52 +41,99 @@ def analyse(log, sink, label, kernel, grid, T):
         sink.launches += 1
         return
     spaces: dict = {}
-    keys, accs, blocks, phases, codes, entry_of, pos = [], [], [], [], [], [], []
-    for e, (arr, op, f, lanes, block_lin, tid, phase, wphase, site, seq, rank) in enumerate(log):
+    # One row per logged lane access, built entry-wise with array operations: an entry's scalars (its
+    # operation, the element key's base and scale) repeated over its lanes.
+    lens = np.fromiter((len(e[2]) for e in log), np.int64, len(log))
+    base, scale, opcode, shared, size = [], [], [], [], []
+    for entry in log:
+        arr = entry[0]
         if arr.memory == "shared":
-            sp = spaces.setdefault(id(arr.root), len(spaces) + 1)
-            k = (np.int64(sp) << np.int64(48)) + f.astype(np.int64)
+            base.append(spaces.setdefault(id(arr.root), len(spaces) + 1) << 48)
+            scale.append(1)
+            shared.append(True)
         else:
-            k = np.int64(arr.addr0) + f.astype(np.int64) * arr.dtype.itemsize
-        keys.append(k)
-        accs.append(block_lin * T + tid)
-        blocks.append(np.broadcast_to(block_lin, f.shape))
-        phases.append(np.broadcast_to(phase, f.shape))
-        codes.append(np.full(len(f), _CODE[op], np.int8))
-        entry_of.append(np.full(len(f), e, np.int64))
-        pos.append(np.arange(len(f)))
-    key = np.concatenate(keys)
-    acc = np.concatenate(accs)
-    blk = np.concatenate(blocks).astype(np.int64)
-    ph = np.concatenate(phases).astype(np.int64)
-    code = np.concatenate(codes)
+            base.append(arr.addr0)
+            scale.append(arr.dtype.itemsize)
+            shared.append(False)
+        size.append(arr.base.size)
+        opcode.append(_CODE[entry[1]])
+    f_all = np.concatenate([e[2] for e in log]).astype(np.int64)
+    key = np.repeat(np.array(base, np.int64), lens) + f_all * np.repeat(np.array(scale, np.int64), lens)
+    blk = np.concatenate([e[4] for e in log]).astype(np.int64)
+    tid = np.concatenate([e[5] for e in log]).astype(np.int64)
+    ph = np.concatenate([e[6] for e in log]).astype(np.int64)
+    code = np.repeat(np.array(opcode, np.int8), lens)
+    on_shared = np.repeat(np.array(shared, bool), lens)
 
-    def conflicting(order, new_group, who):
-        """The first sorted position of each group whose accesses come from more than one ``who`` and
-        conflict (a write, or an atomic beside a plain access)."""
-        starts = np.flatnonzero(np.r_[True, new_group])
-        w = who[order]
-        cs = code[order]
-        many = np.minimum.reduceat(w, starts) != np.maximum.reduceat(w, starts)
-        anyw = np.maximum.reduceat((cs == 1).astype(np.int8), starts).astype(bool)
-        anya = np.maximum.reduceat((cs == 2).astype(np.int8), starts).astype(bool)
-        anyp = np.maximum.reduceat((cs != 2).astype(np.int8), starts).astype(bool)
+    def conflicting(starts, who, cs):
+        """The first sorted position of each group (starting at ``starts``) whose accesses come from more than
+        one ``who`` and conflict (a write, or an atomic beside a plain access)."""
+        many = np.minimum.reduceat(who, starts) != np.maximum.reduceat(who, starts)
+        anyw = np.maximum.reduceat((cs == 1).view(np.int8), starts).astype(bool)
+        anya = np.maximum.reduceat((cs == 2).view(np.int8), starts).astype(bool)
+        anyp = np.maximum.reduceat((cs != 2).view(np.int8), starts).astype(bool)
         return starts[many & (anyw | (anya & anyp))]
 
     # An element can race only where two threads conflict on it unordered: in two blocks, or in one block
     # within one barrier phase (a superset of the races: the replay below applies the exact rules).
-    order = np.argsort(key, kind="stable")
-    ks = key[order]
-    across = conflicting(order, ks[1:] != ks[:-1], blk)
-    order2 = np.lexsort((ph, blk, key))
-    k2, b2, p2 = key[order2], blk[order2], ph[order2]
-    within = conflicting(order2, (k2[1:] != k2[:-1]) | (b2[1:] != b2[:-1]) | (p2[1:] != p2[:-1]), acc)
-    if not len(across) and not len(within):
+    sus_keys: set = set()
+    rows = np.flatnonzero(~on_shared)
+    if len(rows):
+        gk, gb, ga, gp, gc = key[rows], blk[rows], blk[rows] * T + tid[rows], ph[rows], code[rows]
+        order = np.argsort(gk, kind="stable")
+        ks = gk[order]
+        across = conflicting(np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]]), gb[order], gc[order])
+        order2 = np.lexsort((gp, gb, gk))
+        k2, b2, p2 = gk[order2], gb[order2], gp[order2]
+        new = (k2[1:] != k2[:-1]) | (b2[1:] != b2[:-1]) | (p2[1:] != p2[:-1])
+        within = conflicting(np.flatnonzero(np.r_[True, new]), ga[order2], gc[order2])
+        sus_keys |= set(ks[across].tolist()) | set(k2[within].tolist())
+    rows = np.flatnonzero(on_shared)
+    if len(rows):
+        # Shared memory is one copy per block (its element index names the block), so only one block's
+        # threads within one barrier phase can conflict.  Element, phase, thread and operation pack into one
+        # integer, so one sort of the values (no index sort) groups them.
+        offs, total = {}, 0
+        for entry, sz in zip(log, size):
+            r = id(entry[0].root)
+            if entry[0].memory == "shared" and r not in offs:
+                offs[r], total = total, total + sz
+        start = np.repeat(np.array([offs.get(id(e[0].root), 0) for e in log], np.int64), lens)
+        elem = start[rows] + f_all[rows]
+        P = int(ph[rows].max()) + 1
+        tbits = max(int(tid[rows].max()), 1).bit_length()
+        if (total * P).bit_length() + tbits + 2 <= 62:
+            cell = elem * P + ph[rows]                  # (element, barrier phase)
+            rc = code[rows]
+            if total * P <= 1 << 27:
+                # only a cell that is written (or updated atomically) can conflict: a table of the written
+                # cells drops every read of an element no thread writes in that phase, before the sort
+                written = np.zeros(total * P, bool)
+                written[cell[rc != 0]] = True
+                keep = np.flatnonzero(written[cell])
+                rows, elem, cell, rc = rows[keep], elem[keep], cell[keep], rc[keep]
+            packed = (cell << (tbits + 2)) | (tid[rows] << 2) | rc
+            if len(packed):
+                packed.sort()
+                grp = packed >> (tbits + 2)
+                starts = np.flatnonzero(np.r_[True, grp[1:] != grp[:-1]])
+                cs = (packed & 3).astype(np.int8)
+                hit = conflicting(starts, (packed >> 2) & ((1 << tbits) - 1), cs)
+                if len(hit):
+                    bad = np.unique(grp[hit] // P)
+                    sus_keys |= set(key[rows[np.isin(elem, bad)]].tolist())
+        else:  # pragma: no cover (more elements x phases x threads than one int64 holds)
+            sk, sp = key[rows], ph[rows]
+            order2 = np.lexsort((sp, sk))
+            k2, p2 = sk[order2], sp[order2]
+            new = (k2[1:] != k2[:-1]) | (p2[1:] != p2[:-1])
+            within = conflicting(np.flatnonzero(np.r_[True, new]), tid[rows][order2], code[rows][order2])
+            sus_keys |= set(k2[within].tolist())
+    if not sus_keys:
         sink.launches += 1
         return
-    sus_keys = set(ks[across].tolist()) | set(k2[within].tolist())
-    entries = np.concatenate(entry_of)
-    positions = np.concatenate(pos)
+    entries = np.repeat(np.arange(len(log), dtype=np.int64), lens)
+    positions = np.arange(len(key), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
     sel = np.flatnonzero(np.isin(key, np.fromiter(sus_keys, np.int64)))
     # the threads simulator's order: block, barrier phase, thread (start order), program order
     cols = []

@@ -292,10 +292,11 @@ class LaunchTools:
 
     # -- racecheck
     def _log_race(self, arr, op, flat, m, site):
-        from .values import lanes_in_order
+        from .values import now
 
         g = self.geo
-        lanes = lanes_in_order(m)
+        # lane order within an entry does not matter: the analysis orders accesses by the threads' start rank
+        lanes = np.arange(now.L) if m is None else np.flatnonzero(m)
         f = flat[lanes] if type(flat) is np.ndarray else np.full(len(lanes), flat)
         self.seq += 1
         self.race_log.append((arr, op, f, lanes, g.block_lin[lanes], g.tid[lanes], g.phase[g.blk[lanes]],

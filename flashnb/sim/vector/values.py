@@ -107,14 +107,17 @@ def lanes_in_order(m) -> np.ndarray:
 
 class V:
     """One value per lane: ``a`` (1-D array over the chunk's lanes, never modified), ``k`` (the kind of each
-    lane's scalar), ``bits`` (kind ``int`` only: every lane's ``|value| < 2**bits``)."""
+    lane's scalar), ``bits`` (kind ``int`` only: every lane's ``|value| < 2**bits``), ``ix`` (filled by the
+    first array access indexed by it: its lanes as int64, their largest value read as unsigned, and the last
+    stride-scaled copy; ``a`` never changes, so one index reused over a loop is checked once)."""
 
-    __slots__ = ("a", "k", "bits")
+    __slots__ = ("a", "k", "bits", "ix")
 
     def __init__(self, a, k, bits=None):
         self.a = a
         self.k = k
         self.bits = bits
+        self.ix = None
 
     def __bool__(self):
         raise Unsupported("a per-lane value used where Python needs one value (truth value)")
