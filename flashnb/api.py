@@ -546,7 +546,14 @@ def _check_forward_outputs(entry, q3, k3, v3, o3, lse2, causal, scale, options, 
 
         score_mod, H = numpy_modifier(score_mod), options.get("heads", 1)
     drop_p, seed = options.get("dropout_p", 0.0), options.get("seed")
-    keys = np.arange(Nk, dtype=np.uint64)
+    keys = np.arange(Nk, dtype=np.int64)
+    rows = np.arange(Nq, dtype=np.int64)
+    if drop_p and options.get("dropout_at") is not None:     # rows and keys of a longer sequence (a shard)
+        from .kernels.policies import check_dropout_at
+
+        (rb, rs, rsp, rj), (cb, cs, csp, cj) = check_dropout_at(options["dropout_at"])
+        rows, keys = rb + rs * rows + rj * (rows >= rsp), cb + cs * keys + cj * (keys >= csp)
+    keys = keys.astype(np.uint64)
     small = BH * Nq <= CHECK_ALL_ROWS and BH * Nq * Nk * d <= 1 << 22
     for b in range(BH) if small else sorted({0, BH - 1}):
         K, V = k3[b].astype(np.float64), v3[b].astype(np.float64)
@@ -566,7 +573,7 @@ def _check_forward_outputs(entry, q3, k3, v3, o3, lse2, causal, scale, options, 
                 want_lse = m + math.log(p.sum())
                 w = np.ones(int(ok.sum()))
                 if drop_p:                  # the forward's dropout mask, regenerated as the kernels do
-                    words = dropout_word_np(seed, np.uint64(b), np.uint64(i), keys[ok])
+                    words = dropout_word_np(seed, np.uint64(b), np.uint64(rows[i]), keys[ok])
                     w = (words >= np.uint64(keep_threshold(drop_p))) / (1.0 - drop_p)
                 want_o = (p * w / p.sum()) @ V[ok]
                 # float32 rounding of a score is at most ~d·eps·|scale|·Σ|q||k| (eps = 1.2e-7, d <= 128): this

@@ -8,7 +8,8 @@
 # pip-installed there: it runs from this checkout (PYTHONPATH) on the machine's own numba/numba-cuda, whose
 # versions go into every CSV. If flashnb does not import with them, the pinned numba-cuda wheel is used when
 # carried in .whl/ (scripts/fetch_device_wheels.sh). Leaves at most 8 files in $OUT (what the device tool
-# brings back): session.log + the seven of scripts/gpu_check.py.
+# brings back): session.log + the seven of scripts/gpu_check.py (+ ring_gpu_check.json, written only on a
+# machine with two or more GPUs).
 set -u
 OUT=${OUT:-results/gpu/local}
 BUDGET=${BUDGET:-150}
@@ -43,6 +44,9 @@ session() {
 
   echo "== gpu_check (budget ${BUDGET} s)"
   timeout $((BUDGET + 90)) $PY scripts/gpu_check.py --out "$OUT" --budget "$BUDGET"; echo "gpu_check exit $?"
+
+  echo "== ring attention over NCCL (needs 2 or more GPUs: with one it says so and measures nothing)"
+  timeout 150 $PY scripts/ring_gpu_check.py --out "$OUT"; echo "ring_gpu_check exit $?"
 
   echo "== a notebook's GPU cell: a simulator process measuring through bench.on_gpu's GPU child process"
   timeout 90 $PY - <<'PYEOF'

@@ -279,12 +279,16 @@ def _extras(rank, world):
                 dropout_seed=1234)
     stale = dict(layout="zigzag", causal=True, mode="ring", N=12, B=1, H=2, H_kv=2, d=8, seed=6,
                  schedule=StaleKVRing)
+    kdrop = dict(layout="zigzag", causal=True, mode="ring", N=12, B=1, H=2, H_kv=1, d=8, seed=4, dropout_p=0.3,
+                 dropout_seed=2**40 + 3, impl=fd.Kernels("flash", Br=16, Bc=16, warps=1))
     sub = dict(layout="zigzag", causal=True, mode="ring", N=8, B=1, H=2, H_kv=1, d=8, seed=8)
     solo = dict(layout="striped", causal=True, mode="ring", N=6, B=1, H=2, H_kv=1, d=8, seed=9)
-    return dict(dropout=_run_case(rank, world, drop), stale=_run_case(rank, world, stale),
+    return dict(dropout=_run_case(rank, world, drop), kernel_dropout=_run_case(rank, world, kdrop),
+                stale=_run_case(rank, world, stale),
                 subgroup=subgroup_worker(rank, world, sub, [0, 2]), solo=subgroup_worker(rank, world, solo, [1]),
                 errors=error_worker(rank, world),
-                cases=dict(dropout=drop, stale={**stale, "schedule": None}, subgroup=sub, solo=solo))
+                cases=dict(dropout=drop, kernel_dropout=kdrop, stale={**stale, "schedule": None}, subgroup=sub,
+                           solo=solo))
 
 
 def extras_worker(rank, world):
@@ -296,16 +300,52 @@ def extras(free_port):
     return launch.run(extras_worker, 3, port=free_port(), timeout=120, group_timeout=30)
 
 
-def test_dropout_draws_the_single_device_mask(extras):
-    case = extras[0]["cases"]["dropout"]
+@pytest.mark.parametrize("which, tol", [("dropout", (EXACT, EXACT)), ("kernel_dropout", (KERNEL_FWD, KERNEL_BWD))],
+                         ids=["exact-striped", "flash-zigzag"])
+def test_dropout_draws_the_single_device_mask(extras, which, tol):
+    # Exact blocks, and the product kernel's (its dropout_at option): the ring's o and gradients are those of
+    # one device drawing the whole sequence's mask
+    case = extras[0]["cases"][which]
     B, H, N = case["B"], case["H"], case["N"]
     mask = rng.dropout_scale_np(case["dropout_seed"], case["dropout_p"], B * H, N, N).reshape(B, H, N, N)
-    got = {name: fd.unshard([r["dropout"]["shards"][name] for r in extras], layout=case["layout"], world=3)
+    got = {name: fd.unshard([r[which]["shards"][name] for r in extras], layout=case["layout"], world=3)
            for name in ("o", "dq", "dk", "dv")}
     want = _reference(case, dropout_mask=mask)
     for name in ("o", "dq", "dk", "dv"):
-        assert_close(got[name], want[name], **EXACT, what=f"dropout {name}")
+        assert_close(got[name], want[name], **tol[name != "o"], what=f"{which} {name}")
     assert not np.allclose(got["o"], _reference(case)["o"], atol=1e-3)       # the mask did drop something
+
+
+@pytest.mark.parametrize("layout", fd.LAYOUTS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_kernel_blocks_draw_the_exact_blocks_dropout(layout, causal):
+    """Every block of every (rank, source) pair at W = 3, through the product kernel with dropout, against the
+    float64 Exact block keyed by the same global rows and keys: forward (o, lse) and backward (given Exact's
+    o, lse).  No processes: the blocks are what a ring step computes."""
+    W, N, p, seed = 3, 12, 0.3, 77
+    case = dict(B=1, H=2, H_kv=1, N=N, d=8, seed=11)
+    q, k, v, do = _inputs(case)
+    kernels, exact = fd.Kernels("flash", Br=16, Bc=16, warps=1), fd.Exact()
+    scale = 8 ** -0.5
+    for r in range(W):
+        q_pos = positions(N, layout, r, W)
+        qs, dos = (fd.shard(t, layout=layout, rank=r, world=W) for t in (q, do))
+        for src in range(W):
+            k_pos = positions(N, layout, src, W)
+            ks, vs = (fd.shard(t, layout=layout, rank=src, world=W) for t in (k, v))
+            for b in blocks.plan_for(N, layout, W, r, src, causal):
+                args = (qs[:, :, b.row0:b.row1], ks[:, :, :b.keys], vs[:, :, :b.keys])
+                kw = dict(causal=b.causal, scale=scale, rows=q_pos[b.row0:b.row1], keys=k_pos[:b.keys],
+                          dropout=(p, seed))
+                what = f"{layout} rank {r} src {src} rows {b.row0}:{b.row1}"
+                o, lse = kernels.forward(*args, **kw)
+                o_x, lse_x = exact.forward(*args, **kw)
+                assert_close(o.numpy(), o_x.numpy(), **KERNEL_FWD, what=f"{what} o")
+                assert_close(lse.numpy(), lse_x.numpy(), **KERNEL_FWD, what=f"{what} lse")
+                grads = kernels.backward(*args, o_x, lse_x, dos[:, :, b.row0:b.row1], **kw)
+                for name, g, g_x in zip(("dq", "dk", "dv"), grads,
+                                        exact.backward(*args, o_x, lse_x, dos[:, :, b.row0:b.row1], **kw)):
+                    assert_close(g.numpy(), g_x.numpy(), **KERNEL_BWD, what=f"{what} {name}")
 
 
 def test_stale_kv_backward_has_a_right_forward_and_wrong_gradients(extras):

@@ -322,3 +322,68 @@ def test_torch_draws_a_seed_and_the_backward_reuses_it(rng, impl):
         assert_close(t.grad.numpy(), g_ref, **BWD, what=name)
     with pytest.raises(ValueError, match="has no attention dropout"):
         ft.scaled_dot_product_attention(q, k, v, dropout_p=0.2, impl="fa1")
+
+
+# --------------------------------------------------------------------------- dropout_at: a shard of a longer sequence
+
+# Rows and keys of a sequence of 48 tokens, as context-parallel layouts hold them: striped (every third token from
+# 1), zigzag (chunks 0 and 5 of six), contiguous (a middle run), and a single token.
+SHARDS = {
+    "striped": np.arange(1, 48, 3),
+    "zigzag": np.r_[np.arange(0, 8), np.arange(40, 48)],
+    "contiguous": np.arange(16, 32),
+    "one": np.array([29]),
+}
+
+
+@pytest.mark.parametrize("rows, keys", [("striped", "zigzag"), ("zigzag", "striped"), ("contiguous", "one"),
+                                        ("one", "contiguous")])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_at_draws_the_longer_sequences_mask(rng, rows, keys, causal):
+    """The product kernel on rows and keys picked out of a 48-token sequence, with ``dropout_at`` naming their
+    positions, draws the whole sequence's mask restricted to them (the twin's, keyed by global positions):
+    forward and backward against the float64 reference with that mask.  (``causal`` here is the launch's own
+    bottom-right mask, on local indices.)"""
+    from flashnb.distributed.blocks import dropout_at
+
+    N, d, p, seed = 48, 16, 0.3, 2**33 + 5
+    q, k, v, do = (rng.standard_normal((2, N, d)) for _ in range(4))
+    R, K = SHARDS[rows], SHARDS[keys]
+    q, do, k, v = q[:, R], do[:, R], k[:, K], v[:, K]
+    at = (dropout_at(R), dropout_at(K))
+    W = frng.dropout_scale_np(seed, p, 2, N, N)[:, R][:, :, K]
+    opts = dict(causal=causal, impl="flash", dropout_p=p, seed=seed, dropout_at=at, **SMALL)
+    o, lse = flashnb.attention_forward(q, k, v, **opts)
+    o_ref, lse_ref = reference.attention_forward(q, k, v, causal=causal, dropout_mask=W)
+    assert_close(o, o_ref, **FWD, what="o")
+    assert_close(lse, lse_ref, **FWD, what="lse")
+    grads = flashnb.attention_backward(q, k, v, o, lse, do, **opts)    # check_forward regenerates the same mask
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads,
+                              reference.attention_backward(q, k, v, do, causal=causal, dropout_mask=W)):
+        assert_close(g, g_ref, **BWD, what=name)
+    if len(R) > 1 and len(K) > 1:   # and it is not the local mask
+        o_local, _ = flashnb.attention_forward(q, k, v, **dict(opts, dropout_at=None))
+        assert np.abs(o_local - o).max() > 1e-2
+
+
+@pytest.mark.parametrize("at, err, words", [
+    (((0, 1, 0, 0),), ValueError, "dropout_at must be"),
+    (3, TypeError, "dropout_at must be"),
+    (((0, 1, 0, 0), (0, 1.0, 0, 0)), TypeError, "col_step = 1.0 is not an int"),
+    (((0, 0, 0, 0), (0, 1, 0, 0)), ValueError, "row_step must be >= 1"),
+    (((-1, 1, 0, 0), (0, 1, 0, 0)), ValueError, "row positions must be >= 0"),
+    (((0, 1, 0, 0), (0, 1, 0, 2**40)), ValueError, "must fit in int32"),
+])
+def test_bad_dropout_at(rng, at, err, words):
+    q, k, v = qkv(rng, (1, 8, 8), 8)
+    with pytest.raises(err, match=words):
+        flashnb.attention_forward(q, k, v, impl="flash", dropout_p=0.1, seed=1, dropout_at=at)
+
+
+def test_positions_that_no_dropout_at_describes_are_refused():
+    from flashnb.distributed.blocks import dropout_at
+
+    assert dropout_at(np.arange(3, 30, 3)) == (3, 3, 9, 0)
+    assert dropout_at(np.r_[0:4, 10:14]) == (0, 1, 4, 6)
+    with pytest.raises(ValueError, match="keys: positions"):
+        dropout_at([0, 1, 5, 9, 10], "keys")

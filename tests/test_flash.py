@@ -159,7 +159,7 @@ def test_p_zero_is_no_dropout_bit_for_bit(rng):
     BH, Nq, Nk, d = 1, 20, 28, 8
     q, k, v, do = (common.to_device(a.astype(np.float32)) for a in qkv(rng, (BH, Nq, d), Nk, do=True))
     args = (np.float32(0.35), Nk - Nq, flash._device_mask(None), np.uint32(0), np.float32(1.0), np.uint32(123),
-            np.uint32(7))
+            np.uint32(7), *(np.int32(v) for axis in policies.SAME_POSITIONS for v in axis))
     outs = {}
     for dropout in (False, True):
         O, L = common.empty((BH, Nq, d)), common.empty((BH, Nq))

@@ -37,7 +37,7 @@ import torch
 from .. import api
 from .layouts import positions
 
-__all__ = ["Block", "plan", "plan_for", "visible_prefix", "merge", "Kernels", "Exact", "resolve_impl"]
+__all__ = ["Block", "plan", "plan_for", "visible_prefix", "merge", "Kernels", "Exact", "resolve_impl", "dropout_at"]
 
 
 @dataclass(frozen=True)
@@ -117,63 +117,95 @@ def merge(o, lse, o_b, lse_b):
 
 
 class Kernels:
-    """flashnb's kernels as the block computation: ``Kernels("fa2", Br=16, Bc=16, warps=1)`` runs
-    ``impl="fa2"`` with those options.  CPU tensors go through :func:`flashnb.attention_forward` /
+    """flashnb's kernels as the block computation: ``Kernels("flash", Br=16, Bc=16, warps=1)`` runs
+    ``impl="flash"`` with those options.  CPU tensors go through :func:`flashnb.attention_forward` /
     :func:`flashnb.attention_backward` (the simulator, or the GPU when flashnb runs on one); CUDA tensors stay on
     the GPU (:mod:`flashnb.torch`'s zero-copy path).  float32 in, float32 out.
 
-    Dropout keyed by global row and column needs the kernels' Philox counter to take a row and column offset
-    (and a stride, for striped shards); until they do, ``dropout_p > 0`` is refused (NotImplementedError)."""
+    Dropout (``dropout=(p, seed)``) needs an impl that keys its Philox counter by global positions (the product
+    kernel, ``"flash"``, through its ``dropout_at`` option: :func:`dropout_at` of the block's rows and keys), so a
+    ring draws exactly the single-device mask; other impls refuse it (NotImplementedError)."""
 
-    dropout = False
-
-    def __init__(self, name: str = "fa2", **options):
+    def __init__(self, name: str = "flash", **options):
         if not isinstance(name, str):
-            raise TypeError(f"impl must be a registered flashnb impl name (e.g. 'fa2'), got {name!r}")
+            raise TypeError(f"impl must be a registered flashnb impl name (e.g. 'flash'), got {name!r}")
         self.name, self.options = name, dict(options)
 
     def __repr__(self) -> str:
         opts = "".join(f", {k}={v!r}" for k, v in sorted(self.options.items()))
         return f"Kernels({self.name!r}{opts})"
 
+    @property
+    def dropout(self) -> bool:
+        """Can this impl draw dropout by global row and column (does it take ``dropout_at``)?"""
+        from ..registry import IMPLS
+
+        entry = IMPLS.get(self.name)
+        return entry is not None and "dropout_at" in entry.options
+
     def check(self, *, grouped: bool) -> None:
         """ValueError unless the impl exists, has a backward and (``grouped``) takes K/V with fewer heads."""
         entry = api._check_impl(self.name, need_backward=True)
         if grouped and not entry.gqa:
             raise ValueError(f"impl {self.name!r} does not take K/V with fewer heads than Q (grouped-query "
-                             "attention); use impl='fa2'")
+                             "attention); use impl='flash'")
 
     @staticmethod
     def _flat(t):
         return t.reshape((-1,) + tuple(t.shape[-2:])).contiguous()
 
+    def _options(self, rows, keys, dropout):
+        if dropout is None:
+            return self.options
+        if not self.dropout:
+            raise NotImplementedError(f"dropout_p > 0 with {self!r}: its kernels key the dropout mask by the "
+                                      "block's local row and column, so a ring would draw another mask than one "
+                                      "device; use impl='flash' (its dropout_at option), impl=Exact(), or "
+                                      "dropout_p=0")
+        p, seed = dropout
+        return dict(self.options, dropout_p=p, seed=seed, dropout_at=(dropout_at(rows, "rows"),
+                                                                      dropout_at(keys, "keys")))
+
     def forward(self, q, k, v, *, causal, scale, rows=None, keys=None, dropout=None):
         from .. import torch as ftorch
 
-        _no_dropout(dropout)
+        options = self._options(rows, keys, dropout)
         B, H = q.shape[:2]
-        o, lse = ftorch._forward3(*(self._flat(t) for t in (q, k, v)), causal, scale, self.name, self.options)
+        o, lse = ftorch._forward3(*(self._flat(t) for t in (q, k, v)), causal, scale, self.name, options)
         return o.reshape(q.shape), lse.reshape(B, H, q.shape[2])
 
     def backward(self, q, k, v, o, lse, do, *, causal, scale, rows=None, keys=None, dropout=None):
         from .. import torch as ftorch
 
-        _no_dropout(dropout)
+        options = self._options(rows, keys, dropout)
         flat = [self._flat(t) for t in (q, k, v, o)] + [lse.reshape(-1, lse.shape[-1]).contiguous(), self._flat(do)]
         if ftorch._on_device_path(flat[0]):
-            grads = ftorch._backward3(*flat, causal, scale, self.name, self.options)
+            grads = ftorch._backward3(*flat, causal, scale, self.name, options)
         else:   # o and lse are the merged forward's, not this block's: the API's check_forward must not apply
             grads = [torch.from_numpy(g) for g in api.attention_backward(
                 *(t.detach().numpy() for t in flat), causal=causal, scale=scale, impl=self.name, check_forward=False,
-                **self.options)]
+                **options)]
         return tuple(g.reshape(t.shape) for g, t in zip(grads, (q, k, v)))
 
 
-def _no_dropout(dropout) -> None:
-    if dropout is not None:
-        raise NotImplementedError("dropout_p > 0: flashnb's kernels key their dropout mask by the block's local row "
-                                  "and column, not by global ones yet, so a ring would draw another mask than one "
-                                  "device; use dropout_p=0 (or impl=Exact() to study the ring's mask)")
+def dropout_at(pos, what: str = "positions") -> tuple:
+    """``(base, step, split, jump)`` with ``pos[i] = base + step·i + jump·(i >= split)`` for every ``i``: the form
+    the product kernel's ``dropout_at`` takes (:func:`flashnb.kernels.policies.check_dropout_at`).  Every block
+    of every layout has it (contiguous: step 1; zigzag: two runs, the jump; striped: step W); anything else is a
+    ValueError naming ``what``."""
+    pos = np.asarray(pos, dtype=np.int64).reshape(-1)
+    if pos.size == 0:
+        raise ValueError(f"{what}: no positions")
+    base = int(pos[0])
+    step = int(pos[1] - pos[0]) if pos.size > 1 else 1
+    gaps = np.flatnonzero(np.diff(pos) != step)
+    split = int(gaps[0]) + 1 if gaps.size else pos.size
+    jump = int(pos[split] - (base + step * split)) if split < pos.size else 0
+    i = np.arange(pos.size)
+    if step < 1 or not np.array_equal(pos, base + step * i + jump * (i >= split)):
+        raise ValueError(f"{what}: positions {pos.tolist()[:8]}... are not base + step·i + jump·(i >= split) "
+                         "(one arithmetic run, or two of one step)")
+    return base, step, split, jump
 
 
 class Exact:
@@ -252,16 +284,16 @@ class Exact:
 
 
 def resolve_impl(impl):
-    """``None`` -> ``Kernels("fa2")``; ``"exact"`` -> ``Exact()``; another name -> ``Kernels(name)``; an object
-    with ``forward`` and ``backward`` (:class:`Kernels`, :class:`Exact`, or your own with their signatures) as
-    it is."""
+    """``None`` -> ``Kernels("flash")`` (the product kernel); ``"exact"`` -> ``Exact()``; another name ->
+    ``Kernels(name)``; an object with ``forward`` and ``backward`` (:class:`Kernels`, :class:`Exact`, or your own
+    with their signatures) as it is."""
     if impl is None:
-        return Kernels("fa2")
+        return Kernels("flash")
     if impl == "exact":
         return Exact()
     if isinstance(impl, str):
         return Kernels(impl)
     if callable(getattr(impl, "forward", None)) and callable(getattr(impl, "backward", None)):
         return impl
-    raise TypeError(f"impl must be None, a flashnb impl name (e.g. 'fa2'), or a block computation with forward and "
+    raise TypeError(f"impl must be None, a flashnb impl name (e.g. 'flash'), or a block computation with forward and "
                     f"backward (flashnb.distributed.Kernels, flashnb.distributed.Exact), got {impl!r}")

@@ -97,8 +97,9 @@ def _local_checks(q, k, v, *, causal, layout, mode, impl, scale, stats, dropout_
     p = check_dropout(dropout_p, seed)
     if p > 0 and not getattr(block, "dropout", False):
         raise NotImplementedError(f"dropout_p={dropout_p!r} with impl {block!r}: dropout keyed by global row and "
-                                  "column needs the kernels' Philox counter to take the block's global row and "
-                                  "column positions, which they do not yet; use dropout_p=0, or impl=Exact()")
+                                  "column needs kernels whose Philox counter takes the block's global positions "
+                                  "(impl='flash', the default, through its dropout_at option); use impl='flash', "
+                                  "impl=Exact(), or dropout_p=0")
     return block, s, ((p, int(seed)) if p > 0 else None)
 
 
@@ -146,21 +147,22 @@ def ring_attention(q, k, v, *, causal=False, layout="zigzag", mode="ring", group
         mode: ``"ring"`` (K/V pass one hop per step, posted before the step's compute; the backward sends
             dK/dV along with their K/V and home) or ``"allgather"`` (K/V gathered once).
         group: a ``torch.distributed`` process group (default: the world).
-        impl: the block computation: None (``Kernels("fa2")``: flashnb's FA2 kernels, on the simulator for CPU
+        impl: the block computation: None (``Kernels("flash")``: flashnb's product kernel, on the simulator for CPU
             tensors and the GPU for CUDA tensors), a registered impl name, ``Kernels(name, **tile_options)``, or
             ``"exact"`` / ``Exact()`` (float64, for tests and notebooks).
         scale: softmax scale, default ``1/sqrt(d)``.
         stats: a :class:`~flashnb.distributed.RingStats` to record each step's bytes, pairs and times into.
         dropout_p, seed: attention dropout keyed by ``(seed, batch·head, global row, global column)``, so a ring
-            draws exactly the mask one device draws for the whole sequence (:mod:`flashnb.rng`).  Only
-            ``impl=Exact()`` has it; flashnb's kernels raise NotImplementedError for ``dropout_p > 0``.
+            draws exactly the mask one device draws for the whole sequence (:mod:`flashnb.rng`).  The product
+            kernel (``"flash"``, the default) and ``Exact()`` have it; other impls raise NotImplementedError for
+            ``dropout_p > 0``.
         timeout: seconds (or a timedelta) any one transfer may take; default: the process group's timeout.
 
     Returns ``o``, ``(B, H, N/W, d)`` float32, differentiable with respect to q, k and v.
 
     Raises, on every rank and before any ring step: ValueError / TypeError (shards of different shapes across
     ranks, a shard length the layout cannot split, a non-contiguous tensor, arguments that differ between
-    ranks), NotImplementedError (dropout with the kernels); during the ring,
+    ranks), NotImplementedError (dropout with an impl that cannot key it globally); during the ring,
     :class:`~flashnb.distributed.RingCommError` / :class:`~flashnb.distributed.RingTimeout` naming the phase,
     step and peer.
     """

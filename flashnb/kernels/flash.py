@@ -16,7 +16,8 @@ off (with all of them off the kernels are stage 6's):
 * **attention modifiers** -- ``score_mod`` on every score, ``mask_mod`` through its block mask (built by the user
   surfaces with :func:`flashnb.flex.create_block_mask`; this module never imports :mod:`flashnb.flex`), and the
   backward's ``score_mod_grad``.
-* **dropout** -- ``dropout_p``, ``seed``: Philox (:mod:`flashnb.rng`) regenerated per element in both directions.
+* **dropout** -- ``dropout_p``, ``seed``: Philox (:mod:`flashnb.rng`) regenerated per element in both directions;
+  ``dropout_at`` keys it by positions in a longer sequence (a context-parallel shard).
 * **GQA / MQA** -- K, V with fewer heads than Q; the backward's blocks loop over their group's query heads, so K_j,
   V_j are loaded once per group and dK, dV summed on chip.
 * **Nq != Nk**, both causal alignments (``causal=True`` / ``"lower_right"``, ``"upper_left"``), any ``d <= 128``.
@@ -193,7 +194,8 @@ def make_forward(Br, Bc, d, warps, causal, dynamic=False, storage="float32", spa
 
 
     @cuda.jit
-    def flash_forward(Q, K, V, O, L, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi):
+    def flash_forward(Q, K, V, O, L, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi, rb, rstep, rsplit, rjump,
+                      cb, cstep, csplit, cjump):
         if dynamic:                                    # (a compile-time constant: one branch is compiled)
             Qs = cuda.shared.array(0, float32)         # Q_i, K_j from KO, V_j from VO (offsets keep LDS.128)
             Ks = Qs
@@ -221,7 +223,7 @@ def make_forward(Br, Bc, d, warps, causal, dynamic=False, storage="float32", spa
         Nq = Q.shape[1]
         Nk = K.shape[1]
         kz = kv_head(z, Q, K)                          # GQA: the K/V head of query head z
-        dst = drop_state(threshold, inv_keep, seed_lo, seed_hi)
+        dst = drop_state(threshold, inv_keep, seed_lo, seed_hi, rb, rstep, rsplit, rjump, cb, cstep, csplit, cjump)
         load_tile(Q, Qs, 0, LD, z, i0, Nq, Br, i0 + Br <= Nq, tid)      # line 4: Q_i once
         for a in range(TM):                            # line 5: O~ = 0, l = 0, m = -inf
             m[a] = NEG_INF
@@ -326,7 +328,8 @@ def make_backward(Br, Bc, d, warps, causal, storage="float32", sparse=False, sco
     group = policies.gqa(gqa)[1]
 
     @cuda.jit
-    def flash_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi):
+    def flash_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi, rb, rstep,
+                       rsplit, rjump, cb, cstep, csplit, cjump):
         Ks = cuda.shared.array(KN, float32)            # K_j (at the end: dK_j), rows of LD = Dp + 4 floats
         Vs = cuda.shared.array(KN, float32)            # V_j (at the end: dV_j)
         Qs = cuda.shared.array(QN, float32)            # Q_i
@@ -351,7 +354,7 @@ def make_backward(Br, Bc, d, warps, causal, storage="float32", sparse=False, sco
         Nq = Q.shape[1]
         Nk = K.shape[1]
         G = group(Q, K)                                # GQA: the query heads kz·G .. kz·G + G - 1
-        dst = drop_state(threshold, inv_keep, seed_lo, seed_hi)
+        dst = drop_state(threshold, inv_keep, seed_lo, seed_hi, rb, rstep, rsplit, rjump, cb, cstep, csplit, cjump)
         kfull = j0 + Bc <= Nk
         load_tile(K, Ks, 0, LD, kz, j0, Nk, Bc, kfull, tid)             # Alg. 2 line 6: K_j, V_j once
         load_tile(V, Vs, 0, LD, kz, j0, Nk, Bc, kfull, tid)
@@ -486,7 +489,7 @@ def _modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH, backw
 
 
 def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block_mask=None, score_mod=None,
-            mask_mod=None, heads=1, score_mod_grad=None, dropout_p=0.0, seed=None, storage=None):
+            mask_mod=None, heads=1, score_mod_grad=None, dropout_p=0.0, seed=None, dropout_at=None, storage=None):
     """Device arrays in, ``(O, L)`` out (FA2 Alg. 1).  ``Br, Bc, warps`` default to :func:`default_tiles` (with a
     block mask: the largest tiles dividing its blocks).  Tiles over 48 KiB of shared memory run the dynamic kernel
     after the driver opt-in, up to the device's opt-in limit; when the *default* tiles need more than the device
@@ -497,7 +500,9 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block
     ``Br``, ``Bc`` options or :func:`mask_tiles`, or a :class:`PreparedMask`.  ``score_mod``, ``mask_mod``
     (through its block mask), ``heads`` (the H of ``z = b·H + h``): attention modifiers.  ``k``, ``v`` may have
     fewer batch·heads than ``q`` (GQA: query head ``z`` reads K/V head ``z // G``).  ``dropout_p``, ``seed``:
-    attention dropout (:mod:`flashnb.rng`); ``L`` is the undropped softmax's.  ``storage``: the dtype of q, k, v
+    attention dropout (:mod:`flashnb.rng`); ``L`` is the undropped softmax's; ``dropout_at``: where these rows and
+    columns sit in a longer sequence (:func:`flashnb.kernels.policies.check_dropout_at`: a shard of a
+    context-parallel ring draws the single-device mask).  ``storage``: the dtype of q, k, v
     and O (default: q's); L is float32.  ``score_mod_grad`` is the backward's (accepted so one set of options
     serves both)."""
     global last_forward
@@ -505,7 +510,7 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block
     BH, Nq, d = q.shape
     Nk = k.shape[1]
     G = _group(BH, k, v)
-    drop = policies.dropout_args(dropout_p, seed)
+    drop = policies.dropout_args(dropout_p, seed, dropout_at)
     given = not (Br is None and Bc is None and warps is None)
     optin = shared_optin_limit()
     fallback = None
@@ -553,7 +558,8 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block
 
 
 def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warps=None, block_mask=None,
-             score_mod=None, mask_mod=None, heads=1, score_mod_grad=None, dropout_p=0.0, seed=None, storage=None):
+             score_mod=None, mask_mod=None, heads=1, score_mod_grad=None, dropout_p=0.0, seed=None, dropout_at=None,
+             storage=None):
     """FA2 Alg. 2: the ``D = rowsum(dO∘O)`` launch (it also zeroes the float32 dQ accumulator), then one block per
     K/V column block of each K/V head (looping over its GQA group's query heads), then, with half storage, dQ
     narrowed by a third launch.  ``Br, Bc, warps`` default to :func:`bwd_default_tiles` (with a block mask: the
@@ -563,7 +569,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     BH, Nq, d = q.shape
     Nk = k.shape[1]
     G = _group(BH, k, v)
-    drop = policies.dropout_args(dropout_p, seed)
+    drop = policies.dropout_args(dropout_p, seed, dropout_at)
     t, M, bm_mod, partial = _launch_mask("backward", d, Br, Bc, warps, block_mask, BH, Nq, Nk)
     mask_mod, H = _modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH, True)
     D = empty((BH, Nq))
@@ -589,7 +595,7 @@ register_impl("flash", stage="product",
                           "block masks, score_mod / mask_mod, dropout, GQA/MQA)",
               forward=forward, backward=backward,
               options=("Br", "Bc", "warps", "block_mask", "score_mod", "mask_mod", "score_mod_grad", "dropout_p",
-                       "seed", "storage"),
+                       "seed", "dropout_at", "storage"),
               gqa=True, mask_tiles=lambda d, Br=None, Bc=None: dict(mask_tiles(d), **{
                   n: v for n, v in (("Br", Br), ("Bc", Bc)) if v is not None}))
 
