@@ -69,7 +69,7 @@ STAGE_OF_MODULE = {
     "test_gpu_path_bugs": "stage0", "test_sass": "stage0",
     "test_traffic_tools": "stage0", "test_api_checks": "stage0", "test_cli_args": "stage0",
     "test_exercises": "stage0", "test_registry_variant": "stage0",
-    "test_causal_alignment": "stage0", "test_torch": "stage0",
+    "test_causal_alignment": "stage0", "test_torch": "stage0", "test_torch_ops": "stage0",
     "test_naive": "stage1", "test_softmax": "stage2", "test_fa1": "stage3", "test_fa2": "stage4",
     "test_fa2_steps": "stage4", "test_dropout": "stage4", "test_half": "stage4",
     "test_block_sparse": "stage5", "test_flex": "flex", "test_decode": "decode",

@@ -12,11 +12,13 @@ def test_python_example_runs(capsys):
     # each block runs as a notebook cell does: its source registered in linecache under a cell name, in __main__
     # (the experimenting section's resource report reads its kernel's source from there)
     blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
-    assert len(blocks) == 5, ("README's python examples: using the kernels, modifiers, experimenting, sanitizer and "
-                              "profiler, torch")
+    assert len(blocks) == 6, ("README's python examples: using the kernels, modifiers, experimenting, sanitizer and "
+                              "profiler, torch, transformers")
     for n, block in enumerate(blocks):
         if "flashnb.torch" in block and importlib.util.find_spec("torch") is None:
             continue   # PyTorch is optional (the [torch] extra); its example runs wherever it is installed
+        if "transformers" in block and importlib.util.find_spec("transformers") is None:
+            continue   # likewise transformers (the [transformers] extra)
         name = f"<ipython-input-{n}-readme>"
         linecache.cache[name] = (len(block), None, block.splitlines(True), name)
         exec(compile(block, name, "exec"), {"__name__": "__main__"})

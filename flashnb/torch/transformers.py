@@ -1,0 +1,207 @@
+"""flashnb in Hugging Face transformers: :func:`register_transformers` adds an attention function (and its mask
+function) to ``transformers.AttentionInterface`` / ``AttentionMaskInterface``, so that a model built with
+``attn_implementation=<name>`` runs its attention on flashnb (:func:`flashnb.torch.attention`).
+
+**The name.**  transformers treats every ``attn_implementation`` whose name contains ``"flash"`` as a
+FlashAttention kernel to load (``transformers.utils.is_flash_attention_requested`` tests ``"flash" in name``,
+then the model's init imports the ``flash_attn`` package or fetches a kernel from the Hub), so the name
+``"flashnb"`` cannot be used; the default is ``"fnb"`` and a name containing ``"flash"`` is a ValueError.
+
+**What the attention function receives and what flashnb makes of it.**  The mask function registered with it
+is transformers' own ``sdpa_mask``, so the attention function gets what SDPA gets:
+
+* ``attention_mask=None``: no mask beyond causality.  Causal (``is_causal``, else the module's ``is_causal``,
+  with more than one query) is SDPA's top-left ``is_causal`` -- flashnb's ``causal="upper_left"``; otherwise
+  no mask (a single decoding query sees every key, as in SDPA).
+* a 4-D boolean mask ``(B, 1, Nq, Nk)`` (True = attend; padding, a cache, a sliding window), or an additive
+  float mask of 0 and ``-inf`` / the dtype's minimum (a mask a user passes): flashnb fits it, on the host, to
+  **causal(diagonal) ∧ sliding window ∧ key padding** -- ``j <= i + diag`` (any diagonal: bottom-right with a
+  cache, top-left without), optionally ``i + diag - j < window``, and ``keep[b, j]`` -- and checks that the fit
+  reproduces the mask exactly.  The kernel then gets ``causal=`` for the diagonals it knows and a ``mask_mod``
+  capturing ``keep`` (and the window) for the rest (:mod:`flashnb.flex`).  Left and right padding, KV caches and
+  sliding-window layers are expressible.
+* anything else is a ValueError naming ``attention_mask``, never an approximation: a mask that differs between
+  heads, a packed-sequence (document) mask or any other pattern the fit does not reproduce, additive values
+  other than 0 and -inf (a bias: ``position_bias``), attention sinks (``s_aux``).
+
+Query rows that may attend to no key (the left padding of a causal model) come out as 0 from flashnb, while
+eager softmaxes such a row over the dtype's minimum (uniform weights): those positions are padding, and their
+outputs are garbage in every implementation; compare and train on the real positions.
+
+``softcap`` (Gemma 2's ``attn_logit_softcapping``) becomes ``flashnb.flex.softcap(cap)``. Dropout is flashnb's
+(``impl="flash"``, the default, takes it together with a padding ``mask_mod``). Each distinct padding pattern is a
+distinct ``mask_mod`` content (a digest picks its block mask; on a GPU a kernel compile per pattern -- the
+captured-array limitation of :mod:`flashnb.flex`). The fit runs per attention call, on the host; it needs the mask's
+values, so it does not run under ``torch.compile``: there, only masks that are ``None`` are taken (a ValueError says
+so otherwise).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from .. import flex
+from ..registry import IMPLS
+
+__all__ = ["register_transformers", "attention_forward", "fit_mask", "DEFAULT_NAME"]
+
+DEFAULT_NAME = "fnb"
+
+
+def register_transformers(name: str = DEFAULT_NAME, *, impl: str = "flash", **options) -> str:
+    """Register flashnb as transformers' attention implementation ``name`` (and its mask function); returns
+    ``name``.  ``impl`` and ``options`` (tile options, ...) are passed to :func:`flashnb.torch.attention`.  Then
+    ``AutoModel.from_config(config, attn_implementation=name)`` (or ``config._attn_implementation = name``, or
+    ``model.set_attn_implementation(name)``) runs the model on flashnb."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty string, got {name!r}")
+    if "flash" in name:
+        raise ValueError(f"name={name!r}: transformers treats every attn_implementation containing 'flash' as a "
+                         "FlashAttention kernel to load (transformers.utils.is_flash_attention_requested), so it "
+                         f"cannot name flashnb; use another name, e.g. the default {DEFAULT_NAME!r}")
+    if name in ("eager", "sdpa") or name.startswith("paged") or "sdpa" in name or "flex_attention" in name:
+        raise ValueError(f"name={name!r} is one transformers gives a meaning of its own; choose another")
+    from .. import api
+
+    api._check_impl(impl)
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(name, functools.partial(attention_forward, impl=impl, options=dict(options)))
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                      is_causal=None, *, impl: str = "flash", options=None, **kwargs):
+    """transformers' attention-function signature: ``query (B, Hq, Nq, d)``, ``key, value (B, Hkv, Nk, d)``;
+    returns ``(attn_output (B, Nq, Hq, d), None)`` (no attention weights: flashnb never forms P)."""
+    from . import functional
+
+    for name in ("s_aux", "sinks", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name}: flashnb's transformers attention does not take {name} (attention sinks or an "
+                             "additive position bias); use attn_implementation='eager' for this model")
+    opts = dict(options or {})
+    cap = kwargs.get("softcap")
+    if cap is not None:
+        opts["score_mod"] = _softcap(float(cap))
+    B, Hq, Nq, d = query.shape
+    Nk = key.shape[2]
+    if attention_mask is None:
+        causal_flag = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        causal = "upper_left" if causal_flag and Nq > 1 else False
+    else:
+        if torch.compiler.is_compiling():
+            raise ValueError("attention_mask: under torch.compile flashnb's transformers attention takes no mask "
+                             "tensor (fitting one needs its values): compile without padding, or run eagerly")
+        causal, mask_mod = fit_mask(attention_mask, B, Hq, Nq, Nk)
+        if mask_mod is not None:
+            opts["mask_mod"] = mask_mod
+    if key.shape[1] != Hq and not IMPLS[impl].gqa:                 # impls without grouped-query attention
+        key, value = (t.repeat_interleave(Hq // t.shape[1], dim=1) for t in (key, value))
+    o = functional.attention(query, key, value, causal=causal, scale=scaling, impl=impl,
+                             dropout_p=float(dropout or 0.0), **opts)
+    return o.transpose(1, 2).contiguous(), None
+
+
+@functools.lru_cache(maxsize=32)
+def _softcap(cap: float):
+    return flex.softcap(cap)
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def _key_padding(keep: np.ndarray):
+    def key_padding_mask(b, h, q_idx, kv_idx):
+        return keep[b, kv_idx] != 0
+
+    return flex._twin(key_padding_mask, lambda b, h, q, kv: keep[b, kv] != 0)
+
+
+def _causal_key_padding(keep: np.ndarray, diag: int):
+    def causal_key_padding_mask(b, h, q_idx, kv_idx):
+        return keep[b, kv_idx] != 0 and kv_idx <= q_idx + diag
+
+    return flex._twin(causal_key_padding_mask, lambda b, h, q, kv: (keep[b, kv] != 0) & (kv <= q + diag))
+
+
+def _window_key_padding(keep: np.ndarray, diag: int, window: int):
+    def window_key_padding_mask(b, h, q_idx, kv_idx):
+        return keep[b, kv_idx] != 0 and kv_idx <= q_idx + diag and q_idx + diag - kv_idx < window
+
+    return flex._twin(window_key_padding_mask,
+                      lambda b, h, q, kv: (keep[b, kv] != 0) & (kv <= q + diag) & (q + diag - kv < window))
+
+
+def _allowed(attention_mask, B, Hq, Nq, Nk) -> torch.Tensor:
+    """The boolean ``(B, Nq, Nk)`` of a 4-D transformers mask (True = attend), or a ValueError naming it."""
+    m = attention_mask
+    if not isinstance(m, torch.Tensor):
+        raise ValueError(f"attention_mask: flashnb takes None or a 4-D mask tensor, got {type(m).__name__} (the mask "
+                         "function registered with flashnb makes one; another implementation's mask object is not "
+                         "one flashnb can read)")
+    if m.dim() != 4 or m.shape[0] not in (1, B) or m.shape[1] not in (1, Hq) or tuple(m.shape[2:]) != (Nq, Nk):
+        raise ValueError(f"attention_mask must have shape (B or 1, 1 or H, Nq, Nk) = ({B}, 1, {Nq}, {Nk}), got "
+                         f"{tuple(m.shape)}")
+    m = m.detach().cpu()
+    if m.dtype == torch.bool:
+        allowed = m
+    elif m.is_floating_point():
+        blocked = m <= torch.finfo(m.dtype).min / 2          # -inf, or the dtype's minimum (transformers' eager)
+        if not torch.all((m == 0) | blocked):
+            raise ValueError("attention_mask holds additive values other than 0 and -inf (a bias): flashnb cannot "
+                             "express it as a mask; add a bias with a score_mod, or use attn_implementation='eager'")
+        allowed = ~blocked
+    else:
+        raise ValueError(f"attention_mask must be boolean or floating point, got {m.dtype}")
+    if allowed.shape[1] > 1 and not torch.equal(allowed, allowed[:, :1].expand_as(allowed)):
+        raise ValueError("attention_mask differs between heads: flashnb takes one mask for every head")
+    return allowed[:, 0].expand(B, Nq, Nk)
+
+
+def fit_mask(attention_mask, B: int, Hq: int, Nq: int, Nk: int):
+    """``(causal, mask_mod)`` for :func:`flashnb.torch.attention` that give exactly ``attention_mask`` (a 4-D
+    boolean or 0/-inf additive mask): causal(diag) ∧ sliding window ∧ key padding, fitted and then checked
+    element by element; a ValueError naming ``attention_mask`` when no such form reproduces it."""
+    allowed = _allowed(attention_mask, B, Hq, Nq, Nk)
+    i = torch.arange(Nq)[:, None]
+    j = torch.arange(Nk)[None, :]
+    keep = allowed.any(dim=1)                                           # (B, Nk): keys some query sees
+    padded = not bool(keep.all())
+    cands = [(None, None)]
+    if bool(allowed.any()):
+        rel = (j - i).expand(B, Nq, Nk)[allowed]
+        for diag in dict.fromkeys((Nk - Nq, 0, int(rel.max()))):
+            cands.append((diag, None))
+            w = int((diag - rel).max()) + 1                            # the widest i + diag - j seen, plus one
+            if w < Nk + max(Nq - Nk, 0) + abs(diag):
+                cands.append((diag, w))
+    for diag, window in cands:
+        fit = keep[:, None, :].expand(B, Nq, Nk)
+        if diag is not None:
+            fit = fit & (j <= i + diag)
+        if window is not None:
+            fit = fit & (i + diag - j < window)
+        if torch.equal(fit, allowed):
+            return _express(keep, padded, diag, window, Nq, Nk)
+    raise ValueError("attention_mask is not causal (any diagonal), a sliding window and key padding: flashnb cannot "
+                     "express it (a packed-sequence or document mask, a prefix-LM mask, ...); use "
+                     "attn_implementation='sdpa' or 'eager' for this input, or pass a flashnb mask_mod to "
+                     "flashnb.torch.attention directly")
+
+
+def _express(keep, padded, diag, window, Nq, Nk):
+    known = {Nk - Nq: True, 0: "upper_left"}
+    causal = known.get(diag, False) if diag is not None else False
+    k = np.ascontiguousarray(keep.numpy().astype(np.uint8))
+    k.setflags(write=False)
+    if window is not None:
+        return causal, _window_key_padding(k if padded else np.ones_like(k), diag, window)
+    if diag is not None and causal is False:
+        return False, _causal_key_padding(k if padded else np.ones_like(k), diag)
+    return causal, (_key_padding(k) if padded else None)
