@@ -167,6 +167,28 @@ def test_compiled_fullgraph_equals_eager(case):
         assert torch.equal(a, b)
 
 
+def test_compiled_through_the_rehearsed_cuda_tensor_path():
+    """The operators on CUDA tensors take the zero-copy path (numba views of torch's memory, torch's stream):
+    rehearsed here, where CPU tensors take it inside ``pretend_gpu`` + ``rehearse_cuda``.  Compiled there equals
+    eager on the host path."""
+    from flashnb.rehearsal import pretend_gpu
+
+    q, k, v = _qkv(11, H_kv=1, grad=True)
+    m = Block(8, causal=True)
+    y = m(q, k, v)
+    y.square().sum().backward()
+    want = [y.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()]
+    for t in (q, k, v):
+        t.grad = None
+    with pretend_gpu(), ft.rehearse_cuda() as bridge:
+        m.zero_grad()
+        y = torch.compile(m, fullgraph=True, backend="aot_eager")(q, k, v)
+        y.square().sum().backward()
+    assert bridge.streams                             # the kernels ran on the bridge's streams
+    for a, b in zip(want, [y.detach(), q.grad, k.grad, v.grad]):
+        assert torch.equal(a, b)
+
+
 def test_compiled_with_inductor_matches_float64_sdpa():
     """The default backend (inductor compiles the projections around the opaque operator): o and gradients
     against float64 SDPA of the same layer."""
