@@ -4,7 +4,7 @@ Every implementation (``impl="naive"``, ``"fa1"``, ``"fa2"``, ...) is reached th
 functions; each stage registers itself in :data:`flashnb.registry.IMPLS`.  The default is the product kernel,
 ``impl="flash"`` (:mod:`flashnb.kernels.flash`): stage 6's fast loop with every feature below.
 
-**dtypes and storage** (issue #17).  Arithmetic is float32 everywhere.  What differs is what the kernels keep in
+**dtypes and storage**.  Arithmetic is float32 everywhere.  What differs is what the kernels keep in
 HBM, the ``storage`` argument:
 
 * ``"float32"``: inputs of any real dtype are converted to float32 copies; every result is float32.  This is

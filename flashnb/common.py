@@ -6,7 +6,7 @@
 * host helpers: ``cdiv``, poisoned (NaN-filled) device outputs, and :func:`launch`, through which every
   kernel launch in flashnb goes (it fixes scalar argument types to the guarded signature and names the
   launch for the traffic counter);
-* half-precision *storage* (issue #17): :data:`STORAGES`, the device conversions ``float32 <-> storage``
+* half-precision *storage*: :data:`STORAGES`, the device conversions ``float32 <-> storage``
   (:func:`storage_conversions`) that a kernel applies at its global loads and stores, and their NumPy twins
   for bfloat16 (:func:`to_bfloat16`, :func:`from_bfloat16`).  Arithmetic stays float32 everywhere.
 """

@@ -21,14 +21,14 @@ group hold one row of S between them: the row max is a 3-step ``shfl_xor`` butte
 each ``P_ij`` from its owner lane with ``shfl_sync`` (P never touches shared memory).
 
 Kernels (arrays float32, C-contiguous, ``(BH, N, d)``; ``L``/``D`` are ``(BH, N)``; with ``storage="float16"`` or
-``"bfloat16"`` Q, K, V, O, dO, dK, dV are half precision in HBM and widened to float32 at every load -- issue #17):
+``"bfloat16"`` Q, K, V, O, dO, dK, dV are half precision in HBM and widened to float32 at every load):
 
 * :func:`make_forward` -- FA2 Alg. 1, grid ``(Tr, BH)``, ``32·warps`` threads.
 * :func:`make_preprocess` -- FA2 Alg. 2 line 4 (``D = rowsum(dO ∘ O)``), also zeroes the dQ accumulator.
 * :func:`make_backward` -- FA2 Alg. 2, grid ``(Tc, BH)``; the warps split the *key* rows of the block.
 * :func:`make_convert` -- half storage only: dQ narrowed from its float32 accumulator after the backward.
 
-Attention modifiers (:mod:`flashnb.flex`, issue #16).  Both kernel factories take compile-time
+Attention modifiers (:mod:`flashnb.flex`).  Both kernel factories take compile-time
 ``score_mod`` / ``mask_mod`` (device functions of the user's Python functions, or ``None`` = the plain kernel,
 unchanged) and ``H`` (query heads, for ``b = z // H``, ``h = z % H``); the per-element work is one call of
 :func:`make_modify` (forward) or :func:`make_modify_grad` (backward).  ``mask_mod`` needs ``sparse``: the
@@ -84,7 +84,7 @@ _A2 = "float32[:, ::1]"
 _MASK = "uint8[:, :, ::1]"   # block mask M (BH, Tr, Tc) at the kernel's tiles; a 1x1x1 dummy when dense
 
 
-# Signatures as functions of the configuration: ``storage`` (issue #17) types the arrays the kernels keep in
+# Signatures as functions of the configuration: ``storage`` types the arrays the kernels keep in
 # half precision -- Q, K, V, O, dO, dK, dV -- and nothing else (L, D and the dQ accumulator stay float32).
 def _fwd_sig(storage="float32", **_):
     h = storage_array_type(storage)
@@ -139,7 +139,7 @@ def _configs(direction):
     bfloat16); dropout (dense causal d = 64; block-sparse GQA d = 128); attention modifiers last."""
     return ([dict(**default_tiles(d, direction), d=d, causal=c) for d, c in ((32, False), (64, True), (128, True))]
             + [dict(Br=16, Bc=16, d=20, warps=1, causal=False)]
-            # half storage (issue #17): float16 at the largest head dim, bfloat16 causal (2 configs: CI budget)
+            # half storage: float16 at the largest head dim, bfloat16 causal (two configs cover both types)
             + [dict(**default_tiles(d, direction), d=d, causal=c, storage=st)
                for d, c, st in ((128, False, "float16"), (64, True, "bfloat16"))]
             + [dict(**default_tiles(d, direction), d=d, causal=c, sparse=True) for d, c in ((32, False), (128, True))]

@@ -49,7 +49,7 @@ hot loop 87.5%, line 8 87.1%, only ``LDS.128``, no local memory (the static fall
 and 77%).  Stage 4 (its default tiles): hot loop 65% at d = 64 and 56% at d = 128, ``LDS.32`` only, local
 memory in the hot loop.
 
-7. **Dynamic shared memory beyond 48 KiB, where it pays** (issue #14).  A block may declare only 48 KiB of
+7. **Dynamic shared memory beyond 48 KiB, where it pays**.  A block may declare only 48 KiB of
    *static* shared memory; beyond that (up to 163 KiB on sm_80, 227 KiB on sm_90) it takes *dynamic* shared
    memory, which a GPU grants a kernel only after the driver opt-in (``common.allow_dynamic_shared``:
    ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``).  ``make_forward(..., dynamic=True)`` declares one
@@ -91,7 +91,7 @@ memory in the hot loop.
    device refuses the *default* tiles (its limit, or the opt-in call), it falls back to the static defaults
    (``default_tiles(d, static=True)``) with a ``RuntimeWarning``, and :data:`last_forward` says what ran.
 
-**The backward** (FA2 Alg. 2, :func:`make_backward`, issue #14) applies the same six techniques to stage 4's
+**The backward** (FA2 Alg. 2, :func:`make_backward`) applies the same six techniques to stage 4's
 algorithm and grid ``(Tc, BH)``: each thread block keeps ``K_j, V_j`` and streams ``Q_i, dO_i, L_i, D_i``
 (stage 4's preprocessing kernel computes ``D = rowsum(dO ∘ O)``); the warps split the ``Bc`` key rows.
 

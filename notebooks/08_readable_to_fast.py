@@ -141,7 +141,7 @@ print(bench.table(step_rows, list(step_rows[0])))
 #
 # * **32-bit indices** remove integer work everywhere in the kernel (the instruction count falls) and in the hot
 #   loop. In this small kernel LLVM unrolled stage 4's `range(d)` loop anyway; inside stage 4's real kernel it
-#   did not, and the audit of issue #14 found ~56 instructions per 16 FFMAs there.
+#   did not, and its SASS has ~56 instructions per 16 FFMAs there.
 # * **128-bit loads** are the big step: each load brings 4 values of $k$, so the same $T_M + T_N$ loads feed
 #   $4 T_M T_N$ FFMAs instead of $T_M T_N$ (exercise 08.1). The transposed stores of steps 1-2 were 32-way bank
 #   conflicts (32 lanes storing down one column); the row copies have none.
