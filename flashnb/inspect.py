@@ -503,9 +503,21 @@ def ptx_cache_dir() -> Path | None:
 _DIGESTS: dict[str, str] = {}
 
 
+#: Parts of the package that hold no device code, so no kernel's PTX depends on them: the simulator, the course
+#: kit, the PyTorch and distributed front ends, and host-only tools.  :func:`package_digest` leaves them out, so
+#: editing them keeps the PTX guard's record (``tests/test_ptx_guard.py`` checks that none of them defines a
+#: ``cuda.jit`` function, an intrinsic, or a registered kernel factory).
+HOST_ONLY = ("sim/", "course/", "torch/", "distributed/", "cli.py", "notebook.py", "sass.py", "sass_model.py",
+             "roofline.py", "traffic.py", "rehearsal.py", "_gpu_child.py", "tiny_transformer.py")
+
+
+def _host_only(rel: str) -> bool:
+    return any(rel.startswith(h) if h.endswith("/") else rel == h for h in HOST_ONLY)
+
+
 def package_digest(root: str | Path | None = None) -> str:
     """SHA-256 of every ``.py`` file of the flashnb package (relative path and bytes) under ``root`` (default:
-    this package): any edit of any source file changes it."""
+    this package) that kernels can depend on -- all but :data:`HOST_ONLY`: any edit of such a file changes it."""
     import hashlib
 
     if root is None and "package" in _DIGESTS:
@@ -513,7 +525,9 @@ def package_digest(root: str | Path | None = None) -> str:
     base = Path(root) if root is not None else Path(__file__).resolve().parent
     h = hashlib.sha256()
     for f in sorted(base.rglob("*.py"), key=lambda f: f.relative_to(base).as_posix()):
-        h.update(f.relative_to(base).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+        rel = f.relative_to(base).as_posix()
+        if not _host_only(rel):
+            h.update(rel.encode() + b"\0" + f.read_bytes() + b"\0")
     if root is None:
         _DIGESTS["package"] = h.hexdigest()
     return h.hexdigest()

@@ -7,17 +7,19 @@ with ``FLASHNB_DEVICE=gpu`` and hands back JSON.  Every (kernel, config) gets on
 ptxas assembles that PTX for sm_80 and, retargeted, for sm_90 (NVVM's sm_90 PTX is the same but for the
 ``.target`` line and symbol names: checked on a sample below).
 
-**Recorded results (the CI budget, issue #13).**  Compiling every registered (kernel, config) costs minutes of
-NVVM, and the answer depends only on the kernels' source and the toolchain.  ``tests/ptx_guard_results.json``
-holds every case's ptxas report together with the key it was computed under: the digest of every source file of
-the flashnb package (:func:`flashnb.inspect.package_digest`) and the toolchain's versions
-(:func:`flashnb.inspect.toolchain_versions`).  When both match, the guard checks the recorded reports and
-re-compiles a sample of :data:`SPOT_CHECKS` (kernel, config) pairs -- a different sample for every package digest
--- which must reproduce their records exactly.  Any change to any flashnb source file, or another toolchain,
-changes the key: then every case is compiled, as if there were no record (a changed kernel can never pass on an
-old record).  Refresh the record after changing kernels: ``FLASHNB_GUARD_RECORD=1 python -m pytest
-tests/test_ptx_guard.py`` (compiles everything afresh and rewrites the file).  NVVM's PTX is also cached on disk
-(:func:`flashnb.inspect.ptx_cache_dir`), so a second run on one machine skips NVVM; ptxas runs on every compile.
+**Recorded results.**  Compiling every registered (kernel, config) costs minutes of NVVM, and the answer
+depends only on the kernels' source and the toolchain.  ``tests/ptx_guard_results.json`` holds every case's
+ptxas report together with the key it was computed under: the digest of every source file of the flashnb
+package that kernels can depend on (:func:`flashnb.inspect.package_digest`: all but
+:data:`flashnb.inspect.HOST_ONLY`, the simulator, course kit, front ends and host tools) and the toolchain's
+versions (:func:`flashnb.inspect.toolchain_versions`).  When both match, the guard checks the recorded reports
+and re-compiles a sample of :data:`SPOT_CHECKS` (kernel, config) pairs -- a different sample for every package
+digest -- which must reproduce their records exactly.  Any change to a source file kernels can depend on, or
+another toolchain, changes the key: then every case is compiled, as if there were no record (a changed kernel
+can never pass on an old record).  Refresh the record after changing kernels: ``FLASHNB_GUARD_RECORD=1 python
+-m pytest tests/test_ptx_guard.py`` (compiles everything afresh and rewrites the file).  NVVM's PTX is also
+cached on disk (:func:`flashnb.inspect.ptx_cache_dir`), so a second run on one machine skips NVVM; ptxas runs
+on every compile.
 
 Also checked: no ``@cuda.jit`` kernel in ``flashnb/`` escapes the registry (AST scan), and the guard does
 fail on kernels that are deliberately wrong (a float64 literal, 64 KiB of static shared memory).  A kernel that
@@ -328,17 +330,44 @@ def test_retarget_ptx():
 # --------------------------------------------------------------------------- the recorded results
 
 
-def test_record_key_changes_with_any_source_edit(tmp_path):
-    """The record's key is the digest of every flashnb source file: a copy digests the same, and a one-character
-    edit of one kernel file (a changed kernel) gives another key, so the old record is not used."""
+def test_record_key_changes_with_any_kernel_source_edit(tmp_path):
+    """The record's key is the digest of every flashnb source file kernels can depend on: a copy digests the
+    same, a one-character edit of one kernel file (a changed kernel) gives another key, so the old record is not
+    used; an edit of a host-only file (the simulator) keeps the key."""
     import shutil
 
     copy = tmp_path / "flashnb"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
     assert fi.package_digest(copy) == fi.package_digest()
+    sim_file = copy / "sim" / "vector" / "arrays.py"
+    sim_file.write_text(sim_file.read_text() + " ")
+    assert fi.package_digest(copy) == fi.package_digest()
     fa2 = copy / "fa2.py"
     fa2.write_text(fa2.read_text() + " ")
     assert fi.package_digest(copy) != fi.package_digest()
+
+
+def test_host_only_modules_hold_no_device_code():
+    """What the key leaves out (:data:`flashnb.inspect.HOST_ONLY`) defines no ``cuda.jit`` function (kernel or
+    device), no numba intrinsic and no registered kernel factory: its source cannot change any kernel's PTX.
+    (The simulator's self-test kernels are not in the record: ``module_level`` compiles them at every run.)"""
+    factories = {spec.factory.__module__ for spec in KERNELS.values() if getattr(spec, "factory", None)}
+    checked = 0
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if not fi._host_only(rel) or rel == "sim/selftest.py":   # its kernels: compiled at every run, above
+            continue
+        checked += 1
+        module = "flashnb." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        assert module.removesuffix(".__init__") not in factories, f"{rel} registers a kernel factory"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for dec in node.decorator_list:
+                    target = dec.func if isinstance(dec, ast.Call) else dec
+                    assert not _is_cuda_jit(dec)[0], f"{rel}: {node.name} is a cuda.jit function"
+                    name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+                    assert name != "intrinsic", f"{rel}: {node.name} is a numba intrinsic"
+    assert checked > 30          # the simulator, the course kit, torch, distributed and the host tools
 
 
 def test_record_key_names_the_toolchain():
