@@ -1,19 +1,23 @@
-"""The README's Python example runs as written (and its test command is what .ci/run executes)."""
+"""The README's and the reference pages' Python examples run as written, every page is linked from the README
+and every relative link resolves, and the README's test command is what .ci/run executes."""
 
 import importlib.util
 import linecache
 import re
 from pathlib import Path
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+PAGES = sorted((ROOT / "docs").glob("*.md"))
 
 
-def test_python_example_runs(capsys):
+def test_python_examples_run(capsys):
     # each block runs as a notebook cell does: its source registered in linecache under a cell name, in __main__
-    # (the experimenting section's resource report reads its kernel's source from there)
-    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
-    assert len(blocks) == 6, ("README's python examples: using the kernels, modifiers, experimenting, sanitizer and "
-                              "profiler, torch, transformers")
+    # (the experimenting page's resource report reads its kernel's source from there)
+    blocks = [b for text in [README] + [p.read_text() for p in PAGES]
+              for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)]
+    assert len(blocks) == 6, ("the python examples: the README's first call, modifiers, experimenting, sanitizer "
+                              "and profiler, torch, transformers")
     for n, block in enumerate(blocks):
         if "flashnb.torch" in block and importlib.util.find_spec("torch") is None:
             continue   # PyTorch is optional (the [torch] extra); its example runs wherever it is installed
@@ -33,8 +37,18 @@ def test_python_example_runs(capsys):
     assert "QsT" in out and "wave" in out
 
 
+def test_the_readme_is_a_front_page_linking_every_reference_page():
+    assert len(README.splitlines()) <= 130
+    for page in PAGES:
+        assert f"](docs/{page.name})" in README, f"README does not link docs/{page.name}"
+    for path in [ROOT / "README.md"] + PAGES:
+        prose = re.sub(r"`[^`]*`", "", re.sub(r"```.*?```", "", path.read_text(), flags=re.S))   # no code
+        for target in re.findall(r"\]\((?!https?:)([^)#]+)(?:#[^)]*)?\)", prose):
+            assert (path.parent / target).exists(), f"{path.name}: link to {target} does not resolve"
+
+
 def test_ci_runs_the_readme_test_command():
-    ci = (Path(__file__).resolve().parent.parent / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
     assert "<!-- test-command -->" in README and "<!-- test-command -->" in ci
     command = README.split("<!-- test-command -->", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0].strip()
     assert "pytest" in command and "--nbmake" in command and "ruff check" in command
