@@ -32,26 +32,30 @@ naming the construct and its line; pass ``score_mod_grad`` then):
   expression, and any call or attribute of a module (``math.pi``) whose arguments do not depend on ``score``:
   constants of the derivative.
 
-Refused when they depend on ``score``: loops, ``//`` and ``%``, integer casts (their derivative is zero almost
+Refused wherever they appear: any other statement (loops, ``with``, ``try``, nested functions, tuple
+targets).  Refused when they depend on ``score``: ``//`` and ``%``, integer casts (their derivative is zero almost
 everywhere: a derivative that is almost surely a bug), a call of any other function, indexing by the score,
-attribute access, tuples, comprehensions, lambdas.  Everything is float32 (constants are written
-``float32(...)``), so the derivative passes the same float64 check as the modifier.
+attribute access, comprehensions, lambdas.  Everything is float32 (constants are written ``float32(...)``), so
+the derivative passes the same float64 check as the modifier (:func:`flashnb.flex.check_modifiers` compiles
+it, as it compiles a hand-written one).
 """
 
 from __future__ import annotations
 
 import ast
 import builtins
+import hashlib
 import linecache
 import math
 import types as py_types
 
 import numpy as np
 from numba import float32
+from numba.core import types as numba_types
 
 from .flex import ModifierError
 
-__all__ = ["derivative", "derivative_source", "NotDifferentiable"]
+__all__ = ["derivative", "derivative_source", "score_mod_grad_of", "NotDifferentiable"]
 
 
 class NotDifferentiable(ModifierError):
@@ -60,6 +64,10 @@ class NotDifferentiable(ModifierError):
 
 _F32 = "_fnb_float32"                      # the name the derivative's own float32(...) calls use
 _UNARY = {"exp", "log", "tanh", "sqrt", "abs"}
+_INT_CASTS = (builtins.int, builtins.round, math.floor, math.ceil, math.trunc, np.int8, np.int16, np.int32,
+              np.int64, np.uint8, np.uint16, np.uint32, np.uint64, numba_types.int8, numba_types.int16,
+              numba_types.int32, numba_types.int64, numba_types.uint8, numba_types.uint16, numba_types.uint32,
+              numba_types.uint64)
 
 
 def _rule_of(obj):
@@ -80,6 +88,8 @@ def _rule_of(obj):
         return "max"
     if obj is float32 or obj is np.float32:
         return "float32"
+    if obj in _INT_CASTS:
+        return "int"
     return None
 
 
@@ -279,7 +289,7 @@ class _Deriver:
         return _choose(_copy(node.test), self.D(node.body), self.D(node.orelse))
 
     def D_Subscript(self, node):
-        if self.D(node.slice) is not None:
+        if any(self.active_name(n) for n in ast.walk(node.slice)) or self.D(node.slice) is not None:
             raise _Refused(node, f"indexing by a value that depends on {self.score} (`{_source_of(node)}`)")
         if self.D(node.value) is not None:
             raise _Refused(node, f"indexing a value that depends on {self.score} (`{_source_of(node)}`)")
@@ -293,12 +303,8 @@ class _Deriver:
 
     def D_Attribute(self, node):
         if any(self.active_name(n) for n in ast.walk(node)):
-            raise _Refused(node, f"attribute access `{_source_of(node)}`")
-        try:
-            self.resolve(node)
-        except KeyError:
-            raise _Refused(node, f"attribute access `{_source_of(node)}`") from None
-        return None
+            raise _Refused(node, f"attribute access `{_source_of(node)}` on a value that depends on {self.score}")
+        return None                                          # math.pi, slopes.shape[0]: constants
 
     def D_Call(self, node):
         tangents = [self.D(a) for a in node.args]
@@ -312,7 +318,10 @@ class _Deriver:
         where = f"`{_source_of(node)}`"
         if rule is None:
             raise _Refused(node, f"a call of `{_source_of(node.func)}` on a value that depends on {self.score} "
-                                 f"({where}), outside the subset")
+                                 f"({where})")
+        if rule == "int":
+            raise _Refused(node, f"an integer cast of a value that depends on {self.score} ({where}: its derivative "
+                                 "is zero almost everywhere)")
         if node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
             raise _Refused(node, f"a call with keyword or starred arguments ({where})")
         args = node.args
@@ -333,8 +342,8 @@ class _Deriver:
             if rule == "sqrt":                               # d sqrt(u) = du / (2 sqrt(u))
                 return _div(du, ast.BinOp(_f32(2), ast.Mult(), self.f32_call(f, u)))
             if rule == "abs":                                # sign(u) du, 0 at u = 0 (as torch.abs)
-                pos = ast.Compare(_copy(u), [ast.Gt()], [ast.Constant(0)])
-                neg = ast.Compare(_copy(u), [ast.Lt()], [ast.Constant(0)])
+                pos = ast.Compare(_copy(u), [ast.Gt()], [_f32(0)])
+                neg = ast.Compare(_copy(u), [ast.Lt()], [_f32(0)])
                 return _choose(pos, du, _choose(neg, _neg(du), None))
         if len(args) < 2:
             raise _Refused(node, f"{where}: {rule} of fewer than two values")
@@ -371,7 +380,8 @@ class _Deriver:
             self.tangent.pop(target, None)
         else:
             tv = self.tangent_var(target)
-            out.append(ast.Assign([ast.Name(tv, ast.Store())], _as_expr(t)))
+            if not (isinstance(t, ast.Name) and t.id == tv):     # x = x + c: d_x unchanged
+                out.append(ast.Assign([ast.Name(tv, ast.Store())], _as_expr(t)))
             self.tangent[target] = _name(tv)
         out.append(ast.Assign([ast.Name(target, ast.Store())], value))
         return out
@@ -383,7 +393,9 @@ class _Deriver:
             if s.value is None:
                 raise _Refused(s, "a `return` without a value")
             t = self.D(s.value)
-            return [ast.Return(ast.Call(_name(_F32), [_as_expr(t) if t is not None else ast.Constant(0)], []))]
+            if t is None or t is ONE:
+                return [ast.Return(_f32(0 if t is None else 1))]
+            return [ast.Return(ast.Call(_name(_F32), [t], []))]
         if isinstance(s, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             targets = s.targets if isinstance(s, ast.Assign) else [s.target]
             if len(targets) != 1 or not isinstance(targets[0], ast.Name):
@@ -446,7 +458,6 @@ def _describe_node(node) -> str:
 # --------------------------------------------------------------------------- building the function
 
 _DERIVED: dict = {}     # Snapshot of a score_mod -> (source, Snapshot of its derivative); bounded like the kernels
-_SERIAL = [0]
 
 
 def _env_of(fn) -> dict:
@@ -464,7 +475,12 @@ def _derive(fn, name: str):
     """``(source, function)``: the derivative of the Python function ``fn`` (a snapshot's frozen copy)."""
     from . import flex
 
-    desc = flex._describe(fn, "score_mod")
+    try:
+        desc = flex._describe(fn, "score_mod")
+    except ModifierError as exc:            # no source to read (a function typed at a bare interpreter prompt)
+        raise NotDifferentiable(f"score_mod {name!r} cannot be differentiated automatically: "
+                                f"{str(exc).split(': ', 1)[-1]}; or pass score_mod_grad (d score_mod / d score, "
+                                "same arguments)") from None
     tree = ast.parse(desc["source"])
     fdef = next(n for n in tree.body if isinstance(n, ast.FunctionDef))
     if fdef.args.vararg or fdef.args.kwarg or fdef.args.kwonlyargs or len(fdef.args.args) != 5:
@@ -475,14 +491,15 @@ def _derive(fn, name: str):
     try:
         body = d.body(fdef.body, top=True)
     except _Refused as r:
-        line = desc["firstlineno"] + getattr(r.node, "lineno", 1) - 1
+        # a lambda's desc is a one-line ``def lambda_`` written around it: its line is the lambda's
+        line = desc["firstlineno"] if desc.get("name") == "lambda_" else \
+            desc["firstlineno"] + getattr(r.node, "lineno", 1) - 1
         raise NotDifferentiable(
-            f"score_mod {name!r} cannot be differentiated automatically: {r.what} at line {line} of "
-            f"{desc['filename']} is outside the subset flashnb derives (arithmetic, comparisons, conditional "
+            f"score_mod {name!r} cannot be differentiated automatically: {r.what}, at line {line} of "
+            f"{desc['filename']}, is outside the subset flashnb derives (arithmetic, comparisons, conditional "
             "expressions and if/else, math.exp/log/tanh/sqrt, abs, min/max, float32 casts, captured arrays indexed "
             "by b, h, q_idx, kv_idx; see flashnb.flex_grad); pass score_mod_grad (d score_mod / d score, same "
             "arguments) instead") from None
-    _SERIAL[0] += 1
     gname = f"{fdef.name if fdef.name != 'lambda_' else 'lambda'}_dscore"
     new = ast.FunctionDef(name=gname, args=_copy(fdef.args), body=body, decorator_list=[], returns=None)
     if "type_params" in new._fields:
@@ -491,9 +508,10 @@ def _derive(fn, name: str):
         a.annotation = None
     module = ast.Module([new], [])
     ast.fix_missing_locations(module)
-    source = (f"# d {name} / d {d.score}, derived by flashnb.flex_grad from {desc['filename']}:"
-              f"{desc['firstlineno']}\n" + ast.unparse(module) + "\n")
-    filename = f"<flashnb derivative {_SERIAL[0]} of {name}>"
+    source = f"# d {name} / d {d.score}, derived by flashnb.flex_grad (forward mode)\n" + ast.unparse(module) + "\n"
+    # named by its content: the same code with other captured values shares one linecache entry
+    digest = hashlib.blake2b(source.encode(), digest_size=6).hexdigest()
+    filename = f"<flashnb derivative of {name} {digest}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)   # inspect.getsource reads it
     glob = {n: v for n, v in env.items()}
     glob.setdefault("__builtins__", builtins)
@@ -536,3 +554,15 @@ def derivative_source(score_mod) -> str:
 
     derivative(score_mod)
     return _DERIVED[flex.snapshot(score_mod)][0]
+
+
+def score_mod_grad_of(score_mod, score_mod_grad=None):
+    """The ``d score_mod / d score`` a backward uses: ``score_mod_grad`` when given, else ``score_mod.grad`` (the
+    gallery's), else :func:`derivative` (raising :class:`NotDifferentiable` for a modifier outside the subset).
+    ``None`` without a ``score_mod``."""
+    from .kernels.policies import python_modifier
+
+    if score_mod is None or score_mod_grad is not None:
+        return score_mod_grad
+    grad = getattr(python_modifier(score_mod), "grad", None)
+    return grad if grad is not None else derivative(score_mod)
