@@ -524,7 +524,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
         raise ValueError("dropout with attention modifiers (score_mod / mask_mod) is not supported")
     to_f32, from_f32 = storage_conversions(storage)  # casts: no instruction for float32 storage
     if score_mod is not None and score_mod_grad is None:
-        score_mod_grad = getattr(python_modifier(score_mod), "grad", None) or _flex_module().derivative(score_mod)
+        score_mod_grad = _flex_module().score_mod_grad_of(score_mod)   # .grad, else derived from its source
     flex_p_ds = make_modify_grad(score_mod, score_mod_grad, mask_mod, H)
     partial_tiles = mask_mod is not None             # M has partial tiles (mask_mod per element)
     g = geometry(Bc, Br, d, warps)
@@ -964,7 +964,7 @@ def _flex(direction, score_mod, mask_mod, score_mod_grad, block_mask, heads, BH,
                                            for f in (score_mod, mask_mod, score_mod_grad))
     if direction == "backward" and score_mod is not None and score_mod_grad is None \
             and getattr(python_modifier(score_mod), "grad", None) is None:
-        score_mod_grad = flex.derivative(score_mod)   # derived from its source (flashnb.flex_grad)
+        score_mod_grad = flex.derivative(score_mod)   # derived from its source (flashnb.flex_grad); GPU-checked below
     flex.check_modifiers(score_mod=score_mod, mask_mod=mask_mod if mask_mod is not None else bm_mod,
                          score_mod_grad=score_mod_grad if direction == "backward" else None)
     if block_mask is None:
