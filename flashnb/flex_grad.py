@@ -169,6 +169,24 @@ def _choose(test: ast.expr, a, b):
     return ast.IfExp(test, _as_expr(a) if a is not None else _f32(0), _as_expr(b) if b is not None else _f32(0))
 
 
+def _int_literal(node):
+    """The value of an integer literal ``3`` or ``-3`` (a whole-number float literal counts), else None."""
+    sign = 1
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        sign, node = (-1 if isinstance(node.op, ast.USub) else 1), node.operand
+    n = node.value if isinstance(node, ast.Constant) else None
+    if isinstance(n, (int, float)) and not isinstance(n, bool) and math.isfinite(n) and n == int(n):
+        return sign * int(n)
+    return None
+
+
+def _returns(stmts) -> bool:
+    """Does this block always end in a ``return`` (directly, or an if/else whose branches both do)?"""
+    last = stmts[-1] if stmts else None
+    return isinstance(last, ast.Return) or (isinstance(last, ast.If) and bool(last.orelse)
+                                            and _returns(last.body) and _returns(last.orelse))
+
+
 def _source_of(node) -> str:
     try:
         return ast.unparse(node)
@@ -249,16 +267,15 @@ class _Deriver:
         if isinstance(op, ast.Pow):
             if dr is not None:
                 raise _Refused(node, f"a power whose exponent depends on {self.score} (`{_source_of(node)}`)")
-            n = right.value if isinstance(right, ast.Constant) else None
-            if isinstance(n, (int, float)) and not isinstance(n, bool) and n == int(n):
-                n = int(n)                                   # d(u^n) = n u^(n-1) du
+            n = _int_literal(right)
+            if n is not None:                                # d(u^n) = n u^(n-1) du
                 if n == 0:
                     return None
                 power = _copy(left) if n == 2 else ast.BinOp(_copy(left), ast.Pow(), ast.Constant(n - 1))
                 return _mul(dl, ast.BinOp(_f32(n), ast.Mult(), power))
-            exp = _copy(right)                               # a constant exponent of another kind
-            return _mul(dl, ast.BinOp(exp, ast.Mult(), ast.BinOp(_copy(left), ast.Pow(),
-                                                                  ast.BinOp(_copy(right), ast.Sub(), _f32(1)))))
+            c = ast.Call(_name(_F32), [_copy(right)], [])    # another constant exponent c: c u^(c-1) du, float32
+            return _mul(dl, ast.BinOp(c, ast.Mult(), ast.BinOp(_copy(left), ast.Pow(),
+                                                                ast.BinOp(_copy(c), ast.Sub(), _f32(1)))))
         raise _Refused(node, f"the operator `{_OPS.get(type(op), type(op).__name__)}` on a value that depends on "
                              f"{self.score} (`{_source_of(node)}`)")
 
@@ -415,12 +432,15 @@ class _Deriver:
             after_then, self.tangent = self.tangent, dict(before)
             orelse = self.body(s.orelse) if s.orelse else []
             after_else = self.tangent
+            # the paths that reach the statement after the if (a branch ending in return does not)
+            live = [(b, st) for b, st, ret in ((then, after_then, _returns(s.body)),
+                                               (orelse, after_else, bool(s.orelse) and _returns(s.orelse))) if not ret]
             merged = {}
-            for n in set(after_then) | set(after_else):
-                merged[n] = _name(self.tangent_var(n)) if n != self.score or \
-                    after_then.get(n) is not ONE or after_else.get(n) is not ONE else ONE
-            # a name active after the if has its tangent variable set on both paths
-            for branch, state in ((then, after_then), (orelse, after_else)):
+            for n in set().union(*(st for _, st in live)):
+                merged[n] = ONE if n == self.score and all(st.get(n) is ONE for _, st in live) \
+                    else _name(self.tangent_var(n))
+            # a name active after the if has its tangent variable set on every path that gets there
+            for branch, state in live:
                 for n, t in merged.items():
                     if t is ONE:
                         continue
@@ -429,7 +449,7 @@ class _Deriver:
                         branch.append(ast.Assign([ast.Name(self.tangent_var(n), ast.Store())], _f32(0)))
                     elif not (isinstance(have, ast.Name) and have.id == self.tangent_var(n)):
                         branch.append(ast.Assign([ast.Name(self.tangent_var(n), ast.Store())], _as_expr(have)))
-            self.tangent = merged
+            self.tangent = merged if live else before           # both branches return: what follows is dead
             return [ast.If(s.test, then or [ast.Pass()], orelse)]
         raise _Refused(s, _describe_node(s))
 

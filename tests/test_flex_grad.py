@@ -79,8 +79,23 @@ def smooth_grad_np(s, b, h, q, kv):
     return dmax + de / (e + 1) + de / (2 * np.sqrt(e + rel * rel))
 
 
+def early_exit(score, b, h, q_idx, kv_idx):
+    """An early return, elif reassigning the score itself, a negative integer power."""
+    if score > float32(2):
+        return score * float32(3) + BIAS[h, kv_idx]
+    elif score < float32(-2):
+        score = -score
+    return (score * score + float32(1)) ** -1 + score * float32(0.25)
+
+
+def early_exit_grad_np(s, b, h, q, kv):
+    u = np.where(s < -2, -s, s)
+    du = np.where(s < -2, -1.0, 1.0)
+    return np.where(s > 2, 3.0, (-2 * u / (u * u + 1) ** 2 + 0.25) * du)
+
+
 USER = {"capped_bias": (capped_bias, capped_bias_grad_np), "branches": (branches, branches_grad_np),
-        "smooth": (smooth, smooth_grad_np)}
+        "smooth": (smooth, smooth_grad_np), "early_exit": (early_exit, early_exit_grad_np)}
 
 
 def _points(rng, n=400, H=2, N=32, score=6.0):
@@ -168,7 +183,8 @@ def one(score, b, h, q_idx, kv_idx):
 
 
 def _derived_pairs():
-    return [(flex.derivative(fn), "score_mod_grad") for fn in (capped_bias, branches, smooth, *GALLERY_SCORE.values())]
+    return [(flex.derivative(fn), "score_mod_grad") for fn in (*(f for f, _ in USER.values()),
+                                                                *GALLERY_SCORE.values())]
 
 
 @pytest.fixture(scope="module", autouse=True)
