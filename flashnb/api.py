@@ -342,7 +342,8 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
             kv_idx)`` (float32), ``mask_mod(b, h, q_idx, kv_idx)`` (bool; becomes a block mask whose empty tiles
             are skipped),
             ``block_mask=flashnb.flex.create_block_mask(mask_mod, ...)``, and for the backward
-            ``score_mod_grad`` (d score_mod / d score; the gallery's modifiers carry it as ``.grad``).  ``b``,
+            ``score_mod_grad`` (d score_mod / d score; the gallery's modifiers carry it as ``.grad``; without
+            either it is derived from ``score_mod``'s source: :func:`flashnb.flex_grad.derivative`).  ``b``,
             ``h`` index q's leading axes (B, H).  ``impl="flash-decoding"`` (forward only; for a few new queries,
             ``N_q <= 8``, against a long K/V cache: :mod:`flashnb.decode`) takes ``num_splits`` (chunks of the keys,
             default: enough blocks to fill the GPU's SMs in one wave) and ``warps``.
@@ -446,6 +447,12 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale=None,
     s = _check_scale(scale, q.shape[-1])
     if not isinstance(check_forward, (bool, np.bool_)):
         raise TypeError(f"check_forward must be True or False, got {check_forward!r}")
+    if options.get("score_mod") is not None and options.get("score_mod_grad") is None and \
+            "score_mod" in entry.options:
+        from .flex_grad import score_mod_grad_of
+
+        # score_mod.grad, else derived from its source: checked for a GPU below with the other modifiers
+        options = dict(options, score_mod_grad=score_mod_grad_of(options["score_mod"]))
     options = _check_options(entry, impl, options, q, k)
     causal = _check_causal(causal)
     q3, k3, v3, o3 = (_to3(_values(a, storage)) for a in (q, k, v, o))   # float32 values, for the checks

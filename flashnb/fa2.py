@@ -505,7 +505,8 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
     shared memory once per tile so that all threads can form dQ_i = dS K_j and add it into HBM.
     ``sparse``: Q tiles whose block-mask entry ``M[z, i, j]`` is 0 are skipped (FA1 Alg. 5's backward).
     ``score_mod_grad``: ``d score_mod / d score`` (default: the ``grad`` attribute of ``score_mod``, as the
-    gallery of :mod:`flashnb.flex` sets it); ``gqa``: grid ``(Tc, BH_kv)``, each block loops over its query heads.
+    gallery of :mod:`flashnb.flex` sets it, else derived from its source by :func:`flashnb.flex.derivative`);
+    ``gqa``: grid ``(Tc, BH_kv)``, each block loops over its query heads.
 
     ``dropout`` (FA1 Alg. 4 with dropout, in FA2 Alg. 2's loop order): four more kernel arguments, ``threshold``,
     ``inv_keep``, ``seed_lo``, ``seed_hi`` -- the forward's.  ``P = exp(S - L)`` is the undropped softmax (``L``
@@ -523,10 +524,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False, score_mod=None, mask_m
         raise ValueError("dropout with attention modifiers (score_mod / mask_mod) is not supported")
     to_f32, from_f32 = storage_conversions(storage)  # casts: no instruction for float32 storage
     if score_mod is not None and score_mod_grad is None:
-        score_mod_grad = getattr(python_modifier(score_mod), "grad", None)
-        if score_mod_grad is None:
-            raise ValueError(f"score_mod {getattr(python_modifier(score_mod), '__name__', score_mod)!r} has no "
-                             "derivative: pass score_mod_grad (d score_mod / d score, same arguments)")
+        score_mod_grad = _flex_module().score_mod_grad_of(score_mod)   # .grad, else derived from its source
     flex_p_ds = make_modify_grad(score_mod, score_mod_grad, mask_mod, H)
     partial_tiles = mask_mod is not None             # M has partial tiles (mask_mod per element)
     g = geometry(Bc, Br, d, warps)
@@ -966,9 +964,7 @@ def _flex(direction, score_mod, mask_mod, score_mod_grad, block_mask, heads, BH,
                                            for f in (score_mod, mask_mod, score_mod_grad))
     if direction == "backward" and score_mod is not None and score_mod_grad is None \
             and getattr(python_modifier(score_mod), "grad", None) is None:
-        raise ValueError(f"score_mod {flex.name_of(score_mod)!r} has no derivative: pass score_mod_grad "
-                         "(a function of the same arguments returning d score_mod / d score, as float32), or "
-                         "give the function a .grad attribute")
+        score_mod_grad = flex.derivative(score_mod)   # derived from its source (flashnb.flex_grad); GPU-checked below
     flex.check_modifiers(score_mod=score_mod, mask_mod=mask_mod if mask_mod is not None else bm_mod,
                          score_mod_grad=score_mod_grad if direction == "backward" else None)
     if block_mask is None:
@@ -1052,8 +1048,9 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
              score_mod=None, mask_mod=None, heads=1, score_mod_grad=None, dropout_p=0.0, seed=None, storage=None):
     """FA2 Alg. 2: the D preprocessing launch, then one thread block per K/V column block.  ``block_mask``
     as in :func:`forward` (Q tiles with ``M = 0`` are skipped).  ``score_mod_grad``: ``d score_mod / d score``
-    (default: ``score_mod.grad``, which the gallery sets).  Grouped-query attention: one thread block per K/V
-    column block *of a K/V head*, looping over the query heads of its group; dK, dV are summed on chip.
+    (default: ``score_mod.grad``, which the gallery sets, else derived from its source:
+    :func:`flashnb.flex.derivative`).  Grouped-query attention: one thread block per K/V column block
+    *of a K/V head*, looping over the query heads of its group; dK, dV are summed on chip.
     ``dropout_p``, ``seed``: the forward's (the mask is regenerated from them; ``o`` is the dropped output).
     ``storage`` (default: q's dtype): q, k, v, o, do and the returned dQ, dK, dV are in it, lse is float32; with
     half storage dQ is summed in a float32 accumulator and narrowed by a third launch (:func:`make_convert`)."""

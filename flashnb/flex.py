@@ -23,13 +23,17 @@ How it works:
   computed, exactly as stage 5's block-sparse kernels), **full** (every element allowed: no per-element work),
   **partial** (``mask_mod`` is called per element).  Counted traffic therefore falls with the mask's density
   (``fa2.model_forward`` / ``model_backward`` take ``mask_mod=`` and equal the counter).
-* The backward needs ``d score_mod / d score``.  **Choice: the user passes it** (``score_mod_grad``, same
-  arguments, returns float32), or attaches it as ``score_mod.grad``; every gallery entry carries its own.  Why not
-  derive it: numba has no automatic differentiation, and a numerical derivative (finite differences in float32)
-  would cost two more modifier calls per element and lose about half the float32 digits; the analytic
-  derivative is one more small function, checked against the reference.  A backward with a ``score_mod`` and no
-  derivative is a ``ValueError`` naming the modifier.  ``mask_mod`` needs no derivative (masked elements have
-  ``P = 0``).
+* The backward needs ``d score_mod / d score``.  flashnb **derives it from the modifier's source**
+  (:func:`derivative`, :mod:`flashnb.flex_grad`: forward mode, source to source, over a stated subset --
+  arithmetic, comparisons, conditional expressions, ``math.exp/log/tanh/sqrt``, ``abs``, ``min``/``max``,
+  float32 casts, captured arrays indexed by the four indices), and compiles the derivative as another device
+  function, checked for a GPU like the modifier; a modifier outside the subset is refused (when a backward needs
+  its derivative) with a :class:`NotDifferentiable` naming the construct and its line.  A hand-written
+  derivative still takes precedence: ``score_mod_grad`` (same arguments, returns float32), or
+  ``score_mod.grad``; every gallery score modifier carries one, and the tests check the derived derivatives
+  against them.  Why not finite differences: two more modifier calls per element and about half the float32
+  digits lost; the derived derivative is exact up to float32 rounding.  ``mask_mod`` needs no derivative
+  (masked elements have ``P = 0``).
 * Every modifier is checked before any launch (:func:`check_modifiers`): compiled alone for a GPU
   (``numba.cuda.compile_ptx(fn, (float32, int32, int32, int32, int32), device=True, cc=(8, 0))``, in a child
   process on the simulator, once per function), refusing a compile error (an unsupported call), ``.f64`` in its
@@ -84,8 +88,9 @@ Deviations from the design brief, and why:
   ``causal(offset=Nk - Nq)`` is flashnb's bottom-right ``causal=True``.  ``causal=`` and ``mask_mod`` combine by AND.
 * ``impl="flash"`` (the product kernel, the default: :mod:`flashnb.kernels.flash`) and ``impl="fa2"`` take
   modifiers and GQA; the others (``fa2-fast`` included) refuse them with an error naming the impl.  The product
-  kernel never calls back into this module: :func:`flashnb.api.attention_forward` and :mod:`flashnb.torch` check
-  its modifiers and build a ``mask_mod``'s block mask for it.
+  kernel calls back into this module only to derive a missing ``score_mod_grad``:
+  :func:`flashnb.api.attention_forward` and :mod:`flashnb.torch` check its modifiers and build a ``mask_mod``'s
+  block mask for it.
 """
 
 from __future__ import annotations
@@ -109,7 +114,7 @@ from .fa2 import BlockMask, python_modifier
 __all__ = ["ModifierError", "check_modifiers", "check_many", "create_block_mask", "mask_array", "numpy_modifier",
            "name_of", "Snapshot", "snapshot", "check_current", "check_heads",
            "causal", "sliding_window", "alibi", "alibi_slopes", "softcap", "document", "prefix_lm",
-           "GALLERY"]
+           "GALLERY", "derivative", "derivative_source", "score_mod_grad_of", "NotDifferentiable"]
 
 
 class ModifierError(TypeError):
@@ -748,5 +753,7 @@ GUARD_WINDOW = sliding_window(16)
 GUARD_SOFTCAP = softcap(20.0)
 GUARD_DOCUMENT = document(np.repeat(np.arange(16, dtype=np.int32), 64), causal=True)
 
+
+from .flex_grad import NotDifferentiable, derivative, derivative_source, score_mod_grad_of  # noqa: E402  (builds on this module)
 
 fa2._FLEX = sys.modules[__name__]   # fa2's kernels call back into this module when given modifiers

@@ -30,7 +30,9 @@
 # gallery against the float64 reference, and counts what a modifier costs.
 
 # %%
+import math
 import os
+import re
 import time
 
 import matplotlib.pyplot as plt
@@ -67,20 +69,71 @@ show_source(fa2.make_backward, grep="flex")
 show_source(fa2.make_modify)
 
 # %% [markdown]
-# ### The backward needs the derivative — we ask for it
+# ### The backward needs the derivative — derived from the modifier's own source
 #
 # The backward rebuilds $P = \exp(S' - L)$ from the *modified* score and needs
 # $\partial \mathcal{L}/\partial S = \partial \mathcal{L}/\partial S' \cdot \partial S'/\partial S$: the chain
-# rule through `score_mod`. flashnb asks the user for $\partial S'/\partial S$ (`score_mod_grad`, same
-# arguments; the gallery's modifiers carry theirs as `.grad`), rather than deriving it:
-#
-# * numba has no automatic differentiation, so "deriving" would mean a finite difference — two more
-#   modifier calls per element and about half of float32's digits lost to cancellation;
-# * the derivative of the modifiers people use is one line (ALiBi: 1; soft-capping: $1 - \tanh^2(s/c)$), and
-#   it is *checked* like everything else: the tests compare gradients with the float64 reference.
-#
-# `mask_mod` needs nothing: a masked element has $P = 0$ and no gradient. A backward with a `score_mod` but no
-# derivative is a `ValueError` naming the modifier.
+# rule through `score_mod` (FA2 Alg. 2 line 14 becomes $dS = P \circ (dP - D) \cdot \partial S'/\partial S$).
+# numba has no automatic differentiation, and a finite difference would cost two more modifier calls per
+# element and about half of float32's digits. So flashnb **differentiates the source**
+# (`flashnb.flex_grad`): it reads the modifier's Python syntax tree and writes a second Python function,
+# forward mode — every local that depends on `score` gets a tangent `d_x` (`d_score = 1`), each statement
+# `x = e` is preceded by `d_x = D(e)` with the textbook rules ($D(uv) = D(u)\,v + u\,D(v)$,
+# $D(\tanh u) = (1 - \tanh^2 u)\,D(u)$, ...), an `if` or a conditional expression differentiates the branch
+# it takes, and everything that depends only on `b, h, q_idx, kv_idx` (a captured bias `bias[h, kv_idx]`) is a
+# constant with no tangent. numba then compiles that function into the backward kernel like any modifier.
+# `flex.derivative_source` shows what it wrote:
+
+# %%
+print(flex.derivative_source(flex.softcap(5.0)))
+
+BIAS = rng.standard_normal((2, 64)).astype(np.float32)   # a per-head bias by key position (captured)
+
+
+def capped_bias(score, b, h, q_idx, kv_idx):               # no derivative written
+    s = float32(5) * float32(math.tanh(score / float32(5)))
+    if kv_idx > q_idx:
+        s = s * float32(0.5)
+    return s + BIAS[h, kv_idx]
+
+
+print(flex.derivative_source(capped_bias))
+
+# %% [markdown]
+# The supported subset is what modifiers are made of: arithmetic, comparisons, `if`/`else` and conditional
+# expressions, `math.exp/log/tanh/sqrt`, `abs`, `min`/`max`, `float32(...)` casts and captured arrays indexed
+# by the four indices. Anything else that the derivative would have to go through — a loop, a call of another
+# function, `//`, indexing by the score — is refused with a `NotDifferentiable` naming the construct and its
+# line, before any launch. The derivative is float32 code and is compiled for a GPU and checked for `.f64`
+# exactly like the modifier (next section). A hand-written derivative still **overrides** the derived one:
+# pass `score_mod_grad` (same arguments) or attach it as `score_mod.grad`. The gallery's modifiers carry
+# theirs (ALiBi: 1; soft-capping: $1 - \tanh^2(s/c)$), and they now serve as checks of the derived ones — here
+# on random points (the tests also check `alibi`, and train modifiers without a derivative on `impl="fa2"`
+# and `"flash"` against the float64 reference; the backward below does it for `capped_bias`):
+
+# %%
+sc = flex.softcap(5.0)
+derived = flex.derivative(sc)
+pts = [(np.float32(s), 0, int(h), int(i), int(j)) for s, h, i, j in
+       zip(rng.uniform(-20, 20, 1000), rng.integers(0, 2, 1000), rng.integers(0, 64, 1000), rng.integers(0, 64, 1000))]
+worst = max(abs(float(derived(*p)) - float(sc.grad(*p))) for p in pts)
+print(f"softcap(5): max |derived - hand-written| over {len(pts)} random points = {worst:.1e} (float32 rounding)")
+
+
+def halving(score, b, h, q_idx, kv_idx):                  # a loop: outside the subset
+    while score > float32(1):
+        score = score * float32(0.5)
+    return score
+
+
+try:
+    flex.derivative(halving)
+except flex.NotDifferentiable as err:
+    print("NotDifferentiable:", re.sub(r" of \S+, is", " of this cell, is", str(err))[:170], "...")
+
+# %% [markdown]
+# `mask_mod` needs nothing: a masked element has $P = 0$ and no gradient. In the kernel the derivative is one
+# more device function, called where the backward forms `dS`:
 
 # %%
 show_source(fa2.make_modify_grad)
@@ -114,7 +167,8 @@ GALLERY = {"causal": (None, flex.causal()),
            "softcap (5)": (flex.softcap(5.0), None),
            "document": (None, flex.document(np.repeat(np.arange(4), [12, 20, 8, 24]))),
            "prefix-LM (24)": (None, flex.prefix_lm(24))}
-pairs = [(rel_bias, "score_mod"), (rel_bias_f64, "score_mod"), (half_score, "score_mod")]
+pairs = [(rel_bias, "score_mod"), (rel_bias_f64, "score_mod"), (half_score, "score_mod"),
+         (capped_bias, "score_mod"), (flex.derivative(capped_bias), "score_mod_grad")]
 for sm, mm in GALLERY.values():
     pairs += ([(sm, "score_mod"), (sm.grad, "score_mod_grad")] if sm else []) + ([(mm, "mask_mod")] if mm else [])
 flex.check_many(pairs, strict=False)                  # one compile batch for everything in this notebook
@@ -194,6 +248,24 @@ refs = reference.attention_backward(q, k, v, do, mask=flex.mask_array(mm, 1, 2, 
                                     score_mod_grad=sm.grad.numpy)
 print("backward, softcap + document: max|grad - ref| =",
       f"{max(np.abs(g - r).max() for g, r in zip(grads, refs)):.1e}")
+
+
+def capped_bias_np(x, b, h, i, j):            # capped_bias in float64 NumPy, for the reference ...
+    s = 5 * np.tanh(x / 5)
+    return np.where(j > i, 0.5 * s, s) + BIAS.astype(np.float64)[h, j]
+
+
+def capped_bias_grad_np(x, b, h, i, j):       # ... and its derivative, by hand
+    d = 1 - np.tanh(x / 5) ** 2
+    return np.where(j > i, 0.5 * d, d)
+
+
+o, lse = flashnb.attention_forward(q, k, v, score_mod=capped_bias, **TILES)        # impl="flash", the default
+grads = flashnb.attention_backward(q, k, v, o, lse, do, score_mod=capped_bias, **TILES)   # derived derivative
+refs = reference.attention_backward(q, k, v, do, score_mod=capped_bias_np, score_mod_grad=capped_bias_grad_np)
+err = max(np.abs(g - r).max() for g, r in zip(grads, refs))
+print(f"backward, capped_bias (derived derivative, impl 'flash'): max|grad - ref| = {err:.1e}")
+assert err < 1e-4        # as the tests: four chained float32 products of sums over <= 64 terms, atomics for dQ
 
 # %% [markdown]
 # ## What a modifier costs: counted traffic, then the model at scale
@@ -311,7 +383,8 @@ exercises.check("10.1", sinks_mask=sinks_mask)
 # %% [markdown]
 # **10.2 · The derivative** (★★, ~15 min) A modifier soft-caps the score and adds a per-head temperature term:
 # `3·tanh(score/3) + temps[h]·score` with `temps = exercises.nb10.TEMPS` (captured). Write `score_grad`, the
-# derivative the backward needs, in float32.
+# derivative the backward needs, in float32, by hand (flashnb would derive it; a hand-written derivative is what
+# checks a derived one).
 
 # %%
 score_grad = ...   # def score_grad(score, b, h, q_idx, kv_idx): ...

@@ -72,7 +72,7 @@ STAGE_OF_MODULE = {
     "test_causal_alignment": "stage0", "test_torch": "stage0", "test_torch_ops": "stage0",
     "test_naive": "stage1", "test_softmax": "stage2", "test_fa1": "stage3", "test_fa2": "stage4",
     "test_fa2_steps": "stage4", "test_dropout": "stage4", "test_half": "stage4",
-    "test_block_sparse": "stage5", "test_flex": "flex", "test_decode": "decode",
+    "test_block_sparse": "stage5", "test_flex": "flex", "test_flex_grad": "flex", "test_decode": "decode",
     "test_fa2_fast": "stage6", "test_sass_model": "stage6", "test_fa2_fast_steps": "stage6",
     "test_flash": "product", "test_flash_parity": "product",
     "test_distributed": "distributed", "test_tensorcore": "stage7", "test_fa2_tc": "stage7",

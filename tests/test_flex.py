@@ -238,11 +238,18 @@ def test_bad_combinations(rng, impl):
     q, k, v, do = qkv(rng, (1, 16, 8), 16, do=True)
     with pytest.raises(TypeError, match="impl 'fa1' does not take attention modifiers"):
         flashnb.attention(q, k, v, impl="fa1", score_mod=rel_bias)
-    no_grad = flex.softcap(3.0)
-    del no_grad.grad
-    o, lse = reference.attention_forward(q, k, v, score_mod=no_grad.numpy)
-    with pytest.raises(ValueError, match="score_mod 'softcap_score' has no derivative"):
-        flashnb.attention_backward(q, k, v, o, lse, do, impl=impl, score_mod=no_grad, check_forward=False)
+    o, lse = reference.attention_forward(q, k, v, score_mod=flex.numpy_modifier(halving_loop))
+    with traffic.count() as t, pytest.raises(flex.NotDifferentiable, match=r"score_mod 'halving_loop' cannot be "
+                                             r"differentiated automatically: a loop \(`while`\), at line \d+"):
+        flashnb.attention_backward(q, k, v, o, lse, do, impl=impl, score_mod=halving_loop, check_forward=False)
+    assert t.summary() == []                  # refused before any launch
+
+
+def halving_loop(score, b, h, q_idx, kv_idx):
+    """A modifier whose derivative flashnb does not derive (a loop): its backward needs score_mod_grad."""
+    while score > float32(1):
+        score = score * float32(0.5)
+    return score
 
 
 @pytest.mark.parametrize("impl", FEATURE_IMPLS)

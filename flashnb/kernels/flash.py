@@ -14,8 +14,9 @@ off (with all of them off the kernels are stage 6's):
   tile states, ``EMPTY`` (never loaded, never computed: FA1 Alg. 5's ``if M_ij != 0``), ``FULL`` (no
   per-element work), ``PARTIAL`` (``mask_mod`` per element).
 * **attention modifiers** -- ``score_mod`` on every score, ``mask_mod`` through its block mask (built by the user
-  surfaces with :func:`flashnb.flex.create_block_mask`; this module never imports :mod:`flashnb.flex`), and the
-  backward's ``score_mod_grad``.
+  surfaces with :func:`flashnb.flex.create_block_mask`; this module imports :mod:`flashnb.flex` only to derive
+  a missing ``score_mod_grad``), and the backward's ``score_mod_grad`` (default: ``score_mod.grad``, else
+  derived from the modifier's source by :mod:`flashnb.flex_grad`).
 * **dropout** -- ``dropout_p``, ``seed``: Philox (:mod:`flashnb.rng`) regenerated per element in both directions;
   ``dropout_at`` keys it by positions in a longer sequence (a context-parallel shard).
 * **GQA / MQA** -- K, V with fewer heads than Q; the backward's blocks loop over their group's query heads, so K_j,
@@ -303,14 +304,14 @@ def make_backward(Br, Bc, d, warps, causal, storage="float32", sparse=False, sco
                   gqa=False, score_mod_grad=None, dropout=False):
     """FA2 Alg. 2 on stage 6's loop, grid ``(Tc, BH_kv)``: each block keeps ``K_j, V_j`` and streams the Q tiles of
     its K/V head's query heads (one, or the ``G`` of a GQA group: dK_j, dV_j summed on chip).  Features as in
-    :func:`make_forward`; ``score_mod_grad`` (default: ``score_mod.grad``) makes ``dS = P ∘ (dP - D) · d score_mod /
+    :func:`make_forward`; ``score_mod_grad`` (default: ``score_mod.grad``, else derived from ``score_mod``'s source
+    by :func:`flashnb.flex_grad.derivative`) makes ``dS = P ∘ (dP - D) · d score_mod /
     d score``; dropout regenerates the forward's ``Z`` (``dV_j += (P ∘ W)ᵀ dO_i``, ``dS = P ∘ (dP ∘ W - D)``,
     ``W = Z / (1-p)``); half ``storage`` narrows dK, dV at their store (dQ: :func:`make_convert`)."""
     if score_mod is not None and score_mod_grad is None:
-        score_mod_grad = getattr(python_modifier(score_mod), "grad", None)
-        if score_mod_grad is None:
-            raise ValueError(f"score_mod {getattr(python_modifier(score_mod), '__name__', score_mod)!r} has no "
-                             "derivative: pass score_mod_grad (d score_mod / d score, same arguments)")
+        from ..flex_grad import score_mod_grad_of
+
+        score_mod_grad = score_mod_grad_of(score_mod)   # score_mod.grad, else derived from its source
     g = bwd_geometry(Br, Bc, d, warps)
     TM, TN, DN, Dp, TQ, E, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["TQ"], g["E"], g["threads"]
     H = _check_features(sparse, mask_mod, dropout, H, TM * TN)
@@ -459,7 +460,7 @@ def _origin(fn):
     modifiers as they were at the call), else the Python function itself."""
     return getattr(fn, "origin", None) or python_modifier(fn)
 
-def _modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH, backward):
+def _modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH):
     """``(mask_mod, H)`` of a launch with attention modifiers, checked against the block mask: ``mask_mod`` reaches
     the kernel through its block mask (:func:`flashnb.flex.create_block_mask`; the user surfaces build it), which
     carries it.  The modifiers themselves are checked for a GPU by the user surfaces (:func:`flashnb.flex.
@@ -480,11 +481,6 @@ def _modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH, backw
         if bm_mod is None or (bm_mod != mask_mod and _origin(bm_mod) is not _origin(mask_mod)):
             raise ValueError(f"block_mask was not made from mask_mod {getattr(mask_mod, '__name__', mask_mod)!r}: "
                              "pass block_mask=flashnb.flex.create_block_mask(mask_mod, ...) or leave block_mask out")
-    if backward and score_mod is not None and score_mod_grad is None \
-            and getattr(python_modifier(score_mod), "grad", None) is None:
-        raise ValueError(f"score_mod {getattr(python_modifier(score_mod), '__name__', score_mod)!r} has no derivative: "
-                         "pass score_mod_grad (a function of the same arguments returning d score_mod / d score, as "
-                         "float32), or give the function a .grad attribute")
     return bm_mod, H
 
 
@@ -524,7 +520,7 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block
             raise
         t, M, bm_mod, partial = _launch_mask("forward", d, None, None, None, block_mask, BH, Nq, Nk, static=True)
         fallback = str(exc)
-    mask_mod, H = _modifiers(score_mod, mask_mod, None, block_mask, heads, BH, False)
+    mask_mod, H = _modifiers(score_mod, mask_mod, None, block_mask, heads, BH)
     config = dict(Br=t["Br"], Bc=t["Bc"], d=d, warps=t["warps"], causal=bool(causal), dynamic=t["dynamic"],
                   storage=storage, sparse=M is not None, score_mod=score_mod, mask_mod=mask_mod if partial else None,
                   H=H, gqa=G > 1, dropout=drop is not policies.NO_DROPOUT)
@@ -564,14 +560,19 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     K/V column block of each K/V head (looping over its GQA group's query heads), then, with half storage, dQ
     narrowed by a third launch.  ``Br, Bc, warps`` default to :func:`bwd_default_tiles` (with a block mask: the
     largest dividing its blocks); options as in :func:`forward`, with the forward's ``dropout_p``, ``seed`` (the
-    mask is regenerated) and ``score_mod_grad`` (default ``score_mod.grad``).  ``o`` is the (dropped) output."""
+    mask is regenerated) and ``score_mod_grad`` (default ``score_mod.grad``, else derived from ``score_mod``'s
+    source: :func:`flashnb.flex_grad.derivative`).  ``o`` is the (dropped) output."""
     storage = _storage(storage, q=q, k=k, v=v, o=o, do=do)
     BH, Nq, d = q.shape
     Nk = k.shape[1]
     G = _group(BH, k, v)
     drop = policies.dropout_args(dropout_p, seed, dropout_at)
     t, M, bm_mod, partial = _launch_mask("backward", d, Br, Bc, warps, block_mask, BH, Nq, Nk)
-    mask_mod, H = _modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH, True)
+    mask_mod, H = _modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH)
+    if score_mod is not None and score_mod_grad is None:
+        from ..flex_grad import score_mod_grad_of
+
+        score_mod_grad = score_mod_grad_of(score_mod)   # score_mod.grad, else derived from its source
     D = empty((BH, Nq))
     dQ = empty((BH, Nq, d))                            # float32: the atomics' accumulator
     launch(make_preprocess(storage), (cdiv(Nq, PRE_WARPS), BH), 32 * PRE_WARPS, o, do, D, dQ,
