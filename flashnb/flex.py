@@ -1,4 +1,4 @@
-"""Attention modifiers (issue #16): ``score_mod`` and ``mask_mod`` compiled into the FA2 kernels, FlexAttention-style.
+"""Attention modifiers: ``score_mod`` and ``mask_mod`` compiled into the FA2 kernels, FlexAttention-style.
 
 A modifier is a plain Python function the user writes::
 
@@ -72,7 +72,7 @@ modifiers, its derivative ``.grad``): :func:`causal`, :func:`sliding_window`, :f
 :func:`numpy_modifier` (vectorised through NumPy broadcasting when the function allows, checked on sample
 points, else element by element).
 
-Deviations from the design brief, and why:
+Where flashnb departs from FlexAttention, or from the simplest design, and why:
 
 * The kernels read the three-state entry ``M_ij`` twice per visited tile when a ``mask_mod`` is given (once by
   stage 5's unchanged ``if M_ij != 0`` test, once for full/partial), so that stage 5's lines -- which the

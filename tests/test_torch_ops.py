@@ -314,3 +314,27 @@ def test_transformers_masks_flashnb_cannot_express_are_refused():
         fit_mask(bias, 1, 2, 8, 8)
     with pytest.raises(ValueError, match="contains 'flash'|containing 'flash'"):
         ft.register_transformers("flashnb")
+
+
+def test_compiled_score_mod_without_a_derivative_trains():
+    """A score_mod with no ``.grad`` and no ``score_mod_grad``: the backward derives ``d score_mod / d score``
+    from its source (:func:`flashnb.flex.derivative`); compiled, o and dq, dk, dv against float64 autograd of the
+    same modified attention."""
+    import math
+
+    from numba import float32
+
+    def capped(score, b, h, q_idx, kv_idx):
+        return float32(4.0) * float32(math.tanh(score / float32(4.0)))
+
+    q, k, v = _qkv(12, grad=True)
+    fn = torch.compile(lambda q, k, v: ft.attention(q, k, v, score_mod=capped, **SMALL), fullgraph=True,
+                       backend="aot_eager")
+    o = fn(q, k, v)
+    o.square().sum().backward()
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    s = 4 * torch.tanh((q64 @ k64.transpose(-1, -2)) * 8 ** -0.5 / 4)
+    o64 = torch.softmax(s, dim=-1) @ v64
+    o64.square().sum().backward()
+    for name, a, b in zip(("o", "dq", "dk", "dv"), (o, q.grad, k.grad, v.grad), (o64, q64.grad, k64.grad, v64.grad)):
+        assert torch.allclose(a.double(), b, atol=1e-4, rtol=1e-4), name   # tests/test_flex.py's backward bound
