@@ -416,7 +416,7 @@ def test_kernel_cache_is_bounded():
     import gc
     import weakref
 
-    from flashnb import registry
+    from flashnb import modifiers, registry
 
     n = registry.KERNEL_CACHE_SIZE
     assert fa2.make_forward.cache_info().maxsize == n
@@ -427,4 +427,4 @@ def test_kernel_cache_is_bounded():
     del kernel
     gc.collect()
     assert fa2.make_forward.cache_info().currsize == n and first() is None
-    assert len(flex._FROZEN) <= n and len(fa2._DEVICE_FNS) <= n
+    assert len(modifiers._FROZEN) <= n and len(fa2._DEVICE_FNS) <= n
