@@ -678,5 +678,29 @@ exercises.check("05.3", rows_without_keys=rows_without_keys, tiles_computed=tile
 largest_Br = ...
 exercises.check("05.4", largest_Br=largest_Br)
 
+# %% [markdown]
+# **05.5 · FA2's forward from a blank cell** (★★★, ~90 min) Write the forward yourself, at the ladder's
+# one-thread-per-row level: a `@cuda.jit` kernel `(Q, K, V, O, L, scale, diag)` launched as
+# `kernel[(ceil(Nq / 32), BH), 32]`, one thread per query row $i$ of batch·head `blockIdx.y`, K/V tiles of $B_c$
+# rows staged in shared memory, $m_i$, $\ell_i$ and $\tilde O_i$ in registers (Algorithm 1, lines 4-13). Key $j$ is
+# visible to row $i$ iff $j \le i + $ `diag` (the check passes `diag = Nk` for no mask, `Nk - Nq` for
+# bottom-right causal, `0` for top-left); a row that sees no key writes $O_i = 0$, $L_i = -\infty$; skip the tiles
+# after a block's last visible key; $d \le 32$. The check grades it as the course kit does: float64 on five
+# shapes, counted traffic against FA2's model for your $B_c$, the four sanitizer tools, and a compile for sm_80
+# and sm_90 -- and says what is wrong. `exercises.hint("05.5")` gives the outline.
+
+# %%
+import math  # noqa: F401  (for your kernel: math.exp, math.log)
+
+from numba import cuda, float32  # noqa: F401
+
+# @cuda.jit
+# def my_fa2_forward(Q, K, V, O, L, scale, diag):
+#     ...
+
+my_fa2_forward = ...   # your kernel
+my_Bc = ...            # the K/V rows it loads per tile
+passed = exercises.check("05.5", kernel=my_fa2_forward, Bc=my_Bc)   # prints the verdict
+
 # %%
 print(f"notebook ran in {time.perf_counter() - T0:.1f} s")

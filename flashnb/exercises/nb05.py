@@ -6,6 +6,7 @@ import functools
 import math
 
 import numpy as np
+from numba import cuda, float32  # module globals: the simulator swaps `cuda` in a kernel's globals only
 
 from . import Wrong, close, exercise, require
 
@@ -249,3 +250,224 @@ def _():
 @check_05_4.fails
 def _():
     return dict(largest_Br=16)      # FA1's own Br: the tiles are not comparable one to one
+
+
+# --------------------------------------------------------------------------- 05.5: FA2's forward from a blank cell
+
+#: The launch signature of a 05.5 kernel: Q, K, V, O (BH, N, d), L (BH, Nq), scale, diag.
+SIG_05_5 = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], "
+            "float32[:, ::1], float32, int32)")
+BR_05_5 = 32          # query rows per block: one thread each, one warp
+#: (BH, Nq, Nk, d, diag): dense (diag = Nk: every key visible), causal bottom-right (diag = Nk - Nq) with Nq < Nk
+#: and with Nq > Nk (rows that see no key), top-left (diag = 0), partial tiles everywhere.
+CASES_05_5 = ((2, 40, 56, 16, 56), (1, 64, 40, 32, 40), (2, 40, 56, 16, 16), (1, 48, 20, 16, -28),
+              (1, 33, 70, 32, 0))
+
+
+def _attention64(q, k, v, scale, diag):
+    """float64 attention with key j visible to row i iff j <= i + diag; a row that sees no key: o = 0, L = -inf."""
+    q, k, v = (a.astype(np.float64) for a in (q, k, v))
+    s = scale * np.einsum("zid,zjd->zij", q, k)
+    i, j = np.arange(q.shape[1])[:, None], np.arange(k.shape[1])[None, :]
+    s = np.where(j <= i + diag, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    seen = np.isfinite(m)
+    e = np.exp(s - np.where(seen, m, 0.0))
+    l = e.sum(axis=-1, keepdims=True)
+    o = np.where(seen, np.einsum("zij,zjd->zid", e, v) / np.where(seen, l, 1.0), 0.0)
+    lse = np.where(seen[..., 0], m[..., 0] + np.log(np.where(seen[..., 0], l[..., 0], 1.0)), -np.inf)
+    return o, lse
+
+
+def _model_05_5(BH, Nq, Nk, d, diag, Bc):
+    """Element reads and writes of FA2's forward, one thread per query row: Q once, K_j and V_j once per query
+    block for every tile holding a visible key (tiles after the block's last visible key are skipped), O and L
+    written once."""
+    kv = 0
+    for r0 in range(0, Nq, BR_05_5):
+        last = min(r0 + BR_05_5, Nq) - 1 + diag          # the block's last visible key
+        tiles = 0 if last < 0 else min(-(-Nk // Bc), last // Bc + 1)
+        kv += sum(min(Bc, Nk - t * Bc) for t in range(tiles)) * d
+    return dict(reads=dict(Q=BH * Nq * d, K=BH * kv, V=BH * kv), writes=dict(O=BH * Nq * d, L=BH * Nq))
+
+
+@exercise("05.5", "FA2's forward from a blank cell, one thread per query row", level=3, minutes=90,
+          signatures={"kernel": SIG_05_5},
+          hint="""Block (qb, z) owns query rows i = qb·32 + threadIdx.x of batch·head z; keep q_i and the
+          unnormalised o_i in cuda.local.array(D, float32) (D a constant >= d, e.g. 32), m_i = -inf, l_i = 0.
+          Loop over K/V tiles of Bc rows (Bc = 32: thread t loads row t of K_j and V_j into cuda.shared.array
+          tiles): syncthreads before overwriting a tile and after loading it. Per tile (FA2 Alg. 1 lines 8-10):
+          scores s_c = scale·q_i·k_c for the visible keys (j <= i + diag), m_new = max(m_i, max_c s_c),
+          p_c = exp(s_c - m_new), l_i = e^(m_i - m_new)·l_i + Σ p_c, o_i = e^(m_i - m_new)·o_i + Σ p_c v_c. After
+          the last tile: O = o_i / l_i, L = m_i + log(l_i); a row that saw no key writes O = 0, L = -inf. Skip the
+          tiles after the block's last visible key (min(qb·32 + 32, Nq) - 1 + diag). Guard every load and store
+          with i < Nq and j < Nk, use float32(...) for every constant.""",
+          explain="""This is fa2.make_forward_rows (the ladder's one-thread-per-row step) written out: the
+          block's 32 threads share each K_j, V_j tile through shared memory, so K and V are read from HBM once per
+          query block -- Tr = ceil(Nq/32) times in all -- while each thread keeps its row's statistics and output
+          in registers and rescales o_i once per tile (delayed normalisation: one division per row, at the end).
+          The check's traffic model counts exactly that: Q, O, L once, and the K/V tiles of every query block up
+          to its last visible key; reading a tile more than once, or a K/V tile entirely above the diagonal,
+          shows up as extra reads. The barrier before a tile's overwrite is the one most often forgotten: without
+          it a fast thread loads tile j+1 while a slow one still reads tile j (racecheck reports it).""")
+def check_05_5(kernel, Bc):
+    """kernel: a cuda.jit kernel (Q, K, V, O, L, scale, diag) launched as kernel[(ceil(Nq / 32), BH), 32] that
+    writes O = softmax(scale·Q Kᵀ, key j visible to row i iff j <= i + diag) V and L = its log-sum-exp (-inf, and
+    O = 0, for a row that sees no key), for d <= 32; Bc: the K/V tile rows it loads at a time (its traffic depends
+    on it).  Checked like a course assignment: float64 on five shapes (Nq != Nk, dense, both causal alignments,
+    rows with no key), counted traffic against FA2's model, the four sanitizer tools, and a compile for sm_80 and
+    sm_90 (no float64, no spills, shared memory within 48 KiB)."""
+    from .. import common, sim, traffic
+    from .. import inspect as fi
+
+    require(hasattr(kernel, "py_func") or type(kernel).__name__ == "FakeCUDAKernel",
+            "kernel must be a @cuda.jit kernel (Q, K, V, O, L, scale, diag)")
+    require(isinstance(Bc, int) and not isinstance(Bc, bool) and 1 <= Bc <= 128,
+            "Bc must be the int number of K/V rows your kernel loads per tile (1..128)")
+    rng = np.random.default_rng(55)
+
+    def launch(BH, Nq, Nk, d, diag):
+        q, k, v = (rng.standard_normal((BH, n, d)).astype(np.float32) for n in (Nq, Nk, Nk))
+        scale = np.float32(d ** -0.5)
+        O = common.to_device(np.full((BH, Nq, d), np.nan, np.float32))      # poisoned: every element is written
+        L = common.to_device(np.full((BH, Nq), np.nan, np.float32))
+        args = (common.to_device(q), common.to_device(k), common.to_device(v), O, L, scale, np.int32(diag))
+        return (q, k, v, scale), args, O, L
+
+    for BH, Nq, Nk, d, diag in CASES_05_5:
+        what = f"BH = {BH}, Nq = {Nq}, Nk = {Nk}, d = {d}, diag = {diag}"
+        (q, k, v, scale), args, O, L = launch(BH, Nq, Nk, d, diag)
+        try:
+            with traffic.count() as t:
+                kernel[(-(-Nq // BR_05_5), BH), BR_05_5](*args)
+        except Exception as e:
+            raise Wrong(f"your kernel failed at {what}: {type(e).__name__}: {e}") from None
+        o, lse = O.copy_to_host(), L.copy_to_host()
+        o_ref, lse_ref = _attention64(q, k, v, scale, diag)
+        unwritten = sorted(set(np.argwhere(np.isnan(o))[:, 1].tolist())
+                           | set(np.argwhere(np.isnan(lse))[:, 1].tolist()))
+        require(not unwritten, f"at {what}, some of O or L was never written (still NaN): rows {unwritten[:6]}"
+                + (" ..." if len(unwritten) > 6 else ""))
+        empty = ~np.isfinite(lse_ref)
+        require(np.array_equal(lse[empty], lse_ref[empty]) and not np.abs(o[empty]).any(),
+                f"at {what}, rows that see no key must write O = 0 and L = -inf")
+        # float32 against float64: sums of at most 70 O(1) products, as tests/test_fa2.py bounds them (2e-5)
+        err_o = float(np.abs(o - o_ref).max())
+        err_l = float(np.abs(lse[~empty] - lse_ref[~empty]).max()) if (~empty).any() else 0.0
+        require(err_o <= 2e-5 * (1 + np.abs(o_ref).max()), f"at {what}, O is off the float64 reference by "
+                f"{err_o:.2e}: check the rescaling e^(m_old - m_new) of l_i and o_i, and the mask j <= i + diag")
+        require(err_l <= 2e-5 * (1 + np.abs(lse_ref[~empty]).max()), f"at {what}, L is off by {err_l:.2e}: "
+                "L = m_i + log(l_i)")
+        model = _model_05_5(BH, Nq, Nk, d, diag, Bc)
+        got = t.launches[-1]
+        for kind, arrays in model.items():
+            seen = getattr(got, kind)
+            for name, want in arrays.items():
+                n = seen.get(name, 0)
+                if n != want:
+                    why = {"Q": "read q_i once into registers",
+                           "K": "load each K/V tile once per block, and skip the tiles after the block's last "
+                                "visible key" if n > want else "every tile holding a visible key must be loaded "
+                                "(is Bc what your kernel loads?)",
+                           "O": "write each row of O once", "L": "write L once per row"}.get(name, "")
+                    why = why if name != "V" else ("the same as K: " + ("load each tile once and skip the tiles "
+                                                                         "above the diagonal" if n > want else
+                                                                         "every visible tile"))
+                    raise Wrong(f"at {what}, your kernel {kind} {name} {n} times, FA2's model says {want}: {why}")
+    BH, Nq, Nk, d, diag = CASES_05_5[2]
+    _, args, _, _ = launch(BH, Nq, Nk, d, diag)
+    with sim.sanitize(raise_on_error=False) as report:
+        kernel[(-(-Nq // BR_05_5), BH), BR_05_5](*args)
+    require(not report, f"the sanitizer found errors (a missing syncthreads? a read past Nk?):\n{report}")
+    problems = [p for r in fi.resources_of([(kernel, SIG_05_5, cc) for cc in ((8, 0), (9, 0))], keep_ptx=False)
+                for p in fi.problems(r)]
+    require(not problems, "compiled for a GPU, your kernel has problems:\n" + "\n".join(problems))
+    return (f"float64 on {len(CASES_05_5)} shapes, traffic equal to FA2's model (K read "
+            f"{_model_05_5(*CASES_05_5[2], Bc)['reads']['K']} times at {CASES_05_5[2][1]} x {CASES_05_5[2][2]}, "
+            "causal), race-free, compiles for sm_80 and sm_90")
+
+
+def _fa2_rows_kernel(skip=True, first_barrier=True, rescale=True):
+    """The worked solution of 05.5, and (with an argument off) the three wrong answers the tests try."""
+    from flashnb.common import NEG_INF, ONE, ZERO
+
+    Bc = 32
+
+    @cuda.jit
+    def fa2_forward_rows(Q, K, V, O, L, scale, diag):
+        K_j = cuda.shared.array((32, 32), float32)               # SRAM: one K/V tile of Bc = 32 rows, d <= 32
+        V_j = cuda.shared.array((32, 32), float32)
+        q_i = cuda.local.array(32, float32)                      # registers: this thread's row
+        o_i = cuda.local.array(32, float32)
+        S = cuda.local.array(32, float32)
+        z = cuda.blockIdx.y
+        t = cuda.threadIdx.x
+        r0 = cuda.blockIdx.x * 32
+        i = r0 + t
+        Nq, Nk, d = Q.shape[1], K.shape[1], Q.shape[2]
+        for x in range(d):                                       # FA2 Alg. 1 line 4: Q_i, once
+            q_i[x] = Q[z, i, x] if i < Nq else ZERO
+            o_i[x] = ZERO                                        # line 5: O~ = 0, l = 0, m = -inf
+        m_i = NEG_INF
+        l_i = ZERO
+        n_tiles = (Nk + Bc - 1) // Bc
+        last = min(r0 + 32, Nq) - 1 + diag                       # the block's last visible key
+        if skip:
+            n_tiles = min(n_tiles, last // Bc + 1) if last >= 0 else 0
+        for jt in range(n_tiles):                                # line 6
+            j0 = jt * Bc
+            if first_barrier:
+                cuda.syncthreads()                               # every thread is done with the last tile
+            if j0 + t < Nk:                                      # line 7: K_j, V_j -> SRAM
+                for x in range(d):
+                    K_j[t, x] = K[z, j0 + t, x]
+                    V_j[t, x] = V[z, j0 + t, x]
+            cuda.syncthreads()
+            if i < Nq:
+                m_new = m_i                                      # line 8: S = Q_i K_jᵀ, m_new = max(m, rowmax S)
+                for c in range(min(Bc, Nk - j0)):
+                    s = NEG_INF
+                    if j0 + c <= i + diag:
+                        s = ZERO
+                        for x in range(d):
+                            s += q_i[x] * K_j[c, x]
+                        s *= scale
+                    S[c] = s
+                    m_new = max(m_new, s)
+                if m_new != NEG_INF:                             # lines 9-10: P~, l, O~ rescaled once per tile
+                    alpha = float32(math.exp(m_i - m_new)) if rescale else ONE
+                    l_i *= alpha
+                    for x in range(d):
+                        o_i[x] *= alpha
+                    for c in range(min(Bc, Nk - j0)):
+                        p = float32(math.exp(S[c] - m_new))
+                        l_i += p
+                        for x in range(d):
+                            o_i[x] += p * V_j[c, x]
+                    m_i = m_new
+        if i < Nq:                                               # lines 12-13: O = O~ / l, L = m + log l
+            for x in range(d):
+                O[z, i, x] = o_i[x] / l_i if l_i > ZERO else ZERO
+            L[z, i] = m_i + float32(math.log(l_i)) if l_i > ZERO else NEG_INF
+
+    return fa2_forward_rows
+
+
+@check_05_5.solves
+def _():
+    return dict(kernel=_fa2_rows_kernel(), Bc=32)
+
+
+@check_05_5.fails
+def _():
+    return dict(kernel=_fa2_rows_kernel(skip=False), Bc=32)       # every tile loaded: too many K/V reads
+
+
+@check_05_5.fails
+def _():
+    return dict(kernel=_fa2_rows_kernel(rescale=False), Bc=32)    # l_i and o_i never rescaled: wrong O and L
+
+
+@check_05_5.fails
+def _():
+    return dict(kernel=_fa2_rows_kernel(first_barrier=False), Bc=32)   # a tile overwritten while read: a race
