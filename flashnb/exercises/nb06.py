@@ -6,6 +6,7 @@ import functools
 import math
 
 import numpy as np
+from numba import cuda, float32  # module globals: the simulator swaps `cuda` in a kernel's globals only
 
 from . import Wrong, close, exercise, require
 
@@ -259,3 +260,219 @@ def _():
 def _():
     # the forward's view (the last block does the most), and top-left alignment
     return dict(visits_square=[1, 2, 3, 4, 5, 6, 7, 8], visits_wide=[4, 3, 2, 1, 0, 0, 0, 0])
+
+
+# --------------------------------------------------------------------------- 06.5: FA2's backward from a blank cell
+
+#: The launch signature of a 06.5 kernel: Q, K, V, dO (BH, N, d), L, D (BH, Nq), dQ, dK, dV, scale, diag.
+SIG_06_5 = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], "
+            "float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32, int32)")
+BC_06_5 = 32          # key rows per block: one thread each, one warp
+#: (BH, Nq, Nk, d, diag), as in exercise 05.5: dense, bottom-right causal both ways round, top-left.
+CASES_06_5 = ((2, 40, 56, 16, 56), (1, 64, 40, 32, 40), (2, 40, 56, 16, 16), (1, 48, 20, 16, -28),
+              (1, 33, 70, 32, 0))
+
+
+def _backward64(q, k, v, do, scale, diag):
+    """float64 gradients of attention with key j visible to row i iff j <= i + diag, and the forward's L and
+    D = rowsum(dO ∘ O) the kernel is given (rows that see no key: L = -inf, no gradient)."""
+    q, k, v, do = (a.astype(np.float64) for a in (q, k, v, do))
+    s = scale * np.einsum("zid,zjd->zij", q, k)
+    i, j = np.arange(q.shape[1])[:, None], np.arange(k.shape[1])[None, :]
+    vis = j <= i + diag
+    s = np.where(vis, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    seen = np.isfinite(m)
+    e = np.where(vis, np.exp(s - np.where(seen, m, 0.0)), 0.0)
+    l = e.sum(axis=-1, keepdims=True)
+    P = e / np.where(seen, l, 1.0)
+    o = P @ v
+    L = np.where(seen[..., 0], m[..., 0] + np.log(np.where(seen[..., 0], l[..., 0], 1.0)), -np.inf)
+    D = (do * o).sum(-1)
+    dv = np.einsum("zij,zid->zjd", P, do)
+    dP = do @ np.swapaxes(v, -1, -2)
+    dS = P * (dP - D[..., None])
+    return L, D, scale * dS @ k, scale * np.einsum("zij,zid->zjd", dS, q), dv
+
+
+def _model_06_5(BH, Nq, Nk, d, diag, Br):
+    """Element reads and writes of FA2's backward, one thread per key row: K, V read once, dK, dV written once;
+    Q, dO (and L, D) read once per key block for every query tile from the first that holds a row seeing one
+    of the block's keys (tiles before it are skipped)."""
+    qd = st = 0
+    for c0 in range(0, Nk, BC_06_5):
+        first = c0 - diag                                 # the first query row that sees key c0
+        t0 = max(first, 0) // Br if first < Nq else -(-Nq // Br)
+        rows = sum(min(Br, Nq - t * Br) for t in range(t0, -(-Nq // Br)))
+        qd, st = qd + rows * d, st + rows
+    return dict(reads=dict(K=BH * Nk * d, V=BH * Nk * d, Q=BH * qd, dO=BH * qd, L=BH * st, D=BH * st),
+                writes=dict(dK=BH * Nk * d, dV=BH * Nk * d))
+
+
+@exercise("06.5", "FA2's backward from a blank cell, one thread per key row", level=3, minutes=90,
+          signatures={"kernel": SIG_06_5},
+          hint="""Block (kb, z) owns key rows j = kb·32 + threadIdx.x of batch·head z: keep k_j, v_j and the
+          accumulators dK_j, dV_j in cuda.local.array(32, float32). Loop over query tiles of Br rows (Br = 32:
+          thread t loads row t of Q_i and dO_i, and L_i, D_i, into shared memory; syncthreads before overwriting
+          and after loading). For each query row r of the tile that sees key j (j <= r + diag): p = exp(scale·q_r·k_j
+          - L_r) (FA2 Alg. 2 line 11), dV_j += p·dO_r (line 12), dp = dO_r·v_j (line 13), ds = p·(dp - D_r)
+          (line 14), dK_j += scale·ds·q_r (line 16) and dQ_r += scale·ds·k_j with cuda.atomic.add on dQ (line 15:
+          every key block adds to the same rows). Start at the first tile holding a row that sees the block's first
+          key (c0 - diag), write dK_j, dV_j once at the end. dQ arrives zeroed.""",
+          explain="""This is the backward ladder's one-thread-per-key-row step: K_j, V_j stay in registers for the
+          whole kernel and are read from HBM once, while Q_i, dO_i (and the statistics L_i, D_i that the forward and
+          a rowsum leave) stream through shared memory once per key block -- Tc = ceil(Nk/32) times in all. P is
+          rebuilt from L (never stored: FA2's recompute), and dQ, which every key block contributes to, is summed
+          with atomics. The check's traffic model counts Q, dO, L, D per key block from its first useful query
+          tile, so a kernel that does not skip the tiles before the diagonal, or reloads a tile, reads more.""")
+def check_06_5(kernel, Br):
+    """kernel: a cuda.jit kernel (Q, K, V, dO, L, D, dQ, dK, dV, scale, diag) launched as
+    kernel[(ceil(Nk / 32), BH), 32] that adds to the zeroed dQ and writes dK, dV: the gradients of attention
+    with key j visible to row i iff j <= i + diag, given the forward's L and D = rowsum(dO ∘ O), for d <= 32;
+    Br: the query rows it loads per tile.  Checked like a course assignment: float64 on five shapes, counted
+    traffic against FA2's backward model for your Br, the four sanitizer tools, and a compile for sm_80 and
+    sm_90."""
+    from .. import common, sim, traffic
+    from .. import inspect as fi
+
+    require(hasattr(kernel, "py_func") or type(kernel).__name__ == "FakeCUDAKernel",
+            "kernel must be a @cuda.jit kernel (Q, K, V, dO, L, D, dQ, dK, dV, scale, diag)")
+    require(isinstance(Br, int) and not isinstance(Br, bool) and 1 <= Br <= 128,
+            "Br must be the int number of query rows your kernel loads per tile (1..128)")
+    rng = np.random.default_rng(65)
+
+    def launch(BH, Nq, Nk, d, diag):
+        q, do = (rng.standard_normal((BH, Nq, d)).astype(np.float32) for _ in range(2))
+        k, v = (rng.standard_normal((BH, Nk, d)).astype(np.float32) for _ in range(2))
+        scale = np.float32(d ** -0.5)
+        L, D, dq, dk, dv = _backward64(q, k, v, do, scale, diag)
+        dQ = common.to_device(np.zeros((BH, Nq, d), np.float32))              # the atomics' accumulator
+        dK = common.to_device(np.full((BH, Nk, d), np.nan, np.float32))       # poisoned: every element written
+        dV = common.to_device(np.full((BH, Nk, d), np.nan, np.float32))
+        args = (*(common.to_device(a) for a in (q, k, v, do, L.astype(np.float32), D.astype(np.float32))),
+                dQ, dK, dV, scale, np.int32(diag))
+        return (dq, dk, dv), args, (dQ, dK, dV)
+
+    for BH, Nq, Nk, d, diag in CASES_06_5:
+        what = f"BH = {BH}, Nq = {Nq}, Nk = {Nk}, d = {d}, diag = {diag}"
+        want, args, outs = launch(BH, Nq, Nk, d, diag)
+        try:
+            with traffic.count() as t:
+                kernel[(-(-Nk // BC_06_5), BH), BC_06_5](*args)
+        except Exception as e:
+            raise Wrong(f"your kernel failed at {what}: {type(e).__name__}: {e}") from None
+        for name, out, ref in zip(("dQ", "dK", "dV"), outs, want):
+            got = out.copy_to_host()
+            bad = sorted(set(np.argwhere(np.isnan(got))[:, 1].tolist()))
+            require(not bad, f"at {what}, {name} rows {bad[:6]} were never written (still NaN)")
+            # float32 against float64: chained sums of at most 70 O(1) products (tests/test_fa2.py: 1e-4)
+            err = float(np.abs(got - ref).max())
+            require(err <= 1e-4 * (1 + np.abs(ref).max()), f"at {what}, {name} is off the float64 reference by "
+                    f"{err:.2e}: check p = exp(scale·s - L), ds = p·(dp - D) and the mask j <= i + diag")
+        model = _model_06_5(BH, Nq, Nk, d, diag, Br)
+        got = t.launches[-1]
+        for kind, arrays in model.items():
+            seen = getattr(got, kind)
+            for name, n_want in arrays.items():
+                n = seen.get(name, 0)
+                if n != n_want:
+                    why = ("read each of K, V once, into registers" if name in ("K", "V") else
+                           "write dK_j, dV_j once, at the end" if kind == "writes" else
+                           "load each query tile once per key block, from the first tile holding a row that sees "
+                           "the block's first key" if n > n_want else
+                           "every query tile from the first useful one must be loaded (is Br what your kernel "
+                           "loads?)")
+                    raise Wrong(f"at {what}, your kernel {kind} {name} {n} times, FA2's model says {n_want}: {why}")
+    want, args, _ = launch(*CASES_06_5[2])
+    with sim.sanitize(raise_on_error=False) as report:
+        kernel[(-(-CASES_06_5[2][2] // BC_06_5), CASES_06_5[2][0]), BC_06_5](*args)
+    require(not report, f"the sanitizer found errors (a missing syncthreads? a read past Nq?):\n{report}")
+    problems = [p for r in fi.resources_of([(kernel, SIG_06_5, cc) for cc in ((8, 0), (9, 0))], keep_ptx=False)
+                for p in fi.problems(r)]
+    require(not problems, "compiled for a GPU, your kernel has problems:\n" + "\n".join(problems))
+    return (f"float64 on {len(CASES_06_5)} shapes, traffic equal to FA2's backward model (Q read "
+            f"{_model_06_5(*CASES_06_5[2], Br)['reads']['Q']} times at {CASES_06_5[2][1]} x {CASES_06_5[2][2]}, "
+            "causal), race-free, compiles for sm_80 and sm_90")
+
+
+def _fa2_key_rows_kernel(skip=True, first_barrier=True, delta=True):
+    """The worked solution of 06.5, and (with an argument off) the three wrong answers the tests try."""
+    from flashnb.common import NEG_INF, ZERO
+
+    Br = 32
+
+    @cuda.jit
+    def fa2_backward_key_rows(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag):
+        Q_i = cuda.shared.array((32, 32), float32)                # SRAM: one query tile of Br = 32 rows, d <= 32
+        dO_i = cuda.shared.array((32, 32), float32)
+        L_i = cuda.shared.array(32, float32)
+        D_i = cuda.shared.array(32, float32)
+        k_j = cuda.local.array(32, float32)                      # registers: this thread's key row
+        v_j = cuda.local.array(32, float32)
+        dK_j = cuda.local.array(32, float32)
+        dV_j = cuda.local.array(32, float32)
+        z = cuda.blockIdx.y
+        t = cuda.threadIdx.x
+        c0 = cuda.blockIdx.x * 32
+        j = c0 + t
+        Nq, Nk, d = Q.shape[1], K.shape[1], Q.shape[2]
+        for x in range(d):                                       # FA2 Alg. 2 lines 6-7: K_j, V_j once; dK = dV = 0
+            k_j[x] = K[z, j, x] if j < Nk else ZERO
+            v_j[x] = V[z, j, x] if j < Nk else ZERO
+            dK_j[x] = ZERO
+            dV_j[x] = ZERO
+        first = c0 - diag                                        # the first query row that sees key c0
+        i_first = 0
+        if skip:
+            i_first = first // Br if first > 0 else 0
+        for it in range(i_first, (Nq + Br - 1) // Br):           # line 8
+            i0 = it * Br
+            if first_barrier:
+                cuda.syncthreads()                               # every thread is done with the last tile
+            if i0 + t < Nq:                                      # line 9: Q_i, dO_i, L_i, D_i -> SRAM
+                for x in range(d):
+                    Q_i[t, x] = Q[z, i0 + t, x]
+                    dO_i[t, x] = dO[z, i0 + t, x]
+                L_i[t] = L[z, i0 + t]
+                D_i[t] = D[z, i0 + t]
+            cuda.syncthreads()
+            if j < Nk:
+                for r in range(min(Br, Nq - i0)):
+                    if j <= i0 + r + diag and L_i[r] != NEG_INF:
+                        s = ZERO
+                        dp = ZERO
+                        for x in range(d):                       # lines 10, 13: S_ij, dP_ij
+                            s += Q_i[r, x] * k_j[x]
+                            dp += dO_i[r, x] * v_j[x]
+                        p = float32(math.exp(scale * s - L_i[r]))   # line 11: P = exp(S - L)
+                        ds = p * (dp - D_i[r]) if delta else p * dp  # line 14: dS = P ∘ (dP - D)
+                        for x in range(d):
+                            dV_j[x] += p * dO_i[r, x]            # line 12
+                            dK_j[x] += scale * ds * Q_i[r, x]    # line 16
+                            cuda.atomic.add(dQ, (z, i0 + r, x), scale * ds * k_j[x])   # line 15
+        if j < Nk:                                               # lines 17-18: dK_j, dV_j -> HBM, once
+            for x in range(d):
+                dK[z, j, x] = dK_j[x]
+                dV[z, j, x] = dV_j[x]
+
+    return fa2_backward_key_rows
+
+
+@check_06_5.solves
+def _():
+    return dict(kernel=_fa2_key_rows_kernel(), Br=32)
+
+
+@check_06_5.fails
+def _():
+    return dict(kernel=_fa2_key_rows_kernel(skip=False), Br=32)      # every query tile: too many Q, dO reads
+
+
+@check_06_5.fails
+def _():
+    return dict(kernel=_fa2_key_rows_kernel(delta=False), Br=32)     # dS without D: wrong dQ and dK
+
+
+@check_06_5.fails
+def _():
+    return dict(kernel=_fa2_key_rows_kernel(first_barrier=False), Br=32)   # a tile overwritten while read
