@@ -540,7 +540,7 @@ from flashnb import exercises, registry  # noqa: F401  (registry: for exercise 0
 # %%
 N_h100 = ...
 N_a100 = ...
-exercises.check("00.1", N_h100=N_h100, N_a100=N_a100)
+passed = exercises.check("00.1", N_h100=N_h100, N_a100=N_a100)
 
 # %% [markdown]
 # **00.2 · A moving average through shared memory** (★★, ~20 min) Rewrite `moving_average3` so each block
@@ -550,7 +550,7 @@ exercises.check("00.1", N_h100=N_h100, N_a100=N_a100)
 
 # %%
 moving_average3_shared = ...   # your @cuda.jit kernel (x, y)
-exercises.check("00.2", kernel=moving_average3_shared)
+passed = exercises.check("00.2", kernel=moving_average3_shared)
 
 # %% [markdown]
 # **00.3 · Strided reads** (★, ~10 min) Add lines to `copy_patterns` that read `A[0, 2 * lane]` and
@@ -561,7 +561,7 @@ exercises.check("00.2", kernel=moving_average3_shared)
 sectors_stride2 = ...
 sectors_stride8 = ...
 worst_from_stride = ...
-exercises.check("00.3", sectors_stride2=sectors_stride2, sectors_stride8=sectors_stride8,
+passed = exercises.check("00.3", sectors_stride2=sectors_stride2, sectors_stride8=sectors_stride8,
                 worst_from_stride=worst_from_stride)
 
 # %% [markdown]
@@ -571,7 +571,7 @@ exercises.check("00.3", sectors_stride2=sectors_stride2, sectors_stride8=sectors
 
 # %%
 max_registers = ...
-exercises.check("00.4", max_registers=max_registers)
+passed = exercises.check("00.4", max_registers=max_registers)
 
 # %% [markdown]
 # **00.5 · A warp scan** (★★, ~20 min) Write a warp *inclusive scan* with `shfl_up_sync`: in each warp, lane $i$
@@ -580,7 +580,7 @@ exercises.check("00.4", max_registers=max_registers)
 
 # %%
 warp_scan = ...   # your @cuda.jit kernel (x, out)
-exercises.check("00.5", kernel=warp_scan)
+passed = exercises.check("00.5", kernel=warp_scan)
 
 # %% [markdown]
 # **00.6 · The race a missing barrier makes** (★★, ~15 min) Make a variant of `fa2.make_forward` without the
@@ -593,4 +593,4 @@ exercises.check("00.5", kernel=warp_scan)
 
 # %%
 race_arrays = ...   # a set of shared-array names
-exercises.check("00.6", race_arrays=race_arrays)
+passed = exercises.check("00.6", race_arrays=race_arrays)

@@ -278,7 +278,7 @@ from flashnb import exercises, registry  # noqa: F401,E402  (registry: for exerc
 reads_T8 = ...
 operand_factor = ...
 shared_reads_factor = ...
-exercises.check("01.1", reads_T8=reads_T8, operand_factor=operand_factor, shared_reads_factor=shared_reads_factor)
+passed = exercises.check("01.1", reads_T8=reads_T8, operand_factor=operand_factor, shared_reads_factor=shared_reads_factor)
 
 # %% [markdown]
 # **01.2 · A two-pass softmax in the naive forward** (★★, ~20 min) Make a variant of `naive.make_softmax_rows`
@@ -290,7 +290,7 @@ exercises.check("01.1", reads_T8=reads_T8, operand_factor=operand_factor, shared
 # %%
 two_pass = ...       # registry.variant(naive.make_softmax_rows, replace=(old, new))
 saving_bytes = ...
-exercises.check("01.2", variant=two_pass, saving_bytes=saving_bytes)
+passed = exercises.check("01.2", variant=two_pass, saving_bytes=saving_bytes)
 
 # %% [markdown]
 # **01.3 · One thread per row** (★, ~10 min) In `softmax_rows` neighbouring threads read addresses $N_k$ floats
@@ -302,7 +302,7 @@ exercises.check("01.2", variant=two_pass, saving_bytes=saving_bytes)
 sectors_per_request = ...
 sectors_row_per_block = ...
 count_changes = ...   # True or False
-exercises.check("01.3", sectors_per_request=sectors_per_request, sectors_row_per_block=sectors_row_per_block,
+passed = exercises.check("01.3", sectors_per_request=sectors_per_request, sectors_row_per_block=sectors_row_per_block,
                 count_changes=count_changes)
 
 # %% [markdown]
@@ -315,4 +315,4 @@ exercises.check("01.3", sectors_per_request=sectors_per_request, sectors_row_per
 # %%
 skipped = ...          # a set of launch labels
 saved_fraction = ...
-exercises.check("01.4", skipped=skipped, saved_fraction=saved_fraction)
+passed = exercises.check("01.4", skipped=skipped, saved_fraction=saved_fraction)

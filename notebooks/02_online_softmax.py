@@ -415,7 +415,7 @@ from flashnb.softmax import block_reduce_state, merge_state  # noqa: E402,F401
 
 # %%
 merge = ...   # def merge(a, b): ... return m, d
-exercises.check("02.1", merge=merge)
+passed = exercises.check("02.1", merge=merge)
 
 # %% [markdown]
 # **02.2 · An online softmax that also stores the log-sum-exp** (★★, ~20 min) Write a kernel `(X, Y, L)`,
@@ -427,7 +427,7 @@ exercises.check("02.1", merge=merge)
 # %%
 softmax_lse = ...            # your @cuda.jit kernel (X, Y, L)
 accesses_per_element = ...
-exercises.check("02.2", kernel=softmax_lse, accesses_per_element=accesses_per_element)
+passed = exercises.check("02.2", kernel=softmax_lse, accesses_per_element=accesses_per_element)
 
 # %% [markdown]
 # **02.3 · The second half of a split-row softmax** (★★★, ~30 min) `online_partials` computes the state
@@ -438,7 +438,7 @@ exercises.check("02.2", kernel=softmax_lse, accesses_per_element=accesses_per_el
 
 # %%
 normalise_chunks = ...       # your @cuda.jit kernel (X, M, D, Y)
-exercises.check("02.3", kernel=normalise_chunks)
+passed = exercises.check("02.3", kernel=normalise_chunks)
 
 # %% [markdown]
 # **02.4 · Warp totals, reduced by warp 0** (★★, ~20 min) In `warp_reduce_sum` every thread reads all $T/32$
@@ -449,7 +449,7 @@ exercises.check("02.3", kernel=normalise_chunks)
 # %%
 shared_reads_now = ...
 block_sum = ...              # your @cuda.jit kernel (X, out)
-exercises.check("02.4", kernel=block_sum, shared_reads_now=shared_reads_now)
+passed = exercises.check("02.4", kernel=block_sum, shared_reads_now=shared_reads_now)
 
 # %% [markdown]
 # **02.5 · Causal: skip the work, not just the load** (★★★, ~30 min) With `causal=True`, `make_attention_tiles`
@@ -461,7 +461,7 @@ exercises.check("02.4", kernel=block_sum, shared_reads_now=shared_reads_now)
 # %%
 skip_masked = ...            # registry.variant(S.make_attention_tiles, replace=(old, new))
 changed = ...                # a set of model fields: "reads", "writes", "shared_reads", "shared_writes"
-exercises.check("02.5", variant=skip_masked, changed=changed)
+passed = exercises.check("02.5", variant=skip_masked, changed=changed)
 
 # %% [markdown]
 # **02.6 · Keep $o$ unnormalised, divide once** (★★, ~20 min) The key-by-key update divides by $d_{j+1}$ for every
@@ -472,4 +472,4 @@ exercises.check("02.5", variant=skip_masked, changed=changed)
 # %%
 unnormalised = ...           # registry.variant(S.make_attention_rows, replace=[...])
 divisions_saved = ...
-exercises.check("02.6", variant=unnormalised, divisions_saved=divisions_saved)
+passed = exercises.check("02.6", variant=unnormalised, divisions_saved=divisions_saved)

@@ -612,7 +612,7 @@ from flashnb import exercises, registry  # noqa: E402,F401
 # %%
 i_outer = ...     # registry.variant(fa1.make_forward, replace=[(old, new), ...])
 model = ...       # def model(N, d, Br): ...
-exercises.check("03.1", variant=i_outer, model=model)
+passed = exercises.check("03.1", variant=i_outer, model=model)
 
 # %% [markdown]
 # **03.2 · Causal skipping** (★, ~15 min) With `causal=True` this kernel still visits every tile and masks.
@@ -624,7 +624,7 @@ exercises.check("03.1", variant=i_outer, model=model)
 tiles_above = ...
 tiles_above_short = ...
 saved_elements = ...
-exercises.check("03.2", tiles_above=tiles_above, tiles_above_short=tiles_above_short, saved_elements=saved_elements)
+passed = exercises.check("03.2", tiles_above=tiles_above, tiles_above_short=tiles_above_short, saved_elements=saved_elements)
 
 # %% [markdown]
 # **03.3 · The constant in front of $N^2d^2/M$** (★★, ~15 min) Using `fa1.model_forward`, fit the constant $c$ in
@@ -634,7 +634,7 @@ exercises.check("03.2", tiles_above=tiles_above, tiles_above_short=tiles_above_s
 # %%
 c_forward = ...
 c_backward = ...
-exercises.check("03.3", c_forward=c_forward, c_backward=c_backward)
+passed = exercises.check("03.3", c_forward=c_forward, c_backward=c_backward)
 
 # %% [markdown]
 # **03.4 · Split-K's bill** (★★, ~20 min) From `model_forward` (or by counting a small run: the counter reports
@@ -644,7 +644,7 @@ exercises.check("03.3", c_forward=c_forward, c_backward=c_backward)
 
 # %%
 fractions = ...   # {1: ..., 2: ..., 4: ..., 8: ...}
-exercises.check("03.4", fractions=fractions)
+passed = exercises.check("03.4", fractions=fractions)
 
 # %% [markdown]
 # **03.5 · Dynamic shared memory** (★★, ~15 min) If the kernel could use 160 KiB of shared memory (an A100 with
@@ -654,4 +654,4 @@ exercises.check("03.4", fractions=fractions)
 # %%
 Bc = ...
 traffic_ratio = ...
-exercises.check("03.5", Bc=Bc, traffic_ratio=traffic_ratio)
+passed = exercises.check("03.5", Bc=Bc, traffic_ratio=traffic_ratio)

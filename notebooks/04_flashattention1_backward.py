@@ -339,7 +339,7 @@ from flashnb import exercises
 
 # %%
 model = ...   # def model(BH, Nq, Nk, d, M): ... return [launch, ...]
-exercises.check("04.1", model=model)
+passed = exercises.check("04.1", model=model)
 
 # %% [markdown]
 # **04.2 · The checkpoint's size** (★, ~10 min) Storing $\ell$ and $m$ (as the paper does) instead of $L$ costs
@@ -350,7 +350,7 @@ exercises.check("04.1", model=model)
 # %%
 model_lm = ...   # def model_lm(N, d, M): ...
 gap = ...        # def gap(N, d, M): ...
-exercises.check("04.2", model_lm=model_lm, gap=gap)
+passed = exercises.check("04.2", model_lm=model_lm, gap=gap)
 
 # %% [markdown]
 # **04.3 · dQ in HBM** (★★, ~20 min) $dQ_i$ is read and written $T_c$ times. Swap the loops of the backward
@@ -362,7 +362,7 @@ exercises.check("04.2", model_lm=model_lm, gap=gap)
 # %%
 swapped_total = ...   # def swapped_total(N, d, M): ...
 rmw_arrays = ...      # a set of array names, e.g. {"dQ"}
-exercises.check("04.3", swapped_total=swapped_total, rmw_arrays=rmw_arrays)
+passed = exercises.check("04.3", swapped_total=swapped_total, rmw_arrays=rmw_arrays)
 
 # %% [markdown]
 # **04.4 · Dropout** (★, ~10 min) Algorithm 4 regenerates the dropout mask from the saved RNG state instead of
@@ -372,7 +372,7 @@ exercises.check("04.3", swapped_total=swapped_total, rmw_arrays=rmw_arrays)
 # %%
 mask_bytes = ...
 times_fa1 = ...
-exercises.check("04.4", mask_bytes=mask_bytes, times_fa1=times_fa1)
+passed = exercises.check("04.4", mask_bytes=mask_bytes, times_fa1=times_fa1)
 
 # %% [markdown]
 # **04.5 · Finite differences in float32** (★★, ~20 min) Repeat the directional-derivative check of section 5
@@ -381,4 +381,4 @@ exercises.check("04.4", mask_bytes=mask_bytes, times_fa1=times_fa1)
 
 # %%
 eps_best = ...
-exercises.check("04.5", eps_best=eps_best)
+passed = exercises.check("04.5", eps_best=eps_best)

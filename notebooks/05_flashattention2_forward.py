@@ -647,7 +647,7 @@ from flashnb import exercises, registry  # noqa: F401  (registry: for exercise 0
 variant = ...             # registry.variant(fa2.make_forward, replace=(..., ...))
 fmas_per_read = ...
 shuffles_per_tile = ...
-exercises.check("05.1", variant=variant, fmas_per_read=fmas_per_read, shuffles_per_tile=shuffles_per_tile)
+passed = exercises.check("05.1", variant=variant, fmas_per_read=fmas_per_read, shuffles_per_tile=shuffles_per_tile)
 
 # %% [markdown]
 # **05.2 · Can $\tilde O$ overflow?** (★, ~10 min) Delayed rescaling keeps $\tilde O$ unnormalised. Write
@@ -657,7 +657,7 @@ exercises.check("05.1", variant=variant, fmas_per_read=fmas_per_read, shuffles_p
 # %%
 bound = ...          # def bound(Bc, Tc, vmax): ...
 can_overflow = ...   # True or False
-exercises.check("05.2", bound=bound, can_overflow=can_overflow)
+passed = exercises.check("05.2", bound=bound, can_overflow=can_overflow)
 
 # %% [markdown]
 # **05.3 · The causal tile map for $N_q = 300$, $N_k = 200$** (★, ~15 min) Draw it (as in the causal section) and
@@ -667,7 +667,7 @@ exercises.check("05.2", bound=bound, can_overflow=can_overflow)
 # %%
 rows_without_keys = ...   # a set (or range) of row indices
 tiles_computed = ...
-exercises.check("05.3", rows_without_keys=rows_without_keys, tiles_computed=tiles_computed)
+passed = exercises.check("05.3", rows_without_keys=rows_without_keys, tiles_computed=tiles_computed)
 
 # %% [markdown]
 # **05.4 · When does FA1 move fewer bytes?** (★★, ~15 min) Using `fa1.model_forward` and `fa2.model_forward`,
@@ -676,7 +676,7 @@ exercises.check("05.3", rows_without_keys=rows_without_keys, tiles_computed=tile
 
 # %%
 largest_Br = ...
-exercises.check("05.4", largest_Br=largest_Br)
+passed = exercises.check("05.4", largest_Br=largest_Br)
 
 # %% [markdown]
 # **05.5 · FA2's forward from a blank cell** (★★★, ~90 min) Write the forward yourself, at the ladder's

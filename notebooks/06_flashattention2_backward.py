@@ -296,7 +296,7 @@ from flashnb import exercises  # noqa: E402
 # %%
 extra_traffic = ...   # def extra_traffic(Nq, Nk, d, Br, Bc): ...
 fraction = ...
-exercises.check("06.1", extra_traffic=extra_traffic, fraction=fraction)
+passed = exercises.check("06.1", extra_traffic=extra_traffic, fraction=fraction)
 
 # %% [markdown]
 # **06.2 · The price of staging dS** (★★, ~20 min) The kernel stages $dS$ through shared memory (`dSs`) so all
@@ -308,7 +308,7 @@ exercises.check("06.1", extra_traffic=extra_traffic, fraction=fraction)
 # %%
 dS_per_tile = ...   # def dS_per_tile(Br, Bc, d): return reads, writes
 dS_share = ...
-exercises.check("06.2", dS_per_tile=dS_per_tile, dS_share=dS_share)
+passed = exercises.check("06.2", dS_per_tile=dS_per_tile, dS_share=dS_share)
 
 # %% [markdown]
 # **06.3 · $P$ from $L$ alone** (★, ~10 min) Why does $P = \exp(S - L)$ need neither $m$ nor $\ell$? Write
@@ -318,7 +318,7 @@ exercises.check("06.2", dS_per_tile=dS_per_tile, dS_share=dS_share)
 
 # %%
 p_from_L = ...   # def p_from_L(S, L, allowed): ...
-exercises.check("06.3", p_from_L=p_from_L)
+passed = exercises.check("06.3", p_from_L=p_from_L)
 
 # %% [markdown]
 # **06.4 · Causal work per column block** (★, ~10 min) With the causal mask, which column blocks do the least
@@ -328,7 +328,7 @@ exercises.check("06.3", p_from_L=p_from_L)
 # %%
 visits_square = ...   # [tiles of column block 0, 1, ...]
 visits_wide = ...
-exercises.check("06.4", visits_square=visits_square, visits_wide=visits_wide)
+passed = exercises.check("06.4", visits_square=visits_square, visits_wide=visits_wide)
 
 # %% [markdown]
 # **06.5 · FA2's backward from a blank cell** (★★★, ~90 min) The twin of exercise 05.5: a `@cuda.jit` kernel

@@ -344,7 +344,7 @@ from flashnb import exercises  # noqa: E402
 # %%
 mask_reads_now = ...   # def mask_reads_now(mask, warps): ...
 mask_reads_csr = ...   # def mask_reads_csr(mask, warps): ...
-exercises.check("07.1", mask_reads_now=mask_reads_now, mask_reads_csr=mask_reads_csr)
+passed = exercises.check("07.1", mask_reads_now=mask_reads_now, mask_reads_csr=mask_reads_csr)
 
 # %% [markdown]
 # **07.2 · Query blocks with nothing to do** (★, ~15 min) Query blocks with no nonzero block still read $Q_i$ and
@@ -355,7 +355,7 @@ exercises.check("07.1", mask_reads_now=mask_reads_now, mask_reads_csr=mask_reads
 # %%
 q_reads_saved = ...   # def q_reads_saved(mask, Br, Nq, d): ...
 local_saved = ...
-exercises.check("07.2", q_reads_saved=q_reads_saved, local_saved=local_saved)
+passed = exercises.check("07.2", q_reads_saved=q_reads_saved, local_saved=local_saved)
 
 # %% [markdown]
 # **07.3 · Whose tiles?** (★, ~10 min) Build a mask at $128 \times 128$ tiles ($N = 256$) and run it at $d = 64$:
@@ -366,7 +366,7 @@ exercises.check("07.2", q_reads_saved=q_reads_saved, local_saved=local_saved)
 forward_tiles = ...    # (Br, Bc)
 backward_tiles = ...   # (Br, Bc)
 Br48_raises = ...      # True or False
-exercises.check("07.3", forward_tiles=forward_tiles, backward_tiles=backward_tiles, Br48_raises=Br48_raises)
+passed = exercises.check("07.3", forward_tiles=forward_tiles, backward_tiles=backward_tiles, Br48_raises=Br48_raises)
 
 # %% [markdown]
 # **07.4 · Butterfly vs local** (★★, ~15 min) For `bs.butterfly` at $N = 4096$ with $64 \times 64$ blocks, compute
@@ -378,7 +378,7 @@ exercises.check("07.3", forward_tiles=forward_tiles, backward_tiles=backward_til
 s_butterfly = ...
 window = ...
 traffic_ratio = ...    # butterfly / local
-exercises.check("07.4", s_butterfly=s_butterfly, window=window, traffic_ratio=traffic_ratio)
+passed = exercises.check("07.4", s_butterfly=s_butterfly, window=window, traffic_ratio=traffic_ratio)
 
 # %%
 print(f"notebook ran in {time.perf_counter() - T0:.1f} s")

@@ -365,7 +365,7 @@ from flashnb import exercises  # noqa: E402
 
 # %%
 fmas_per_load = ...   # def fmas_per_load(TM, TN, vec): ...
-exercises.check("08.1", fmas_per_load=fmas_per_load)
+passed = exercises.check("08.1", fmas_per_load=fmas_per_load)
 
 # %% [markdown]
 # **08.2 · Which pipe binds** (★★, ~20 min) Write `bound(pipes, ffma, fp32_lanes)`: given one tile's demand on each
@@ -375,7 +375,7 @@ exercises.check("08.1", fmas_per_load=fmas_per_load)
 
 # %%
 bound = ...   # def bound(pipes, ffma, fp32_lanes): ... return (pipe, fraction)
-exercises.check("08.2", bound=bound)
+passed = exercises.check("08.2", bound=bound)
 
 # %% [markdown]
 # **08.3 · Heavy first** (★★, ~20 min) Write `makespan(durations, slots)`: when the last block ends if blocks
@@ -385,7 +385,7 @@ exercises.check("08.2", bound=bound)
 # %%
 makespan = ...          # def makespan(durations, slots): ...
 light_over_heavy = ...
-exercises.check("08.3", makespan=makespan, light_over_heavy=light_over_heavy)
+passed = exercises.check("08.3", makespan=makespan, light_over_heavy=light_over_heavy)
 
 # %%
 print(f"notebook ran in {time.perf_counter() - T0:.1f} s")

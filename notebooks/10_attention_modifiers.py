@@ -378,7 +378,7 @@ from flashnb import exercises  # noqa: E402
 
 # %%
 sinks_mask = ...   # def sinks_mask(b, h, q_idx, kv_idx): ...
-exercises.check("10.1", sinks_mask=sinks_mask)
+passed = exercises.check("10.1", sinks_mask=sinks_mask)
 
 # %% [markdown]
 # **10.2 · The derivative** (★★, ~15 min) A modifier soft-caps the score and adds a per-head temperature term:
@@ -388,7 +388,7 @@ exercises.check("10.1", sinks_mask=sinks_mask)
 
 # %%
 score_grad = ...   # def score_grad(score, b, h, q_idx, kv_idx): ...
-exercises.check("10.2", score_grad=score_grad)
+passed = exercises.check("10.2", score_grad=score_grad)
 
 # %%
 print(f"notebook ran in {time.perf_counter() - T0:.1f} s")

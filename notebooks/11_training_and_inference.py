@@ -665,7 +665,7 @@ from flashnb import exercises  # noqa: E402
 
 # %%
 forward_bytes = ...   # def forward_bytes(BH, Nq, Nk, d, itemsize): ...
-exercises.check("11.1", forward_bytes=forward_bytes)
+passed = exercises.check("11.1", forward_bytes=forward_bytes)
 
 # %% [markdown]
 # **11.2 · Dropout in the forward, in NumPy** (★★, ~15 min) Write `dropout_forward(q, k, v, keep, p)` for one
@@ -674,7 +674,7 @@ exercises.check("11.1", forward_bytes=forward_bytes)
 
 # %%
 dropout_forward = ...   # def dropout_forward(q, k, v, keep, p): ...
-exercises.check("11.2", dropout_forward=dropout_forward)
+passed = exercises.check("11.2", dropout_forward=dropout_forward)
 
 # %% [markdown]
 # **11.3 · Merging split-KV partials** (★, ~10 min) Flash-decoding's merge kernel in NumPy: write
@@ -684,7 +684,7 @@ exercises.check("11.2", dropout_forward=dropout_forward)
 
 # %%
 merge = ...   # def merge(O_parts, L_parts): ...
-exercises.check("11.3", merge=merge)
+passed = exercises.check("11.3", merge=merge)
 
 # %%
 print(f"notebook ran in {time.perf_counter() - T_NOTEBOOK:.1f} s")

@@ -314,7 +314,7 @@ from flashnb import exercises  # noqa: E402
 
 # %%
 owner = ...   # def owner(r, c): ... return (lane, register, half)
-exercises.check("12.1", owner=owner)
+passed = exercises.check("12.1", owner=owner)
 
 # %% [markdown]
 # **12.2 · A swizzle without conflicts** (★★, ~20 min) Write `swizzle(r, c)`: where logical chunk `c` (0..7) of
@@ -323,7 +323,7 @@ exercises.check("12.1", owner=owner)
 
 # %%
 swizzle = ...   # def swizzle(r, c): ... return physical chunk
-exercises.check("12.2", swizzle=swizzle)
+passed = exercises.check("12.2", swizzle=swizzle)
 
 # %% [markdown]
 # **12.3 · Exponentials per matmul** (★★, ~20 min) Write `exp_over_matmul(d, rate)`: a tile's exponential time over
@@ -332,7 +332,7 @@ exercises.check("12.2", swizzle=swizzle)
 
 # %%
 exp_over_matmul = ...   # def exp_over_matmul(d, rate): ...
-exercises.check("12.3", exp_over_matmul=exp_over_matmul)
+passed = exercises.check("12.3", exp_over_matmul=exp_over_matmul)
 
 # %%
 print(f"notebook ran in {time.perf_counter() - T0:.1f} s")

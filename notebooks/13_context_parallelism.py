@@ -416,7 +416,7 @@ from flashnb import exercises  # noqa: E402
 
 # %%
 zigzag = ...   # def zigzag(N, rank, world): ...
-exercises.check("13.1", zigzag=zigzag)
+passed = exercises.check("13.1", zigzag=zigzag)
 
 # %% [markdown]
 # **13.2 · The diagonal of a striped step** (★, ~10 min) With the striped layout, write
@@ -425,7 +425,7 @@ exercises.check("13.1", zigzag=zigzag)
 
 # %%
 striped_offset = ...   # def striped_offset(rank, src, world): ...
-exercises.check("13.2", striped_offset=striped_offset)
+passed = exercises.check("13.2", striped_offset=striped_offset)
 
 # %% [markdown]
 # **13.3 · Causal work per rank and step** (★★, ~20 min) Write `pairs(layout, W, N)` for `"contiguous"` and
@@ -433,7 +433,7 @@ exercises.check("13.2", striped_offset=striped_offset)
 
 # %%
 pairs = ...   # def pairs(layout, W, N): ...
-exercises.check("13.3", pairs=pairs)
+passed = exercises.check("13.3", pairs=pairs)
 
 # %% [markdown]
 # **13.4 · The ring's bytes** (★, ~10 min) Write `ring_bytes(phase, W, B, N, H_kv, d, itemsize)`: the bytes one
@@ -441,7 +441,7 @@ exercises.check("13.3", pairs=pairs)
 
 # %%
 ring_bytes = ...   # def ring_bytes(phase, W, B, N, H_kv, d, itemsize): ...
-exercises.check("13.4", ring_bytes=ring_bytes)
+passed = exercises.check("13.4", ring_bytes=ring_bytes)
 
 # %% [markdown]
 # **13.5 · When the transfers hide** (★★, ~15 min) Write `min_tokens(flops, bandwidth, itemsize, H, H_kv)`: the
@@ -449,7 +449,7 @@ exercises.check("13.4", ring_bytes=ring_bytes)
 
 # %%
 min_tokens = ...   # def min_tokens(flops, bandwidth, itemsize, H, H_kv): ...
-exercises.check("13.5", min_tokens=min_tokens)
+passed = exercises.check("13.5", min_tokens=min_tokens)
 
 # %%
 print(f"notebook ran in {time.perf_counter() - T_NOTEBOOK:.1f} s")
