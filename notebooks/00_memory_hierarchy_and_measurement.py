@@ -94,14 +94,15 @@ print(f"SRAM is {bw_ratio[0]:.1f}-{bw_ratio[1]:.1f}x faster and {size_ratio[0]:,
 # peak is listed only to show how far above it a production kernel's roof sits.
 
 # %%
-print(f"{'GPU':<14} {'SMs':>4} {'HBM TB/s':>9} {'FP32 TF/s':>10} {'tensor TF/s':>12} {'smem/SM KiB':>12} "
+print(f"{'GPU':<14} {'SMs':>4} {'DRAM TB/s':>9} {'FP32 TF/s':>10} {'tensor TF/s':>12} {'smem/SM KiB':>12} "
       f"{'ridge FLOP/B':>13}")
 for g in roofline.GPUS.values():
     print(f"{g.name:<14} {g.sm_count:>4} {g.hbm_bandwidth / 1e12:>9.2f} {g.fp32_peak / 1e12:>10.1f} "
           f"{g.tensor_fp16_dense / 1e12:>12.1f} {g.smem_per_sm // 1024:>12} {g.ridge_intensity:>13.1f}")
 
 # %% [markdown]
-# The last column is the **ridge point**: peak FLOP/s divided by HBM bytes/s. A kernel that does fewer FLOPs
+# The DRAM column is HBM on the data-centre GPUs; the T4 has GDDR6 (off-chip DRAM all the same: this notebook's
+# "HBM" is the GPU's off-chip memory). The last column is the **ridge point**: peak FLOP/s divided by DRAM bytes/s. A kernel that does fewer FLOPs
 # per HBM byte than that cannot keep the arithmetic units busy — its time is set by bandwidth. It is
 # **memory-bound**. Above the ridge it is **compute-bound**.
 #

@@ -578,7 +578,9 @@ for (name, cfg, cc), res in zip(jobs, finspect.resources_many(jobs)):
 # then multiplied by batch·heads. FA1 is modelled at every $N$: its one thread block per head walks all
 # $T_r T_c$ tiles one after another, so its simulated time grows with the number of tiles. A roofline estimate
 # ($\max$(FLOPs / FP32 peak, bytes / HBM bandwidth)) turns bytes into time, scaled by the fraction of SMs that
-# have a thread block (change 2). flashnb's kernels use FP32 FMAs, not tensor cores, so the compute roof is the
+# have a thread block (change 2). That scaling assumes each busy SM gets only its share of the bandwidth as well
+# as of the FLOPs: a grid with few busy SMs can draw more than its share of HBM, so for such grids the model is
+# pessimistic. flashnb's kernels use FP32 FMAs, not tensor cores, so the compute roof is the
 # FP32 peak.
 
 # %%

@@ -227,7 +227,7 @@ print(f"dense fa2 forward (no mask): {dense_bytes / 1e6:.1f} MB")
 # %%
 s_arr, fb, ndb, tf_, tb_ = (np.array([r[i] for r in rows]) for i in range(5))
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.6))
-ax1.plot(s_arr, fb / 1e6, "o-", label="forward HBM traffic (model = count)")
+ax1.plot(s_arr, fb / 1e6, "o-", label="forward HBM traffic (model; equal to the counts above)")
 ax1.axhline(ndb[0] / 1e6, color="gray", ls="--", label="Nd term: Q read, O, L written")
 ax1.set_xscale("log")
 ax1.set_yscale("log")

@@ -291,8 +291,8 @@ for p, s in zip((False, True), stream_sass):
 # %% [markdown]
 # Without prefetch the compiler already batches the tile's loads ahead of their stores, but each result is
 # needed within a few dozen instructions; with prefetch a whole tile of FFMAs separates them. The price is the
-# registers that hold the next tile -- here $d$ = 32 per thread. The fast kernels do not prefetch: at 164-248
-# registers per thread they have none to spare, and they hide latency with several warps per SM instead (GPUs
+# registers that hold the next tile -- here $d$ = 32 per thread. The fast kernels do not prefetch: at the register counts
+# of their rows in the table above they have none to spare, and they hide latency with several warps per SM instead (GPUs
 # from sm_80 on also have `cp.async`, a copy from HBM to shared memory that needs no registers, which numba
 # does not expose). Whether latency, not issue, limits them is a question for a GPU: the cell at the end.
 #
