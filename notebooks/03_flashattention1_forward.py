@@ -414,13 +414,14 @@ plt.show()
 # %% [markdown]
 # ## 7 · The paper's Figure 2 (middle): traffic and runtime against block size
 #
-# FA1's Figure 2 (middle) runs the forward + backward of GPT-2 medium ($N = 1024$, $d = 64$, 16 heads,
-# batch 64) on an A100 for $B_c \in \{64, 128, 256, 512\}$: HBM accesses fall as the block grows, and runtime
-# falls with them until about 256, then stays flat.
+# FA1's Figure 2 (middle) shows, for GPT-2 medium ($N = 1024$, $d = 64$, 16 heads, batch 64) on an A100, the
+# *forward* runtime and HBM accesses of FlashAttention for $B_c \in \{64, 128, 256, 512\}$: HBM accesses fall as
+# the block grows, and runtime falls with them until about 256, then stays flat. (Figure 2's left panel, §8, is
+# forward + backward.)
 #
 # **Counted, and modelled.** Traffic is per head and the same for every head, so one head is counted and the
 # figure's batch multiplies it. At this shape the simulator can count flashnb's standard attention (the naive
-# kernels, forward + backward) and FA1 with the library's tiles, at the $N$ printed below: FA1 runs one thread
+# kernels, forward + backward: §8 uses both, the sweep below the forward) and FA1 with the library's tiles, at the $N$ printed below: FA1 runs one thread
 # block per head that walks all $T_r T_c$ tiles one after another, so its simulated time grows as the number of
 # tiles (the cell prints how many times more tiles $N = 1024$ has). The sweep's larger blocks cannot be
 # launched at all: their tiles need more shared memory than the 48 KiB a block of this kernel may declare
@@ -466,38 +467,39 @@ for Bc in (b for b in sweep if b != lib["Bc"]):
           f"(limit {common.SHARED_LIMIT_BYTES // 1024} KiB): modelled")
 
 # %% [markdown]
-# Runtime is **modelled** with the roofline of `flashnb.roofline` on the A100 40GB preset — both with the FP32
-# CUDA-core roof (what flashnb's kernels use) and the FP16 tensor-core roof (what the paper's kernel used):
+# The forward's runtime is **modelled** with the roofline of `flashnb.roofline` on the A100 40GB preset — both
+# with the FP32 CUDA-core roof (what flashnb's kernels use) and the FP16 tensor-core roof (what the paper's kernel
+# used):
 
 # %%
 gpu = roofline.get_gpu("A100 40GB SXM")
-flops = roofline.flops_forward(B, H, N, N, d) + roofline.flops_backward(B, H, N, N, d)
-std_fb = B * H * ((4 * N * N + 4 * N * d) + (7 * N * N + 8 * N * d))   # Alg. 0 + Alg. 3 as written, elements
+flops = roofline.flops_forward(B, H, N, N, d)
+std_fb = B * H * (4 * N * N + 4 * N * d)                               # Alg. 0 as written, elements
 rows = []
 for Bc, who in sweep.items():
-    el = (total(fa1.model_forward(B * H, N, N, d, Bc=Bc, Br=min(Bc, d), check_fit=False))
-          + total(fa1.model_backward(B * H, N, N, d, Bc=Bc, Br=min(Bc, d), check_fit=False)))
+    el = total(fa1.model_forward(B * H, N, N, d, Bc=Bc, Br=min(Bc, d), check_fit=False))
     nbytes = 2 * el                                                   # fp16, as the paper ran it
     t32 = roofline.modelled_time(flops, nbytes, gpu)
     t_tc = max(flops / gpu.tensor_fp16_dense, nbytes / gpu.hbm_bandwidth)
     rows.append(dict(Bc=Bc, who=who, nbytes=nbytes, rel=el / std_fb, t32=t32.seconds, t_tc=t_tc,
                      mem=nbytes / gpu.hbm_bandwidth))
-    print(f"Bc = {Bc:>3} ({who:<18}): {nbytes / 1e9:5.2f} GB fp16 = {el / std_fb:5.2f} x standard (Alg. 0 + 3)"
+    print(f"Bc = {Bc:>3} ({who:<18}): {nbytes / 1e9:5.2f} GB fp16 = {el / std_fb:5.2f} x standard (Alg. 0)"
           f"   memory time {nbytes / gpu.hbm_bandwidth * 1e3:5.2f} ms")
 floor32, floor_tc = flops / gpu.fp32_peak, flops / gpu.tensor_fp16_dense
 print(f"compute floors: FP32 CUDA cores {floor32 * 1e3:.2f} ms, FP16 tensor cores {floor_tc * 1e3:.2f} ms")
 assert rows[0]["rel"] > 1 > rows[1]["rel"]                # the library's Bc moves more than standard, 64 less
-assert all(r["t32"] == floor32 for r in rows)             # FP32 roof: compute-bound at every Bc -> flat
+assert rows[0]["t32"] > floor32                           # FP32 roof: the library's Bc is memory-bound,
+assert all(r["t32"] == floor32 for r in rows[1:])         # the paper's block sizes compute-bound -> flat
 
 fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
 x = np.arange(len(rows))
 colors = ["tab:red" if r["who"] == "library" else "tab:blue" if r["who"] == "paper" else "tab:purple" for r in rows]
 ax.bar(x, [r["rel"] for r in rows], width=0.55, color=colors)
 ax.axhline(1, color="k", lw=1)
-ax.text(len(rows) - 0.5, 1.05, "standard attention (Alg. 0 + Alg. 3 count) = 1", ha="right", fontsize=8)
+ax.text(len(rows) - 0.5, 1.05, "standard attention's forward (Alg. 0 count) = 1", ha="right", fontsize=8)
 ax.set_xticks(x, [f"{r['Bc']}\n{r['who']}" for r in rows], fontsize=8)
 ax.set_xlabel("block size Bc (Br = min(Bc, d))")
-ax.set_ylabel("FA1 HBM traffic / standard attention's")
+ax.set_ylabel("FA1 forward HBM traffic / standard's")
 ax.set_title("traffic relative to standard attention")
 ax2.plot(x, [r["t32"] * 1e3 for r in rows], "o-", color="tab:red", label="modelled time, FP32 roof")
 ax2.plot(x, [r["t_tc"] * 1e3 for r in rows], "s-", color="tab:orange", label="modelled time, tensor roof")
@@ -510,20 +512,21 @@ ax2.set_xlabel("block size Bc")
 ax2.set_ylabel("modelled ms (not measured)")
 ax2.set_title("modelled time = max(compute floor, memory time)")
 ax2.legend(fontsize=7)
-fig.suptitle("GPT-2 medium fwd+bwd on A100 40GB (model)")
+fig.suptitle("GPT-2 medium forward on A100 40GB (model), as Figure 2 (middle)")
 fig.tight_layout()
 savefig(fig, "03_fa1_block_size_sweep")
 plt.show()
 
 # %% [markdown]
-# Left: traffic relative to standard attention. It roughly halves with every doubling of $B_c$ (its leading term
-# is $\propto T_c$); the library's $B_c$ (red) is above 1 -- FA1 moves *more* than standard attention there, as §6
-# found for the forward alone -- and the paper's block sizes are all below it. Right: a roofline time is the
-# larger of the compute floor and the memory time. "Flat" on the FP32 roof (flashnb's kernels, no tensor cores)
-# means **compute-bound**: the memory time is under the FP32 compute floor at every block size in the sweep, so
-# the model cannot see the block size at all -- it does not mean the block size stopped mattering for traffic.
+# Left: the forward's traffic relative to standard attention's forward. It roughly halves with every doubling of
+# $B_c$ (its leading term is $\propto T_c$); the library's $B_c$ (red) is above 1 -- FA1 moves *more* than
+# standard attention there, as §6 found -- and the paper's block sizes are all below it. Right: a roofline time
+# is the larger of the compute floor and the memory time. On the FP32 roof (flashnb's kernels, no tensor cores)
+# the library's $B_c$ is memory-bound, and every block size of the paper's sweep is **compute-bound**: "flat"
+# there means the memory time is under the FP32 compute floor, so the model cannot see the block size at all --
+# it does not mean the block size stopped mattering for traffic.
 # On the tensor-core roof the time follows the memory time down until it meets that much lower floor, between
-# the printed $B_c$ = 256 and 384 -- the shape, though not the exact knee, of the paper's measurement, where
+# the printed $B_c$ = 384 and 512 -- the shape, though not the exact knee, of the paper's measurement, where
 # runtime stops improving beyond 256. This is a model; a measurement needs a GPU (`flashnb bench`).
 
 # %% [markdown]
