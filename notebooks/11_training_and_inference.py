@@ -32,7 +32,17 @@
 # and a GPU cell that measures for real when a GPU is present.
 
 # %%
+import os
 import time
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+# before flashnb's import: counting traffic needs the simulator (GPU timings run in a process of their own)
+os.environ["FLASHNB_DEVICE"] = "sim"
+import flashnb
+from flashnb import bench, common, decode, fa2, reference, rng, softmax, traffic
+from flashnb.notebook import savefig, show_source
 
 T_NOTEBOOK = time.perf_counter()
 
@@ -57,19 +67,7 @@ T_NOTEBOOK = time.perf_counter()
 # notebooks 05-06, instruction for instruction. The lines that changed:
 
 # %%
-import os
-import time
-
-import matplotlib.pyplot as plt
-import numpy as np
-
-os.environ["FLASHNB_DEVICE"] = "sim"  # counting traffic needs the simulator; GPU timings run in a process of their own
-import flashnb
-from flashnb import bench, common, fa2, reference, traffic
-from flashnb.notebook import savefig, show_source
-
-T0 = time.perf_counter()
-rng = np.random.default_rng(11)
+gen = np.random.default_rng(11)      # each part draws from a generator of its own
 show_source(fa2.make_forward, grep="_f32")
 
 # %% [markdown]
@@ -90,7 +88,7 @@ print({s: tuple(getattr(f, "__name__", str(f)) for f in common.storage_conversio
 # %%
 BH, N, d, causal = 1, 48, 16, True
 tiles = dict(Br=16, Bc=16, warps=1)
-x = [rng.standard_normal((BH, N, d)).astype(np.float16) for _ in range(4)]   # q, k, v, do: float16 values
+x = [gen.standard_normal((BH, N, d)).astype(np.float16) for _ in range(4)]   # q, k, v, do: float16 values
 counts = {}
 for storage in ("float32", "float16"):
     q, k, v, do = (common.to_device(a, storage) for a in x)
@@ -173,9 +171,9 @@ Nq, Nk, d = 40, 56, 16
 scale = d ** -0.5 * 4 / 60.0 ** 2
 rows = []
 for vscale in (1.0, 30.0, 300.0):
-    q = (rng.standard_normal((1, Nq, d)) * 60).astype(np.float16)
-    k = (rng.standard_normal((1, Nk, d)) * 60).astype(np.float16)
-    v = (rng.standard_normal((1, Nk, d)) * vscale).astype(np.float16)
+    q = (gen.standard_normal((1, Nq, d)) * 60).astype(np.float16)
+    k = (gen.standard_normal((1, Nk, d)) * 60).astype(np.float16)
+    v = (gen.standard_normal((1, Nk, d)) * vscale).astype(np.float16)
     o_ref, _ = reference.attention_forward(*(a.astype(np.float64) for a in (q, k, v)), causal=True, scale=scale)
     o32, _ = flashnb.attention_forward(q, k, v, causal=True, scale=scale, impl="fa2", storage="float32", **tiles)
     o16, _ = flashnb.attention_forward(q, k, v, causal=True, scale=scale, impl="fa2", **tiles)
@@ -274,18 +272,6 @@ if gpu_rows:
 # as without dropout, with $dP$ now carrying $W$.
 
 # %%
-import os
-import time
-
-import matplotlib.pyplot as plt
-import numpy as np
-
-os.environ["FLASHNB_DEVICE"] = "sim"  # counting traffic needs the simulator
-import flashnb
-from flashnb import fa2, reference, rng, traffic
-from flashnb.notebook import savefig, show_source
-
-T0 = time.perf_counter()
 gen = np.random.default_rng(11)
 
 # %% [markdown]
@@ -456,19 +442,7 @@ print(f"max |error|: o {o_err:.1e}, " + ", ".join(f"{n_} {np.abs(g - r).max():.1
 # its log-sum-exp, and a second kernel merges the partials with stage 2's merge operator.
 
 # %%
-import os
-import time
-
-import matplotlib.pyplot as plt
-import numpy as np
-
-os.environ["FLASHNB_DEVICE"] = "sim"  # counting traffic needs the simulator
-import flashnb
-from flashnb import bench, common, decode, fa2, reference, softmax, traffic
-from flashnb.notebook import savefig, show_source
-
-T0 = time.perf_counter()
-rng = np.random.default_rng(11)
+gen = np.random.default_rng(11)
 
 # %% [markdown]
 # ### Why FA2 at `Nq = 1` leaves most SMs idle
@@ -568,8 +542,8 @@ show_source(decode.make_merge)
 
 # %%
 Nq, length, d = 3, 200, 16
-q = rng.standard_normal((2, Nq, d))
-k, v = rng.standard_normal((2, 2, length, d))
+q = gen.standard_normal((2, Nq, d))
+k, v = gen.standard_normal((2, 2, length, d))
 cache = decode.KVCache(2, 256, d).append(k[:, :150], v[:, :150]).append(k[:, 150:], v[:, 150:])
 print(cache)
 o_ref, lse_ref = reference.attention_forward(q, k, v, causal=True)
@@ -644,8 +618,6 @@ if gpu_rows:
         print(f"{r['impl']:<15} splits={r['num_splits']!s:>4} blocks={r['blocks']:>4} "
               f"median {r['median_ms'] * 1e3:8.1f} µs ({r['mode']} on {r['gpu_name']})")
 show_source(decode.measure_gpu)
-
-# %%
 
 # %% [markdown]
 # ## Exercises
