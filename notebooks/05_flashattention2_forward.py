@@ -457,12 +457,16 @@ axes[0].imshow(warp, cmap="tab10", vmin=0, vmax=9, aspect="auto")
 axes[0].set_title(f"S tile {tw['Br']} x {tw['Bc']}: warp that owns each score")
 axes[0].set_xlabel("key column j")
 axes[0].set_ylabel("query row i")
+for w in range(tw["warps"]):                     # the colours' legend: each band is one warp's rows
+    axes[0].text(tw["Bc"] / 2, w * rows_w + rows_w / 2, f"warp {w}", ha="center", va="center", color="white")
 sub = lane[:rows_w, :tw["Bc"]]
 axes[1].imshow(sub % fa2.LC, cmap="Pastel1", aspect="auto")
 for (r, c), value in np.ndenumerate(sub):
     axes[1].text(c, r, str(value), ha="center", va="center", fontsize=5.5)
-axes[1].set_title(f"warp 0 (rows 0-{rows_w - 1}): lane id; colour = lane column lc")
+axes[1].set_title(f"warp 0 (rows 0-{rows_w - 1}): lane id\n(colour = lane column lc)")
 axes[1].set_xlabel("key column j")
+fig.suptitle(f"who computes which score: FA2's default tiles at d = 64 ({tw['warps']} warps, split-Q)")
+fig.tight_layout()
 savefig(fig, "05_warp_layout")
 plt.show()
 
@@ -540,6 +544,7 @@ print(f"FA2 32x32: K + V reads {m2['reads']['K'] + m2['reads']['V']}, 2·Tr·N·
 fig, ax = plt.subplots(figsize=(7, 3))
 ax.barh(list(rows), [4 * total(m) / 1e6 for m in rows.values()])
 ax.set_xlabel("HBM traffic (MB, float32), N = 256, d = 32, one head")
+ax.set_title("forward HBM traffic: stage 1, FA1 and FA2 (model, equal to the counts)")
 savefig(fig, "05_traffic_stages")
 plt.show()
 

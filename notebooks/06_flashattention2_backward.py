@@ -250,6 +250,7 @@ for x, (name, m) in enumerate(rows.items()):
     print(f"{name:10s} ({how[name]:>7}): HBM {4 * sum(tot.values()) / 1e6:7.2f} MB  {tot}")
 ax.set_xticks(range(len(rows)), [f"{name}\n({how[name]})" for name in rows])
 ax.set_ylabel("MB (float32), N = 1024, d = 64")
+ax.set_title("backward HBM traffic, one head: reads, writes and dQ atomics")
 ax.legend()
 savefig(fig, "06_backward_traffic")
 plt.show()
