@@ -105,11 +105,12 @@ def batches(data: torch.Tensor, steps: int, batch: int, context: int, seed: int)
 
 
 def train(attn, data, vocab: int, *, steps: int, batch: int, context: int, width: int, heads: int, layers: int,
-          lr: float = 3e-3, seed: int = 0, device="cpu", on_step=None):
-    """Train a fresh :class:`CharDecoder` (initialised from ``seed``) with AdamW; returns ``(model, losses)``.
-    The same seed gives the same initial weights and the same batches whatever ``attn`` is."""
+          lr: float = 3e-3, seed: int = 0, device="cpu", on_step=None, dtype=torch.float32):
+    """Train a fresh :class:`CharDecoder` (initialised from ``seed``, then cast to ``dtype``) with AdamW; returns
+    ``(model, losses)``.  The same seed gives the same initial weights and the same batches whatever ``attn``
+    is."""
     torch.manual_seed(seed)
-    model = CharDecoder(vocab, context=context, width=width, heads=heads, layers=layers).to(device)
+    model = CharDecoder(vocab, context=context, width=width, heads=heads, layers=layers).to(device, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     for step, (x, y) in enumerate(batches(data, steps, batch, context, seed)):

@@ -230,14 +230,48 @@ print(bench.table(gpu_rows, ["impl", "median_ms", "q1_ms", "q3_ms", "context", "
 # %% [markdown]
 # ## Exercises
 #
-# 1. Train with `impl="fa1"` and `impl="naive"` (`tt.attention_fn`): do all three loss curves agree with
-#    SDPA's to the same order? Which differs most from SDPA, and why?
-# 2. Train in float64 (`model.double()`, `allow_float64=True` in `attention_fn`'s options) with SDPA and with
-#    fa2: how does the loss difference change, and what does that say about where it came from?
-# 3. Decode with a KV cache: the new query ($N_q = 1$) attends to all $N_k$ cached keys. Which causal
-#    alignment gives the right answer, `causal=True` or `"upper_left"`, and what does the other one compute?
-# 4. Count one step's attention traffic at context 64 with `traffic.count()` for fa2 and from the models for
-#    naive: at which context does naive attention move ten times more bytes?
+# Each exercise has a check: fill in the `...` and run its cell (`...` means "not attempted yet"). Stuck?
+# `exercises.hint("09.1")` gives a hint and `exercises.answer("09.1")` the worked answer -- try first.
+#
+# **09.1 · Three kernels, one loss curve** (★★, ~15 min) Train with `impl="fa1"` and `impl="naive"` too
+# (`tt.attention_fn`, `CFG` as above). Which of the three differs most from SDPA's losses (max over the steps),
+# are the three differences within a factor of 10 of each other, and why are they all so small?
+
+# %%
+from flashnb import exercises  # noqa: E402
+
+largest = ...      # "fa2", "fa1" or "naive"
+same_order = ...   # True or False
+passed = exercises.check("09.1", largest=largest, same_order=same_order)
+
+# %% [markdown]
+# **09.2 · Train in float64** (★★, ~15 min) `tt.train(..., dtype=torch.float64)` with SDPA and with
+# `tt.attention_fn("fa2", allow_float64=True, **TILES)`: the max loss difference, and whether what remains is
+# flashnb's float32 attention.
+
+# %%
+diff64 = ...
+float32_inside = ...   # True or False
+passed = exercises.check("09.2", diff64=diff64, float32_inside=float32_inside)
+
+# %% [markdown]
+# **09.3 · Decoding with a KV cache** (★, ~10 min) The newest query ($N_q = 1$) attends to all $N_k$ cached keys.
+# Which causal alignment gives the right answer, `causal=True` or `"upper_left"`, and how many keys does the
+# other one let the query see?
+
+# %%
+right = ...                # True or "upper_left"
+keys_seen_by_other = ...
+passed = exercises.check("09.3", right=right, keys_seen_by_other=keys_seen_by_other)
+
+# %% [markdown]
+# **09.4 · When does naive attention move ten times more bytes?** (★★, ~15 min) With the models of the traffic
+# cell above (fa2's equal its counts), find the smallest context, a multiple of 16, at which one training
+# step's attention moves at least ten times more HBM bytes with naive attention than with fa2.
+
+# %%
+context_10x = ...
+passed = exercises.check("09.4", context_10x=context_10x)
 
 # %%
 print(f"notebook ran in {time.perf_counter() - T0:.1f} s")

@@ -30,7 +30,7 @@ __all__ = ["check", "hint", "answer", "catalogue", "exercise", "Wrong", "Exercis
            "require"]
 
 LEVELS = {1: "★", 2: "★★", 3: "★★★"}
-NOTEBOOKS = ("00", "01", "02", "03", "04", "05", "06", "07", "08", "10", "11", "12", "13")
+NOTEBOOKS = ("00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13")
 
 
 class Wrong(AssertionError):
