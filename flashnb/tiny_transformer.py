@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import copy
 import io
 
 import torch
@@ -18,7 +19,8 @@ from torch import nn
 from . import rehearsal
 from . import torch as ft
 
-__all__ = ["zen_text", "Vocab", "attention_fn", "CharDecoder", "batches", "train", "generate", "measure_gpu"]
+__all__ = ["zen_text", "Vocab", "attention_fn", "CharDecoder", "batches", "train", "resume", "loss_and_grads",
+           "generate", "measure_gpu"]
 
 
 def zen_text() -> str:
@@ -105,24 +107,58 @@ def batches(data: torch.Tensor, steps: int, batch: int, context: int, seed: int)
 
 
 def train(attn, data, vocab: int, *, steps: int, batch: int, context: int, width: int, heads: int, layers: int,
-          lr: float = 3e-3, seed: int = 0, device="cpu", on_step=None, dtype=torch.float32):
+          lr: float = 3e-3, seed: int = 0, device="cpu", on_step=None, dtype=torch.float32, state=None):
     """Train a fresh :class:`CharDecoder` (initialised from ``seed``, then cast to ``dtype``) with AdamW; returns
-    ``(model, losses)``.  The same seed gives the same initial weights and the same batches whatever ``attn``
-    is."""
+    ``(model, losses)``.  The same seed gives the same initial weights and the same batches whatever ``attn`` is.
+
+    ``state``: a dict that receives, after every step, ``state[step] = (model weights, optimiser state)`` for the
+    steps it already holds as keys (copies), so that :func:`resume` can run a window of steps from there with
+    another attention."""
     torch.manual_seed(seed)
     model = CharDecoder(vocab, context=context, width=width, heads=heads, layers=layers).to(device, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     for step, (x, y) in enumerate(batches(data, steps, batch, context, seed)):
-        x, y = x.to(device), y.to(device)
-        loss = F.cross_entropy(model(x, attn).flatten(0, 1), y.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+        if state is not None and step in state:
+            state[step] = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+        losses.append(_step(model, opt, attn, x.to(device), y.to(device)))
         if on_step is not None:
-            on_step(step, loss.item())
+            on_step(step, losses[-1])
     return model, losses
+
+
+def resume(attn, saved, data, vocab: int, *, first: int, window: int, steps: int, batch: int, context: int,
+           width: int, heads: int, layers: int, lr: float = 3e-3, seed: int = 0, device="cpu",
+           dtype=torch.float32) -> list:
+    """The losses of steps ``first .. first + window - 1`` of the :func:`train` run with these arguments, run
+    from its saved state at ``first`` (``saved = state[first]``) with ``attn``: the same batches, weights and
+    optimiser moments, only the attention differs."""
+    model = CharDecoder(vocab, context=context, width=width, heads=heads, layers=layers).to(device, dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    todo = batches(data, steps, batch, context, seed)[first:first + window]
+    return [_step(model, opt, attn, x.to(device), y.to(device)) for x, y in todo]
+
+
+def loss_and_grads(attn, saved, data, vocab: int, *, at: int, steps: int, batch: int, context: int, width: int,
+                   heads: int, layers: int, seed: int = 0, device="cpu", dtype=torch.float32, **_):
+    """Step ``at``'s loss and every parameter's gradient with ``attn``, from the :func:`train` run's saved weights
+    at that step (``saved = state[at]``) and its batch: one step compared from the same state."""
+    model = CharDecoder(vocab, context=context, width=width, heads=heads, layers=layers).to(device, dtype)
+    model.load_state_dict(saved[0])
+    x, y = batches(data, steps, batch, context, seed)[at]
+    loss = F.cross_entropy(model(x.to(device), attn).flatten(0, 1), y.to(device).flatten())
+    loss.backward()
+    return loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _step(model, opt, attn, x, y) -> float:
+    loss = F.cross_entropy(model(x, attn).flatten(0, 1), y.flatten())
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss.item()
 
 
 @torch.no_grad()
