@@ -567,8 +567,8 @@ passed = exercises.check("00.3", sectors_stride2=sectors_stride2, sectors_stride
 
 # %% [markdown]
 # **00.4 · Registers to spare** (★★, ~15 min) With `flashnb.inspect.occupancy` and the resource report of
-# Appendix A.2, find how many registers per thread `fa2.forward` (its first configuration, 128 threads per block)
-# could use on sm_90 and still keep its current number of resident blocks per SM.
+# Appendix A.2, find how many registers per thread `fa2.forward` (the configuration A.2 prints: $d = 64$, causal,
+# 128 threads per block) could use on sm_90 and still keep its current number of resident blocks per SM.
 
 # %%
 max_registers = ...
