@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 __all__ = ["check", "hint", "answer", "catalogue", "exercise", "Wrong", "Exercise", "EXERCISES", "close",
-           "require"]
+           "require", "require_kernel", "require_traffic", "require_gpu_ready"]
 
 LEVELS = {1: "★", 2: "★★", 3: "★★★"}
 NOTEBOOKS = ("00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13")
@@ -183,3 +183,37 @@ def close(value, expected, *, rel: float = 0.0, abs: float = 0.0, what: str = "y
     if not math.isfinite(v) or not math.isclose(v, expected, rel_tol=rel, abs_tol=abs):
         direction = "too large" if v > expected else "too small"
         raise Wrong(f"{what} = {value!r} is {direction}")
+
+
+def require_kernel(kernel, arguments: str) -> None:
+    """Raise :class:`Wrong` unless ``kernel`` is a ``@cuda.jit`` kernel (on a GPU or on the simulator)."""
+    require(hasattr(kernel, "py_func") or type(kernel).__name__ == "FakeCUDAKernel",
+            f"kernel must be a @cuda.jit kernel ({arguments})")
+
+
+def require_traffic(launch, model: dict, what: str, why) -> None:
+    """Raise :class:`Wrong` unless the counted ``launch`` (a :class:`flashnb.traffic.LaunchTraffic`) reads and
+    writes each array exactly as ``model`` says (``{"reads": {array: elements}, "writes": {...}}``);
+    ``why(kind, name, counted, expected)`` says what to look at."""
+    for kind, arrays in model.items():
+        seen = getattr(launch, kind)
+        for name, want in arrays.items():
+            n = seen.get(name, 0)
+            if n != want:
+                raise Wrong(f"at {what}, your kernel {kind} {name} {n} times, FA2's model says {want}: "
+                            f"{why(kind, name, n, want)}")
+
+
+def require_gpu_ready(kernel, run, signature: str, hint: str) -> None:
+    """Raise :class:`Wrong` unless ``run()`` (one launch of ``kernel``) is clean under the four sanitizer tools
+    and ``kernel`` compiles for sm_80 and sm_90 with no problem the PTX guard knows (float64, spills, shared
+    memory beyond 48 KiB); ``hint`` names the usual causes of a sanitizer finding."""
+    from .. import inspect as fi
+    from .. import sim
+
+    with sim.sanitize(raise_on_error=False) as report:
+        run()
+    require(not report, f"the sanitizer found errors ({hint}):\n{report}")
+    problems = [p for r in fi.resources_of([(kernel, signature, cc) for cc in ((8, 0), (9, 0))], keep_ptx=False)
+                for p in fi.problems(r)]
+    require(not problems, "compiled for a GPU, your kernel has problems:\n" + "\n".join(problems))

@@ -8,7 +8,7 @@ import math
 import numpy as np
 from numba import cuda, float32  # module globals: the simulator swaps `cuda` in a kernel's globals only
 
-from . import Wrong, close, exercise, require
+from . import Wrong, close, exercise, require, require_gpu_ready, require_kernel, require_traffic
 
 
 def _lane_grid(Br, Bc, d, warps, LR, LC):
@@ -317,11 +317,9 @@ def check_05_5(kernel, Bc):
     on it).  Checked like a course assignment: float64 on five shapes (Nq != Nk, dense, both causal alignments,
     rows with no key), counted traffic against FA2's model, the four sanitizer tools, and a compile for sm_80 and
     sm_90 (no float64, no spills, shared memory within 48 KiB)."""
-    from .. import common, sim, traffic
-    from .. import inspect as fi
+    from .. import common, traffic
 
-    require(hasattr(kernel, "py_func") or type(kernel).__name__ == "FakeCUDAKernel",
-            "kernel must be a @cuda.jit kernel (Q, K, V, O, L, scale, diag)")
+    require_kernel(kernel, "Q, K, V, O, L, scale, diag")
     require(isinstance(Bc, int) and not isinstance(Bc, bool) and 1 <= Bc <= 128,
             "Bc must be the int number of K/V rows your kernel loads per tile (1..128)")
     rng = np.random.default_rng(55)
@@ -358,40 +356,29 @@ def check_05_5(kernel, Bc):
                 f"{err_o:.2e}: check the rescaling e^(m_old - m_new) of l_i and o_i, and the mask j <= i + diag")
         require(err_l <= 2e-5 * (1 + np.abs(lse_ref[~empty]).max()), f"at {what}, L is off by {err_l:.2e}: "
                 "L = m_i + log(l_i)")
-        model = _model_05_5(BH, Nq, Nk, d, diag, Bc)
-        got = t.launches[-1]
-        for kind, arrays in model.items():
-            seen = getattr(got, kind)
-            for name, want in arrays.items():
-                n = seen.get(name, 0)
-                if n != want:
-                    why = {"Q": "read q_i once into registers",
-                           "K": "load each K/V tile once per block, and skip the tiles after the block's last "
-                                "visible key" if n > want else "every tile holding a visible key must be loaded "
-                                "(is Bc what your kernel loads?)",
-                           "O": "write each row of O once", "L": "write L once per row"}.get(name, "")
-                    why = why if name != "V" else ("the same as K: " + ("load each tile once and skip the tiles "
-                                                                         "above the diagonal" if n > want else
-                                                                         "every visible tile"))
-                    raise Wrong(f"at {what}, your kernel {kind} {name} {n} times, FA2's model says {want}: {why}")
+        require_traffic(t.launches[-1], _model_05_5(BH, Nq, Nk, d, diag, Bc), what, _why_05_5)
     BH, Nq, Nk, d, diag = CASES_05_5[2]
     _, args, _, _ = launch(BH, Nq, Nk, d, diag)
-    with sim.sanitize(raise_on_error=False) as report:
-        kernel[(-(-Nq // BR_05_5), BH), BR_05_5](*args)
-    require(not report, f"the sanitizer found errors (a missing syncthreads? a read past Nk?):\n{report}")
-    problems = [p for r in fi.resources_of([(kernel, SIG_05_5, cc) for cc in ((8, 0), (9, 0))], keep_ptx=False)
-                for p in fi.problems(r)]
-    require(not problems, "compiled for a GPU, your kernel has problems:\n" + "\n".join(problems))
+    require_gpu_ready(kernel, lambda: kernel[(-(-Nq // BR_05_5), BH), BR_05_5](*args), SIG_05_5,
+                      "a missing syncthreads? a read past Nk?")
     return (f"float64 on {len(CASES_05_5)} shapes, traffic equal to FA2's model (K read "
             f"{_model_05_5(*CASES_05_5[2], Bc)['reads']['K']} times at {CASES_05_5[2][1]} x {CASES_05_5[2][2]}, "
             "causal), race-free, compiles for sm_80 and sm_90")
 
 
-def _fa2_rows_kernel(skip=True, first_barrier=True, rescale=True):
-    """The worked solution of 05.5, and (with an argument off) the three wrong answers the tests try."""
+def _why_05_5(kind, name, n, want):
+    if name in ("K", "V"):
+        return ("load each K/V tile once per block, and skip the tiles after the block's last visible key" if n > want
+                else "every tile holding a visible key must be loaded (is Bc what your kernel loads?)")
+    return {"Q": "read q_i once into registers", "O": "write each row of O once", "L": "write L once per row"}[name]
+
+
+def _fa2_rows_kernel(skip=True, first_barrier=True, rescale=True, f64=False):
+    """The worked solution of 05.5, and (with an argument off, or ``f64``) the wrong answers the tests try."""
     from flashnb.common import NEG_INF, ONE, ZERO
 
     Bc = 32
+    unit = 1.0 if f64 else ONE            # a Python float in a kernel is float64: the PTX guard refuses it
 
     @cuda.jit
     def fa2_forward_rows(Q, K, V, O, L, scale, diag):
@@ -431,7 +418,7 @@ def _fa2_rows_kernel(skip=True, first_barrier=True, rescale=True):
                         s = ZERO
                         for x in range(d):
                             s += q_i[x] * K_j[c, x]
-                        s *= scale
+                        s *= scale * unit
                     S[c] = s
                     m_new = max(m_new, s)
                 if m_new != NEG_INF:                             # lines 9-10: P~, l, O~ rescaled once per tile
@@ -471,3 +458,8 @@ def _():
 @check_05_5.fails
 def _():
     return dict(kernel=_fa2_rows_kernel(first_barrier=False), Bc=32)   # a tile overwritten while read: a race
+
+
+@check_05_5.fails
+def _():
+    return dict(kernel=_fa2_rows_kernel(f64=True), Bc=32)            # right numbers, float64 arithmetic

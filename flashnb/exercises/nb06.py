@@ -8,7 +8,7 @@ import math
 import numpy as np
 from numba import cuda, float32  # module globals: the simulator swaps `cuda` in a kernel's globals only
 
-from . import Wrong, close, exercise, require
+from . import Wrong, close, exercise, require, require_gpu_ready, require_kernel, require_traffic
 
 
 def _total(model) -> int:
@@ -332,11 +332,9 @@ def check_06_5(kernel, Br):
     Br: the query rows it loads per tile.  Checked like a course assignment: float64 on five shapes, counted
     traffic against FA2's backward model for your Br, the four sanitizer tools, and a compile for sm_80 and
     sm_90."""
-    from .. import common, sim, traffic
-    from .. import inspect as fi
+    from .. import common, traffic
 
-    require(hasattr(kernel, "py_func") or type(kernel).__name__ == "FakeCUDAKernel",
-            "kernel must be a @cuda.jit kernel (Q, K, V, dO, L, D, dQ, dK, dV, scale, diag)")
+    require_kernel(kernel, "Q, K, V, dO, L, D, dQ, dK, dV, scale, diag")
     require(isinstance(Br, int) and not isinstance(Br, bool) and 1 <= Br <= 128,
             "Br must be the int number of query rows your kernel loads per tile (1..128)")
     rng = np.random.default_rng(65)
@@ -369,30 +367,24 @@ def check_06_5(kernel, Br):
             err = float(np.abs(got - ref).max())
             require(err <= 1e-4 * (1 + np.abs(ref).max()), f"at {what}, {name} is off the float64 reference by "
                     f"{err:.2e}: check p = exp(scale·s - L), ds = p·(dp - D) and the mask j <= i + diag")
-        model = _model_06_5(BH, Nq, Nk, d, diag, Br)
-        got = t.launches[-1]
-        for kind, arrays in model.items():
-            seen = getattr(got, kind)
-            for name, n_want in arrays.items():
-                n = seen.get(name, 0)
-                if n != n_want:
-                    why = ("read each of K, V once, into registers" if name in ("K", "V") else
-                           "write dK_j, dV_j once, at the end" if kind == "writes" else
-                           "load each query tile once per key block, from the first tile holding a row that sees "
-                           "the block's first key" if n > n_want else
-                           "every query tile from the first useful one must be loaded (is Br what your kernel "
-                           "loads?)")
-                    raise Wrong(f"at {what}, your kernel {kind} {name} {n} times, FA2's model says {n_want}: {why}")
-    want, args, _ = launch(*CASES_06_5[2])
-    with sim.sanitize(raise_on_error=False) as report:
-        kernel[(-(-CASES_06_5[2][2] // BC_06_5), CASES_06_5[2][0]), BC_06_5](*args)
-    require(not report, f"the sanitizer found errors (a missing syncthreads? a read past Nq?):\n{report}")
-    problems = [p for r in fi.resources_of([(kernel, SIG_06_5, cc) for cc in ((8, 0), (9, 0))], keep_ptx=False)
-                for p in fi.problems(r)]
-    require(not problems, "compiled for a GPU, your kernel has problems:\n" + "\n".join(problems))
+        require_traffic(t.launches[-1], _model_06_5(BH, Nq, Nk, d, diag, Br), what, _why_06_5)
+    BH, Nq, Nk, d, diag = CASES_06_5[2]
+    _, args, _ = launch(BH, Nq, Nk, d, diag)
+    require_gpu_ready(kernel, lambda: kernel[(-(-Nk // BC_06_5), BH), BC_06_5](*args), SIG_06_5,
+                      "a missing syncthreads? a read past Nq?")
     return (f"float64 on {len(CASES_06_5)} shapes, traffic equal to FA2's backward model (Q read "
             f"{_model_06_5(*CASES_06_5[2], Br)['reads']['Q']} times at {CASES_06_5[2][1]} x {CASES_06_5[2][2]}, "
             "causal), race-free, compiles for sm_80 and sm_90")
+
+
+def _why_06_5(kind, name, n, want):
+    if name in ("K", "V"):
+        return "read each of K, V once, into registers"
+    if kind == "writes":
+        return "write dK_j, dV_j once, at the end"
+    return ("load each query tile once per key block, from the first tile holding a row that sees the block's "
+            "first key" if n > want else "every query tile from the first useful one must be loaded (is Br what "
+            "your kernel loads?)")
 
 
 def _fa2_key_rows_kernel(skip=True, first_barrier=True, delta=True):
