@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
-from pathlib import Path
 
 import numpy as np
+from report import write_report  # scripts/report.py
 
 import flashnb  # noqa: F401  (selects the simulator before numba.cuda is imported)
 from flashnb import block_sparse as bs
@@ -243,10 +243,7 @@ def main(argv=None) -> int:
             "of `flashnb.sass_model` (H100 SXM, "
             "N = 4096, batch 4, hidden 2048), an upper bound on speed, not a measurement.\n\n"
             f"{table(sass_rows(args.d), profile_rows(), philox_rows())}\n")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
-    return 0
+    return write_report(args.out, text)
 
 
 if __name__ == "__main__":

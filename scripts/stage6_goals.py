@@ -1,4 +1,4 @@
-"""Stage 6's goals (issue #14), measured without a GPU, as a table: ``python scripts/stage6_goals.py``.
+"""Stage 6's goals, measured without a GPU, as a table: ``python scripts/stage6_goals.py``.
 
 Every number comes from a tool run here and now: the SASS instruction mix (:mod:`flashnb.sass`, ptxas +
 nvdisasm), ptxas's resources (:mod:`flashnb.inspect`), the simulator's memory profiler
@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
-from pathlib import Path
+
+from report import GOAL_COLUMNS, markdown_table, write_report  # scripts/report.py
 
 import flashnb  # noqa: F401  (selects the simulator before numba.cuda is imported)
 from flashnb import cli, fa2, fa2_fast, sass, sass_model
@@ -89,10 +90,7 @@ def rows():
 
 
 def table(rs) -> str:
-    head = ("goal", "kernel", "target", "value", "met", "how")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rs]
-    return "\n".join(lines)
+    return markdown_table(GOAL_COLUMNS, rs)
 
 
 def main(argv=None) -> int:
@@ -100,15 +98,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/stage6_goals.md")
     args = ap.parse_args(argv)
     rs = rows()
-    text = (f"# Stage 6 goals (issue #14), measured without a GPU\n\n"
+    text = (f"# Stage 6 goals, measured without a GPU\n\n"
             f"Made by `python scripts/stage6_goals.py` on {datetime.date.today().isoformat()}; SASS for sm_90 "
             f"with the pinned toolchain. *Modelled* times are the SASS time model of `flashnb.sass_model` (issue "
             f"rate, FP32/MUFU/shared pipes, HBM bytes of the traffic model, list scheduling), not measurements; "
             f"it ignores latency the warps cannot hide, so it is an upper bound on speed.\n\n{table(rs)}\n")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
-    return 0
+    return write_report(args.out, text)
 
 
 if __name__ == "__main__":

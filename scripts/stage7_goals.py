@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
-from pathlib import Path
+
+from report import GOAL_COLUMNS, markdown_table, write_report  # scripts/report.py
 
 import flashnb  # noqa: F401  (selects the simulator before numba.cuda is imported)
 from flashnb import cli, sass, sass_model
@@ -79,10 +80,7 @@ def rows():
 
 
 def table(rs) -> str:
-    head = ("goal", "kernel", "target", "value", "met", "how")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rs]
-    return "\n".join(lines)
+    return markdown_table(GOAL_COLUMNS, rs)
 
 
 def main(argv=None) -> int:
@@ -99,10 +97,7 @@ def main(argv=None) -> int:
             f"pipes bind and from below where the re-read bytes do. On the H100, mma.sync (the only MMA Numba can "
             f"emit) is not what reaches its peak: FlashAttention-3 needs wgmma for that. `scripts/gpu_check.py` "
             f"measures.\n\n{table(rs)}\n")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
-    return 0
+    return write_report(args.out, text)
 
 
 if __name__ == "__main__":

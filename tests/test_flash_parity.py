@@ -7,14 +7,16 @@ CI checks every policy off and every feature at once (forward and backward); eac
 compile each), as are d = 128 and what Philox costs (the SASS time model at N = 4096)."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 
 import flashnb  # noqa: F401
 
-_SPEC = importlib.util.spec_from_file_location("product_parity",
-                                               Path(__file__).resolve().parent.parent / "scripts" / "product_parity.py")
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))      # as `python scripts/product_parity.py` has it: its sibling report.py
+_SPEC = importlib.util.spec_from_file_location("product_parity", SCRIPTS / "product_parity.py")
 parity = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(parity)
 
