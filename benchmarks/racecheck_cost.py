@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 import flashnb
-from flashnb import traffic
+from flashnb.instruments import traffic
 from flashnb.sim import racecheck
 
 rng = np.random.default_rng(7)

@@ -25,7 +25,8 @@ os.environ.setdefault("FLASHNB_SIM_QUIET", "1")
 import numpy as np  # noqa: E402
 
 import flashnb  # noqa: E402
-from flashnb import sim, traffic  # noqa: E402
+from flashnb import sim
+from flashnb.instruments import traffic  # noqa: E402
 from flashnb.sim import racecheck  # noqa: E402
 
 OUT = Path(__file__).with_name("sim_speed.md")

@@ -2,30 +2,62 @@
 
 Importing flashnb chooses the device first (a real GPU when a CUDA driver and device are present, the
 Numba CUDA simulator otherwise; ``FLASHNB_DEVICE=gpu|sim`` overrides), then registers every stage.
+
+The package, from the bottom up:
+
+* :mod:`flashnb.stages` -- the teaching kernels, one lesson each (naive attention to the fast FA2);
+* :mod:`flashnb.kernels` -- the product kernel (``impl="flash"``, the default), flash-decoding, tensor cores;
+* :mod:`flashnb.instruments` -- traffic counting, rooflines, timing, ptxas resources, SASS;
+* :mod:`flashnb.sim` -- the simulator's vectorised mode and its sanitizer tools;
+* user surfaces above them: :func:`attention` and friends (:mod:`flashnb.api`), :mod:`flashnb.flex` (attention
+  modifiers), :mod:`flashnb.torch`, :mod:`flashnb.distributed`; the course kit :mod:`flashnb.course` and the
+  notebooks' :mod:`flashnb.exercises`.
+
+Modules that moved keep their old names: ``flashnb.fa2`` is :mod:`flashnb.stages.fa2`, ``flashnb.traffic`` is
+:mod:`flashnb.instruments.traffic`, ``flashnb.inspect`` is :mod:`flashnb.instruments` (see :data:`MOVED`).
 """
+
+import sys as _sys
 
 from . import runtime  # must come first: decides NUMBA_ENABLE_CUDASIM before numba.cuda is imported
 from . import sim  # noqa: F401  simulator only: sim.install() (fast barrier, warp intrinsics) when MODE == "sim"
 from .runtime import MODE, is_simulator
 from . import registry, common  # noqa: E402
 from .api import attention, attention_forward, attention_backward  # noqa: E402
-from . import naive  # noqa: E402,F401  (stage 1 registers impl="naive")
-from . import softmax  # noqa: E402,F401  (stage 2 registers impl="onepass")
-from . import fa1  # noqa: E402,F401  (stage 3 registers impl="fa1")
 from . import rng  # noqa: E402,F401  (Philox4x32-10 for attention dropout, device and NumPy)
-from . import fa2  # noqa: E402,F401  (stage 4 registers impl="fa2")
-from . import fa2_steps  # noqa: E402,F401  (stage 4, step by step: impl="fa2-rows", "fa2-splitq")
-from . import block_sparse  # noqa: E402,F401  (stage 5 registers impl="fa2-sparse"; fa2 takes block_mask=)
-from . import flex  # noqa: E402,F401  (attention modifiers: score_mod / mask_mod on fa2, the gallery)
-from . import fa2_fast  # noqa: E402,F401  (stage 6 registers impl="fa2-fast")
-from . import fa2_fast_steps  # noqa: E402,F401  (stage 6, step by step: the line-8 kernels of notebook 08)
-from . import decode  # noqa: E402,F401  (decoding with a KV cache: impl="flash-decoding")
+from . import stages  # noqa: E402,F401
+from .stages import naive  # noqa: E402,F401  (stage 1 registers impl="naive")
+from .stages import softmax  # noqa: E402,F401  (stage 2 registers impl="onepass")
+from .stages import fa1  # noqa: E402,F401  (stage 3 registers impl="fa1")
+from .stages import fa2  # noqa: E402,F401  (stage 4 registers impl="fa2")
+from .stages import fa2_steps  # noqa: E402,F401  (stage 4, step by step: impl="fa2-rows", "fa2-splitq")
+from .stages import block_sparse  # noqa: E402,F401  (stage 5 registers impl="fa2-sparse"; fa2 takes block_mask=)
+from . import flex  # noqa: E402,F401  (attention modifiers: score_mod / mask_mod, the gallery)
+from .stages import fa2_fast  # noqa: E402,F401  (stage 6 registers impl="fa2-fast")
+from .stages import fa2_fast_steps  # noqa: E402,F401  (stage 6, step by step: the line-8 kernels of notebook 08)
+from .kernels import decode  # noqa: E402,F401  (decoding with a KV cache: impl="flash-decoding")
 from . import kernels  # noqa: E402,F401  (the product kernel, impl="flash"; stage 7, tensor cores, impl="fa2-tc")
-from . import reference, traffic, roofline, bench, inspect, rehearsal  # noqa: E402,F401  (reference and measurement)
+from . import reference, instruments  # noqa: E402,F401  (reference and measurement)
+from .instruments import traffic, roofline, bench, rehearsal, sass, sass_model  # noqa: E402,F401
 
 __version__ = "0.1.0"
 
+#: Modules that moved into a sub-package, by their old name: ``import flashnb.fa2`` and ``from flashnb import
+#: fa2`` give the module object that lives at the new name (one object, so ``registry.variant`` and
+#: ``registry.using`` see the same globals whichever name imported it).
+MOVED = {
+    **{f"flashnb.{m}": f"flashnb.stages.{m}" for m in
+       ("naive", "softmax", "fa1", "fa2", "fa2_steps", "block_sparse", "fa2_fast", "fa2_fast_steps")},
+    **{f"flashnb.{m}": f"flashnb.instruments.{m}" for m in
+       ("traffic", "roofline", "bench", "rehearsal", "sass", "sass_model")},
+    "flashnb.decode": "flashnb.kernels.decode",
+    "flashnb.inspect": "flashnb.instruments",
+}
+for _old, _new in MOVED.items():
+    _sys.modules[_old] = _sys.modules[_new]
+    globals()[_old.rsplit(".", 1)[1]] = _sys.modules[_new]
+del _old, _new
+
 __all__ = ["MODE", "is_simulator", "attention", "attention_forward", "attention_backward", "registry", "common",
-           "runtime", "sim", "naive", "softmax", "fa1", "rng", "fa2", "fa2_steps", "block_sparse", "fa2_fast",
-           "fa2_fast_steps", "kernels", "decode", "reference", "traffic", "roofline", "bench", "inspect", "rehearsal",
+           "runtime", "sim", "stages", "kernels", "instruments", "rng", "flex", "reference", "MOVED",
            "__version__"]

@@ -1,9 +1,9 @@
 """``python -m flashnb._gpu_child TARGET KWARGS_JSON``: run one measurement in a process of its own.
 
-Started by :func:`flashnb.bench.on_gpu` with ``FLASHNB_DEVICE=gpu`` when the calling process is on the
+Started by :func:`flashnb.instruments.bench.on_gpu` with ``FLASHNB_DEVICE=gpu`` when the calling process is on the
 simulator (a notebook counting traffic) but the machine has a GPU.  Prints the rows as one JSON line after
-:data:`flashnb.bench.CHILD_MARKER`.  With ``FLASHNB_REHEARSAL=1`` on the simulator it rehearses instead
-(:mod:`flashnb.rehearsal`: pretend device, rows labelled ``rehearsal``).
+:data:`flashnb.instruments.bench.CHILD_MARKER`.  With ``FLASHNB_REHEARSAL=1`` on the simulator it rehearses instead
+(:mod:`flashnb.instruments.rehearsal`: pretend device, rows labelled ``rehearsal``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import os
 import sys
 
 import flashnb
-from flashnb import bench, rehearsal, runtime
+from flashnb import runtime
+from flashnb.instruments import bench, rehearsal
 
 
 def _plain(x):

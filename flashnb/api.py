@@ -345,8 +345,8 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
             ``score_mod_grad`` (d score_mod / d score; the gallery's modifiers carry it as ``.grad``; without
             either it is derived from ``score_mod``'s source: :func:`flashnb.flex_grad.derivative`).  ``b``,
             ``h`` index q's leading axes (B, H).  ``impl="flash-decoding"`` (forward only; for a few new queries,
-            ``N_q <= 8``, against a long K/V cache: :mod:`flashnb.decode`) takes ``num_splits`` (chunks of the keys,
-            default: enough blocks to fill the GPU's SMs in one wave) and ``warps``.
+            ``N_q <= 8``, against a long K/V cache: :mod:`flashnb.kernels.decode`) takes ``num_splits`` (chunks of the
+            keys, default: enough blocks to fill the GPU's SMs in one wave) and ``warps``.
 
     Grouped-/multi-query attention: with ``impl="flash"``, ``"fa2"`` or ``"flash-decoding"``, k and v may have fewer
     heads (axis -3) than q, a divisor of q's heads; query head ``h`` uses K/V head ``h // (H_q / H_kv)``.
@@ -495,9 +495,9 @@ def _mask_rows(entry, options: dict, BH: int, Nq: int, Nk: int, d: int, causal: 
         H = options.get("heads", 1)
         full = mask_array(mask_mod, BH // H, H, Nq, Nk).reshape(BH, Nq, Nk)
     elif full is None and options.get("block_mask") is not None:
-        from . import fa2
-        from .fa2 import BlockMask
         from .kernels import flash
+        from .stages import fa2
+        from .stages.fa2 import BlockMask
 
         bm = options["block_mask"]
         if isinstance(bm, (fa2.PreparedMask, flash.PreparedMask)):

@@ -1,5 +1,5 @@
 """argparse types shared by the command line (:mod:`flashnb.cli`) and the subcommands that parse their own
-options (:mod:`flashnb.bench`, :mod:`flashnb.inspect`)."""
+options (:mod:`flashnb.instruments.bench`, :mod:`flashnb.instruments`)."""
 
 from __future__ import annotations
 

@@ -73,7 +73,8 @@ def tour_rows(*, BH=2, Nq=40, Nk=56, d=16, causal=True, seed=0, progress=True):
     """
     from tqdm.auto import tqdm
 
-    from . import api, reference, roofline
+    from . import api, reference
+    from .instruments import roofline
     from .registry import IMPLS
     from .runtime import MODE
 
@@ -92,7 +93,7 @@ def tour_rows(*, BH=2, Nq=40, Nk=56, d=16, causal=True, seed=0, progress=True):
         entry = IMPLS[name]
         counter = None
         if MODE == "sim":
-            from . import traffic
+            from .instruments import traffic
 
             counter = traffic.count()
         row = {"impl": name, "stage": entry.stage, "pass": direction}
@@ -117,7 +118,7 @@ def tour_rows(*, BH=2, Nq=40, Nk=56, d=16, causal=True, seed=0, progress=True):
                        modelled_ns=roofline.modelled_time(flops, nbytes, TOUR_GPU).seconds * 1e9)
         else:
             if info is None:   # read the device once (driver release via NVML or nvidia-smi), not per impl
-                from . import bench
+                from .instruments import bench
 
                 info = bench.device_info()
             row["measured_us"] = _measure(entry, direction, q, k, v, o_ref, lse_ref, do, causal, info) * 1e3
@@ -127,7 +128,8 @@ def tour_rows(*, BH=2, Nq=40, Nk=56, d=16, causal=True, seed=0, progress=True):
 
 def _measure(entry, direction, q, k, v, o, lse, do, causal, info):
     """Median CUDA-event time (ms) of the impl's device-level call on this problem (GPU only)."""
-    from . import bench, common
+    from . import common
+    from .instruments import bench
 
     with common.poisoning(False):  # time the kernels, not the NaN fill of fresh outputs
         return _measure_unpoisoned(bench, common, entry, direction, q, k, v, o, lse, do, causal, info)
@@ -534,8 +536,8 @@ def kernel_config(spec, text: str | None) -> dict:
 
 
 def cmd_sass(args) -> int:
+    from .instruments.sass import sass
     from .registry import KERNELS
-    from .sass import sass
 
     if args.kernel not in KERNELS:
         print(f"flashnb sass: unknown kernel {args.kernel!r}; registered: {', '.join(sorted(KERNELS))}",
@@ -602,10 +604,10 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("inspect", "bench"):
         if argv[0] == "inspect":
-            from .inspect import main_inspect
+            from .instruments import main_inspect
 
             return main_inspect(argv[1:])
-        from .bench import main_bench
+        from .instruments.bench import main_bench
 
         return main_bench(argv[1:])
     args = parser.parse_args(argv)

@@ -125,11 +125,11 @@ def _set_max_dynamic_shared(kernel, signature: str, nbytes: int) -> None:
 def allow_dynamic_shared(kernel, signature: str, nbytes: int) -> None:
     """Let ``kernel`` (compiled for ``signature``) launch with ``nbytes`` of dynamic shared memory: above
     48 KiB a GPU needs the per-kernel opt-in; nothing to do at or below it, or on the simulator.  Under
-    :func:`flashnb.rehearsal.pretend_gpu` the request is recorded (``rehearsal.dynamic_shared_requests``)
+    :func:`flashnb.instruments.rehearsal.pretend_gpu` the request is recorded (``rehearsal.dynamic_shared_requests``)
     instead of reaching a driver.  Raises what the driver raises (the caller decides whether to fall back)."""
     if nbytes <= SHARED_LIMIT_BYTES or runtime.MODE != "gpu":
         return
-    from . import rehearsal
+    from .instruments import rehearsal
 
     if rehearsal.active():
         name = getattr(getattr(kernel, "py_func", kernel), "__name__", str(kernel))
@@ -425,7 +425,7 @@ def available_bytes() -> int | None:
 
     try:
         if runtime.MODE == "gpu":
-            from . import rehearsal
+            from .instruments import rehearsal
 
             if not rehearsal.active():
                 return int(cuda.current_context().get_memory_info().free)
@@ -462,7 +462,7 @@ def empty(shape, *, poison: bool | None = None, storage: str = "float32"):
                           "use smaller inputs (the naive impl stores the whole N_q x N_k score matrix, twice)")
     if not poison:
         return cuda.device_array(dims, dtype=dtype, stream=current_stream())
-    from . import rehearsal
+    from .instruments import rehearsal
 
     if runtime.MODE == "gpu" and not rehearsal.active():
         from numba.cuda.cudadrv.driver import device_memset

@@ -107,9 +107,7 @@ from pathlib import Path
 import numpy as np
 from numba import cuda, float32
 
-from . import fa2
 from .common import cdiv, positive_int
-from .fa2 import BlockMask, python_modifier
 from .modifiers import (  # noqa: F401  (flex's names: a modifier as a value lives in flashnb.modifiers)
     _UNSET,
     ARGS,
@@ -127,6 +125,8 @@ from .modifiers import (  # noqa: F401  (flex's names: a modifier as a value liv
     name_of,
     snapshot,
 )
+from .stages import fa2
+from .stages.fa2 import BlockMask, python_modifier
 
 __all__ = ["ModifierError", "check_modifiers", "check_many", "create_block_mask", "mask_array", "numpy_modifier",
            "name_of", "Snapshot", "snapshot", "check_current", "check_heads",
@@ -164,12 +164,12 @@ def _compile_one(fn, role):
 def _worker() -> None:
     """Child-process entry point (``FLASHNB_DEVICE=gpu``): JSON [(desc, role)] on stdin, results on stdout."""
     import flashnb  # noqa: F401
-    from flashnb import inspect as fi
+    from flashnb.instruments import shipping
 
     out = []
     for desc, role in json.load(sys.stdin):
         try:
-            fn = fi._rebuild_function(desc)
+            fn = shipping._rebuild_function(desc)
         except Exception as exc:
             out.append(("compile", f"{type(exc).__name__}: {exc}"))
             continue

@@ -12,7 +12,7 @@ import inspect as std_inspect
 import numpy as np
 from numba import cuda
 
-from .fa2 import python_modifier
+from .stages.fa2 import python_modifier
 
 __all__ = ["ModifierError", "name_of", "Snapshot", "snapshot", "check_current", "ARGS"]
 
@@ -36,7 +36,7 @@ def name_of(fn) -> str:
 
 def _captured(fn):
     """``[(name, value)]``: what the compiled kernel and the host twin see of ``fn`` besides its code."""
-    from .inspect import _loaded_names
+    from .instruments.shipping import _loaded_names
 
     out = [(f"default {i}", v) for i, v in enumerate(fn.__defaults__ or ())]
     out += [(f"kwdefault {n}", v) for n, v in sorted((fn.__kwdefaults__ or {}).items())]
@@ -137,7 +137,7 @@ def _freeze(fn, memo: dict | None = None):
     and its ``.numpy`` / ``.grad`` functions, copied the same way)."""
     import types as py_types
 
-    from .inspect import _loaded_names
+    from .instruments.shipping import _loaded_names
 
     memo = {} if memo is None else memo
     if id(fn) in memo:
@@ -269,11 +269,11 @@ def _lambda_source(fn, desc: dict) -> dict:
 
 
 def _describe(fn, role):
-    from . import inspect as fi
+    from .instruments import shipping
 
     name = name_of(fn)
     try:
-        desc = fi._describe_function(fn)
+        desc = shipping._describe_function(fn)
         if fn.__name__ == "<lambda>":
             desc = _lambda_source(fn, desc)
     except (TypeError, OSError, SyntaxError) as exc:

@@ -159,7 +159,7 @@ class Impl:
         """FLOPs by the FlashAttention benchmark formula (forward ``4·B·H·Nq·Nk·d``, halved when causal;
         backward 2.5x).  For an impl with a :meth:`mask_for` mask, the pairs it skips are not counted:
         ``4·B·H·d·(allowed pairs)``."""
-        from . import roofline
+        from .instruments import roofline
 
         fn = roofline.flops_forward if direction in ("forward", "fwd") else roofline.flops_backward
         mask = self.mask_for(Nq, Nk, d, causal)

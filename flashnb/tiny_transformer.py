@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import rehearsal
 from . import torch as ft
+from .instruments import rehearsal
 
 __all__ = ["zen_text", "Vocab", "attention_fn", "CharDecoder", "batches", "train", "resume", "loss_and_grads",
            "generate", "measure_gpu"]
@@ -178,7 +178,7 @@ def measure_gpu(impls=("sdpa", "fa2", "fa1"), *, batch: int = 8, context: int = 
                 heads: int = 4, layers: int = 2, repeats: int = 5, warmup: int = 2, seed: int = 0) -> list[dict]:
     """CUDA-event time of one training step (forward, backward, AdamW) per attention, on a GPU (notebook 09).
     Rehearsed on the simulator with CPU tensors taking the CUDA-tensor path (``flashnb.torch.rehearse_cuda``)."""
-    from . import bench
+    from .instruments import bench
 
     rehearsing = rehearsal.active()
     device = "cpu" if rehearsing else "cuda"

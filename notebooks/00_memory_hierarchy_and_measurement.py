@@ -49,10 +49,11 @@ import matplotlib.pyplot as plt
 import numpy as np
 from numba import cuda, float32
 
-from flashnb import bench, fa2, naive, roofline, traffic
-from flashnb import inspect as fi
+from flashnb import instruments as fi
+from flashnb.instruments import bench, roofline, traffic
 from flashnb.notebook import savefig, show_source
 from flashnb.registry import KERNELS
+from flashnb.stages import fa2, naive
 
 T0 = time.perf_counter()
 print("kernels run on:", "the Numba CUDA simulator" if flashnb.is_simulator() else "a GPU", f"(flashnb.MODE = {MODE!r});",
@@ -89,7 +90,7 @@ print(f"SRAM is {bw_ratio[0]:.1f}-{bw_ratio[1]:.1f}x faster and {size_ratio[0]:,
 # working set in SRAM and touches HBM only for inputs and outputs wins — *if* its working set can be cut into
 # tiles that fit. That is the whole idea of FlashAttention.
 #
-# flashnb's models use datasheet presets (`flashnb.roofline.GPUS`; the module docstring cites each source).
+# flashnb's models use datasheet presets (`flashnb.instruments.roofline.GPUS`; the module docstring cites each source).
 # The compute roof is the **FP32 CUDA-core** peak, because numba has no tensor-core intrinsics; the tensor-core
 # peak is listed only to show how far above it a production kernel's roof sits.
 
@@ -108,7 +109,7 @@ for g in roofline.GPUS.values():
 #
 # ## 2 · The roofline, and the arithmetic intensity of attention
 #
-# `flashnb.roofline.modelled_time(flops, bytes, gpu)` is the roofline model,
+# `flashnb.instruments.roofline.modelled_time(flops, bytes, gpu)` is the roofline model,
 # $t = \max(\text{FLOPs}/\text{peak},\ \text{bytes}/\text{bandwidth})$: a lower bound, always labelled
 # *modelled*. Standard attention (notebook 01) runs in three steps; `naive.model_forward` gives the exact
 # element reads and writes of flashnb's kernels for each step, and FLOPs follow from the shapes: $2 N^2 d$ per
@@ -165,7 +166,7 @@ plt.show()
 # %% [markdown]
 # ## 3 · Counting traffic on the simulator
 #
-# `flashnb.traffic.count()` watches every kernel launched inside it, on the simulator, and counts each
+# `flashnb.instruments.traffic.count()` watches every kernel launched inside it, on the simulator, and counts each
 # element read or written in global memory, per kernel parameter, and in shared memory, per variable. Kernels
 # are not modified. Here is a tiny kernel of our own — a moving average of width 3 — counted:
 
@@ -289,7 +290,7 @@ for impl in ("fa2", "fa1"):
 # ### A.2 · The resource report: registers, shared memory, occupancy
 #
 # Counting tells us about the algorithm; whether a kernel can keep an SM busy depends on what each thread and
-# block *costs*. `flashnb.inspect` compiles a kernel to PTX for a real architecture (NVVM) and runs `ptxas -v`
+# block *costs*. `flashnb.instruments` compiles a kernel to PTX for a real architecture (NVVM) and runs `ptxas -v`
 # on it — no GPU needed; in simulator mode the compile runs in a child process — then derives the
 # **occupancy**: how many blocks (and warps) one SM can hold at once, and which resource limits it. Here,
 # `naive.matmul` and `fa2.forward` (one configuration each) for sm_80 (A100) and sm_90 (H100/H200):
@@ -324,7 +325,7 @@ for cc, lim in fi.SM_LIMITS.items():
 # not automatically bad (FlashAttention-2 runs at low occupancy on purpose, using registers as the fastest
 # memory), but it means fewer warps are available to hide memory latency.
 #
-# The same rule over every register count, at 128 threads per block (`flashnb.inspect.occupancy` is pure
+# The same rule over every register count, at 128 threads per block (`flashnb.instruments.occupancy` is pure
 # arithmetic, so this needs no compiler):
 
 # %%
@@ -486,7 +487,7 @@ except bench.SimulatorTimingError as exc:
 # %% [markdown]
 # On a machine with a GPU:
 #
-# * `flashnb.bench.time_call(fn, flops=...)` times `fn` with **CUDA events** — JIT compilation in untimed
+# * `flashnb.instruments.bench.time_call(fn, flops=...)` times `fn` with **CUDA events** — JIT compilation in untimed
 #   warm-up calls, then the median of repeats with the spread — and reports TFLOP/s and the percentage of that
 #   device's own FP32 peak (SMs × FP32 lanes × 2 × clock, read from the device);
 # * `flashnb bench` sweeps $N$ and $d$ for every implementation and writes a CSV with provenance (GPU name,
@@ -505,7 +506,7 @@ except bench.SimulatorTimingError as exc:
 # child process.)
 
 # %%
-gpu_rows = bench.on_gpu("flashnb.bench:measure_impls", impls=["naive", "fa2"], BH=16, N=1024, d=64)
+gpu_rows = bench.on_gpu("flashnb.instruments.bench:measure_impls", impls=["naive", "fa2"], BH=16, N=1024, d=64)
 print(bench.table(gpu_rows, ["impl", "direction", "median_ms", "q1_ms", "q3_ms", "tflops", "pct_fp32_peak", "gpu_name"]))
 
 # %% [markdown]
@@ -566,7 +567,7 @@ passed = exercises.check("00.3", sectors_stride2=sectors_stride2, sectors_stride
                 worst_from_stride=worst_from_stride)
 
 # %% [markdown]
-# **00.4 · Registers to spare** (★★, ~15 min) With `flashnb.inspect.occupancy` and the resource report of
+# **00.4 · Registers to spare** (★★, ~15 min) With `flashnb.instruments.occupancy` and the resource report of
 # Appendix A.2, find how many registers per thread `fa2.forward` (the configuration A.2 prints: $d = 64$, causal,
 # 128 threads per block) could use on sm_90 and still keep its current number of resident blocks per SM.
 

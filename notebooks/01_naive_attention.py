@@ -45,12 +45,14 @@ import numpy as np
 
 os.environ["FLASHNB_DEVICE"] = "sim"  # counting traffic needs the simulator; GPU timings run in a process of their own
 import flashnb
-from flashnb import naive, reference, traffic
+from flashnb import reference
+from flashnb.instruments import traffic
 from flashnb.notebook import savefig, show_source
+from flashnb.stages import naive
 
 T0 = time.perf_counter()
 print("kernels run on the Numba CUDA simulator; GPU timings:",
-      "on this machine's GPU, in a separate process" if flashnb.bench.gpu_available() else "none (no GPU here)")
+      "on this machine's GPU, in a separate process" if flashnb.instruments.bench.gpu_available() else "none (no GPU here)")
 
 # %% [markdown]
 # ## The kernels
@@ -107,7 +109,7 @@ for causal in (False, True):
 #
 # ## Counting HBM traffic
 #
-# On the simulator, `flashnb.traffic.count()` watches every element each kernel reads or writes, per array
+# On the simulator, `flashnb.instruments.traffic.count()` watches every element each kernel reads or writes, per array
 # (named by the kernel's parameter), and every shared-memory access. It is a *program-level* count — what
 # the kernel asks for, element by element. A real GPU moves whole 32-byte sectors and may serve re-reads from
 # its L2 cache, so DRAM bytes measured by Nsight Compute can be lower (notebook 00 discusses this).
@@ -207,7 +209,7 @@ for n in (1024, 2048, 4096, 8192, 16384):
 # ceiling is the FP32 CUDA-core peak.
 
 # %%
-from flashnb import roofline  # noqa: E402
+from flashnb.instruments import roofline  # noqa: E402
 
 gpu = roofline.GPUS["A100 80GB SXM"]
 from flashnb.sim import vector  # noqa: E402
@@ -247,9 +249,9 @@ plt.show()
 # appendix (A.5) explains how, and why the simulator's wall-clock time is never reported as GPU speed.
 
 # %%
-from flashnb import bench  # noqa: E402
+from flashnb.instruments import bench  # noqa: E402
 
-gpu_rows = bench.on_gpu("flashnb.bench:measure_impls", impls=["naive"], BH=16, N=1024, d=64, directions=["fwd", "bwd"])
+gpu_rows = bench.on_gpu("flashnb.instruments.bench:measure_impls", impls=["naive"], BH=16, N=1024, d=64, directions=["fwd", "bwd"])
 print(bench.table(gpu_rows, ["impl", "direction", "median_ms", "q1_ms", "q3_ms", "tflops", "pct_fp32_peak", "gpu_name"]))
 
 # %%

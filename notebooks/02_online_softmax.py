@@ -29,7 +29,7 @@
 #    then tile by tile: the computation at the heart of FlashAttention, in the loop order FlashAttention-2 uses.
 #
 # Every kernel runs on flashnb's simulator here (a whole grid in lockstep as NumPy vectors), and its memory
-# accesses are **counted** by `flashnb.traffic` and compared with an analytic model.
+# accesses are **counted** by `flashnb.instruments.traffic` and compared with an analytic model.
 
 # %%
 import os
@@ -41,14 +41,15 @@ import numpy as np
 
 os.environ["FLASHNB_DEVICE"] = "sim"  # counting traffic needs the simulator; GPU timings run in a process of their own
 import flashnb
-from flashnb import reference, traffic
-from flashnb import softmax as S
+from flashnb import reference
+from flashnb.instruments import traffic
 from flashnb.notebook import savefig, show_source
+from flashnb.stages import softmax as S
 
 T0 = time.perf_counter()
 rng = np.random.default_rng(2)
 print("kernels run on the Numba CUDA simulator; GPU timings:",
-      "on this machine's GPU, in a separate process" if flashnb.bench.gpu_available() else "none (no GPU here)")
+      "on this machine's GPU, in a separate process" if flashnb.instruments.bench.gpu_available() else "none (no GPU here)")
 
 # %% [markdown]
 # ## 1 · Unsafe softmax overflows
@@ -285,7 +286,7 @@ plt.show()
 # %%
 R_big, n_big = 16384, 16384
 flops_per_elem = {"unsafe": 5, "safe": 7, "online": 9}   # rough: max/sub/exp/add/mul per element, all passes
-from flashnb import roofline
+from flashnb.instruments import roofline
 
 gpu = roofline.GPUS["A100 80GB SXM"]
 gpu_name = gpu.name
@@ -309,10 +310,10 @@ print(f"online vs safe: modelled speed-up {times['safe'] / times['online']:.2f}x
 # GPU the cell below times the three kernels there with CUDA events (notebook 00, A.5).
 
 # %%
-from flashnb import bench  # noqa: E402
+from flashnb.instruments import bench  # noqa: E402
 
 # on a GPU only, in a process of its own (this one runs the simulator); gb_per_s = modelled bytes / median time
-gpu_rows = bench.on_gpu("flashnb.softmax:measure_gpu", rows=4096, n=4096, threads=256)
+gpu_rows = bench.on_gpu("flashnb.stages.softmax:measure_gpu", rows=4096, n=4096, threads=256)
 print(bench.table(gpu_rows, ["method", "median_ms", "q1_ms", "q3_ms", "model_bytes", "gb_per_s", "gpu_name"]))
 
 # %% [markdown]
@@ -404,7 +405,7 @@ from numba import cuda, float32  # noqa: E402,F401
 
 from flashnb import exercises, registry  # noqa: E402,F401
 from flashnb.common import NEG_INF, ONE, ZERO  # noqa: E402,F401
-from flashnb.softmax import block_reduce_state, merge_state  # noqa: E402,F401
+from flashnb.stages.softmax import block_reduce_state, merge_state  # noqa: E402,F401
 
 # %% [markdown]
 # **02.1 · The merge is associative** (★, ~15 min) Write `merge(a, b)` for states `a = (m_a, d_a)`,

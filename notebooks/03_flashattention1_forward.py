@@ -32,7 +32,7 @@
 # $T_r$ times, and the bound is the same $\Theta(N^2 d^2 / M)$ (Proposition 3 of the FA1 paper: no exact
 # algorithm does asymptotically better for every $M$). What FA2 removes is the constant in front: the round
 # trips of $O_i, \ell_i, m_i$. This notebook builds, counts and models exactly that kernel
-# (`flashnb/fa1.py`, `impl="fa1"`), on the Numba CUDA simulator.
+# (`flashnb/stages/fa1.py`, `impl="fa1"`), on the Numba CUDA simulator.
 
 # %%
 import inspect
@@ -45,13 +45,15 @@ import numpy as np
 
 os.environ["FLASHNB_DEVICE"] = "sim"  # counting traffic needs the simulator; GPU timings run in a process of their own
 import flashnb
-from flashnb import common, fa1, naive, reference, roofline, traffic
+from flashnb import common, reference
+from flashnb.instruments import roofline, traffic
 from flashnb.notebook import savefig, show_source
+from flashnb.stages import fa1, naive
 
 T0 = time.perf_counter()
 rng = np.random.default_rng(3)
 print("kernels run on the Numba CUDA simulator; GPU timings:",
-      "on this machine's GPU, in a separate process" if flashnb.bench.gpu_available() else "none (no GPU here)")
+      "on this machine's GPU, in a separate process" if flashnb.instruments.bench.gpu_available() else "none (no GPU here)")
 
 # %% [markdown]
 # ## 1 · Block sizes from the SRAM budget
@@ -228,7 +230,7 @@ plt.show()
 # %% [markdown]
 # ## 5 · Counted global traffic against standard attention as N grows
 #
-# The traffic counter (`flashnb.traffic`) counts every element each launch reads and writes. Below both
+# The traffic counter (`flashnb.instruments.traffic`) counts every element each launch reads and writes. Below both
 # implementations run on the simulator at the $N$ printed ($d = 16$, budget $M = 1024$, so $B_r = B_c = 16$),
 # and each count is checked against its analytic model; the longer sequences of the figure are the model's.
 # Per head, the FA1 main kernel moves $2Nd + 3T_c Nd + 4T_c N$ elements (counted from Algorithm 1 as written: $K, V$ once; $Q_i, O_i, \ell_i, m_i$
@@ -467,7 +469,7 @@ for Bc in (b for b in sweep if b != lib["Bc"]):
           f"(limit {common.SHARED_LIMIT_BYTES // 1024} KiB): modelled")
 
 # %% [markdown]
-# The forward's runtime is **modelled** with the roofline of `flashnb.roofline` on the A100 40GB preset — both
+# The forward's runtime is **modelled** with the roofline of `flashnb.instruments.roofline` on the A100 40GB preset — both
 # with the FP32 CUDA-core roof (what flashnb's kernels use) and the FP16 tensor-core roof (what the paper's kernel
 # used):
 
@@ -584,9 +586,9 @@ assert fa1_el > std_alg > fa1_big and abs(2 * fa1_big / 1e9 / 4.4 - 1) < 0.05
 # CUDA events; this cell does a tiny version of that when a GPU is present (in a separate process):
 
 # %%
-from flashnb import bench  # noqa: E402
+from flashnb.instruments import bench  # noqa: E402
 
-gpu_rows = bench.on_gpu("flashnb.bench:measure_impls", impls=["naive", "fa1"], BH=8, N=1024, d=64)
+gpu_rows = bench.on_gpu("flashnb.instruments.bench:measure_impls", impls=["naive", "fa1"], BH=8, N=1024, d=64)
 print(bench.table(gpu_rows, ["impl", "direction", "median_ms", "q1_ms", "q3_ms", "tflops", "pct_fp32_peak", "gpu_name"]))
 
 # %%

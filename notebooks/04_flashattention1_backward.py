@@ -35,13 +35,15 @@ import numpy as np
 
 os.environ["FLASHNB_DEVICE"] = "sim"  # counting traffic needs the simulator; GPU timings run in a process of their own
 import flashnb
-from flashnb import common, fa1, naive, reference, traffic
+from flashnb import common, reference
+from flashnb.instruments import traffic
 from flashnb.notebook import savefig, show_source
+from flashnb.stages import fa1, naive
 
 T0 = time.perf_counter()
 rng = np.random.default_rng(4)
 print("kernels run on the Numba CUDA simulator; GPU timings:",
-      "on this machine's GPU, in a separate process" if flashnb.bench.gpu_available() else "none (no GPU here)")
+      "on this machine's GPU, in a separate process" if flashnb.instruments.bench.gpu_available() else "none (no GPU here)")
 
 # %% [markdown]
 # ## 1 · Recomputation is gradient checkpointing

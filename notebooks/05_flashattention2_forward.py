@@ -51,12 +51,14 @@ import numpy as np
 
 os.environ["FLASHNB_DEVICE"] = "sim"  # counting traffic needs the simulator; GPU timings run in a process of their own
 import flashnb
-from flashnb import fa1, fa2, fa2_steps, naive, reference, roofline, traffic
+from flashnb import reference
+from flashnb.instruments import roofline, traffic
 from flashnb.notebook import savefig, show_source
+from flashnb.stages import fa1, fa2, fa2_steps, naive
 
 T0 = time.perf_counter()
 print("kernels run on the Numba CUDA simulator; GPU timings:",
-      "on this machine's GPU, in a separate process" if flashnb.bench.gpu_available() else "none (no GPU here)")
+      "on this machine's GPU, in a separate process" if flashnb.instruments.bench.gpu_available() else "none (no GPU here)")
 rng = np.random.default_rng(5)
 
 # %% [markdown]
@@ -205,7 +207,7 @@ assert 3 * 128 * 128 * 16 == ladder["(b)"].summary()[0]["shared_reads"]   # 2 re
 # Now $S$ reads $Q_i$ *and* $K_j$ from shared memory for every FMA: 2/3 FMA per shared read, less than step (a).
 # This is the inner loop FA1's split-K kernel has too; the experiment in "Change 3" below compares the two.
 #
-# ### Step (c) · register micro-tiles: the kernel of `flashnb.fa2`
+# ### Step (c) · register micro-tiles: the kernel of `flashnb.stages.fa2`
 #
 # The thread block has `32·warps` threads. A warp's 32 lanes form a $4 \times 8$ grid (`LR × LC`). Lane
 # $(l_r, l_c)$ of warp $w$ owns query rows $w\,B_r/\text{warps} + l_r + 4a$ ($a < T_M$), key columns
@@ -556,7 +558,7 @@ plt.show()
 # whole row of $\tilde O$ (and step (a) of $Q$) per thread, the micro-tiled kernel only $T_M \times d/8$ of $\tilde O$.
 
 # %%
-from flashnb import inspect as finspect  # noqa: E402
+from flashnb import instruments as finspect  # noqa: E402
 
 t1, t2 = fa1.tiles(64), fa2.default_tiles(64)
 ta, tb = fa2_steps.rows_tiles(64), fa2_steps.splitq_tiles(64)
@@ -625,9 +627,9 @@ print(f"GB: float32, all batch·heads; one head: counted on the simulator or the
 # %%
 BH, N, d = 16, 2048, 64
 # measured TFLOP/s: on a GPU only, in a process of its own (this one runs the simulator)
-from flashnb import bench  # noqa: E402
+from flashnb.instruments import bench  # noqa: E402
 
-gpu_rows = bench.on_gpu("flashnb.bench:measure_impls", impls=["fa1", "fa2"], BH=BH, N=N, d=d)
+gpu_rows = bench.on_gpu("flashnb.instruments.bench:measure_impls", impls=["fa1", "fa2"], BH=BH, N=N, d=d)
 print(bench.table(gpu_rows, ["impl", "direction", "median_ms", "q1_ms", "q3_ms", "tflops", "pct_fp32_peak", "gpu_name"]))
 
 

@@ -39,12 +39,14 @@ import numpy as np
 
 os.environ["FLASHNB_DEVICE"] = "sim"  # counting traffic needs the simulator; GPU timings run in a process of their own
 import flashnb
-from flashnb import common, fa1, fa2, fa2_steps, naive, reference, roofline, traffic
+from flashnb import common, reference
+from flashnb.instruments import roofline, traffic
 from flashnb.notebook import savefig, show_source
+from flashnb.stages import fa1, fa2, fa2_steps, naive
 
 T0 = time.perf_counter()
 print("kernels run on the Numba CUDA simulator; GPU timings:",
-      "on this machine's GPU, in a separate process" if flashnb.bench.gpu_available() else "none (no GPU here)")
+      "on this machine's GPU, in a separate process" if flashnb.instruments.bench.gpu_available() else "none (no GPU here)")
 rng = np.random.default_rng(6)
 
 # %% [markdown]
@@ -301,7 +303,7 @@ passed = exercises.check("06.1", extra_traffic=extra_traffic, fraction=fraction)
 
 # %% [markdown]
 # **06.2 · The price of staging dS** (★★, ~20 min) The kernel stages $dS$ through shared memory (`dSs`) so all
-# warps can form $dQ_i$. Count its shared reads and writes with `flashnb.traffic.count()` (per-array counts:
+# warps can form $dQ_i$. Count its shared reads and writes with `flashnb.instruments.traffic.count()` (per-array counts:
 # `t.launches[i].shared_reads`) at $N_q = 16$, $N_k = 32$, $d = 8$, `Br=16, Bc=16, warps=1`, and turn them into
 # `dS_per_tile(Br, Bc, d)` -> (reads, writes) per visited tile. What fraction `dS_share` of the main launch's
 # shared reads are reads of `dSs`? Compare with how the $dK_j, dV_j$ updates get $P$ and $dS$.

@@ -42,13 +42,15 @@ import numpy as np
 
 os.environ["FLASHNB_DEVICE"] = "sim"  # counting traffic needs the simulator; GPU timings run in a process of their own
 import flashnb
-from flashnb import block_sparse as bs
-from flashnb import common, fa2, reference, roofline, traffic
+from flashnb import common, reference
+from flashnb.instruments import roofline, traffic
 from flashnb.notebook import savefig, show_source
+from flashnb.stages import block_sparse as bs
+from flashnb.stages import fa2
 
 T0 = time.perf_counter()
 print("kernels run on the Numba CUDA simulator; GPU timings:",
-      "on this machine's GPU, in a separate process" if flashnb.bench.gpu_available() else "none (no GPU here)")
+      "on this machine's GPU, in a separate process" if flashnb.instruments.bench.gpu_available() else "none (no GPU here)")
 rng = np.random.default_rng(7)
 
 # %% [markdown]
@@ -100,7 +102,7 @@ for direction in ("forward", "backward"):
 # %% [markdown]
 # ## Patterns
 #
-# `flashnb.block_sparse` builds the masks used in the papers, on the block grid and aligned like the
+# `flashnb.stages.block_sparse` builds the masks used in the papers, on the block grid and aligned like the
 # causal mask (bottom-right): **causal** as blocks; a **local** sliding window; the **strided** and
 # **fixed** factorised patterns of Sparse Transformers (Child et al. 2019), here with blocks as the unit;
 # the **butterfly** pattern the FA1 paper uses for its block-sparse experiments (the diagonal block and the
@@ -259,10 +261,10 @@ plt.show()
 # On a machine with a GPU this cell times the forward at four densities (notebook 00, A.5).
 
 # %%
-from flashnb import bench  # noqa: E402
+from flashnb.instruments import bench  # noqa: E402
 
 # on a GPU only, in a process of its own (this one runs the simulator): bs.measure_gpu's source is below
-gpu_rows = bench.on_gpu("flashnb.block_sparse:measure_gpu", BH=BH, N=N, d=d, densities=[1.0, 0.5, 0.25, 0.125])
+gpu_rows = bench.on_gpu("flashnb.stages.block_sparse:measure_gpu", BH=BH, N=N, d=d, densities=[1.0, 0.5, 0.25, 0.125])
 print(bench.table(gpu_rows, ["density", "median_ms", "q1_ms", "q3_ms", "tflops", "pct_fp32_peak", "gpu_name"]))
 show_source(bs.measure_gpu)
 

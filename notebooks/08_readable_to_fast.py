@@ -25,10 +25,10 @@
 #
 # We answer it without a GPU, with three tools that run on a laptop:
 #
-# * `flashnb.sass` -- the kernel's machine code (SASS) from ptxas and nvdisasm, sorted into FFMA, other FP32,
+# * `flashnb.instruments.sass` -- the kernel's machine code (SASS) from ptxas and nvdisasm, sorted into FFMA, other FP32,
 #   shared loads (with their width), shuffles, integer/address work, local memory;
 # * `flashnb.sim.profile` -- the simulator's memory profiler: bank conflicts and sectors per request;
-# * `flashnb.sass_model` -- a **modelled** time from the SASS counts: each instruction charged to the pipe of an
+# * `flashnb.instruments.sass_model` -- a **modelled** time from the SASS counts: each instruction charged to the pipe of an
 #   SM that runs it (issue, FP32, MUFU, shared), blocks scheduled onto the SMs. A model, not a measurement:
 #   it assumes the warps hide every latency, so it is an upper bound on speed.
 #
@@ -43,10 +43,11 @@ import numpy as np
 
 os.environ["FLASHNB_DEVICE"] = "sim"  # counting needs the simulator; GPU timings run in a process of their own
 import flashnb
-from flashnb import bench, fa2, fa2_fast, sass, sass_model
-from flashnb import fa2_fast_steps as steps
-from flashnb import inspect as fi
+from flashnb import instruments as fi
+from flashnb.instruments import bench, sass, sass_model
 from flashnb.notebook import savefig, show_source
+from flashnb.stages import fa2, fa2_fast
+from flashnb.stages import fa2_fast_steps as steps
 
 T0 = time.perf_counter()
 print("kernels run on the Numba CUDA simulator; GPU timings:",
@@ -58,7 +59,7 @@ GPU = "H100 SXM"
 #
 # `sass.sass(kernel, config=...)` compiles a registered kernel for sm_90 and disassembles it. Loops are found
 # from backward branches; the **hot loop** is the innermost loop with the most FFMAs. We compile stage 4's
-# forward and stage 6's (`flashnb.fa2_fast`) at their default tiles, d = 64 (and stage 6 at d = 128), in one batch.
+# forward and stage 6's (`flashnb.stages.fa2_fast`) at their default tiles, d = 64 (and stage 6 at d = 128), in one batch.
 
 # %%
 configs = {("fa2", 64): fa2.sass_config(64, False), ("fa2_fast", 64): fa2_fast.sass_config(64, False),
@@ -90,7 +91,7 @@ print(bench.table(rows, list(rows[0])))
 #
 # ## The steps, one change at a time
 #
-# Each change is easiest to see on the smallest kernel that has it. `flashnb.fa2_fast_steps` holds the core of
+# Each change is easiest to see on the smallest kernel that has it. `flashnb.stages.fa2_fast_steps` holds the core of
 # line 8 -- copy $Q_i$, $K_j$ (32 × d) into shared memory, then $S = Q_i K_j^\top$ on one warp with stage 4's
 # register micro-tile of $8 \times 4$ per lane -- written four ways, each one change away from the one before.
 # Step 1 is stage 4's way:
@@ -239,7 +240,7 @@ plt.show()
 # cost registers and shared memory, and so occupancy. Beyond 48 KiB a block takes *dynamic* shared memory
 # (`cuda.shared.array(0, float32)`, its size given at launch), which a GPU grants only after a per-kernel
 # opt-in -- up to 163 KiB on an A100, 227 KiB on an H100 (`fa2_fast.make_forward(..., dynamic=True)`, technique
-# 7 of `flashnb.fa2_fast`). The model makes the trade visible (d = 128; the last row is the default):
+# 7 of `flashnb.stages.fa2_fast`). The model makes the trade visible (d = 128; the last row is the default):
 
 # %%
 tile_configs = (dict(Br=24, Bc=32, warps=2), dict(Br=32, Bc=24, warps=1), dict(Br=32, Bc=32, warps=2),
@@ -321,11 +322,11 @@ for i, _, _, _ in fa2.tiles_visited(N, N, cfg["Br"], cfg["Bc"], True):
 Tr = len(per_i)
 for BH in (4, 12, 24, 128):
     kw = dict(warps=cfg["warps"], blocks_per_sm=occ, hbm_bytes=0.0,
-              flops=flashnb.roofline.flops_forward(1, BH, N, N, 64, True), gpu=GPU)
+              flops=flashnb.instruments.roofline.flops_forward(1, BH, N, N, 64, True), gpu=GPU)
     light = sass_model.modelled_time(counts, tiles_per_block=[per_i[i] for _ in range(BH) for i in range(Tr)], **kw)
     heavy = sass_model.modelled_time(counts, tiles_per_block=[per_i[i] for _ in range(BH)
                                                               for i in reversed(range(Tr))], **kw)
-    order_rows.append(dict(N=N, BH=BH, blocks=BH * Tr, slots=occ * flashnb.roofline.get_gpu(GPU).sm_count, light_first_ms=round(1e3 * light.seconds, 3),
+    order_rows.append(dict(N=N, BH=BH, blocks=BH * Tr, slots=occ * flashnb.instruments.roofline.get_gpu(GPU).sm_count, light_first_ms=round(1e3 * light.seconds, 3),
                            heavy_first_ms=round(1e3 * heavy.seconds, 3),
                            gain_pct=round(100 * (light.seconds / heavy.seconds - 1), 1)))
 print(bench.table(order_rows, list(order_rows[0])))
@@ -343,7 +344,7 @@ print(bench.table(order_rows, list(order_rows[0])))
 # the fraction of the device's FP32 peak. Here it measures nothing and says so.
 
 # %%
-gpu_rows = bench.on_gpu("flashnb.bench:measure_impls", impls=["fa2", "fa2-fast"], BH=64, N=4096, d=64)
+gpu_rows = bench.on_gpu("flashnb.instruments.bench:measure_impls", impls=["fa2", "fa2-fast"], BH=64, N=4096, d=64)
 print(bench.table(gpu_rows, ["impl", "direction", "median_ms", "q1_ms", "q3_ms", "tflops", "pct_fp32_peak",
                              "gpu_name"]))
 
@@ -370,7 +371,7 @@ passed = exercises.check("08.1", fmas_per_load=fmas_per_load)
 # %% [markdown]
 # **08.2 · Which pipe binds** (★★, ~20 min) Write `bound(pipes, ffma, fp32_lanes)`: given one tile's demand on each
 # pipe (`{"issue", "fp32", "mufu", "mio"}`), its FFMAs and the FP32 lanes per SM, return the binding pipe and the
-# fraction of the FP32 peak the tile can reach. The check compares with `flashnb.sass_model`. Try it on the
+# fraction of the FP32 peak the tile can reach. The check compares with `flashnb.instruments.sass_model`. Try it on the
 # per-tile counts printed above.
 
 # %%

@@ -37,9 +37,10 @@ import torch
 os.environ["FLASHNB_DEVICE"] = "sim"  # counting traffic needs the simulator; GPU timings run in a process of their own
 import flashnb  # noqa: F401  (selects the simulator first)
 import flashnb.torch as ft
-from flashnb import bench, fa1, fa2, naive, traffic
 from flashnb import tiny_transformer as tt
+from flashnb.instruments import bench, traffic
 from flashnb.notebook import savefig
+from flashnb.stages import fa1, fa2, naive
 
 T0 = time.perf_counter()
 print("kernels run on the Numba CUDA simulator; GPU timings:",

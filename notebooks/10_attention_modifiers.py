@@ -41,8 +41,10 @@ from numba import float32  # numba's types only (numba.cuda is imported by flash
 
 os.environ["FLASHNB_DEVICE"] = "sim"  # counting traffic needs the simulator
 import flashnb
-from flashnb import fa2, flex, reference, roofline, traffic
+from flashnb import flex, reference
+from flashnb.instruments import roofline, traffic
 from flashnb.notebook import savefig, show_source
+from flashnb.stages import fa2
 
 T0 = time.perf_counter()
 rng = np.random.default_rng(10)

@@ -41,8 +41,11 @@ import numpy as np
 # before flashnb's import: counting traffic needs the simulator (GPU timings run in a process of their own)
 os.environ["FLASHNB_DEVICE"] = "sim"
 import flashnb
-from flashnb import bench, common, decode, fa2, reference, rng, softmax, traffic
+from flashnb import common, reference, rng
+from flashnb.instruments import bench, traffic
+from flashnb.kernels import decode
 from flashnb.notebook import savefig, show_source
+from flashnb.stages import fa2, softmax
 
 T_NOTEBOOK = time.perf_counter()
 
@@ -240,7 +243,7 @@ show_source(common.to_bfloat16)
 # a child process on the machine's GPU); without one it prints that nothing was measured.
 
 # %%
-gpu_rows = bench.on_gpu("flashnb.bench:measure_storage", BH=16, N=4096, d=64, repeats=10)
+gpu_rows = bench.on_gpu("flashnb.instruments.bench:measure_storage", BH=16, N=4096, d=64, repeats=10)
 if gpu_rows:
     for r in gpu_rows:
         print(f"{r['storage']:>9} {r['direction']:>8}: {r['median_ms']:8.3f} ms, modelled "
@@ -448,7 +451,7 @@ gen = np.random.default_rng(11)
 # ### Why FA2 at `Nq = 1` leaves most SMs idle
 #
 # The launches below are *modelled*, not run: a decoding step of 8 heads (one sequence of a model with 8
-# K/V heads, `d = 128`) against a 32k-token cache, on the H100 SXM preset of `flashnb.roofline`. The model
+# K/V heads, `d = 128`) against a 32k-token cache, on the H100 SXM preset of `flashnb.instruments.roofline`. The model
 # (`decode.modelled_time`, `decode.fa2_modelled_time`) is a roofline **per SM**: each SM is given its share of
 # the HBM bandwidth and of the FP32 peak, blocks go to SMs in launch order, and the launch lasts until the
 # busiest SM is done. That share is an assumption (a real SM can pull more than 1/132 of the bandwidth when
@@ -612,7 +615,7 @@ print(f"modelled best of these: {best} splits, {min(times):.1f} µs; heuristic {
 # and `decode.measure_gpu` refuses to run unless `flashnb.MODE == "gpu"`); here it measures nothing.
 
 # %%
-gpu_rows = bench.on_gpu("flashnb.decode:measure_gpu", BH=BH, length=LENGTH, d=D, Nq=1, splits=[1, 4, 16, None])
+gpu_rows = bench.on_gpu("flashnb.kernels.decode:measure_gpu", BH=BH, length=LENGTH, d=D, Nq=1, splits=[1, 4, 16, None])
 if gpu_rows:
     for r in gpu_rows:
         print(f"{r['impl']:<15} splits={r['num_splits']!s:>4} blocks={r['blocks']:>4} "

@@ -40,11 +40,13 @@ import numpy as np
 
 os.environ["FLASHNB_DEVICE"] = "sim"  # counting needs the simulator; GPU timings run in a process of their own
 import flashnb
-from flashnb import bench, fa2_fast, registry, sass, sass_model, sim
+from flashnb import registry, sim
+from flashnb.instruments import bench, sass, sass_model
+from flashnb.instruments.roofline import GPUS
 from flashnb.kernels import flash_tc, mma
 from flashnb.notebook import savefig, show_source
-from flashnb.roofline import GPUS
 from flashnb.sim import tensorcore as tc
+from flashnb.stages import fa2_fast
 
 T0 = time.perf_counter()
 print("kernels run on the Numba CUDA simulator; GPU timings:",

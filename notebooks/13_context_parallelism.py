@@ -45,8 +45,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import flashnb
-from flashnb import roofline, traffic
 from flashnb.distributed import LAYOUTS, RingStats, blocks, launch, lessons, model, positions, ring
+from flashnb.instruments import roofline, traffic
 from flashnb.notebook import savefig, show_source
 
 print(flashnb.MODE, "mode;", "layouts:", LAYOUTS)

@@ -9,7 +9,8 @@
 * **dropout** (the same impl, ``dropout_p``, ``seed``): forward and backward against the reference with the mask
   reproduced in NumPy from the same Philox counters (``flashnb.rng.dropout_scale_np``), and the keep rate of every
   case within 5 standard deviations of ``1 - p``.
-* **flash-decoding** (``flashnb.decode``): cache lengths, split counts, query counts (1..8), head groups and causal
+* **flash-decoding** (``flashnb.kernels.decode``): cache lengths, split counts, query counts (1..8), head groups and
+causal
   alignments drawn at random, against the reference on the cache's first ``length`` keys.
 
 Prints one line per case and exits 1 if any case is off.  About a minute on the simulator at the default size.
@@ -25,8 +26,9 @@ import time
 import numpy as np
 
 import flashnb
-from flashnb import decode, reference
+from flashnb import reference
 from flashnb import rng as frng
+from flashnb.kernels import decode
 
 IMPL = "flash"        # the impl the half-storage and dropout cases run (--impl)
 

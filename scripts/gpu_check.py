@@ -14,7 +14,8 @@
 4. The tensor cores' speed: ``impl="fa2-tc"`` forward and backward in float16 at N = 4096, d = 64 and 128 (the FA2
    paper's batch 4, hidden 2048), TFLOP/s by the FlashAttention benchmark's formula, beside ``fa2-fast`` (float32
    SIMT) and torch's SDPA in float16 where torch has CUDA (rows of ``measurements.csv``).
-5. The benchmark sweep (``flashnb.bench.sweep``): CUDA-event timings with provenance columns, until the budget.
+5. The benchmark sweep (``flashnb.instruments.bench.sweep``): CUDA-event timings with provenance columns, until the
+budget.
 
 Everything measured goes under the output directory: ``--out``, else ``$OUT``, else ``results/gpu/``.
 On the simulator it refuses (exit status 2): nothing it measures would mean anything there.
@@ -195,7 +196,8 @@ def tensorcore_speed(deadline: float, repeats: int = 10, N: int = 4096) -> list[
     median CUDA-event milliseconds and TFLOP/s (forward ``4·B·H·N²·d``, backward 2.5x that)."""
     import numpy as np
 
-    from flashnb import bench, common, roofline
+    from flashnb import common
+    from flashnb.instruments import bench, roofline
     from flashnb.registry import IMPLS
 
     rows = []
@@ -245,7 +247,7 @@ def _sdpa_speed(B, H, N, d, repeats) -> list[dict]:
         return [dict(measurement="tensor cores", impl="torch sdpa", error="skipped: torch is not installed here")]
     if not torch.cuda.is_available():
         return [dict(measurement="tensor cores", impl="torch sdpa", error="skipped: this torch build has no CUDA")]
-    from flashnb import roofline
+    from flashnb.instruments import roofline
 
     q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
     do = torch.randn_like(q)
@@ -317,7 +319,7 @@ def measure_dram(args, deadline: float) -> list[dict]:
     if ncu is None or args.no_ncu:
         print("ncu: not on PATH (or --no-ncu); DRAM bytes not measured", flush=True)
         return []
-    from flashnb.bench import modelled_bytes
+    from flashnb.instruments.bench import modelled_bytes
 
     rows = []
     N, d = args.N, args.d
@@ -364,7 +366,8 @@ def measurements(args, deadline: float) -> list[dict]:
     """The notebooks' own GPU measurements (what notebooks 02, 07 and 11 run through ``bench.on_gpu``), at
     ``--measure-n`` (4096 x 4096 softmax and N = 4096 block-sparse by default; decoding: one query per head
     against a cache of 8 x measure-n keys)."""
-    from flashnb import block_sparse, decode, softmax
+    from flashnb.kernels import decode
+    from flashnb.stages import block_sparse, softmax
 
     n = args.measure_n
     jobs = [("softmax.measure_gpu", lambda: softmax.measure_gpu(rows=n, n=n, threads=256 if n >= 256 else 32,
@@ -439,7 +442,7 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     deadline = t0 + args.budget
     args.out.mkdir(parents=True, exist_ok=True)
-    from flashnb import bench
+    from flashnb.instruments import bench
 
     info = bench.device_info()
     prov = bench.provenance(info=info)
@@ -454,7 +457,7 @@ def main(argv=None) -> int:
         yield
 
     from flashnb import common as fcommon
-    from flashnb import inspect as finspect
+    from flashnb import instruments as finspect
 
     intrinsics = check_intrinsics()          # first: the layouts every fa2-tc number below depends on
     if not all(r.get("ok") for r in intrinsics):

@@ -55,7 +55,7 @@ os.environ["FLASHNB_DEVICE"] = "sim"
 import flashnb
 from flashnb import bench
 assert flashnb.is_simulator() and bench.gpu_available()
-rows = bench.on_gpu("flashnb.bench:measure_impls", impls=["fa2"], BH=8, N=1024, d=64, directions=["fwd", "bwd"])
+rows = bench.on_gpu("flashnb.instruments.bench:measure_impls", impls=["fa2"], BH=8, N=1024, d=64, directions=["fwd", "bwd"])
 print(bench.table(rows, ["impl", "direction", "median_ms", "q1_ms", "q3_ms", "host_ms", "tflops", "pct_fp32_peak",
                          "gpu_name", "mode"]))
 PYEOF

@@ -1,13 +1,14 @@
 """The product kernel against stage 6, measured without a GPU: ``python scripts/product_parity.py``.
 
 For ``impl="flash"`` (:mod:`flashnb.kernels.flash`) with every policy off, and with each feature on, forward and
-backward: the hot loop's FFMA share and the shape of the matmul loops in the SASS (:mod:`flashnb.sass`, sm_90)
-beside stage 6's (:mod:`flashnb.fa2_fast`), local memory and spills (ptxas), and -- on full tiles, on the
+backward: the hot loop's FFMA share and the shape of the matmul loops in the SASS (:mod:`flashnb.instruments.sass`,
+sm_90) beside stage 6's (:mod:`flashnb.stages.fa2_fast`), local memory and spills (ptxas), and -- on full tiles, on the
 simulator's memory profiler (:func:`flashnb.sim.profile`) -- shared-memory bank conflicts and global sectors per
-request against their ideal.  Then what dropout's Philox costs: the SASS time model (:mod:`flashnb.sass_model`,
-H100 SXM, the FA2 paper's N = 4096) with and without dropout, and the instructions of its loop per element.
-Writes ``benchmarks/product_parity.md`` (``--out``) and prints it.  ``tests/test_flash_parity.py`` checks the same
-rows (the CI part of them).  Compiles about 40 kernels: several minutes on 2 cores.
+request against their ideal.  Then what dropout's Philox costs: the SASS time model
+(:mod:`flashnb.instruments.sass_model`, H100 SXM, the FA2 paper's N = 4096) with and without dropout, and the
+instructions of its loop per element. Writes ``benchmarks/product_parity.md`` (``--out``) and prints it.
+``tests/test_flash_parity.py`` checks the same rows (the CI part of them).  Compiles about 40 kernels: several minutes
+on 2 cores.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import numpy as np
 from report import write_report  # scripts/report.py
 
 import flashnb  # noqa: F401  (selects the simulator before numba.cuda is imported)
-from flashnb import block_sparse as bs
-from flashnb import common, fa2_fast, flex, sass, sass_model
-from flashnb import inspect as fi
+from flashnb import common, flex
+from flashnb import instruments as fi
+from flashnb.instruments import sass, sass_model
 from flashnb.kernels import flash
+from flashnb.stages import block_sparse as bs
+from flashnb.stages import fa2_fast
 
 CC = (9, 0)
 GPU = "H100 SXM"
@@ -240,7 +243,7 @@ def main(argv=None) -> int:
             "FFMA, no local memory, no spills. Memory behaviour: the simulator's profiler on full tiles (N = 64, "
             "d = 32, one head, two sharing a K/V head under GQA), every launch of the pass; target 0 bank "
             "conflicts and every line at its ideal sectors / wavefronts. *Modelled* times are the SASS time model "
-            "of `flashnb.sass_model` (H100 SXM, "
+            "of `flashnb.instruments.sass_model` (H100 SXM, "
             "N = 4096, batch 4, hidden 2048), an upper bound on speed, not a measurement.\n\n"
             f"{table(sass_rows(args.d), profile_rows(), philox_rows())}\n")
     return write_report(args.out, text)

@@ -1,8 +1,8 @@
 """Stage 6's goals, measured without a GPU, as a table: ``python scripts/stage6_goals.py``.
 
-Every number comes from a tool run here and now: the SASS instruction mix (:mod:`flashnb.sass`, ptxas +
-nvdisasm), ptxas's resources (:mod:`flashnb.inspect`), the simulator's memory profiler
-(:func:`flashnb.sim.profile`, full tiles) and the SASS time model (:mod:`flashnb.sass_model`) at the FA2
+Every number comes from a tool run here and now: the SASS instruction mix (:mod:`flashnb.instruments.sass`, ptxas +
+nvdisasm), ptxas's resources (:mod:`flashnb.instruments`), the simulator's memory profiler
+(:func:`flashnb.sim.profile`, full tiles) and the SASS time model (:mod:`flashnb.instruments.sass_model`) at the FA2
 paper's benchmark shapes (N = 4096, batch 4, hidden 2048: 32 heads at d = 64, 16 at d = 128) on an H100 SXM.
 Stage 4's kernels are measured beside stage 6's.  Writes ``benchmarks/stage6_goals.md`` (``--out``) and
 prints it.  Takes about 3 minutes on 2 cores (it compiles every kernel for sm_90).
@@ -17,9 +17,11 @@ import sys
 from report import GOAL_COLUMNS, markdown_table, write_report  # scripts/report.py
 
 import flashnb  # noqa: F401  (selects the simulator before numba.cuda is imported)
-from flashnb import cli, fa2, fa2_fast, sass, sass_model
-from flashnb import inspect as fi
+from flashnb import cli
+from flashnb import instruments as fi
+from flashnb.instruments import sass, sass_model
 from flashnb.registry import KERNELS
+from flashnb.stages import fa2, fa2_fast
 
 GPU = "H100 SXM"
 CC = (9, 0)
@@ -100,8 +102,9 @@ def main(argv=None) -> int:
     rs = rows()
     text = (f"# Stage 6 goals, measured without a GPU\n\n"
             f"Made by `python scripts/stage6_goals.py` on {datetime.date.today().isoformat()}; SASS for sm_90 "
-            f"with the pinned toolchain. *Modelled* times are the SASS time model of `flashnb.sass_model` (issue "
-            f"rate, FP32/MUFU/shared pipes, HBM bytes of the traffic model, list scheduling), not measurements; "
+            f"with the pinned toolchain. *Modelled* times are the SASS time model of "
+            f"`flashnb.instruments.sass_model` (issue rate, FP32/MUFU/shared pipes, HBM bytes of the traffic model, "
+            f"list scheduling), not measurements; "
             f"it ignores latency the warps cannot hide, so it is an upper bound on speed.\n\n{table(rs)}\n")
     return write_report(args.out, text)
 

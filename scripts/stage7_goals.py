@@ -1,12 +1,13 @@
 """Stage 7's goals (tensor cores, ``impl="fa2-tc"``), measured without a GPU: ``python scripts/stage7_goals.py``.
 
-Every number comes from a tool run here and now: the SASS instruction mix of the hot loop (:mod:`flashnb.sass`,
-ptxas + nvdisasm), ptxas's registers and spills for sm_80 and sm_90 (and the sm_75 forward), the simulator's memory
-profiler (:func:`flashnb.sim.profile`, float16, full tiles: bank conflicts), and the SASS time model
-(:mod:`flashnb.sass_model`: issue, FP32, MUFU, shared-memory and tensor pipes, HBM bytes of the traffic model,
-list scheduling) at the FA2 paper's shapes (N = 4096, batch 4, hidden 2048: 32 heads at d = 64, 16 at d = 128) as a
-share of the dense FP16 tensor peak of an A100 80GB SXM and of an H100 SXM.  Writes ``benchmarks/stage7_goals.md``
-(``--out``) and prints it.  Takes several minutes on 2 cores (it compiles every kernel twice).
+Every number comes from a tool run here and now: the SASS instruction mix of the hot loop
+(:mod:`flashnb.instruments.sass`, ptxas + nvdisasm), ptxas's registers and spills for sm_80 and sm_90 (and the sm_75
+forward), the simulator's memory profiler (:func:`flashnb.sim.profile`, float16, full tiles: bank conflicts), and the
+SASS time model (:mod:`flashnb.instruments.sass_model`: issue, FP32, MUFU, shared-memory and tensor pipes, HBM bytes of
+the traffic model, list scheduling) at the FA2 paper's shapes (N = 4096, batch 4, hidden 2048: 32 heads at d = 64, 16
+at d = 128) as a share of the dense FP16 tensor peak of an A100 80GB SXM and of an H100 SXM.  Writes
+``benchmarks/stage7_goals.md`` (``--out``) and prints it.  Takes several minutes on 2 cores (it compiles every kernel
+twice).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import sys
 from report import GOAL_COLUMNS, markdown_table, write_report  # scripts/report.py
 
 import flashnb  # noqa: F401  (selects the simulator before numba.cuda is imported)
-from flashnb import cli, sass, sass_model
-from flashnb import inspect as fi
+from flashnb import cli
+from flashnb import instruments as fi
+from flashnb.instruments import sass, sass_model
 from flashnb.kernels import flash_tc
 
 GPUS = ("A100 80GB SXM", "H100 SXM")
@@ -90,7 +92,8 @@ def main(argv=None) -> int:
     rs = rows()
     text = (f"# Stage 7 goals (tensor cores), measured without a GPU\n\n"
             f"Made by `python scripts/stage7_goals.py` on {datetime.date.today().isoformat()}, with the pinned "
-            f"toolchain. *Modelled* times are the SASS time model of `flashnb.sass_model` (issue rate; FP32, MUFU, "
+            f"toolchain. *Modelled* times are the SASS time model of `flashnb.instruments.sass_model` (issue rate; "
+            f"FP32, MUFU, "
             f"shared-memory and tensor pipes at the whitepapers' per-SM rates; HBM at the datasheet bandwidth for "
             f"every byte of the traffic model, K/V and Q/dO re-reads included -- no L2; list scheduling), not "
             f"measurements: it ignores the latency the warps cannot hide, so it bounds speed from above where the "

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import flashnb  # noqa: F401  (must be imported before numba.cuda)
-from flashnb import fa2
 from flashnb.kernels import flash
+from flashnb.stages import fa2
 
 # The impls that carry every feature (half storage, block masks, modifiers, dropout, GQA), each module with its
 # launchers and models under the same names: the feature tests run on both (`pytest -m product` selects the product
@@ -86,7 +86,7 @@ NEEDS_TORCH = {"09_transformer_on_flashnb.ipynb", "13_context_parallelism.ipynb"
 # Files that run first (pytest -n 2 --dist loadfile hands whole files to the two workers in collection order): the
 # longest ones, so that the run does not end with one worker busy on a long file while the other idles, and
 # the PTX guard before the tests and notebooks that compile the same kernels (they then find NVVM's PTX in
-# the disk cache, flashnb.inspect.ptx_cache_dir).  The order of the rest is unchanged.
+# the disk cache, flashnb.instruments.ptx_cache_dir).  The order of the rest is unchanged.
 RUN_FIRST = ("test_ptx_guard.py", "08_readable_to_fast.ipynb", "test_fa2_fast.py", "09_transformer_on_flashnb.ipynb",
              "test_fa2.py", "05_flashattention2_forward.ipynb", "test_naive.py", "10_attention_modifiers.ipynb",
              "test_exercises.py", "00_memory_hierarchy_and_measurement.ipynb", "test_flex.py", "test_readme.py")

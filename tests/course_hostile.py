@@ -56,11 +56,12 @@ HOSTILE = [
             "    m = np.maximum(a[0], b[0])\n"
             "    with np.errstate(invalid='ignore'):\n"
             "        return m, np.where(np.isneginf(m), 0.0, a[1] * np.exp(a[0] - m) + b[1])\n"
-            "flashnb.softmax.merge = _wrong\n",
-            says="changes flashnb.softmax.merge", stops="screen, integrity", deep="merge replaced",
+            "flashnb.stages.softmax.merge = _wrong\n",
+            says="changes flashnb.stages.softmax.merge", stops="screen, integrity", deep="merge replaced",
             base={"a1_online_softmax": "merge forgets to rescale d_b"}),
     Hostile("patch-traffic", "makes the traffic counter's model check (Traffic.check_model) report no difference",
-            "flashnb.traffic.Traffic.check_model = lambda self, model, budget=None, raise_on_mismatch=True: []\n",
+            "flashnb.instruments.traffic.Traffic.check_model = "
+            "lambda self, model, budget=None, raise_on_mismatch=True: []\n",
             says=".traffic is not available", stops="screen, integrity", deep="check_model replaced",
             base={"a1_online_softmax": "three passes"}),
     Hostile("launch-hook", "appends a hook to flashnb.common.launch_hooks that swallows the kernel's error and "
@@ -73,7 +74,7 @@ HOSTILE = [
             "    def __exit__(self, *exc):\n"
             "        if self.label == 'merge':\n"
             "            ma, da, mb, db = (a.copy_to_host() for a in self.args[:4])\n"
-            "            m, d = flashnb.softmax.merge((ma, da), (mb, db))\n"
+            "            m, d = flashnb.stages.softmax.merge((ma, da), (mb, db))\n"
             "            self.args[4].copy_to_device(m.astype(np.float32))\n"
             "            self.args[5].copy_to_device(d.astype(np.float32))\n"
             "        return True\n"

@@ -124,7 +124,8 @@ def test_launch_refuses_arrays_the_guard_never_compiled(rng):
     """A float64 or strided device array would make numba compile an unguarded specialisation."""
     from numba import cuda
 
-    from flashnb import common, naive
+    from flashnb import common
+    from flashnb.stages import naive
 
     q64 = cuda.to_device(rng.standard_normal((1, 4, 4)))
     with pytest.raises(TypeError, match="float32"):

@@ -188,4 +188,4 @@ def test_fa1_M_is_a_memory_size(rng):
     q, k, v = qkv(rng, (8, 16), 8)
     with pytest.raises(ValueError, match="M must be at least 4·d = 64 float32 elements, got M=1"):
         flashnb.attention_forward(q, k, v, impl="fa1", M=1)
-    assert flashnb.fa1.tiles(16, M=64)["Bc"] == 4          # the smallest budget: one row each, Bc rounded to warps
+    assert flashnb.stages.fa1.tiles(16, M=64)["Bc"] == 4   # the smallest budget: one row each, Bc rounded to warps

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import flashnb
-from flashnb import bench
+from flashnb.instruments import bench
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -7,9 +7,11 @@ import pytest
 from conftest import FEATURE_IMPLS, MODULE_OF, assert_close, qkv
 
 import flashnb
-from flashnb import block_sparse as bs
-from flashnb import common, fa2, reference, traffic
+from flashnb import common, reference
 from flashnb.common import cdiv
+from flashnb.instruments import traffic
+from flashnb.stages import block_sparse as bs
+from flashnb.stages import fa2
 
 # As in test_fa2: float32 sums of at most max(Nk, d) <= 128 O(1) products (~1e-5 relative worst case); the
 # backward chains four such products with values up to O(10) and dQ is summed by atomics in any order.  A

@@ -6,7 +6,8 @@ import pytest
 from conftest import FEATURE_IMPLS, MODULE_OF, assert_close, qkv
 
 import flashnb
-from flashnb import common, reference, traffic
+from flashnb import common, reference
+from flashnb.instruments import traffic
 from flashnb.registry import IMPLS
 
 # Dense impls with their fastest small options; naive launches one thread per element of S, so it gets the

@@ -4,8 +4,9 @@ import os
 import subprocess
 import sys
 
-from flashnb import cli, naive
+from flashnb import cli
 from flashnb.registry import IMPLS
+from flashnb.stages import naive
 
 
 def test_tour_rows_cover_every_impl_and_agree_with_reference():

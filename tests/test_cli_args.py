@@ -9,8 +9,9 @@ import sys
 import pytest
 
 import flashnb
-from flashnb import bench, cli
-from flashnb import inspect as fi
+from flashnb import cli
+from flashnb import instruments as fi
+from flashnb.instruments import bench
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -126,7 +126,7 @@ def test_compile_verdicts_are_cached_by_kernel_source_and_never_reused_for_a_cha
 
     from numba import cuda  # noqa: F401  (the cells below use it)
 
-    from flashnb import inspect as fi
+    from flashnb import instruments as fi
     from flashnb.course import Fail, criteria
 
     calls = []

@@ -177,7 +177,7 @@ if (n := len(m.history)) > 0:
 ''',
     '''from numba import cuda, float32, int32
 from flashnb.common import NEG_INF, ZERO, ONE, to_device, empty
-from flashnb.fa2 import geometry
+from flashnb.stages.fa2 import geometry
 import flashnb
 import numpy as np
 import math

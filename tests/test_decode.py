@@ -1,4 +1,4 @@
-"""Flash-decoding (flashnb.decode): split-KV partials and their merge against the float64 reference, the merge
+"""Flash-decoding (flashnb.kernels.decode): split-KV partials and their merge against the float64 reference, the merge
 kernel alone against NumPy, the KV-cache append helper, counted traffic against the model, the split heuristic,
 the modelled comparison with FA2's forward at Nq = 1, and bad inputs."""
 
@@ -9,7 +9,10 @@ import pytest
 from conftest import assert_close, qkv
 
 import flashnb
-from flashnb import common, decode, fa2, reference, roofline, traffic
+from flashnb import common, reference
+from flashnb.instruments import roofline, traffic
+from flashnb.kernels import decode
+from flashnb.stages import fa2
 
 # Float32 kernels vs the float64 reference.  Each output element is a dot product of d <= 64 terms (the score),
 # then a sum over <= 128 keys of weights <= 1 times O(1) values, split into chunks and re-weighted once by the
@@ -187,7 +190,7 @@ def test_bad_inputs_are_clear_errors(rng):
     with pytest.raises(ValueError, match="cache is empty"):
         decode.decode(q, cache)
     cache.append(*rng.standard_normal((2, 2, 4, 8)))
-    with pytest.raises(TypeError, match="cache must be a flashnb.decode.KVCache"):
+    with pytest.raises(TypeError, match="cache must be a flashnb.kernels.decode.KVCache"):
         decode.decode(q, "cache")
     with pytest.raises(ValueError, match=r"q must have shape \(BH, Nq, d\) with the cache's d = 8"):
         decode.decode(rng.standard_normal((2, 1, 4)), cache)
@@ -255,7 +258,7 @@ def test_decode_passes_all_four_sanitizer_tools(rng):
 def test_gpu_measurement_rehearsal():
     """notebook 11's GPU cell: measure_gpu's GPU branches run (kernels still on the simulator), rows labelled
     rehearsal; on the simulator itself it refuses to time."""
-    from flashnb.rehearsal import pretend_gpu
+    from flashnb.instruments.rehearsal import pretend_gpu
 
     with pytest.raises(RuntimeError, match="measure_gpu times kernels on a GPU"):
         decode.measure_gpu(BH=1, length=64, d=8)

@@ -15,8 +15,10 @@ import pytest
 from conftest import FEATURE_IMPLS, MODULE_OF, assert_close, qkv
 
 import flashnb
-from flashnb import common, fa2, reference, sim, traffic
+from flashnb import common, reference, sim
 from flashnb import rng as frng  # (the name rng is conftest's seeded-generator fixture)
+from flashnb.instruments import traffic
+from flashnb.stages import fa2
 
 FWD = dict(atol=4e-5, rtol=4e-5)
 BWD = dict(atol=2e-4, rtol=2e-4)

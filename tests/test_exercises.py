@@ -89,7 +89,7 @@ MEANT_NOT_TO_COMPILE = {("05.5", 3)}
 def test_exercise_kernels_pass_the_ptx_guard():
     # like every kernel in the package (tests/test_ptx_guard.py), the kernels of the worked solutions and of the
     # wrong answers compile for sm_80 and sm_90 with no float64, shared memory within 48 KiB and no spills
-    from flashnb import inspect as fi
+    from flashnb import instruments as fi
 
     items = _kernel_answers()
     assert items, "no exercise kernels found"

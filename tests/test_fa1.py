@@ -5,7 +5,9 @@ import pytest
 from conftest import assert_close, qkv
 
 import flashnb
-from flashnb import common, fa1, reference, traffic
+from flashnb import common, reference
+from flashnb.instruments import traffic
+from flashnb.stages import fa1
 
 # Float32 kernels vs the float64 reference.  Each O row is merged across Tc key tiles with rescalings
 # e^(m_old - m_new) (a few float32 roundings per tile) on top of dot products of <= 128 O(1) terms, so
@@ -190,7 +192,8 @@ def test_larger_shapes_default_tiles(rng, causal):
 def test_dry_run_lists_allocations_without_launching():
     """common.dry_run (used by notebooks 04 and 06 for the Table 21 memory comparison) records each array a
     launcher allocates, with no device work -- even at sizes the simulator could never run."""
-    from flashnb import common, naive
+    from flashnb import common
+    from flashnb.stages import naive
 
     S = common.ShapeOnly
     q = S((16 * 8, 4096, 64))

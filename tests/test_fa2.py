@@ -6,7 +6,9 @@ import pytest
 from conftest import assert_close, qkv
 
 import flashnb
-from flashnb import common, fa1, fa2, naive, reference, traffic
+from flashnb import common, reference
+from flashnb.instruments import traffic
+from flashnb.stages import fa1, fa2, naive
 
 # Float32 kernels vs the float64 reference.  Every output element is a sum of at most max(Nk, d) <= 64
 # products of O(1) values accumulated in float32 (~64 · 6e-8 ≈ 4e-6 relative); the backward chains four

@@ -10,9 +10,11 @@ import pytest
 from conftest import assert_close, qkv
 
 import flashnb
-from flashnb import common, fa2_fast, reference, sass, sim, traffic
-from flashnb import inspect as fi
+from flashnb import common, reference, sim
+from flashnb import instruments as fi
+from flashnb.instruments import sass, traffic
 from flashnb.sim import racecheck
+from flashnb.stages import fa2_fast
 
 FWD = dict(atol=2e-5, rtol=2e-5)     # as tests/test_fa2.py: float32 sums of <= 128 products of O(1) values
 # as tests/test_fa2.py: each gradient is a float32 sum over <= 64 keys or queries of products of P, dP - D (itself a
@@ -134,7 +136,7 @@ def test_tiles_beyond_the_opt_in_limit_are_refused(monkeypatch):
 def test_rehearsed_gpu_path_asks_the_driver_for_the_dynamic_bytes(rng):
     """Under pretend_gpu (GPU branches taken, kernels on the simulator): the device's opt-in limit is read (the
     pretend H200's 227 KiB) and the opt-in request is made for exactly the bytes the launch gives."""
-    from flashnb import rehearsal
+    from flashnb.instruments import rehearsal
 
     q, k, v = qkv(rng, (1, 5, 128), 5)
     before = len(rehearsal.dynamic_shared_requests)
@@ -277,7 +279,7 @@ def test_time_model_counts_the_dynamic_shared_memory_in_the_occupancy():
     """d = 128's default (dynamic) config, as compiled for the SASS test above: ptxas reports 0 B static shared
     memory (3 blocks of 4 warps by registers); the launch's 100,352 dynamic bytes + 1 KiB reserved per block
     leave 2 blocks per H100 SM, and that is what the time model schedules."""
-    from flashnb import sass_model
+    from flashnb.instruments import sass_model
 
     t = sass_model.forward_time("fa2_fast.forward", 1, 64, 64, 128, causal=True, gpu="H100 SXM")
     res = fi.resources_for("fa2_fast.forward", fa2_fast.sass_config(128, True), (9, 0))

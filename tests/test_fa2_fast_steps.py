@@ -1,12 +1,13 @@
-"""Stage 6 step by step (flashnb.fa2_fast_steps): every step computes S = Q Kᵀ right, and each changes what it
+"""Stage 6 step by step (flashnb.stages.fa2_fast_steps): every step computes S = Q Kᵀ right, and each changes what it
 claims to change -- bank conflicts (simulator profile) and the SASS of the line-8 loop (nvdisasm)."""
 
 import numpy as np
 import pytest
 
 import flashnb  # noqa: F401
-from flashnb import fa2_fast_steps as st
-from flashnb import sass, sim
+from flashnb import sim
+from flashnb.instruments import sass
+from flashnb.stages import fa2_fast_steps as st
 
 
 @pytest.mark.parametrize("name, kernel, factory", st.STEPS, ids=[s[0] for s in st.STEPS])

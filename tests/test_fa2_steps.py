@@ -1,4 +1,4 @@
-"""Stage 4, step by step (flashnb.fa2_steps): the NumPy transcriptions of FA2 Alg. 1 and 2, and the step
+"""Stage 4, step by step (flashnb.stages.fa2_steps): the NumPy transcriptions of FA2 Alg. 1 and 2, and the step
 kernels (a) one thread per row and (b) split-Q warps -- against the float64 reference, counted traffic
 against their models, the FMAs per shared read each step claims, bad options, and race freedom."""
 
@@ -7,7 +7,9 @@ import pytest
 from conftest import assert_close, qkv
 
 import flashnb
-from flashnb import common, fa2, fa2_steps, reference, traffic
+from flashnb import common, reference
+from flashnb.instruments import traffic
+from flashnb.stages import fa2, fa2_steps
 
 # Float32 kernels vs the float64 reference: every output element is a sum of at most max(Nk, d) <= 64
 # products of O(1) values accumulated in float32 (~64 · 6e-8 ≈ 4e-6 relative); a wrong index, mask or

@@ -14,7 +14,8 @@ import pytest
 from conftest import assert_close
 
 import flashnb
-from flashnb import common, reference, sim, traffic
+from flashnb import common, reference, sim
+from flashnb.instruments import traffic
 from flashnb.kernels import flash_tc, mma
 
 torch = pytest.importorskip("torch")
@@ -145,7 +146,7 @@ def test_traffic_equals_the_model(rng, storage, d, causal):
     with traffic.count() as t:
         flash_tc.backward(q, k, v, o, lse, do, causal=causal, scale=scale, storage=storage, **TILES)
     t.check_model(flash_tc.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, **TILES))
-    from flashnb.fa2 import model_bytes
+    from flashnb.stages.fa2 import model_bytes
     assert [lt.read_bytes for lt in t.launches] == [m["read_bytes"] for m in model_bytes(
         flash_tc.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, **TILES), storage)]
 

@@ -12,10 +12,11 @@ import pytest
 from conftest import assert_close, qkv
 
 import flashnb
-from flashnb import block_sparse as bs
-from flashnb import common, flex, reference, sim, traffic
+from flashnb import common, flex, reference, sim
 from flashnb import rng as frng
+from flashnb.instruments import traffic
 from flashnb.kernels import flash, policies
+from flashnb.stages import block_sparse as bs
 
 # As tests/test_fa2.py and test_fa2_fast.py: float32 sums of <= 128 products of O(1) values (forward); the backward
 # chains four such sums with values up to O(10) and adds dQ by atomics in any order.  A wrong index, mask or skipped

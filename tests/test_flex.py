@@ -10,8 +10,10 @@ from conftest import FEATURE_IMPLS, MODULE_OF, assert_close, qkv
 from numba import float32
 
 import flashnb
-from flashnb import fa2, flex, reference, traffic
+from flashnb import flex, reference
 from flashnb.flex import ModifierError
+from flashnb.instruments import traffic
+from flashnb.stages import fa2
 
 # As in test_fa2 / test_block_sparse: float32 sums of at most max(Nk, d) <= 64 O(1) products (~1e-5 relative in
 # the worst case); a modifier adds one float32 rounding per score (|score| <= ~10 here: ~1e-6).  The backward chains

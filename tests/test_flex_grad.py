@@ -13,8 +13,9 @@ from conftest import assert_close, qkv
 from numba import float32, int32
 
 import flashnb
-from flashnb import flex, reference, traffic
+from flashnb import flex, reference
 from flashnb.flex import NotDifferentiable
+from flashnb.instruments import traffic
 
 TILES = dict(Br=16, Bc=16, warps=1)
 # As in test_flex: the backward chains four float32 products of sums over <= 32 O(1) terms and adds dQ by atomics;

@@ -8,7 +8,8 @@ import pytest
 from numba import cuda
 
 import flashnb
-from flashnb import common, reference, traffic
+from flashnb import common, reference
+from flashnb.instruments import traffic
 from flashnb.registry import IMPLS
 
 pytestmark = pytest.mark.skipif(not flashnb.is_simulator(), reason="simulator launch checks")
@@ -94,7 +95,7 @@ def test_gpu_outputs_are_poisoned_on_the_device(monkeypatch):
 def test_launched_resources_read_the_loaded_kernel(monkeypatch):
     # flashnb inspect shows the compile_ptx + ptxas build; on a GPU numba launches an nvJitLink build, whose
     # own attributes inspect.launched reads (here from stand-ins for numba's compiled-kernel objects).
-    from flashnb import inspect as fi
+    from flashnb import instruments as fi
 
     with pytest.raises(RuntimeError, match="nothing is loaded"):
         fi.launched(touch)
@@ -109,7 +110,7 @@ def test_launched_resources_read_the_loaded_kernel(monkeypatch):
         def py_func(self):
             pass
 
-    monkeypatch.setattr(fi.runtime, "MODE", "gpu")
+    monkeypatch.setattr(flashnb.runtime, "MODE", "gpu")
     assert fi.launched(Kernel()) == [dict(kernel="py_func", signature="float32[:, :, ::1], int32", registers=40,
                                           shared_bytes=8192, local_bytes=16, const_bytes=0,
                                           max_threads_per_block=1024)]

@@ -9,7 +9,8 @@ import pytest
 from conftest import FEATURE_IMPLS, MODULE_OF, assert_close
 
 import flashnb
-from flashnb import bench, common, reference, traffic
+from flashnb import common, reference
+from flashnb.instruments import bench, traffic
 
 U16 = 2.0 ** -11   # float16's unit roundoff: a round-to-nearest store changes a value by at most this, relative
 UBF = 2.0 ** -8    # bfloat16's (8 significand bits)
@@ -333,7 +334,7 @@ def test_uint16_without_bfloat16_storage_is_refused(rng):
     storage="bfloat16" is a TypeError naming it and storage="bfloat16": for q of the default storage, do alone in a
     backward, an explicit storage="float32", an impl without half storage, a torch tensor's values, and
     flash-decoding's cache.  Other integer dtypes stay integer values."""
-    from flashnb import decode
+    from flashnb.kernels import decode
 
     q, k, v = (rng.standard_normal((1, 16, 8)) for _ in range(3))
     bits = [common.to_bfloat16(a) for a in (q, k, v)]
@@ -390,7 +391,7 @@ def test_torch_half_cuda_path_rehearsed(rng, impl):
     the simulator: the same results as the host path."""
     torch = pytest.importorskip("torch")
     import flashnb.torch as ft
-    from flashnb.rehearsal import pretend_gpu
+    from flashnb.instruments.rehearsal import pretend_gpu
 
     for dtype in (torch.float16, torch.bfloat16):
         q, k, v, do = (torch.from_numpy(a.astype(np.float32)).to(dtype) for a in half_inputs(rng, 1, 16, 24, 8))
@@ -404,7 +405,7 @@ def test_torch_half_cuda_path_rehearsed(rng, impl):
 def test_measure_storage_rehearsed():
     """Notebook 11's GPU measurement (bench.measure_storage) with its GPU branches taken on the simulator: rows in
     every storage and direction, labelled rehearsal, with the modelled bytes (float16 = bfloat16 < float32)."""
-    from flashnb.rehearsal import pretend_gpu
+    from flashnb.instruments.rehearsal import pretend_gpu
 
     with pretend_gpu():
         rows = bench.measure_storage(BH=1, N=16, d=8, repeats=1, warmup=1)
@@ -438,7 +439,7 @@ def test_ptx_conversions(impl):
     memory): float16 loads are 2-byte loads widened by cvt.f32.f16 (exact), float16 stores round with
     cvt.rn.f16.f32 (to nearest even), bfloat16 stores are 2-byte stores with no float16 conversion, and the
     float32 kernel has no conversion at all."""
-    from flashnb import inspect as fi
+    from flashnb import instruments as fi
 
     jobs = [(f"{impl}.preprocess", {}, (8, 0)), (f"{impl}.preprocess", dict(storage="float16"), (8, 0)),
             (f"{impl}.convert", dict(storage="float16"), (8, 0)), (f"{impl}.convert", dict(storage="bfloat16"), (8, 0))]

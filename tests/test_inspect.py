@@ -1,6 +1,6 @@
 """Occupancy arithmetic against hand-worked cases, the ptxas-report parser, and the report table.
 
-Limits used by hand (flashnb.inspect.SM_LIMITS; CUDA Programming Guide + cuda_occupancy.h): 65536
+Limits used by hand (flashnb.instruments.SM_LIMITS; CUDA Programming Guide + cuda_occupancy.h): 65536
 registers per SM in 4 sub-partitions of 16384, allocated per warp in units of 256; 64 warps and 32 blocks
 per SM; shared memory per SM 164 KiB (sm_80) / 228 KiB (sm_90), allocated per block as
 round_up(static + 1 KiB reserved, 128).
@@ -8,7 +8,8 @@ round_up(static + 1 KiB reserved, 128).
 
 import pytest
 
-from flashnb import inspect as fi
+from flashnb import instruments as fi
+from flashnb.instruments import compiled, jobs, ptx_cache, ptxas
 
 
 def test_64_regs_256_threads_sm80_is_register_limited():
@@ -74,7 +75,7 @@ ptxas info    : Used 255 registers, used 1 barriers, 4096 bytes smem, 400 bytes 
 
 def test_parse_ptxas_and_problems():
     res = fi.Resources("k", {}, (9, 0))
-    fi._parse_ptxas(PTXAS_LOG, res)
+    ptxas._parse_ptxas(PTXAS_LOG, res)
     assert (res.registers, res.shared_bytes, res.stack_bytes) == (255, 4096, 136)
     assert (res.spill_store_bytes, res.spill_load_bytes, res.spill_bytes) == (132, 128, 260)
     assert any("spills" in p for p in fi.problems(res))
@@ -92,7 +93,7 @@ def test_format_report_table():
 def test_resources_for_compiles_without_gpu_and_caches(monkeypatch):
     res = fi.resources_for("naive.matmul", None, (9, 0))
     assert res.error is None and res.registers and res.shared_bytes == 2 * 16 * 16 * 4
-    monkeypatch.setattr(fi, "_in_subprocess", lambda *a, **k: pytest.fail("not cached"))
+    monkeypatch.setattr(compiled, "_in_subprocess", lambda *a, **k: pytest.fail("not cached"))
     assert fi.resources_for("naive.matmul", None, (9, 0)) is res
     assert fi.guard_kernel("naive.matmul", None, (9, 0)) == []
     with pytest.raises(ValueError, match="registered kernel"):
@@ -136,7 +137,7 @@ def test_ptx_cache_reuses_nvvm_and_never_a_changed_kernel(tmp_path, monkeypatch)
     assert first.error is None and first.f64_count == 0
     files = sorted(tmp_path.glob("*.ptx"))
     assert len(files) == 1 and files[0].read_text() == first.ptx
-    fi._CACHE.clear()
+    jobs._CACHE.clear()
     again = fi.resources(_cache_kernel("x[i] * float32(2)"), sig, (8, 0), keep_ptx=True)
     assert sorted(tmp_path.glob("*.ptx")) == files and again.ptx == first.ptx
     assert (again.registers, again.f64_count, again.shared_bytes) == (first.registers, 0, first.shared_bytes)
@@ -146,19 +147,19 @@ def test_ptx_cache_reuses_nvvm_and_never_a_changed_kernel(tmp_path, monkeypatch)
 
 def test_ptx_cache_key_covers_toolchain_source_and_imports(monkeypatch):
     job = dict(name="fa2.forward", config=dict(Br=16, Bc=16, d=20, warps=1, causal=False), cc=[8, 0])
-    key = fi._ptx_key(job, None, (8, 0))
-    assert key == fi._ptx_key(dict(job), None, (8, 0))
-    assert key != fi._ptx_key(dict(job, config=dict(job["config"], causal=True)), None, (8, 0))
-    assert key != fi._ptx_key(job, None, (9, 0))
-    monkeypatch.setitem(fi._DIGESTS, "toolchain", fi.toolchain_versions() + ";numba-cuda==other")
-    assert key != fi._ptx_key(job, None, (8, 0))
-    monkeypatch.setitem(fi._DIGESTS, "package", "an edited package")
+    key = ptx_cache._ptx_key(job, None, (8, 0))
+    assert key == ptx_cache._ptx_key(dict(job), None, (8, 0))
+    assert key != ptx_cache._ptx_key(dict(job, config=dict(job["config"], causal=True)), None, (8, 0))
+    assert key != ptx_cache._ptx_key(job, None, (9, 0))
+    monkeypatch.setitem(ptx_cache._DIGESTS, "toolchain", fi.toolchain_versions() + ";numba-cuda==other")
+    assert key != ptx_cache._ptx_key(job, None, (8, 0))
+    monkeypatch.setitem(ptx_cache._DIGESTS, "package", "an edited package")
     # a kernel importing a module outside flashnb/numba/numpy/math: never cached (its key could not see it change)
     desc = {"source": "def k(x): pass", "env": {"helpers": {"kind": "module", "module": "my_helpers"}}}
-    assert fi._ptx_key({"source": desc, "signature": "void()"}, "void()", (8, 0)) is None
-    assert fi._ptx_key({"module": "my_helpers", "attr": "k", "signature": "void()"}, "void()", (8, 0)) is None
+    assert ptx_cache._ptx_key({"source": desc, "signature": "void()"}, "void()", (8, 0)) is None
+    assert ptx_cache._ptx_key({"module": "my_helpers", "attr": "k", "signature": "void()"}, "void()", (8, 0)) is None
 
 
 def test_ptx_cache_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("FLASHNB_PTX_CACHE", "off")
-    assert fi.ptx_cache_dir() is None and fi._cached_ptx("0" * 64) is None
+    assert fi.ptx_cache_dir() is None and ptx_cache._cached_ptx("0" * 64) is None

@@ -1,4 +1,4 @@
-"""flashnb.inspect on kernels written outside flashnb: in a script (``__main__``), in a notebook cell (source in
+"""flashnb.instruments on kernels written outside flashnb: in a script (``__main__``), in a notebook cell (source in
 ``linecache``, as IPython registers it), in a factory's closure, and registered with ``registry.kernel_factory``
 from user code.  In simulator mode the compile runs in a child process that never re-runs the user's code."""
 
@@ -13,7 +13,8 @@ import pytest
 from numba import cuda, float32  # module level: the simulator swaps a kernel's global `cuda`, not a closure's
 
 import flashnb
-from flashnb import inspect as fi
+from flashnb import instruments as fi
+from flashnb.instruments import compiled
 from flashnb.registry import KERNELS
 
 SIG = "void(float32[::1], float32[::1])"
@@ -53,11 +54,11 @@ def make_scale(a):
 x = np.arange(8, dtype=np.float32)
 y = np.zeros_like(x)
 scale[1, 8](x, y)                          # the user ran the kernel on the simulator first
-r = flashnb.inspect.resources(scale, (x, y))
+r = flashnb.instruments.resources(scale, (x, y))
 print("main", r.registers, r.error, ".entry" in r.ptx)
-r = flashnb.inspect.resources(make_scale(2), "void(float32[::1], float32[::1])")
+r = flashnb.instruments.resources(make_scale(2), "void(float32[::1], float32[::1])")
 print("registered", r.registers, r.error, r.threads)
-rows = flashnb.inspect.report(ccs=[(8, 0)], names=["user.scale"])
+rows = flashnb.instruments.report(ccs=[(8, 0)], names=["user.scale"])
 print("report", rows[0]["regs"], rows[0]["occupancy"], rows[0]["problems"])
 '''
 
@@ -86,7 +87,7 @@ def test_kernel_in_a_script_and_user_registered_factory(tmp_path):
 def test_example_arguments_give_a_signature():
     # Before: "void(array(float32, 1d, C), ...)", which numba cannot parse (SyntaxError in the result).
     x = np.zeros((4, 3), np.float32)
-    assert fi._signature_from_args((x, x[:, :2], np.asfortranarray(x), np.float32(1), 2)) == \
+    assert compiled._signature_from_args((x, x[:, :2], np.asfortranarray(x), np.float32(1), 2)) == \
         "void(float32[:, ::1], float32[:, :], float32[::1, :], float32, int64)"
 
 

@@ -5,7 +5,8 @@ import pytest
 from conftest import assert_close, qkv
 
 import flashnb
-from flashnb import naive, reference
+from flashnb import reference
+from flashnb.stages import naive
 
 # Float32 kernels vs the float64 reference.  Each output element is a dot product / softmax over at most
 # max(Nk, d) <= 64 terms of O(1) values, so float32 rounding is ~64 * 6e-8 ~ 4e-6 relative; the backward

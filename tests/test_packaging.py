@@ -27,7 +27,7 @@ PIP_TO_CONDA = {
     "numpy": ("numpy",),
     "matplotlib": ("matplotlib",),
     "tqdm": ("tqdm",),
-    "nvidia-cuda-nvdisasm": ("cuda-nvdisasm",),   # flashnb.sass; conda-forge's follows cuda-version
+    "nvidia-cuda-nvdisasm": ("cuda-nvdisasm",),   # flashnb.instruments.sass; conda-forge's follows cuda-version
 }
 # (pip distribution, extra) -> conda-forge package(s) that the extra pulls in.
 EXTRA_TO_CONDA = {
@@ -181,7 +181,7 @@ def import_graph() -> dict[str, set[str]]:
     """module -> the flashnb modules it imports, from every ``import`` / ``from ... import`` statement
     anywhere in its source (function-level ones too, since a cycle through a lazy import is still a
     cycle).  ``from a import b`` counts as importing ``a.b`` when that is a module.  An import of a
-    package the module lies in (``import flashnb`` in ``flashnb.bench``) is left out: Python initialises
+    package the module lies in (``import flashnb`` in ``flashnb.instruments.bench``) is left out: Python initialises
     a module's parent packages before the module in any case, so that edge is not a design choice."""
     modules = _modules()
     graph = {}
@@ -232,11 +232,11 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_scan_sees_function_level_and_relative_imports():
     graph = import_graph()
-    assert "flashnb.bench" in graph["flashnb.block_sparse"]       # inside measure_gpu()
-    assert "flashnb.fa2" in graph["flashnb.block_sparse"]         # from . import fa2 / from .fa2 import BlockMask
+    assert "flashnb.instruments.bench" in graph["flashnb.stages.block_sparse"]   # inside measure_gpu()
+    assert "flashnb.stages.fa2" in graph["flashnb.stages.block_sparse"]   # from . import fa2, from .fa2 import ...
     assert "flashnb.runtime" in graph["flashnb.sim"]              # from .. import runtime
     assert "flashnb.sim.fastbarrier" in graph["flashnb.sim.warp"]  # from .fastbarrier import ...
-    assert "flashnb" not in graph["flashnb.bench"]                # its own package: implied, left out
+    assert "flashnb" not in graph["flashnb.instruments.bench"]                # its own package: implied, left out
 
 
 def test_find_cycle_reports_the_cycle():

@@ -2,7 +2,7 @@
 
 The simulator hides float64 promotion, oversized shared memory and register spills; compiling with NVVM
 (``numba.cuda.compile_ptx``) and assembling with ``ptxas -v`` does not.  The simulator process cannot
-compile (``compile_ptx`` is None there), so :mod:`flashnb.inspect` compiles in child processes started
+compile (``compile_ptx`` is None there), so :mod:`flashnb.instruments` compiles in child processes started
 with ``FLASHNB_DEVICE=gpu`` and hands back JSON.  Every (kernel, config) gets one NVVM pass, for sm_80;
 ptxas assembles that PTX for sm_80 and, retargeted, for sm_90 (NVVM's sm_90 PTX is the same but for the
 ``.target`` line and symbol names: checked on a sample below).
@@ -10,15 +10,15 @@ ptxas assembles that PTX for sm_80 and, retargeted, for sm_90 (NVVM's sm_90 PTX 
 **Recorded results.**  Compiling every registered (kernel, config) costs minutes of NVVM, and the answer
 depends only on the kernels' source and the toolchain.  ``tests/ptx_guard_results.json`` holds every case's
 ptxas report together with the key it was computed under: the digest of every source file of the flashnb
-package that kernels can depend on (:func:`flashnb.inspect.package_digest`: all but
-:data:`flashnb.inspect.HOST_ONLY`, the simulator, course kit, front ends and host tools) and the toolchain's
-versions (:func:`flashnb.inspect.toolchain_versions`).  When both match, the guard checks the recorded reports
+package that kernels can depend on (:func:`flashnb.instruments.package_digest`: all but
+:data:`flashnb.instruments.HOST_ONLY`, the simulator, course kit, front ends and host tools) and the toolchain's
+versions (:func:`flashnb.instruments.toolchain_versions`).  When both match, the guard checks the recorded reports
 and re-compiles a sample of :data:`SPOT_CHECKS` (kernel, config) pairs -- a different sample for every package
 digest -- which must reproduce their records exactly.  Any change to a source file kernels can depend on, or
 another toolchain, changes the key: then every case is compiled, as if there were no record (a changed kernel
 can never pass on an old record).  Refresh the record after changing kernels: ``FLASHNB_GUARD_RECORD=1 python
 -m pytest tests/test_ptx_guard.py`` (compiles everything afresh and rewrites the file).  NVVM's PTX is also
-cached on disk (:func:`flashnb.inspect.ptx_cache_dir`), so a second run on one machine skips NVVM; ptxas runs
+cached on disk (:func:`flashnb.instruments.ptx_cache_dir`), so a second run on one machine skips NVVM; ptxas runs
 on every compile.
 
 Also checked: no ``@cuda.jit`` kernel in ``flashnb/`` escapes the registry (AST scan), and the guard does
@@ -38,7 +38,8 @@ from pathlib import Path
 import pytest
 
 import flashnb  # noqa: F401  (selects the simulator before numba.cuda is imported)
-from flashnb import inspect as fi
+from flashnb import instruments as fi
+from flashnb.instruments import jobs, ptx_cache
 from flashnb.registry import KERNELS
 from numba import cuda, float32
 
@@ -78,7 +79,7 @@ def _load_record() -> dict | None:
     data = json.loads(RECORD.read_text())
     if data.get("key") != _record_key():
         return None
-    return {(n, fi._key(n, c, cc)): fi.Resources.from_json(r)
+    return {(n, jobs._key(n, c, cc)): fi.Resources.from_json(r)
             for n, c, cc, r in ((e["name"], e["config"], tuple(e["cc"]), e["resources"]) for e in data["results"])}
 
 
@@ -105,20 +106,20 @@ def compiled():
 
     jobs = JOBS
     record = _load_record()
-    if record is not None and all((n, fi._key(n, c, cc)) in record for n, c, cc in jobs):
+    if record is not None and all((n, jobs._key(n, c, cc)) in record for n, c, cc in jobs):
         spot = [(n, c, cc) for n, c in _spot_sample(CASES) for cc in CCS if KERNELS[n].supports(c, cc)]
         for (n, c, cc), fresh in zip(spot, fi.resources_many(spot)):
-            kept = record[(n, fi._key(n, c, cc))]
+            kept = record[(n, jobs._key(n, c, cc))]
             assert _same_report(fresh, kept), (
                 f"{n} {c} sm_{cc[0]}{cc[1]}: compiled now {fresh}, recorded {kept}: the record in {RECORD.name} is "
                 "not what this source and toolchain compile to; refresh it (FLASHNB_GUARD_RECORD=1)")
-        return {k: record[k] for k in ((n, fi._key(n, c, cc)) for n, c, cc in jobs)}
+        return {k: record[k] for k in ((n, jobs._key(n, c, cc)) for n, c, cc in jobs)}
     if not os.environ.get("FLASHNB_GUARD_RECORD"):
         warnings.warn(f"{RECORD.name} does not match this source and toolchain: every case compiled (minutes); "
                       "refresh it with FLASHNB_GUARD_RECORD=1 python -m pytest tests/test_ptx_guard.py", stacklevel=1)
-    out = {(n, fi._key(n, c, cc)): r for (n, c, cc), r in zip(jobs, fi.resources_many(jobs))}
+    out = {(n, jobs._key(n, c, cc)): r for (n, c, cc), r in zip(jobs, fi.resources_many(jobs))}
     if os.environ.get("FLASHNB_GUARD_RECORD"):
-        results = [dict(name=n, config=c, cc=list(cc), resources=dict(out[(n, fi._key(n, c, cc))].to_json(),
+        results = [dict(name=n, config=c, cc=list(cc), resources=dict(out[(n, jobs._key(n, c, cc))].to_json(),
                                                                       ptx=None, ptxas_log=""))
                    for n, c, cc in jobs]
         RECORD.write_text(json.dumps({"key": _record_key(), "results": results}, indent=0, sort_keys=True) + "\n")
@@ -132,7 +133,7 @@ def test_ptxas_available():
 @pytest.mark.parametrize("job", JOBS, ids=lambda j: f"{_id(j[:2])}-sm_{j[2][0]}{j[2][1]}")
 def test_kernel_passes_guard(compiled, job):
     name, config, cc = job
-    res = compiled[(name, fi._key(name, config, cc))]
+    res = compiled[(name, jobs._key(name, config, cc))]
     assert res.error is None, res.error
     assert res.f64_count == 0, f"{name} {config}: {res.f64_count} .f64 PTX lines (Python float literal?)"
     assert res.shared_bytes <= 48 * 1024, f"{name} {config}: {res.shared_bytes} B static shared > 48 KiB"
@@ -186,15 +187,15 @@ def test_one_nvvm_pass_serves_every_architecture(compiled):
     """The guard's sm_80 and sm_90 results come from the sm_75 PTX retargeted; a separate NVVM pass per cc
     must give the same PTX (up to .target and symbol names) and the same ptxas report, or the reuse is wrong."""
     jobs = [(name, config, cc) for name, config in REUSE_SAMPLE for cc in CCS]
-    direct = {fi._key(*job): r for job, r in zip(jobs, fi.resources_many(jobs, keep_ptx=True, reuse_ptx=False))}
+    direct = {jobs._key(*job): r for job, r in zip(jobs, fi.resources_many(jobs, keep_ptx=True, reuse_ptx=False))}
     for name, config in REUSE_SAMPLE:
-        ptx = {cc: direct[fi._key(name, config, cc)].ptx for cc in CCS}
+        ptx = {cc: direct[jobs._key(name, config, cc)].ptx for cc in CCS}
         for cc in CCS:
             assert f".target sm_{cc[0]}{cc[1]}" in ptx[cc]
             assert fi.normalized_ptx(ptx[cc]) == fi.normalized_ptx(ptx[CCS[0]]), \
                 f"{name} {config}: NVVM's PTX for sm_{cc[0]}{cc[1]} differs from sm_{CCS[0][0]}{CCS[0][1]}'s"
             assert fi.retarget_ptx(ptx[CCS[0]], cc).count(f".target sm_{cc[0]}{cc[1]}") == 1
-            reused, own = compiled[(name, fi._key(name, config, cc))], direct[fi._key(name, config, cc)]
+            reused, own = compiled[(name, jobs._key(name, config, cc))], direct[jobs._key(name, config, cc)]
             assert (reused.registers, reused.shared_bytes, reused.stack_bytes, reused.spill_bytes,
                     reused.f64_count) == (own.registers, own.shared_bytes, own.stack_bytes, own.spill_bytes,
                                           own.f64_count)
@@ -250,7 +251,7 @@ def _kernels_in_registry() -> set[tuple[str, str]]:
 
 
 def test_scan_finds_kernels():
-    assert ("flashnb.naive", "make_matmul.<locals>.matmul") in _kernels_in_source()
+    assert ("flashnb.stages.naive", "make_matmul.<locals>.matmul") in _kernels_in_source()
 
 
 def test_every_kernel_is_registered():
@@ -348,14 +349,14 @@ def test_record_key_changes_with_any_kernel_source_edit(tmp_path):
 
 
 def test_host_only_modules_hold_no_device_code():
-    """What the key leaves out (:data:`flashnb.inspect.HOST_ONLY`) defines no ``cuda.jit`` function (kernel or
+    """What the key leaves out (:data:`flashnb.instruments.HOST_ONLY`) defines no ``cuda.jit`` function (kernel or
     device), no numba intrinsic and no registered kernel factory: its source cannot change any kernel's PTX.
     (The simulator's self-test kernels are not in the record: ``module_level`` compiles them at every run.)"""
     factories = {spec.factory.__module__ for spec in KERNELS.values() if getattr(spec, "factory", None)}
     checked = 0
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
-        if not fi._host_only(rel) or rel == "sim/selftest.py":   # its kernels: compiled at every run, above
+        if not ptx_cache._host_only(rel) or rel == "sim/selftest.py":   # its kernels: compiled at every run, above
             continue
         checked += 1
         module = "flashnb." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
@@ -387,8 +388,8 @@ def test_record_matches_its_cases():
     data = json.loads(RECORD.read_text())
     if data["key"] != _record_key():
         pytest.skip("the record is stale (another source or toolchain): the guard compiled every case")
-    recorded = {(e["name"], fi._key(e["name"], e["config"], tuple(e["cc"]))) for e in data["results"]}
-    assert recorded == {(n, fi._key(n, c, cc)) for n, c, cc in JOBS}
+    recorded = {(e["name"], jobs._key(e["name"], e["config"], tuple(e["cc"]))) for e in data["results"]}
+    assert recorded == {(n, jobs._key(n, c, cc)) for n, c, cc in JOBS}
     a = fi.Resources.from_json(data["results"][0]["resources"])
     b = fi.Resources.from_json(dict(a.to_json(), registers=(a.registers or 0) + 1))
     assert _same_report(a, a) and not _same_report(a, b)

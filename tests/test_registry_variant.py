@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import flashnb
-from flashnb import fa2, reference, registry, sim
+from flashnb import reference, registry, sim
+from flashnb.stages import fa2
 
 BARRIER = "cuda.syncthreads()                       # every warp is done with K_{j-1}, V_{j-1}"
 
@@ -38,7 +39,7 @@ def test_removing_a_barrier_is_reported_at_the_variants_lines():
     q, k, v = _qkv()
     with registry.using(fa2.make_forward, no_barrier), sim.sanitize(tools="racecheck", raise_on_error=False) as rep:
         flashnb.attention(q, k, v, impl="fa2", Br=16, Bc=16, warps=2)
-    assert rep.findings and all("<variant of flashnb.fa2.make_forward>" in f.where for f in rep.findings)
+    assert rep.findings and all("<variant of flashnb.stages.fa2.make_forward>" in f.where for f in rep.findings)
     assert {f.message.split(" race on shared ")[1].split("[")[0] for f in rep.findings} == {"KsT", "Vs"}
 
 

@@ -1,5 +1,5 @@
-"""GPU-only Python paths rehearsed on the simulator (flashnb.rehearsal): CUDA-event timing statistics, device
-attributes, the notebooks' GPU measurements, the child process notebooks use, the sweep, the tour's measured
+"""GPU-only Python paths rehearsed on the simulator (flashnb.instruments.rehearsal): CUDA-event timing statistics,
+device attributes, the notebooks' GPU measurements, the child process notebooks use, the sweep, the tour's measured
 column and scripts/gpu_check.py end to end (with a stand-in ncu).  Kernels still run on the simulator; the
 point is that the code around them runs before a GPU is lent, not the numbers."""
 
@@ -16,8 +16,8 @@ import numba.cuda
 import pytest
 
 import flashnb
-from flashnb import bench, rehearsal
-from flashnb.rehearsal import ManualClock, PretendDevice, PretendEvent, pretend_gpu
+from flashnb.instruments import bench, rehearsal
+from flashnb.instruments.rehearsal import ManualClock, PretendDevice, PretendEvent, pretend_gpu
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA_SRC = Path(numba.cuda.__file__).resolve().parent
@@ -183,8 +183,8 @@ def test_measure_impls_rehearsal():
 @pytest.mark.slow
 def test_softmax_and_block_sparse_measurements_rehearsal():
     with pretend_gpu():
-        sm = flashnb.softmax.measure_gpu(rows=2, n=64, threads=32, repeats=2)
-        bsr = flashnb.block_sparse.measure_gpu(BH=1, N=64, d=16, densities=(1.0, 0.5), repeats=1)
+        sm = flashnb.stages.softmax.measure_gpu(rows=2, n=64, threads=32, repeats=2)
+        bsr = flashnb.stages.block_sparse.measure_gpu(BH=1, N=64, d=16, densities=(1.0, 0.5), repeats=1)
     assert [r["method"] for r in sm] == ["unsafe", "safe", "online"]
     # the modelled bytes come from model_softmax: 3, 4, 3 accesses per element of a 2 x 64 matrix
     assert [r["model_bytes"] for r in sm] == [4 * 3 * 128, 4 * 4 * 128, 4 * 3 * 128]
@@ -194,7 +194,7 @@ def test_softmax_and_block_sparse_measurements_rehearsal():
 
 def test_on_gpu_without_a_gpu_measures_nothing(capsys):
     assert bench.gpu_available() is False
-    assert bench.on_gpu("flashnb.bench:measure_impls", impls=["fa2"]) is None
+    assert bench.on_gpu("flashnb.instruments.bench:measure_impls", impls=["fa2"]) is None
     assert "nothing is measured" in capsys.readouterr().out
     with pytest.raises(ValueError, match="target"):
         bench.on_gpu("os:system", command="true")
@@ -202,17 +202,17 @@ def test_on_gpu_without_a_gpu_measures_nothing(capsys):
 
 def test_gpu_child_process_rehearsal():
     env = dict(os.environ, FLASHNB_DEVICE="sim", NUMBA_ENABLE_CUDASIM="1", **{rehearsal.ENV: "1"})
-    rows = bench._run_child("flashnb.bench:measure_impls",
+    rows = bench._run_child("flashnb.instruments.bench:measure_impls",
                             dict(impls=["fa2"], BH=1, N=16, d=16, repeats=1, warmup=0), env, timeout=300)
     assert len(rows) == 1 and rows[0]["mode"] == "rehearsal" and rows[0]["gpu_name"] == rehearsal.DEVICE_NAME
     env.pop(rehearsal.ENV)
     with pytest.raises(RuntimeError, match="no GPU"):
-        bench._run_child("flashnb.bench:measure_impls", dict(impls=["fa2"]), env, timeout=300)
+        bench._run_child("flashnb.instruments.bench:measure_impls", dict(impls=["fa2"]), env, timeout=300)
 
 
 def test_softmax_rows_come_back_from_the_child_process():
     env = dict(os.environ, FLASHNB_DEVICE="sim", NUMBA_ENABLE_CUDASIM="1", **{rehearsal.ENV: "1"})
-    rows = bench._run_child("flashnb.softmax:measure_gpu", dict(rows=2, n=32, threads=32, repeats=1, warmup=1),
+    rows = bench._run_child("flashnb.stages.softmax:measure_gpu", dict(rows=2, n=32, threads=32, repeats=1, warmup=1),
                             env, timeout=300)
     assert [r["method"] for r in rows] == ["unsafe", "safe", "online"] and all(r["gb_per_s"] > 0 for r in rows)
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from flashnb import roofline as rl
+from flashnb.instruments import roofline as rl
 
 
 def test_fp32_peaks_follow_from_sm_count_and_clock():

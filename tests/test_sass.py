@@ -1,4 +1,4 @@
-"""flashnb.sass: SASS and its instruction mix without a GPU.  Parsing is checked on hand-written SASS whose
+"""flashnb.instruments.sass: SASS and its instruction mix without a GPU.  Parsing is checked on hand-written SASS whose
 counts are known; compiling, on small kernels whose instructions can be counted by hand (4 dependent FFMAs; a
 loop with a multiply-add; a float64 literal; a run-time-indexed local array)."""
 
@@ -6,7 +6,7 @@ import pytest
 from numba import cuda, float32
 
 import flashnb  # noqa: F401
-from flashnb import sass
+from flashnb.instruments import sass
 
 SNIPPET = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;

@@ -1,10 +1,10 @@
-"""The SASS time model (flashnb.sass_model) on hand-written SASS whose counts are worked out by hand, and its
-list scheduling (why heavy-first causal scheduling pays).  No compiler needed: the text is nvdisasm's format."""
+"""The SASS time model (flashnb.instruments.sass_model) on hand-written SASS whose counts are worked out by hand, and
+its list scheduling (why heavy-first causal scheduling pays).  No compiler needed: the text is nvdisasm's format."""
 
 import pytest
 
-from flashnb import sass, sass_model
-from flashnb.roofline import GPU
+from flashnb.instruments import sass, sass_model
+from flashnb.instruments.roofline import GPU
 
 # prologue: 2 LDG (Q_i); tile loop: K/V copy unrolled (2 LDG + 2 STS), matmul 1 (LDS.128 + 4 FFMA per
 # iteration), softmax (MUFU, FADD), matmul 2 (SHFL + 8 FFMA per iteration); epilogue: 1 STG

@@ -361,7 +361,7 @@ def test_softmax_kernels_pass_all_four_tools():
     # the stage-2 kernels that no impl launches: the three softmaxes with block and warp reductions (two
     # warps, so the warp partials meet in shared memory), the chunked online partials, one-pass attention
     # rows (key by key, and tiled with several key tiles)
-    from flashnb import softmax
+    from flashnb.stages import softmax
 
     x = np.random.default_rng(3).standard_normal((3, 100))
     q, k, v = (np.random.default_rng(4).standard_normal(s) for s in ((5, 8), (37, 8), (37, 8)))

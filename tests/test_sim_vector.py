@@ -18,9 +18,11 @@ import pytest
 from numba import cuda, float32, int32, uint32
 
 import flashnb
-from flashnb import common, fa2_fast_steps, flex, rng, sim, softmax, traffic
+from flashnb import common, flex, rng, sim
+from flashnb.instruments import traffic
 from flashnb.registry import IMPLS
 from flashnb.sim import vector
+from flashnb.stages import fa2_fast_steps, softmax
 
 pytestmark = pytest.mark.skipif(flashnb.MODE != "sim", reason="simulator-only")
 
@@ -176,11 +178,11 @@ def test_softmax_kernels_step_kernels_dropout_mask_and_cache():
         out.append(softmax.attention_rows(q, k, v, causal=True, tile=4))
         out += [fa2_fast_steps.run(f, 32)[0] for _, _, f in fa2_fast_steps.STEPS]
         out += list(rng.device_mask(5, 0.25, 2, 7, 40))
-        cache = flashnb.decode.KVCache(2, 12, 8)
+        cache = flashnb.kernels.decode.KVCache(2, 12, 8)
         r = np.random.default_rng(5)
         cache.append(r.standard_normal((2, 5, 8)), r.standard_normal((2, 5, 8)))
         out += [cache.K, cache.V]
-        out += list(flashnb.decode.decode(r.standard_normal((2, 1, 8)), cache, num_splits=2))
+        out += list(flashnb.kernels.decode.decode(r.standard_normal((2, 1, 8)), cache, num_splits=2))
         return tuple(out)
     differential(run, launches=10)
 

@@ -12,7 +12,8 @@ import pytest
 from numba import cuda, float32, int32
 
 import flashnb
-from flashnb import sim, traffic
+from flashnb import sim
+from flashnb.instruments import traffic
 from flashnb.sim import vector
 
 pytestmark = pytest.mark.skipif(flashnb.MODE != "sim", reason="simulator-only")

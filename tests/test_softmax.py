@@ -1,13 +1,14 @@
-"""Stage 2: row softmax kernels, the merge, and the one-pass attention rows (flashnb.softmax)."""
+"""Stage 2: row softmax kernels, the merge, and the one-pass attention rows (flashnb.stages.softmax)."""
 
 import numpy as np
 import pytest
 from conftest import assert_close
 
 import flashnb
-from flashnb import reference, traffic
-from flashnb import softmax as S
+from flashnb import reference
 from flashnb.common import to_device
+from flashnb.instruments import traffic
+from flashnb.stages import softmax as S
 
 try:  # warp shuffles on the simulator come from flashnb.sim
     from flashnb import sim as _sim

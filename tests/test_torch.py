@@ -23,7 +23,7 @@ F = torch.nn.functional
 import flashnb  # noqa: E402
 import flashnb.torch as ft  # noqa: E402
 from flashnb import common  # noqa: E402
-from flashnb.rehearsal import pretend_gpu  # noqa: E402
+from flashnb.instruments.rehearsal import pretend_gpu  # noqa: E402
 
 TOL = 2e-5
 SMALL = dict(Br=16, Bc=16, warps=1)   # one-warp fa2 tiles: 32 simulator threads per block instead of 128
@@ -238,7 +238,8 @@ def test_sdpa_signature_drop_in():
 
 
 def test_block_mask_matches_sdpa_with_the_expanded_mask():
-    from flashnb import block_sparse, reference
+    from flashnb import reference
+    from flashnb.stages import block_sparse
 
     q, k, v, do = _inputs(9, (1, 1, 32, 8), 32)
     bm = block_sparse.local(32, 32, 8, 8, 2, causal=True)

@@ -171,7 +171,7 @@ def test_compiled_through_the_rehearsed_cuda_tensor_path():
     """The operators on CUDA tensors take the zero-copy path (numba views of torch's memory, torch's stream):
     rehearsed here, where CPU tensors take it inside ``pretend_gpu`` + ``rehearse_cuda``.  Compiled there equals
     eager on the host path."""
-    from flashnb.rehearsal import pretend_gpu
+    from flashnb.instruments.rehearsal import pretend_gpu
 
     q, k, v = _qkv(11, H_kv=1, grad=True)
     m = Block(8, causal=True)

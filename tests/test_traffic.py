@@ -1,11 +1,14 @@
-"""The traffic counter (flashnb.traffic): hand-counted tiny kernels, then stage 1 against its analytic model."""
+"""The traffic counter (flashnb.instruments.traffic): hand-counted tiny kernels, then stage 1 against its analytic
+model."""
 
 import numpy as np
 import pytest
 from numba import cuda, float32
 
 import flashnb
-from flashnb import common, naive, runtime, traffic
+from flashnb import common, runtime
+from flashnb.instruments import traffic
+from flashnb.stages import naive
 
 pytestmark = pytest.mark.skipif(not flashnb.is_simulator(), reason="traffic counting needs the simulator")
 

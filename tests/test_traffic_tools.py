@@ -10,7 +10,8 @@ import pytest
 from numba import cuda, float32
 
 import flashnb
-from flashnb import common, roofline, traffic
+from flashnb import common
+from flashnb.instruments import roofline, traffic
 
 pytestmark = pytest.mark.skipif(not flashnb.is_simulator(), reason="traffic counting needs the simulator")
 
@@ -77,7 +78,7 @@ def test_check_model_on_a_flashnb_kernel(rng):
     q, k, v = (rng.standard_normal((32, 16)) for _ in range(3))
     with traffic.count() as t:
         flashnb.attention(q, k, v, impl="fa2")
-    assert t.check_model(flashnb.fa2.model_forward(1, 32, 32, 16)) == []
+    assert t.check_model(flashnb.stages.fa2.model_forward(1, 32, 32, 16)) == []
 
 
 def test_table_shows_exact_bytes(rng):

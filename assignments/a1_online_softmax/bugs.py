@@ -25,8 +25,8 @@ BUGS = [
         says="differ from the float64 reference",
         why="block c owns elements c·C .. (c+1)·C - 1 of the row only"),
     Bug("imports flashnb's kernel instead of writing it", cell=2,
-        replace=[("def make_online_partials(TPB):", "from flashnb.softmax import make_online_partials  # noqa\n\n\n"
-                  "def _mine(TPB):")],
+        replace=[("def make_online_partials(TPB):",
+                  "from flashnb.stages.softmax import make_online_partials  # noqa\n\n\ndef _mine(TPB):")],
         loses=[Q2_OK] + [f"q2: {t}" for t in (
             "your kernel runs, not the library's", "IO budget: X read once, one state written per chunk",
             "race-free", "compiles for sm_80 and sm_90 (no float64, no spills)",

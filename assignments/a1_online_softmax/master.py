@@ -46,9 +46,10 @@ import flashnb  # noqa: E402,I001  -- first: it selects the simulator before num
 import numpy as np
 from numba import cuda, float32  # noqa: F401  -- float32 for your kernels
 
-from flashnb import course, registry, softmax
+from flashnb import course, registry
+from flashnb.stages import softmax
 from flashnb.course import criteria
-from flashnb.softmax import NEG_INF, ONE, ZERO  # noqa: F401  -- for your kernels
+from flashnb.stages.softmax import NEG_INF, ONE, ZERO  # noqa: F401  -- for your kernels
 
 # %% [markdown]
 # ## Q1 · The merge operator [4 points]
@@ -57,7 +58,7 @@ from flashnb.softmax import NEG_INF, ONE, ZERO  # noqa: F401  -- for your kernel
 # Return the pair `m, d`.
 
 # %% tags=["answer"]
-# flashnb-course: from flashnb.softmax import merge_state
+# flashnb-course: from flashnb.stages.softmax import merge_state
 # flashnb-course: todo "m = max(m_a, m_b)" .. "return m, d_a" "[m, d] = [m_a, d_a] ⊕ [m_b, d_b]; two empty states give [-inf, 0]"
 
 # %% tags=["tests"]
@@ -107,7 +108,7 @@ def _(ns):
 # (`block_reduce_state`, given) and thread 0 writes them. Each element of `X` is read **once**.
 
 # %% tags=["answer"]
-# flashnb-course: from flashnb.softmax import make_online_partials
+# flashnb-course: from flashnb.stages.softmax import make_online_partials
 # flashnb-course: todo "for j in range(c * C + tid" .. "m, d = merge_state(m, d, X[row, j], ONE)" "fold this thread's elements of the chunk (every TPB-th, from c·C + tid) into [m, d]"
 
 # %% tags=["tests"]
@@ -185,7 +186,7 @@ def _(ns):
 # three-pass safe softmax reads `X` three times, and loses the IO points here.
 
 # %% tags=["answer"]
-# flashnb-course: from flashnb.softmax import make_softmax_online
+# flashnb-course: from flashnb.stages.softmax import make_softmax_online
 # flashnb-course: todo "for j in range(tid, n, TPB):                       # pass 1" .. "m, d = merge_state(m, d, X[row, j], ONE)" "pass 1: fold this thread's elements x_j (every TPB-th, from tid) into [m, d]"
 # flashnb-course: todo "m_safe = m if" .. "Y[row, j] = float32" "pass 2: y_j = e^(x_j - m) / d for this thread's elements (a row of only -inf: zeros, never NaN)"
 

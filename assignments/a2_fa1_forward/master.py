@@ -42,7 +42,7 @@
 # $N_q - N_k$ queries see no key at all: their output is 0 and their log-sum-exp $-\infty$ (`exp_diff` and the
 # `ln > 0` test already keep such rows free of NaN). Keys past $N_k$ in the last tile are masked too.
 #
-# **Names you can use in the kernel** (the module namespace of `flashnb.fa1`, where your factory is compiled):
+# **Names you can use in the kernel** (the module namespace of `flashnb.stages.fa1`, where your factory is compiled):
 # `NEG_INF`, `ZERO` (float32 constants), `float32(...)`, `math.exp`, `exp_diff(a, b)` $= e^{a-b}$ (0 when
 # $a = -\infty$), `causal_allowed(row, col, diag)` ($\text{col} \le \text{row} + \text{diag}$), `cuda`. Never write a
 # Python float literal (`0.0`, `1.0`) in a kernel: it makes float64 code (write `float32(0.0)`).
@@ -65,10 +65,11 @@ import flashnb  # noqa: I001  -- first: it selects the simulator before anything
 import numpy as np  # noqa: F401  -- for your experiments
 from numba import cuda, float32  # noqa: F401  -- for your kernel
 
-from flashnb import course, fa1, registry
+from flashnb import course, registry
+from flashnb.stages import fa1
 from flashnb.common import NEG_INF, ZERO, causal_allowed  # noqa: F401  -- for your kernel
 from flashnb.course import criteria
-from flashnb.fa1 import WARP, exp_diff, load_rows, load_vec, store_rows, store_vec  # noqa: F401
+from flashnb.stages.fa1 import WARP, exp_diff, load_rows, load_vec, store_rows, store_vec  # noqa: F401
 
 # %% [markdown]
 # ## Q1 · The FA1 forward kernel [15 points]
@@ -85,7 +86,7 @@ from flashnb.fa1 import WARP, exp_diff, load_rows, load_vec, store_rows, store_v
 # * **Line 12** (element-parallel over the `Br × d` tile): `O_i[r, x] = a_i[r] O_i[r, x] + Σ_v l_w[v, r] O_w[v, r, x]`.
 
 # %% tags=["answer"]
-# flashnb-course: from flashnb.fa1 import make_forward
+# flashnb-course: from flashnb.stages.fa1 import make_forward
 # flashnb-course: todo "for cc in range(Bw):                          # line 9" .. "mx = max(mx, s)" "line 9: S[cc] = scale · Q_i[r]·K_j[c] for this warp's keys c = w·Bw + cc, -inf past Nk or where the causal mask forbids, and the row max mx"
 # flashnb-course: todo "mn = max(mo, mt)" .. "l_i[r] = ln" "line 11: m_new, l_new (and its inverse, 0 for an empty row); the weights a_i[r] of the old O_i and l_w[v, r] of each warp's partial, divided by l_new; then m_i[r], l_i[r]"
 # flashnb-course: todo "for e in range(tid, Br * d, NT):                  # line 12" .. "O_i[r, x] = acc" "line 12: O_i[r, x] = a_i[r]·O_i[r, x] + Σ_v l_w[v, r]·O_w[v, r, x], element-parallel over the Br × d tile"

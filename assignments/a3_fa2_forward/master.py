@@ -35,7 +35,7 @@
 # loses those points. When $N_q > N_k$, a block whose rows all precede the first key visits no tile at all:
 # its rows get $O = 0$ and $L = -\infty$ (the backward needs exactly that $L$).
 #
-# **Names you can use in the kernel** (the module namespace of `flashnb.fa2`, where your factory is compiled):
+# **Names you can use in the kernel** (the module namespace of `flashnb.stages.fa2`, where your factory is compiled):
 # `NEG_INF`, `ZERO`, `ONE` (float32 constants), `float32(...)`, `math.exp`, `math.log`, `cuda`, `FULL_MASK`
 # (all 32 lanes take part in a shuffle), `LR = 4`, `LC = 8`, `cdiv_dev(a, b)` (ceiling division). Never write a
 # Python float literal (`0.0`, `1.0`) in a kernel: it makes float64 code.
@@ -57,10 +57,11 @@ import flashnb  # noqa: I001  -- first: it selects the simulator before anything
 import numpy as np  # noqa: F401  -- for your experiments
 from numba import cuda, float32, int32  # noqa: F401  -- for your kernel
 
-from flashnb import course, fa2, registry
+from flashnb import course, registry
+from flashnb.stages import fa2
 from flashnb.common import NEG_INF, ONE, ZERO  # noqa: F401  -- for your kernel
 from flashnb.course import criteria
-from flashnb.fa2 import FULL_MASK, LC, LR, cdiv_dev, geometry  # noqa: F401  -- for your kernel
+from flashnb.stages.fa2 import FULL_MASK, LC, LR, cdiv_dev, geometry  # noqa: F401  -- for your kernel
 
 # %% [markdown]
 # ## Q1 · The FA2 forward kernel [16 points]
@@ -84,7 +85,7 @@ from flashnb.fa2 import FULL_MASK, LC, LR, cdiv_dev, geometry  # noqa: F401  -- 
 #   lane owns, and $L_i = m_i + \log \ell_i$ ($-\infty$ when $\ell_i = 0$) from one lane of the row group.
 
 # %% tags=["answer"]
-# flashnb-course: from flashnb.fa2 import make_forward
+# flashnb-course: from flashnb.stages.fa2 import make_forward
 # flashnb-course: todo "if causal:                                   # skip K/V blocks" .. "n_tiles = min(n_tiles, last // Bc + 1)" "causal block skipping: visit only the K/V tiles holding a key some row of this block may see (row r sees keys <= r + diag); none when the block's last row sees no key"
 # flashnb-course: todo "m_new = max(m[a], mx)" .. "Oi[a, c] *= alpha" "lines 9-10: m_new, alpha = e^(m_old - m_new), P~ = e^(S - m_new) in S[a, b] and its sum rs (P~ = 0, alpha = 1 while m_new = -inf); l[a], m[a]; rescale Oi[a, :] by alpha"
 # flashnb-course: todo "for a in range(TM):                          # lines 12-14" .. "L[z, row] = m[a]" "lines 12-14: l summed over the row group's 8 lanes (shfl_xor_sync), O = O~ / l (0 when l = 0) for rows < Nq and columns < d, L = m + log l (-inf when l = 0) written by one lane"

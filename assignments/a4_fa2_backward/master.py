@@ -44,7 +44,7 @@
 # Fill in the cells marked `TODO`, run the check cell after each question, and submit this notebook. Keep the
 # answer cells (their tag `answer` is how the grader finds them); nothing else of the notebook is graded.
 #
-# **Names you can use inside the kernels** (your factories are compiled in the namespace of `flashnb.fa2`):
+# **Names you can use inside the kernels** (your factories are compiled in the namespace of `flashnb.stages.fa2`):
 # `NEG_INF`, `ZERO`, `ONE` (float32 constants), `float32(...)`, `math.exp`, `cuda.atomic.add`,
 # `cuda.shfl_down_sync`, `FULL_MASK`, `PRE_WARPS` (rows per block of the preprocessing kernel), `LR`, `LC`
 # (a warp's 4 × 8 lane grid), `cdiv_dev`. Never write a Python float literal (`0.0`, `-math.inf`) in a
@@ -61,10 +61,11 @@ import flashnb  # first: it selects the simulator before anything imports numba.
 import numpy as np
 from numba import cuda, float32  # noqa: F401  -- for your kernels
 
-from flashnb import common, course, fa2, reference, registry
+from flashnb import common, course, reference, registry
 from flashnb.common import NEG_INF, ONE, ZERO, cdiv  # noqa: F401  -- for your kernels
 from flashnb.course import criteria
-from flashnb.fa2 import FULL_MASK, LC, LR, PRE_WARPS, cdiv_dev, geometry  # noqa: F401  -- names the kernels use
+from flashnb.stages import fa2
+from flashnb.stages.fa2 import FULL_MASK, LC, LR, PRE_WARPS, cdiv_dev, geometry  # noqa: F401  -- names the kernels use
 
 # %% [markdown]
 # ## Q1 · The preprocessing kernel: $D = \mathrm{rowsum}(dO \circ O)$ [5 points]
@@ -78,7 +79,7 @@ from flashnb.fa2 import FULL_MASK, LC, LR, PRE_WARPS, cdiv_dev, geometry  # noqa
 # total and writes `D[z, i]` (given). Each element of `O` and `dO` is read once.
 
 # %% tags=["answer"]
-# flashnb-course: from flashnb.fa2 import make_preprocess
+# flashnb-course: from flashnb.stages.fa2 import make_preprocess
 # flashnb-course: todo "for e in range(lane, O.shape[2], 32):" .. "dQ[z, i, e] = ZERO" "Alg. 2 line 4: add this lane's products dO·O over e = lane, lane + 32, ... into acc, and zero dQ[z, i, e] there"
 # flashnb-course: todo "off = 16" .. "off //= 2" "sum acc over the 32 lanes of the warp with cuda.shfl_down_sync (lane 0 ends with the row's total)"
 
@@ -166,7 +167,7 @@ def _(ns):
 #   shared-memory accesses too).
 
 # %% tags=["answer"]
-# flashnb-course: from flashnb.fa2 import make_backward
+# flashnb-course: from flashnb.stages.fa2 import make_backward
 # flashnb-course: todo "pv = ZERO" .. "S[a, b] = pv" "Alg. 2 line 11: P = exp(scale·S - L_r) into S[a, b]; 0 for a key >= Nk, a causal-masked key and a row with L_r = -inf"
 # flashnb-course: todo "dP[a, b] = pv * (dP[a, b] - Dr)" .. "dP[a, b] = pv * (dP[a, b] - Dr)" "Alg. 2 line 14: dS = P ∘ (dP - D_r) into dP[a, b]"
 # flashnb-course: todo "acc = ZERO" .. "cuda.atomic.add(dQ" "Alg. 2 line 15: acc = Σ_c dSs[c, r]·KsT[k, c]; add scale·acc into dQ[z, i0 + r, k] for rows < Nq (other thread blocks add into it too)"

@@ -45,11 +45,12 @@ import flashnb  # noqa: F401, I001  -- first: it selects the simulator before an
 import numpy as np
 from numba import cuda, float32, int32  # noqa: F401  -- for your kernels
 
-from flashnb import block_sparse as bs
-from flashnb import common, course, fa2, reference, registry
+from flashnb.stages import block_sparse as bs
+from flashnb import common, course, reference, registry
+from flashnb.stages import fa2
 from flashnb.common import NEG_INF, ONE, ZERO  # noqa: F401  -- float32 constants for your kernels
 from flashnb.course import criteria
-from flashnb.fa2 import FULL_MASK, LC, LR, cdiv_dev, geometry  # noqa: F401  -- what make_forward uses
+from flashnb.stages.fa2 import FULL_MASK, LC, LR, cdiv_dev, geometry  # noqa: F401  -- what make_forward uses
 
 # %% [markdown]
 # ## Q1 · Which K/V tiles does a query block visit? [14 points]
@@ -79,7 +80,7 @@ from flashnb.fa2 import FULL_MASK, LC, LR, cdiv_dev, geometry  # noqa: F401  -- 
 # already does that when nothing was accumulated).
 
 # %% tags=["answer"]
-# flashnb-course: from flashnb.fa2 import make_forward
+# flashnb-course: from flashnb.stages.fa2 import make_forward
 # flashnb-course: todo "n_tiles = cdiv_dev(Nk, Bc)" .. "n_tiles = min(n_tiles, last" "n_tiles: the number of K/V tiles this query block loops over -- all ceil(Nk/Bc), or with causal only up to the tile of the last key its rows may see (0 if none)"
 # flashnb-course: todo "if sparse:" .. "continue" "block-sparse (only if sparse): skip tile jt when M[z, blockIdx.x, jt] == 0 -- lane 0 of each warp reads it, the warp shares it by shuffle, the whole block skips together"
 

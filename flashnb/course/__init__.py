@@ -4,7 +4,7 @@ An assignment is a jupytext notebook ``assignments/<name>/master.py``.  Its cell
 
 * ``answer`` -- what the student writes.  A region between ``### BEGIN SOLUTION`` and ``### END SOLUTION``
   is the solution; the release replaces it with a TODO that says how many lines it took.  A cell that is
-  one directive, ``# flashnb-course: from flashnb.fa1 import make_forward``, holds the *library's* factory
+  one directive, ``# flashnb-course: from flashnb.stages.fa1 import make_forward``, holds the *library's* factory
   (the solution lives where it lives, never copied): the build pastes its source, and each following
   ``# flashnb-course: todo "<first line>" .. "<last line>" <hint>`` cuts a region out of the release.
 * ``tests`` -- public tests (kept in the release: the student runs them with :func:`check`).

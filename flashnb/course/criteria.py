@@ -108,8 +108,8 @@ def numeric(value, want: float, *, what: str, rtol: float = 0.02, atol: float = 
 
 @contextlib.contextmanager
 def launches():
-    """Count the launches made inside the block (``flashnb.traffic.count``); yields the counter."""
-    from .. import traffic
+    """Count the launches made inside the block (``flashnb.instruments.traffic.count``); yields the counter."""
+    from ..instruments import traffic
 
     with traffic.count() as t:
         yield t
@@ -120,7 +120,7 @@ def io_budget(run, model, *, budget: float | None = None, hint: str = "", shared
     or stay within ``budget`` of it, launch by launch and array by array.  Shared-memory accesses are compared
     too only with ``shared=True``: the IO complexity is about HBM, and a correct kernel may read its own shared
     tiles in another order or number."""
-    from .. import traffic
+    from ..instruments import traffic
 
     with traffic.count() as t:
         run()
@@ -150,7 +150,7 @@ def ran_student_kernels(run, *, expect: int | None = None, labels=None) -> list:
     from the submission, not from the installed flashnb); returns the launches."""
     import os
 
-    from .. import traffic
+    from ..instruments import traffic
 
     with traffic.count() as t:
         run()
@@ -225,7 +225,7 @@ def compiles(kernels, ccs=((8, 0), (9, 0))) -> None:
     import json
     import os
 
-    from .. import inspect as fi
+    from .. import instruments as fi
 
     cache = os.environ.get("FLASHNB_COURSE_CACHE")
     todo = []

@@ -39,13 +39,15 @@ from dataclasses import dataclass
 
 __all__ = ["Finding", "screen", "ALLOWED_IMPORTS"]
 
+_STAGE_MODULES = ("naive", "softmax", "fa1", "fa2", "fa2_steps", "block_sparse", "fa2_fast", "fa2_fast_steps")
 #: modules an answer cell may import (``import m`` / ``from m import name``), and flashnb's kernel modules
 ALLOWED_IMPORTS = frozenset({
     "math", "cmath", "numpy", "numpy.linalg", "numpy.random", "numpy.fft", "functools", "itertools",
     "collections", "dataclasses", "typing", "statistics", "fractions", "heapq", "bisect", "random",
-    "flashnb", "flashnb.common", "flashnb.softmax", "flashnb.fa1", "flashnb.fa2", "flashnb.fa2_steps",
-    "flashnb.fa2_fast", "flashnb.fa2_fast_steps", "flashnb.block_sparse", "flashnb.decode", "flashnb.flex",
-    "flashnb.naive", "flashnb.reference", "flashnb.rng", "flashnb.roofline",
+    "flashnb", "flashnb.common", "flashnb.flex", "flashnb.reference", "flashnb.rng", "flashnb.stages",
+    *(f"flashnb.stages.{m}" for m in _STAGE_MODULES), "flashnb.kernels.decode", "flashnb.instruments.roofline",
+    # the same modules by the names they had before the stages and instruments sub-packages
+    *(f"flashnb.{m}" for m in _STAGE_MODULES), "flashnb.decode", "flashnb.roofline",
 })
 #: ``from numba import ...`` / ``from numba.cuda import ...``: these names only (never the numba module itself)
 NUMBA_NAMES = frozenset({

@@ -35,7 +35,7 @@ def _rehearsing(rehearse: bool):
         yield
         return
     from .. import torch as ftorch
-    from ..rehearsal import pretend_gpu
+    from ..instruments.rehearsal import pretend_gpu
 
     with pretend_gpu(), ftorch.rehearse_cuda():
         yield

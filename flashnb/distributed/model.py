@@ -148,8 +148,9 @@ def min_block_tokens(flops: float, bandwidth: float, *, H: int = 1, H_kv: int = 
 
 def block_hbm_bytes(blocks, B: int, H: int, H_kv: int, d: int, direction: str = "forward", **tiles) -> int:
     """HBM bytes flashnb's fa2 kernels move for a step's ``blocks`` (:func:`flashnb.distributed.blocks.plan`),
-    from fa2's traffic model (:func:`flashnb.fa2.model_forward` / ``model_backward``; ``tiles``: Br, Bc, warps)."""
-    from .. import fa2
+    from fa2's traffic model (:func:`flashnb.stages.fa2.model_forward` / ``model_backward``; ``tiles``: Br, Bc,
+    warps)."""
+    from ..stages import fa2
 
     model = fa2.model_forward if direction == "forward" else fa2.model_backward
     total = 0

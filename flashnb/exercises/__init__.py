@@ -192,8 +192,8 @@ def require_kernel(kernel, arguments: str) -> None:
 
 
 def require_traffic(launch, model: dict, what: str, why) -> None:
-    """Raise :class:`Wrong` unless the counted ``launch`` (a :class:`flashnb.traffic.LaunchTraffic`) reads and
-    writes each array exactly as ``model`` says (``{"reads": {array: elements}, "writes": {...}}``);
+    """Raise :class:`Wrong` unless the counted ``launch`` (a :class:`flashnb.instruments.traffic.LaunchTraffic`) reads
+    and writes each array exactly as ``model`` says (``{"reads": {array: elements}, "writes": {...}}``);
     ``why(kind, name, counted, expected)`` says what to look at."""
     for kind, arrays in model.items():
         seen = getattr(launch, kind)
@@ -208,7 +208,7 @@ def require_gpu_ready(kernel, run, signature: str, hint: str) -> None:
     """Raise :class:`Wrong` unless ``run()`` (one launch of ``kernel``) is clean under the four sanitizer tools
     and ``kernel`` compiles for sm_80 and sm_90 with no problem the PTX guard knows (float64, spills, shared
     memory beyond 48 KiB); ``hint`` names the usual causes of a sanitizer finding."""
-    from .. import inspect as fi
+    from .. import instruments as fi
     from .. import sim
 
     with sim.sanitize(raise_on_error=False) as report:

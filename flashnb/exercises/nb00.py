@@ -10,7 +10,7 @@ from . import close, exercise, require
 
 def _crossing(gpu: str, d: int = 64) -> int:
     """Smallest N (a multiple of 64) at which the modelled FA2 forward (B = H = 1) is compute-bound on ``gpu``."""
-    from .. import bench, roofline
+    from ..instruments import bench, roofline
 
     for N in range(64, 1 << 20, 64):
         flops = roofline.flops_forward(1, 1, N, N, d)
@@ -38,7 +38,7 @@ def check_00_1(N_h100, N_a100):
 
 @check_00_1.solves
 def _():
-    from flashnb import bench, roofline
+    from flashnb.instruments import bench, roofline
 
     def first_compute_bound(gpu, d=64):
         for N in range(64, 1 << 20, 64):
@@ -55,7 +55,7 @@ def _():
 
 
 def _moving_average_case(kernel, n=256, threads=64, seed=0):
-    from .. import traffic
+    from ..instruments import traffic
 
     x = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
     y = np.zeros(n, np.float32)
@@ -161,7 +161,7 @@ def _():
 
 
 def _fa2_forward_resources():
-    from .. import inspect as fi
+    from .. import instruments as fi
     from ..registry import KERNELS
 
     return fi.resources_for("fa2.forward", KERNELS["fa2.forward"].configs[1], (9, 0))   # what A.2 prints
@@ -179,7 +179,7 @@ def _fa2_forward_resources():
 def check_00_4(max_registers):
     """max_registers: the most registers per thread fa2.forward (the configuration Appendix A.2 prints: d = 64,
     causal, 128 threads per block) could use on sm_90 and keep its current number of resident blocks per SM."""
-    from .. import inspect as fi
+    from .. import instruments as fi
 
     r = _fa2_forward_resources()
     now = fi.occupancy(r.registers, r.shared_bytes, 128, (9, 0)).blocks_per_sm
@@ -190,7 +190,7 @@ def check_00_4(max_registers):
 
 @check_00_4.solves
 def _():
-    from flashnb import inspect as fi
+    from flashnb import instruments as fi
     from flashnb.registry import KERNELS
 
     r = fi.resources_for("fa2.forward", KERNELS["fa2.forward"].configs[1], (9, 0))
@@ -272,7 +272,8 @@ _BARRIER = "cuda.syncthreads()                       # every warp is done with K
 def check_00_6(race_arrays):
     """race_arrays: the set of shared arrays racecheck reports for the FA2 forward without that barrier."""
     require(isinstance(race_arrays, (set, frozenset, list, tuple)), "race_arrays must be a set of array names")
-    from .. import api, fa2, registry, sim
+    from .. import api, registry, sim
+    from ..stages import fa2
 
     variant = registry.variant(fa2.make_forward, replace=(_BARRIER, "pass"))
     q, k, v = (np.random.default_rng(s).standard_normal((1, 48, 8)) for s in range(3))
@@ -288,7 +289,8 @@ def check_00_6(race_arrays):
 def _():
     import numpy as np
 
-    from flashnb import api, fa2, registry, sim
+    from flashnb import api, registry, sim
+    from flashnb.stages import fa2
 
     no_barrier = registry.variant(fa2.make_forward, replace=(
         "cuda.syncthreads()                       # every warp is done with K_{j-1}, V_{j-1}", "pass"))

@@ -18,7 +18,8 @@ def _qkv(Nq, Nk, d, seed=1):
 @functools.lru_cache(maxsize=None)
 def _counted_forward(N, d, tile):
     """Counted traffic of the naive forward (one head, Nq = Nk = N) with the matmuls' tile ``tile``."""
-    from .. import api, traffic
+    from .. import api
+    from ..instruments import traffic
 
     q, k, v = _qkv(N, N, d)
     with traffic.count() as t:
@@ -59,7 +60,7 @@ def check_01_1(reads_T8, operand_factor, shared_reads_factor):
 
 @check_01_1.solves
 def _():
-    from flashnb import naive
+    from flashnb.stages import naive
 
     def matmul_reads(T):
         f = naive.model_forward(1, 32, 32, 16, tile=T)
@@ -98,7 +99,9 @@ def _():
 def check_01_2(variant, saving_bytes):
     """variant: a kernel factory replacing naive.make_softmax_rows (same arguments) whose kernel reads S
     twice; saving_bytes: the float32 bytes this saves in the forward of one head at N = 1024, d = 64."""
-    from .. import api, naive, reference, registry, traffic
+    from .. import api, reference, registry
+    from ..instruments import traffic
+    from ..stages import naive
 
     require(callable(variant), "variant must be a kernel factory (what registry.variant returns)")
     Nq, Nk = 20, 12                           # causal, Nq > Nk: the first 8 rows see no key, the others 1..12
@@ -121,7 +124,8 @@ def check_01_2(variant, saving_bytes):
 
 @check_01_2.solves
 def _():
-    from flashnb import naive, registry
+    from flashnb import registry
+    from flashnb.stages import naive
 
     old = """        m = NEG_INF
         for j in range(n):                       # pass 1: m = rowmax(S)
@@ -147,7 +151,7 @@ def _():
 
 @check_01_2.fails
 def _():
-    from flashnb import naive
+    from flashnb.stages import naive
 
     return dict(variant=naive.make_softmax_rows, saving_bytes=4 * 1024 * 1024)   # still three passes
 
@@ -229,7 +233,7 @@ _RECOMPUTE = ("S = scale·QKᵀ", "P = exp(S - L)")     # the launches that rebu
 def check_01_4(skipped, saved_fraction):
     """skipped: the labels of the naive.backward launches a backward with a stored P would not run;
     saved_fraction: their share of the backward's global element accesses (one head, N = 1024, d = 64)."""
-    from .. import naive
+    from ..stages import naive
 
     model = naive.model_backward(1, 1024, 1024, 64)
     labels = [m["launch"] for m in model]
@@ -250,7 +254,7 @@ def check_01_4(skipped, saved_fraction):
 
 @check_01_4.solves
 def _():
-    from flashnb import naive
+    from flashnb.stages import naive
 
     model = naive.model_backward(1, 1024, 1024, 64)
     total = {m["launch"]: sum(m["reads"].values()) + sum(m["writes"].values()) for m in model}

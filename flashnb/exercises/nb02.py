@@ -129,7 +129,7 @@ def _lse_case():
           signatures={"kernel": "void(float32[:, ::1], float32[:, ::1], float32[::1])"},
           hint="""Copy the kernel of softmax.make_softmax_online (show_source) with TPB = 32 and reduce="block", add
           a parameter L, and let thread 0 write L[row] = m + log d once the block has merged the states (-inf when
-          d = 0). Import merge_state and block_reduce_state from flashnb.softmax, NEG_INF, ZERO, ONE from
+          d = 0). Import merge_state and block_reduce_state from flashnb.stages.softmax, NEG_INF, ZERO, ONE from
           flashnb.common. Accesses per element: count the passes over X, the write of Y, and one L per row.""",
           explain="""The log-sum-exp comes for free: after the merge the block already holds [m, d] for the row, and
           L = m + ln d is one more write per row. The model is 2n reads of X, n writes of Y and 1 write of L per
@@ -138,7 +138,8 @@ def _lse_case():
 def check_02_2(kernel, accesses_per_element):
     """kernel: a cuda.jit kernel (X, Y, L) launched as kernel[rows, 32] that writes Y = softmax(X) row-wise and
     L[row] = log Σ e^X[row]; accesses_per_element: global accesses per element of X at n = 4096 (one row)."""
-    from .. import common, traffic
+    from .. import common
+    from ..instruments import traffic
 
     X = _lse_case()
     rows, n = X.shape
@@ -165,7 +166,7 @@ def check_02_2(kernel, accesses_per_element):
 @check_02_2.solves
 def _():
     from flashnb.common import NEG_INF, ONE, ZERO
-    from flashnb.softmax import block_reduce_state, merge_state
+    from flashnb.stages.softmax import block_reduce_state, merge_state
 
     @cuda.jit
     def softmax_lse(X, Y, L):
@@ -219,8 +220,9 @@ def _split_case():
 def check_02_3(kernel):
     """kernel: a cuda.jit kernel (X, M, D, Y) launched as kernel[(chunks, rows), 32] that writes the softmax of
     chunk c of each row, given the chunk states M, D that softmax.online_partials computed."""
-    from .. import common, traffic
-    from .. import softmax as S
+    from .. import common
+    from ..instruments import traffic
+    from ..stages import softmax as S
 
     X = _split_case()
     rows, n = X.shape
@@ -249,7 +251,7 @@ def check_02_3(kernel):
 @check_02_3.solves
 def _():
     from flashnb.common import NEG_INF, ONE, ZERO
-    from flashnb.softmax import merge_state
+    from flashnb.stages.softmax import merge_state
 
     @cuda.jit
     def normalise_chunks(X, M, D, Y):
@@ -310,8 +312,9 @@ def _():
 def check_02_4(kernel, shared_reads_now):
     """kernel: a cuda.jit kernel (X, out) launched as kernel[rows, 256] writing out[row] = Σ X[row, 0:256];
     shared_reads_now: shared-memory reads of one softmax.warp_reduce_sum call with 256 threads."""
-    from .. import common, traffic
-    from .. import softmax as S
+    from .. import common
+    from ..instruments import traffic
+    from ..stages import softmax as S
 
     close(shared_reads_now, S.model_softmax(1, 256, "unsafe", reduce="warp", threads=256)[0]["shared_reads"],
           what="shared_reads_now")
@@ -422,8 +425,9 @@ def check_02_5(variant, changed):
     """variant: a factory replacing softmax.make_attention_tiles (same arguments) that skips, per row, the key
     tiles fully masked for that row; changed: the set of model_forward fields ("reads", "writes",
     "shared_reads", "shared_writes") whose counts this changes."""
-    from .. import api, reference, registry, traffic
-    from .. import softmax as S
+    from .. import api, reference, registry
+    from ..instruments import traffic
+    from ..stages import softmax as S
 
     require(callable(variant), "variant must be a kernel factory (what registry.variant returns)")
     B, d = 8, 8
@@ -452,7 +456,7 @@ def check_02_5(variant, changed):
 @check_02_5.solves
 def _():
     from flashnb import registry
-    from flashnb import softmax as S
+    from flashnb.stages import softmax as S
 
     skip = registry.variant(S.make_attention_tiles, replace=(
         "            if active:\n                m_t = NEG_INF",
@@ -464,7 +468,7 @@ def _():
 @check_02_5.fails
 def _():
     from flashnb import registry
-    from flashnb import softmax as S
+    from flashnb.stages import softmax as S
 
     top_left = registry.variant(S.make_attention_tiles, replace=(        # diagonal aligned to the top-left
         "            if active:\n                m_t = NEG_INF",
@@ -474,7 +478,7 @@ def _():
 
 @check_02_5.fails
 def _():
-    from flashnb import softmax as S
+    from flashnb.stages import softmax as S
 
     return dict(variant=S.make_attention_tiles, changed={"reads", "shared_reads"})   # unchanged kernel
 
@@ -509,7 +513,7 @@ def check_02_6(variant, divisions_saved):
     """variant: a factory replacing softmax.make_attention_rows with o kept unnormalised in the key loop;
     divisions_saved: divisions per query row it saves at N_k = 1024, d = 64."""
     from .. import api, reference, registry
-    from .. import softmax as S
+    from ..stages import softmax as S
 
     require(callable(variant), "variant must be a kernel factory (what registry.variant returns)")
     for Nq, Nk, causal in ((12, 20, False), (20, 12, True)):   # the causal case has rows that see no key
@@ -532,7 +536,7 @@ def check_02_6(variant, divisions_saved):
 @check_02_6.solves
 def _():
     from flashnb import registry
-    from flashnb import softmax as S
+    from flashnb.stages import softmax as S
 
     unnormalised = registry.variant(S.make_attention_rows, replace=[
         ("""            a = dn * decay / d_new
@@ -552,6 +556,6 @@ def _():
 
 @check_02_6.fails
 def _():
-    from flashnb import softmax as S
+    from flashnb.stages import softmax as S
 
     return dict(variant=S.make_attention_rows, divisions_saved=2048)    # unchanged kernel; forgets the end

@@ -46,7 +46,9 @@ def _swapped_main_launch(N, d, Br):
 def check_03_1(variant, model):
     """variant: a factory replacing fa1.make_forward (same arguments) with the query-block loop outside;
     model(N, d, Br): global element accesses of its main launch ("FA1 forward") for one head, Nq = Nk = N."""
-    from .. import api, fa1, reference, registry, sim, traffic
+    from .. import api, reference, registry, sim
+    from ..instruments import traffic
+    from ..stages import fa1
 
     require(callable(variant), "variant must be a kernel factory (what registry.variant returns)")
     require(callable(model), "model must be a function model(N, d, Br)")
@@ -80,7 +82,8 @@ def check_03_1(variant, model):
 
 @check_03_1.solves
 def _():
-    from flashnb import fa1, registry
+    from flashnb import registry
+    from flashnb.stages import fa1
 
     loops = """        for j in range((Nk + Bc - 1) // Bc):                      # line 5
             load_rows(K, z, j * Bc, K_j, tid, NT)                 # line 6: K_j, V_j -> SRAM, once
@@ -125,14 +128,15 @@ def _():
 
 @check_03_1.fails
 def _():
-    from flashnb import fa1
+    from flashnb.stages import fa1
 
     return dict(variant=fa1.make_forward, model=lambda N, d, Br: 2 * N * d + 2 * -(-N // Br) * N * d + N)
 
 
 @check_03_1.fails
 def _():
-    from flashnb import fa1, registry
+    from flashnb import registry
+    from flashnb.stages import fa1
 
     sol = check_03_1.solution()
     barrier = "cuda.syncthreads()                                # K_j, V_j loaded before anyone reads them\n"
@@ -227,7 +231,7 @@ def _constant(model_fn, N=1 << 16, d=32, M=4096):
 def check_03_3(c_forward, c_backward):
     """c_forward, c_backward: traffic (elements read + written, all launches) / (N²d²/M) of fa1's forward and
     backward models at d = 32, M = 4096, N large (65,536)."""
-    from .. import fa1
+    from ..stages import fa1
 
     close(c_forward, _constant(fa1.model_forward), rel=0.005, what="c_forward")
     close(c_backward, _constant(fa1.model_backward), rel=0.005, what="c_backward")
@@ -235,7 +239,7 @@ def check_03_3(c_forward, c_backward):
 
 @check_03_3.solves
 def _():
-    from flashnb import fa1
+    from flashnb.stages import fa1
 
     def total(model):
         return sum(sum(x["reads"].values()) + sum(x["writes"].values()) for x in model)
@@ -258,7 +262,7 @@ def _partials_fraction(W, N=1024, d=64, Br=16, Bc=128):
     the merge reads m_w three times and l_w once per row and warp (4·W·Br), the O_i update reads a weight
     l_w and a partial O_w per element and warp (2·W·Br·d); :func:`_partials_counted` checks this against the
     traffic counter."""
-    from .. import fa1
+    from ..stages import fa1
 
     return _partials(W, N, d, Br, Bc) / fa1.model_forward(1, N, N, d, Br=Br, Bc=Bc, warps=W,
                                                           check_fit=False)[1]["shared_reads"]
@@ -274,7 +278,8 @@ def _partials(W, N, d, Br, Bc):
 def _partials_counted(W=2, N=40, d=8, Br=16, Bc=16):
     """The split-K partials' shared reads, counted on fa1's kernel at a small size (the check's ground truth
     for the formula of :func:`_partials_fraction`)."""
-    from .. import api, traffic
+    from .. import api
+    from ..instruments import traffic
 
     q, k, v = _qkv(N, N, d, seed=34)
     with traffic.count() as t:
@@ -300,14 +305,14 @@ def check_03_4(fractions):
     require(isinstance(fractions, dict) and set(fractions) == {1, 2, 4, 8},
             "fractions must be a dict {1: ..., 2: ..., 4: ..., 8: ...}")
     counted, formula = _partials_counted()
-    assert counted == formula, f"flashnb.fa1 changed: the partials' shared reads are {counted}, not {formula}"
+    assert counted == formula, f"flashnb.stages.fa1 changed: the partials' shared reads are {counted}, not {formula}"
     for W in (1, 2, 4, 8):
         close(fractions[W], _partials_fraction(W), rel=0.02, what=f"fractions[{W}]")
 
 
 @check_03_4.solves
 def _():
-    from flashnb import fa1
+    from flashnb.stages import fa1
 
     def fraction(W, N=1024, d=64, Br=16, Bc=128):
         steps = -(-N // Br) * -(-N // Bc)                    # inner iterations (one head)
@@ -319,7 +324,7 @@ def _():
 
 @check_03_4.fails
 def _():
-    from flashnb import fa1
+    from flashnb.stages import fa1
 
     def fraction(W):                                         # counts only the merge of m_w, l_w (forgets O_w)
         steps = 64 * 8
@@ -333,7 +338,7 @@ def _():
 
 
 def _gpt2_elements(**tiles):
-    from .. import fa1
+    from ..stages import fa1
 
     BH, N, d = 64 * 16, 1024, 64
     return (_total(fa1.model_forward(BH, N, N, d, check_fit=False, **tiles))
@@ -352,7 +357,7 @@ def _gpt2_elements(**tiles):
 def check_03_5(Bc, traffic_ratio):
     """Bc: the key-block size Alg. 1 line 1 gives (with fa1's rounding to 4 warps) for M = 160 KiB of float32
     at d = 64; traffic_ratio: GPT-2 medium's fwd+bwd element traffic with those tiles / with the default ones."""
-    from .. import fa1
+    from ..stages import fa1
 
     big = fa1.tiles(64, M=160 * 1024 // 4, check_fit=False)
     close(Bc, big["Bc"], what="Bc")
@@ -362,7 +367,7 @@ def check_03_5(Bc, traffic_ratio):
 
 @check_03_5.solves
 def _():
-    from flashnb import fa1
+    from flashnb.stages import fa1
 
     def total(model):
         return sum(sum(x["reads"].values()) + sum(x["writes"].values()) for x in model)

@@ -10,7 +10,7 @@ from . import Wrong, close, exercise, require
 
 
 def _tiles(d, M):
-    from .. import fa1
+    from ..stages import fa1
 
     t = fa1.tiles(d, M=M, check_fit=False)
     return t["Br"], t["Bc"]
@@ -50,7 +50,7 @@ def _compare_models(yours, truth, where):
 
 def _model_with_D(BH, Nq, Nk, d, M):
     """FA1's backward with D = rowsum(dO ∘ O) computed once by a kernel of its own (the truth for 04.1)."""
-    from .. import fa1
+    from ..stages import fa1
 
     truth = _per_array(fa1.model_backward(BH, Nq, Nk, d, M=M, check_fit=False))
     Tc = math.ceil(Nk / _tiles(d, M)[1])
@@ -84,7 +84,8 @@ def check_04_1(model):
 
 @check_04_1.solves
 def _():
-    from flashnb import common, fa1
+    from flashnb import common
+    from flashnb.stages import fa1
 
     def model_backward_with_D(BH, Nq, Nk, d, M):
         launches = fa1.model_backward(BH, Nq, Nk, d, M=M, check_fit=False)
@@ -101,7 +102,7 @@ def _():
 
 @check_04_1.fails
 def _():
-    from flashnb import fa1
+    from flashnb.stages import fa1
 
     def d_still_per_tile(BH, Nq, Nk, d, M):             # the D kernel added, but O still read in the loop
         pre = dict(reads={"O": BH * Nq * d, "dO": BH * Nq * d}, writes={"D": BH * Nq})
@@ -129,7 +130,7 @@ def _paper(N, d, M):
 def check_04_2(model_lm, gap):
     """model_lm(N, d, M): global elements of FA1's backward (one head, Nq = Nk = N) storing l and m instead of L;
     gap(N, d, M): model_lm minus the paper's 4Nd + 5TcNd + 2TcN."""
-    from .. import fa1
+    from ..stages import fa1
 
     require(callable(model_lm) and callable(gap), "model_lm and gap must be functions (N, d, M) -> a number")
     for N, d, M in [(64, 16, 1024), (200, 32, 4096), (4096, 64, 4096), (1000, 128, 16384)]:
@@ -141,7 +142,8 @@ def check_04_2(model_lm, gap):
 
 @check_04_2.solves
 def _():
-    from flashnb import common, fa1
+    from flashnb import common
+    from flashnb.stages import fa1
 
     def total(model):
         return sum(sum(x["reads"].values()) + sum(x["writes"].values()) for x in model)
@@ -159,7 +161,8 @@ def _():
 
 @check_04_2.fails
 def _():
-    from flashnb import common, fa1
+    from flashnb import common
+    from flashnb.stages import fa1
 
     def model_lm(N, d, M):                                # l and m counted on top of L: one vector too many
         Tc = common.cdiv(N, fa1.tiles(d, M=M, check_fit=False)["Bc"])
@@ -205,7 +208,8 @@ def check_04_3(swapped_total, rmw_arrays):
 
 @check_04_3.solves
 def _():
-    from flashnb import common, fa1
+    from flashnb import common
+    from flashnb.stages import fa1
 
     def swapped_total(N, d, M):
         Tr = common.cdiv(N, fa1.tiles(d, M=M, check_fit=False)["Br"])
@@ -219,7 +223,8 @@ def _():
 
 @check_04_3.fails
 def _():
-    from flashnb import common, fa1
+    from flashnb import common
+    from flashnb.stages import fa1
 
     def swapped_total(N, d, M):                           # forgot that dK, dV must be read back before the add
         Tr = common.cdiv(N, fa1.tiles(d, M=M, check_fit=False)["Br"])
@@ -233,7 +238,8 @@ def _():
 
 def _fa1_memory_fp16(B, H, N, d) -> float:
     """FA1's forward + backward peak bytes at fp16, from its own allocations (as notebook 04's table)."""
-    from .. import common, fa1
+    from .. import common
+    from ..stages import fa1
 
     S = common.ShapeOnly
     x = S((B * H, N, d))
@@ -261,7 +267,8 @@ def check_04_4(mask_bytes, times_fa1):
 
 @check_04_4.solves
 def _():
-    from flashnb import common, fa1
+    from flashnb import common
+    from flashnb.stages import fa1
 
     B, H, N, d = 16, 8, 16384, 64
     mask_bytes = B * H * N * N * np.dtype(bool).itemsize

@@ -55,7 +55,9 @@ def _shared_reads(Nq, Nk, Br, Bc, d, warps, LR, LC):
 def check_05_1(variant, fmas_per_read, shuffles_per_tile):
     """variant: a kernel factory like fa2.make_forward whose warps are 8 x 4 lanes (LR = 8, LC = 4);
     fmas_per_read, shuffles_per_tile: per thread, for that layout at Br = 64, Bc = 32, d = 64, warps = 4."""
-    from .. import api, fa2, reference, registry, traffic
+    from .. import api, reference, registry
+    from ..instruments import traffic
+    from ..stages import fa2
 
     require(callable(variant), "variant must be a kernel factory (from registry.variant)")
     q, k, v = (np.random.default_rng(51 + s).standard_normal((1, 32, 16)) for s in range(3))
@@ -83,7 +85,8 @@ def check_05_1(variant, fmas_per_read, shuffles_per_tile):
 def _():
     import math
 
-    from flashnb import fa2, registry
+    from flashnb import registry
+    from flashnb.stages import fa2
 
     lanes_8x4 = registry.variant(fa2.make_forward, replace=(
         "g = geometry(Br, Bc, d, warps)",
@@ -99,7 +102,8 @@ def _():
 
 @check_05_1.fails
 def _():
-    from flashnb import fa2, registry
+    from flashnb import registry
+    from flashnb.stages import fa2
 
     only_lc = registry.variant(fa2.make_forward, replace=(   # LC changed, LR not: 16 lanes, 32 threads
         "g = geometry(Br, Bc, d, warps)",
@@ -110,7 +114,7 @@ def _():
 
 @check_05_1.fails
 def _():
-    from flashnb import fa2
+    from flashnb.stages import fa2
 
     g = fa2.fmas_per_shared_read(64, 32, 64, 4)      # today's layout, not the new one
     return dict(variant=fa2.make_forward, fmas_per_read=g["tile"], shuffles_per_tile=140)
@@ -170,7 +174,8 @@ def _():
 def check_05_3(rows_without_keys, tiles_computed):
     """rows_without_keys: the query rows with L = -inf (Nq = 300, Nk = 200, causal);
     tiles_computed: the (Q block, K/V block) tiles fa2's causal forward computes there at Br = 64, Bc = 32."""
-    from .. import fa2, reference
+    from .. import reference
+    from ..stages import fa2
 
     try:
         yours = {int(i) for i in rows_without_keys}
@@ -188,7 +193,7 @@ def check_05_3(rows_without_keys, tiles_computed):
 
 @check_05_3.solves
 def _():
-    from flashnb import fa2
+    from flashnb.stages import fa2
 
     Nq, Nk = 300, 200
     rows = {i for i in range(Nq) if i + Nk - Nq < 0}      # bottom-right: key j allowed when j <= i + Nk - Nq
@@ -210,7 +215,7 @@ def _():
 
 @functools.lru_cache(maxsize=None)
 def _largest_br(N=4096, d=64):
-    from .. import fa1, fa2
+    from ..stages import fa1, fa2
 
     def total(model):
         return sum(sum(x["reads"].values()) + sum(x["writes"].values()) for x in model)
@@ -237,7 +242,7 @@ def check_05_4(largest_Br):
 
 @check_05_4.solves
 def _():
-    from flashnb import fa1, fa2
+    from flashnb.stages import fa1, fa2
 
     def total(model):
         return sum(sum(x["reads"].values()) + sum(x["writes"].values()) for x in model)
@@ -317,7 +322,8 @@ def check_05_5(kernel, Bc):
     on it).  Checked like a course assignment: float64 on five shapes (Nq != Nk, dense, both causal alignments,
     rows with no key), counted traffic against FA2's model, the four sanitizer tools, and a compile for sm_80 and
     sm_90 (no float64, no spills, shared memory within 48 KiB)."""
-    from .. import common, traffic
+    from .. import common
+    from ..instruments import traffic
 
     require_kernel(kernel, "Q, K, V, O, L, scale, diag")
     require(isinstance(Bc, int) and not isinstance(Bc, bool) and 1 <= Bc <= 128,

@@ -21,7 +21,7 @@ def _total(model) -> int:
 
 def _extra_traffic(Nq, Nk, d, Br, Bc):
     """Buffer design minus atomic design, from fa2.model_backward (non-causal, one head, atomics count once)."""
-    from .. import fa2
+    from ..stages import fa2
 
     model = fa2.model_backward(1, Nq, Nk, d, Br=Br, Bc=Bc, warps=1)
     atomic = _total(model)
@@ -51,7 +51,7 @@ def check_06_1(extra_traffic, fraction):
     for Nq, Nk, d, Br, Bc in [(64, 64, 16, 16, 16), (100, 40, 32, 16, 8), (4096, 4096, 64, 32, 32)]:
         close(extra_traffic(Nq, Nk, d, Br, Bc), _extra_traffic(Nq, Nk, d, Br, Bc),
               what=f"extra_traffic({Nq}, {Nk}, {d}, {Br}, {Bc})")
-    from .. import fa2
+    from ..stages import fa2
 
     atomic = _total(fa2.model_backward(1, 4096, 4096, 64, Br=32, Bc=32, warps=1))
     close(fraction, _extra_traffic(4096, 4096, 64, 32, 32) / atomic, rel=0.01, what="fraction")
@@ -59,7 +59,8 @@ def check_06_1(extra_traffic, fraction):
 
 @check_06_1.solves
 def _():
-    from flashnb import common, fa2
+    from flashnb import common
+    from flashnb.stages import fa2
 
     def extra_traffic(Nq, Nk, d, Br, Bc):
         Tc = common.cdiv(Nk, Bc)
@@ -86,7 +87,9 @@ def _():
 @functools.lru_cache(maxsize=None)
 def _counted_dS(Nq, Nk, d, Br, Bc):
     """(dSs reads, dSs writes, all shared reads) of fa2's main backward launch, and the tiles it visited."""
-    from .. import api, fa2, traffic
+    from .. import api
+    from ..instruments import traffic
+    from ..stages import fa2
 
     rng = np.random.default_rng(62)
     q, do = (rng.standard_normal((1, Nq, d)) for _ in range(2))
@@ -132,7 +135,8 @@ def _():
     import numpy as np
 
     import flashnb
-    from flashnb import fa2, traffic
+    from flashnb.instruments import traffic
+    from flashnb.stages import fa2
 
     def dS_per_tile(Br, Bc, d):
         return Br * d * Bc, Br * Bc       # line 15 reads a column of Bc per dQ element; each thread stores its dS
@@ -211,7 +215,7 @@ def _():
 
 
 def _visits(Nq, Nk, B):
-    from .. import fa2
+    from ..stages import fa2
 
     counts = [0] * math.ceil(Nk / B)
     for j, _, _, _ in fa2.tiles_visited(Nq, Nk, B, B, True, "backward"):
@@ -247,7 +251,7 @@ def check_06_4(visits_square, visits_wide):
 def _():
     from collections import Counter
 
-    from flashnb import fa2
+    from flashnb.stages import fa2
 
     def visits(Nq, Nk):
         per_j = Counter(j for j, _, _, _ in fa2.tiles_visited(Nq, Nk, 32, 32, True, "backward"))
@@ -332,7 +336,8 @@ def check_06_5(kernel, Br):
     Br: the query rows it loads per tile.  Checked like a course assignment: float64 on five shapes, counted
     traffic against FA2's backward model for your Br, the four sanitizer tools, and a compile for sm_80 and
     sm_90."""
-    from .. import common, traffic
+    from .. import common
+    from ..instruments import traffic
 
     require_kernel(kernel, "Q, K, V, dO, L, D, dQ, dK, dV, scale, diag")
     require(isinstance(Br, int) and not isinstance(Br, bool) and 1 <= Br <= 128,

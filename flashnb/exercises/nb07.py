@@ -21,8 +21,9 @@ _COUNTED = [(_as_mask([[1, 0], [1, 1]]), 16, 1), (_as_mask([[0, 1, 0], [0, 0, 0]
 @functools.lru_cache(maxsize=None)
 def _counted_mask_reads(i):
     """Reads of M that the traffic counter sees in fa2's block-sparse forward for _COUNTED[i] (non-causal)."""
-    from .. import api, traffic
-    from ..block_sparse import BlockMask
+    from .. import api
+    from ..instruments import traffic
+    from ..stages.block_sparse import BlockMask
 
     mask, B, warps = _COUNTED[i]
     Tr, Tc = mask.shape
@@ -106,8 +107,8 @@ def check_07_2(q_reads_saved, local_saved):
     """q_reads_saved(mask, Br, Nq, d): Q elements (one head) no longer read when the forward skips query blocks
     with no nonzero block (mask: bool (Tr, Tc), non-causal); local_saved: the same for
     bs.local(1024, 1024, 64, 64, window=2).mask at d = 64."""
-    from .. import block_sparse as bs
     from .. import reference
+    from ..stages import block_sparse as bs
 
     require(callable(q_reads_saved), "q_reads_saved must be a function (mask, Br, Nq, d) -> a number")
     rng = np.random.default_rng(72)
@@ -131,7 +132,7 @@ def _():
         rows = sum(min(Br, Nq - i * Br) for i in empty)       # the last block may be cut at Nq
         return rows * d                                       # Q_i not read; O_i, L_i still written
 
-    from flashnb import block_sparse as bs
+    from flashnb.stages import block_sparse as bs
 
     local = bs.local(1024, 1024, 64, 64, 2).mask
     return dict(q_reads_saved=q_reads_saved, local_saved=q_reads_saved(local, 64, 1024, 64))
@@ -149,8 +150,8 @@ def _():
 
 
 def _block_tiles_128(direction):
-    from .. import fa2
-    from ..block_sparse import local
+    from ..stages import fa2
+    from ..stages.block_sparse import local
 
     bm = local(256, 256, 128, 128, window=1)
     t, _ = fa2.block_tiles(64, direction, None, None, None, bm, 1, 256, 256)
@@ -171,8 +172,8 @@ def _block_tiles_128(direction):
 def check_07_3(forward_tiles, backward_tiles, Br48_raises):
     """forward_tiles, backward_tiles: (Br, Bc) the fa2 forward and backward run at, d = 64, with a block mask built
     for 128 x 128 tiles (N = 256); Br48_raises: does the forward refuse Br = 48 with that mask?"""
-    from .. import fa2
-    from ..block_sparse import local
+    from ..stages import fa2
+    from ..stages.block_sparse import local
 
     for name, yours, direction in (("forward_tiles", forward_tiles, "forward"),
                                    ("backward_tiles", backward_tiles, "backward")):
@@ -195,8 +196,8 @@ def _():
     import numpy as np
 
     import flashnb
-    from flashnb import block_sparse as bs
-    from flashnb import fa2
+    from flashnb.stages import block_sparse as bs
+    from flashnb.stages import fa2
 
     bm = bs.local(256, 256, 128, 128)
     fwd, _ = fa2.block_tiles(64, "forward", None, None, None, bm, 1, 256, 256)
@@ -247,8 +248,8 @@ def check_07_4(s_butterfly, window, traffic_ratio):
 
 @check_07_4.solves
 def _():
-    from flashnb import block_sparse as bs
-    from flashnb import fa2
+    from flashnb.stages import block_sparse as bs
+    from flashnb.stages import fa2
 
     def total(model):
         return sum(sum(x["reads"].values()) + sum(x["writes"].values()) for x in model)
@@ -263,7 +264,7 @@ def _():
 
 @check_07_4.fails
 def _():
-    from flashnb import block_sparse as bs
+    from flashnb.stages import block_sparse as bs
 
     bf = bs.butterfly(4096, 4096, 64, 64)
     return dict(s_butterfly=bf.density, window=7, traffic_ratio=1.0)    # a causal window's count of blocks

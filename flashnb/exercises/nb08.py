@@ -63,8 +63,8 @@ def check_08_2(bound):
     """bound(pipes, ffma, fp32_lanes): pipes = {"issue": n, "fp32": n, "mufu": n, "mio": n} warp-instructions
     (or wavefronts) of one tile, ffma of them FFMAs; fp32_lanes per SM (128 on cc 9.0).  Returns (name of the
     binding pipe, fraction of the FP32 peak)."""
-    from ..roofline import GPU
-    from ..sass_model import Counts, SassCounts, modelled_time
+    from ..instruments.roofline import GPU
+    from ..instruments.sass_model import Counts, SassCounts, modelled_time
 
     require(callable(bound), "bound must be a function (pipes, ffma, fp32_lanes) -> (pipe, fraction)")
     rng = np.random.default_rng(82)
@@ -75,7 +75,7 @@ def check_08_2(bound):
                      mufu=int(rng.integers(0, 400)), mio=int(rng.integers(0, 3000)))
         got = bound(dict(pipes), ffma, lanes)
         require(isinstance(got, tuple) and len(got) == 2, "bound must return (pipe name, fraction)")
-        # ground truth: flashnb.sass_model on one block of one tile, one slot (no prologue or epilogue)
+        # ground truth: flashnb.instruments.sass_model on one block of one tile, one slot (no prologue or epilogue)
         tile = Counts(categories={"ffma": ffma}, pipes=dict(pipes))
         c = SassCounts("exercise", Counts(), tile, Counts(), [])
         gpu = GPU("toy", (9, 0), 1, 1e30, lanes * 2 * 1e9, 1e12, 1e9, 228 * 1024, lanes)

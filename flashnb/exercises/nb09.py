@@ -148,7 +148,7 @@ def _():
 def _step_bytes(impl: str, context: int) -> int:
     """HBM bytes of attention in one training step of the notebook's model at ``context`` (every layer's forward
     and backward), from the traffic models (fa2's equal its counts)."""
-    from .. import fa2, naive
+    from ..stages import fa2, naive
 
     B, H, d, L = CFG["batch"], CFG["heads"], CFG["width"] // CFG["heads"], CFG["layers"]
     mod, opts = (fa2, TILES) if impl == "fa2" else (naive, {})

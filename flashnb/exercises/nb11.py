@@ -12,7 +12,8 @@ from . import Wrong, exercise, require
 
 def _counted_forward_bytes(BH, Nq, Nk, d, storage):
     """HBM bytes the fa2 forward moves at its default tiles, counted on the simulator (the ground truth)."""
-    from .. import api, traffic
+    from .. import api
+    from ..instruments import traffic
 
     rng = np.random.default_rng(111)
     q = rng.standard_normal((BH, Nq, d)).astype(np.float16)

@@ -1,14 +1,14 @@
 """The fast FA2 loop's building blocks: device functions of compile-time tile constants.
 
-Stage 6's lessons (:func:`flashnb.fa2_fast.make_forward`, :func:`~flashnb.fa2_fast.make_backward`) compose them
-into dense and causal kernels; the product kernels (:mod:`flashnb.kernels.flash`) compose the same blocks plus
-the feature policies of :mod:`flashnb.kernels.policies`.  Each block is made by a factory of the tile constants
+Stage 6's lessons (:func:`flashnb.stages.fa2_fast.make_forward`, :func:`~flashnb.stages.fa2_fast.make_backward`)
+compose them into dense and causal kernels; the product kernels (:mod:`flashnb.kernels.flash`) compose the same blocks
+plus the feature policies of :mod:`flashnb.kernels.policies`.  Each block is made by a factory of the tile constants
 (``Br``, ``Bc``, ``d`` padded to ``Dp``, the micro-tile ``TM × TN``) and inlined into the kernel
 (``inline="always"``), so the per-lane arrays it takes or declares stay registers and a kernel built from blocks
 compiles to the code of one written in a single piece.
 
-Thread layout (both directions, as :mod:`flashnb.fa2_fast` describes): a warp's 32 lanes form ``LR × LC = 4 × 8``,
-``lane = lr·LC + lc``.  In the forward lane ``(lr, lc)`` of warp ``w`` owns query rows ``w·TM·LR + lr + LR·a``,
+Thread layout (both directions, as :mod:`flashnb.stages.fa2_fast` describes): a warp's 32 lanes form ``LR × LC = 4 ×
+8``, ``lane = lr·LC + lc``.  In the forward lane ``(lr, lc)`` of warp ``w`` owns query rows ``w·TM·LR + lr + LR·a``,
 key columns ``lc + LC·b`` of S and head-dim columns ``32·c + 4·lc + t`` of ``O~``; in the backward the roles of
 queries and keys swap (the warps split the ``Bc`` key rows).  Shared tiles are row-major in rows of ``Dp + PAD``
 floats (row ``r`` starts in bank ``4r mod 32``), read 4 floats at a time (one ``LDS.128``); every shared index

@@ -2,7 +2,7 @@
 
 ``impl="flash"`` (the default of :func:`flashnb.attention`, :func:`flashnb.attention_forward`,
 :func:`flashnb.attention_backward` and :func:`flashnb.torch.attention`).  The loop is stage 6's
-(:mod:`flashnb.fa2_fast`, built from :mod:`flashnb.kernels.blocks`): register micro-tiles, 128-bit conflict-free
+(:mod:`flashnb.stages.fa2_fast`, built from :mod:`flashnb.kernels.blocks`): register micro-tiles, 128-bit conflict-free
 shared loads, heavy-first causal blocks, dynamic shared memory where the tiles need more than 48 KiB.  The features
 are the policies of :mod:`flashnb.kernels.policies`, called at fixed places of that loop and compiled away when
 off (with all of them off the kernels are stage 6's):
@@ -10,7 +10,7 @@ off (with all of them off the kernels are stage 6's):
 * **storage** -- ``storage="float16"`` / ``"bfloat16"`` (uint16 bit patterns): Q, K, V, O (dO, dK, dV, dQ) kept in
   half precision in HBM, widened at every load, narrowed at every store; tiles, statistics and the dQ accumulator
   stay float32 (a conversion launch narrows dQ after the backward).
-* **block masks** -- ``block_mask=`` (:class:`flashnb.fa2.BlockMask`, a boolean array, or a prepared mask): three
+* **block masks** -- ``block_mask=`` (:class:`flashnb.stages.fa2.BlockMask`, a boolean array, or a prepared mask): three
   tile states, ``EMPTY`` (never loaded, never computed: FA1 Alg. 5's ``if M_ij != 0``), ``FULL`` (no
   per-element work), ``PARTIAL`` (``mask_mod`` per element).
 * **attention modifiers** -- ``score_mod`` on every score, ``mask_mod`` through its block mask (built by the user
@@ -28,7 +28,7 @@ The forward reads K_j, V_j once per (query head, Q block): under GQA the query h
 heads at ``Br/G`` query positions would load each K/V tile once for the group, but it reads exactly as many K/V
 elements whenever ``Br`` divides ``Nq`` (each block still holds ``Br`` rows), and its rows would span heads whose
 block-mask states differ; where the sharing pays -- a few queries against a long cache -- flash-decoding
-(:mod:`flashnb.decode`, ``impl="flash-decoding"``) reads each K/V chunk once per group.
+(:mod:`flashnb.kernels.decode`, ``impl="flash-decoding"``) reads each K/V chunk once per group.
 
 Kernels (``flashnb inspect``/``flashnb sass``): ``"flash.forward"``, ``"flash.preprocess"``, ``"flash.backward"``,
 ``"flash.convert"``.  Traffic models equal to the counter (:mod:`flashnb.kernels.models`, re-exported here):
@@ -492,8 +492,8 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block
     allows (or the opt-in fails), the launch falls back to the static defaults with a ``RuntimeWarning``
     (:data:`last_forward` says what ran).
 
-    ``block_mask``: a :class:`flashnb.fa2.BlockMask`, a boolean array ``(..., ceil(Nq/Br), ceil(Nk/Bc))`` read at the
-    ``Br``, ``Bc`` options or :func:`mask_tiles`, or a :class:`PreparedMask`.  ``score_mod``, ``mask_mod``
+    ``block_mask``: a :class:`flashnb.stages.fa2.BlockMask`, a boolean array ``(..., ceil(Nq/Br), ceil(Nk/Bc))`` read
+    at the ``Br``, ``Bc`` options or :func:`mask_tiles`, or a :class:`PreparedMask`.  ``score_mod``, ``mask_mod``
     (through its block mask), ``heads`` (the H of ``z = b·H + h``): attention modifiers.  ``k``, ``v`` may have
     fewer batch·heads than ``q`` (GQA: query head ``z`` reads K/V head ``z // G``).  ``dropout_p``, ``seed``:
     attention dropout (:mod:`flashnb.rng`); ``L`` is the undropped softmax's; ``dropout_at``: where these rows and
@@ -613,9 +613,9 @@ def sass_config(d, causal, Br=None, Bc=None, warps=None, **features) -> dict:
 
 
 def sass_shape(config):
-    """The fields of a :class:`flashnb.sass_model.KernelShape` for the forward kernel, per thread: FFMAs of line 8
-    (``TM·TN·Dp``) and line 10 (``TM·DN·Bc``) per K/V tile; K_j and V_j words copied (``2·Bc·Dp`` over the block's
-    threads), Q_i's; the O_i words stored row by row, and L; with dropout or a ``mask_mod``, one trip of their
+    """The fields of a :class:`flashnb.instruments.sass_model.KernelShape` for the forward kernel, per thread: FFMAs of
+    line 8 (``TM·TN·Dp``) and line 10 (``TM·DN·Bc``) per K/V tile; K_j and V_j words copied (``2·Bc·Dp`` over the
+    block's threads), Q_i's; the O_i words stored row by row, and L; with dropout or a ``mask_mod``, one trip of their
     element loops per element of a lane (``TM·TN``; an upper bound for ``mask_mod``, which runs on PARTIAL tiles
     only)."""
     g = geometry(config["Br"], config["Bc"], config["d"], config["warps"])

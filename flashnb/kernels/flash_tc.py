@@ -929,7 +929,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     zeroed), the main launch (one block per K/V tile), and for half storage dQ narrowed (stage 4's convert launch).
     Device arrays in q's storage (``lse`` float32); gradients out in it.  sm_80 and newer (ValueError naming the
     architecture on sm_75)."""
-    from .. import fa2
+    from ..stages import fa2
 
     storage = check_inputs(storage, q=q, k=k, v=v, o=o, do=do)
     mma.check_arch("fa2-tc backward", ARCHS[80])
@@ -985,7 +985,7 @@ def model_forward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, Bc
     written (Q_i, zero-padded to Dp) and read once (its fragments); per visited tile ``2·Bc·Dp`` written
     (K_j, V_j) and, by each warp, ``2·Bc·Dp`` read (its B fragments of both matmuls, each element once: the
     fragments serve all the warp's m-tiles)."""
-    from ..fa2 import tiles_visited
+    from ..stages.fa2 import tiles_visited
 
     t = _tiles(storage, d, Br, Bc, warps, arch)
     g = geometry(storage, d, t["Br"], t["Bc"], t["warps"], arch)
@@ -1002,7 +1002,7 @@ def model_forward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, Bc
 
 def hbm_bytes(model, config) -> int:
     """Bytes of a model of fa2-tc's launches at the configuration's storage (L, D, dQ's accumulator: 4 bytes)."""
-    from ..fa2 import model_bytes
+    from ..stages.fa2 import model_bytes
 
     return sum(m["read_bytes"] + m["write_bytes"] + m["atomic_bytes"]
                for m in model_bytes(model, config.get("storage", "float16")))
@@ -1042,7 +1042,7 @@ def launch_order(Tr, causal):
 
 
 def edge_tile(v, config, Nq, Nk) -> bool:
-    """Whether the forward computes tile ``v = (i, j, rows, cols)`` (:func:`flashnb.fa2.tiles_visited`) in its
+    """Whether the forward computes tile ``v = (i, j, rows, cols)`` (:func:`flashnb.stages.fa2.tiles_visited`) in its
     masked loop: the tile reaches past ``Nk`` or, causal, past the diagonal of the block's first row."""
     i, j = v[0], v[1]
     Br, Bc = config["Br"], config["Bc"]
@@ -1064,7 +1064,7 @@ def model_backward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, B
     dO_i twice (``4·Br·Dp``: the B fragments of Sᵀ, dPᵀ and of dK_j, dV_j), L_i and D_i once per score (``32·Br``),
     K_j and V_j's fragments (``2·16·Dp``) when they do not stay in registers; each part of dQ_i reads dSᵀ
     (``16·Bc``) and K_j (``Bc·NDQ·8``)."""
-    from ..fa2 import tiles_visited
+    from ..stages.fa2 import tiles_visited
 
     t = _bwd_tiles(storage, d, Br, Bc, warps)
     Br_, Bc_, W = t["Br"], t["Bc"], t["warps"]
@@ -1134,10 +1134,10 @@ def measure_gpu(BH: int = 64, N: int = 4096, d: int = 128, *, repeats: int = 10,
                 seed: int = 0) -> list[dict]:
     """CUDA-event time of fa2-tc (float16) and fa2-fast (float32, the CUDA cores) forward and backward at one shape
     (GPU only; for notebook 12): one row per (impl, direction) with TFLOP/s by the FlashAttention formula."""
-    from .. import bench
     from ..common import poisoning, to_device
+    from ..instruments import bench
+    from ..instruments.roofline import flops_backward, flops_forward
     from ..registry import IMPLS
-    from ..roofline import flops_backward, flops_forward
 
     info = bench.device_info()
     rng = np.random.default_rng(seed)

@@ -48,7 +48,7 @@ arrays are NumPy's (it rejects the argument).
 
 An instruction an architecture lacks is ptxas's error ("... requires .target sm_80 or higher"); a kernel built on
 these declares its architectures to the registry (``kernel_factory(archs=...)``), so the PTX guard and
-:func:`flashnb.inspect.resources_for` refuse the others by name, and :func:`check_arch` refuses a launch on one.
+:func:`flashnb.instruments.resources_for` refuse the others by name, and :func:`check_arch` refuses a launch on one.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def check_arch(what: str, archs, cc=None) -> tuple:
     a device of capability ``cc`` (default: the current GPU's; nothing to check on the simulator): ValueError
     naming the architecture and the ones it supports.  Returns the capability checked (None on the simulator)."""
     if cc is None:
-        from .. import rehearsal
+        from ..instruments import rehearsal
 
         if runtime.MODE != "gpu" or rehearsal.active():
             return None

@@ -36,7 +36,7 @@ tiles with fewer elements per lane by the launchers (:func:`flashnb.kernels.flas
 Nothing here imports a user surface: ``score_mod`` / ``mask_mod`` arrive as Python functions (or ``"module:attr"``
 names, as the PTX guard's configs carry them) and are compiled here as inlined device functions; the block mask's
 tile states arrive as a kernel argument (``M``, uint8), computed on the host from the
-:class:`~flashnb.fa2.BlockMask` the caller passes.
+:class:`~flashnb.stages.fa2.BlockMask` the caller passes.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ __all__ = ["EMPTY", "FULL", "PARTIAL", "ALL", "MAX_ELEMENTS", "storage", "tile_s
            "check_dropout_at", "GUARD_ALIBI", "GUARD_WINDOW",
            "GUARD_SOFTCAP", "GUARD_DOCUMENT"]
 
-EMPTY, FULL, PARTIAL = 0, 1, 2   # block-mask tile states, as flashnb.fa2.BlockMask.states writes them
+EMPTY, FULL, PARTIAL = 0, 1, 2   # block-mask tile states, as flashnb.stages.fa2.BlockMask.states writes them
 FULL_MASK = 0xFFFFFFFF
 
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import cuda
 
-from .. import fa2
 from ..common import check_shared_fit
+from ..stages import fa2
 from .blocks import LC, LR, bwd_geometry, bwd_shared_bytes, geometry, needs_dynamic, shared_bytes
 from .policies import PARTIAL
 
@@ -17,7 +17,7 @@ __all__ = ["default_tiles", "bwd_default_tiles", "mask_tiles", "prepare_block_ma
            "DESIGN_OPTIN_BYTES"]
 
 
-# Stage 6's tiles (flashnb.fa2_fast: chosen by the SASS mix, ptxas's registers and the SASS time model), per
+# Stage 6's tiles (flashnb.stages.fa2_fast: chosen by the SASS mix, ptxas's registers and the SASS time model), per
 # head-dim class; d = 128's forward default needs dynamic shared memory (100,352 B), the static table is the
 # fallback where a device refuses it.
 _FWD = {32: dict(Br=64, Bc=32, warps=2), 64: dict(Br=64, Bc=32, warps=2), 128: dict(Br=64, Bc=64, warps=4)}
@@ -56,8 +56,8 @@ def bwd_default_tiles(d: int) -> dict:
 def mask_tiles(d: int) -> dict:
     """The block size a plain boolean ``block_mask`` array is read at (without ``Br``/``Bc`` options), and that the
     user surfaces build a ``mask_mod``'s block mask at: ``Br × Bc`` = 64 × 32 up to d = 64, 32 × 32 at d = 128 --
-    FA2's forward tiles (:func:`flashnb.fa2.default_tiles`), so one mask array means the same blocks to every impl.
-    The kernels run at tiles that divide it."""
+    FA2's forward tiles (:func:`flashnb.stages.fa2.default_tiles`), so one mask array means the same blocks to every
+    impl. The kernels run at tiles that divide it."""
     t = fa2.default_tiles(d)
     return dict(Br=t["Br"], Bc=t["Bc"])
 
@@ -145,8 +145,8 @@ class PreparedMask:
 
 
 def _as_block_mask(block_mask, d, Br, Bc):
-    """``block_mask`` as a :class:`flashnb.fa2.BlockMask`: a plain boolean array is read at the ``Br``, ``Bc`` options,
-    else at :func:`mask_tiles` ``(d)``."""
+    """``block_mask`` as a :class:`flashnb.stages.fa2.BlockMask`: a plain boolean array is read at the ``Br``, ``Bc``
+    options, else at :func:`mask_tiles` ``(d)``."""
     if isinstance(block_mask, fa2.BlockMask):
         return block_mask
     t = mask_tiles(d)

@@ -153,7 +153,7 @@ def install() -> bool:
                 stacklevel=2,
             )
         return False
-    from .. import traffic
+    from ..instruments import traffic
     from . import warp
     from .fastbarrier import FastBlockManager
 
@@ -189,7 +189,7 @@ _mode = {"sim": runtime.SIM}
 
 
 def _apply_mode() -> None:
-    from .. import traffic
+    from ..instruments import traffic
 
     if _state["installed"] and _mode["sim"] == "vector":
         from .vector.launch import run

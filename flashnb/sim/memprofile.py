@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import traffic
+from ..instruments import traffic
 from . import racecheck
 from .racecheck import _where
 

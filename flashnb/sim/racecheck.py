@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import traffic
+from ..instruments import traffic
 from . import kernel_line
 
 __all__ = ["check", "Race", "RaceReport", "RaceError"]

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import common, traffic
+from .. import common
+from ..instruments import traffic
 from . import fastbarrier, racecheck
 from .racecheck import _elements, _where
 

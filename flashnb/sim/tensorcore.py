@@ -308,11 +308,11 @@ def exp2(x):
 
 
 def _ndarray(arr) -> np.ndarray:
-    """The NumPy array behind a kernel's array: itself, a counting proxy's (:mod:`flashnb.traffic`), or the
+    """The NumPy array behind a kernel's array: itself, a counting proxy's (:mod:`flashnb.instruments.traffic`), or the
     simulator's device array's."""
     if isinstance(arr, np.ndarray):
         return arr
-    from ..traffic import _Counted
+    from ..instruments.traffic import _Counted
 
     if isinstance(arr, _Counted):
         return arr._a

@@ -8,7 +8,8 @@ import contextlib
 
 import torch
 
-from .. import api, common, rehearsal, runtime
+from .. import api, common, runtime
+from ..instruments import rehearsal
 from ..registry import IMPLS
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -107,12 +108,12 @@ _bridge: _CudaBridge = _CudaBridge()
 
 @contextlib.contextmanager
 def rehearse_cuda():
-    """Inside ``flashnb.rehearsal.pretend_gpu()``: CPU tensors take the CUDA-tensor path (zero-copy views,
+    """Inside ``flashnb.instruments.rehearsal.pretend_gpu()``: CPU tensors take the CUDA-tensor path (zero-copy views,
     launches on a stream, no host copies), so that path runs before a GPU is lent.  Yields the bridge (its
     ``streams`` lists the streams handed out)."""
     global _bridge
     if not rehearsal.active():
-        raise RuntimeError("rehearse_cuda() runs inside flashnb.rehearsal.pretend_gpu()")
+        raise RuntimeError("rehearse_cuda() runs inside flashnb.instruments.rehearsal.pretend_gpu()")
     saved, _bridge = _bridge, _SimBridge()
     try:
         yield _bridge

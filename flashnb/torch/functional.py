@@ -198,7 +198,7 @@ def attention(q, k, v, *, causal=False, scale=None, impl: str = "flash", block_m
     """
     _check_tensors(q, k, v, allow_float64)
     if isinstance(block_mask, np.ndarray) and torch.compiler.is_compiling():
-        raise TypeError("block_mask: under torch.compile pass a flashnb.fa2.BlockMask (or a "
+        raise TypeError("block_mask: under torch.compile pass a flashnb.stages.fa2.BlockMask (or a "
                         "flashnb.flex.create_block_mask), not a NumPy array, which dynamo would turn into a tensor")
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     config = _options(impl, causal, scale, dropout_p, seed, storage, q.dtype, needs_grad, score_mod, mask_mod,

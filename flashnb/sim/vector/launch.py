@@ -37,7 +37,7 @@ CHUNK_LANES = 1 << 15
 _RUNTIME_STATE = ("COUNTS", "_THREAD_ERR")
 COUNTS = {"vector": 0, "threads": 0}
 
-from ...traffic import FELL_BACK  # noqa: E402
+from ...instruments.traffic import FELL_BACK  # noqa: E402
 
 
 def _kernel_name(kernel):
@@ -166,8 +166,8 @@ def run(kernel, args):
     from numba.cuda.errors import normalize_kernel_dimensions
     from numba.cuda.simulator.cudadrv.devicearray import FakeShape
 
-    from ... import traffic
     from ...common import current_label
+    from ...instruments import traffic
 
     set_fake_shape(FakeShape)
     fn = kernel.fn

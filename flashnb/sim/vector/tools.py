@@ -1,8 +1,8 @@
 """What a vectorised launch shows the tools: traffic counts, memcheck, initcheck, racecheck, synccheck, profiler.
 
 One :class:`LaunchTools` per launch (``cur``).  Every access the arrays make on the active lanes comes here
-once, as one vector: the traffic counter adds the number of active lanes (flashnb.traffic's rule: one element
-per thread that reads or writes it); memcheck's index checks run in :mod:`~flashnb.sim.vector.arrays` before
+once, as one vector: the traffic counter adds the number of active lanes (flashnb.instruments.traffic's rule: one
+element per thread that reads or writes it); memcheck's index checks run in :mod:`~flashnb.sim.vector.arrays` before
 the access; initcheck keeps, per array, which elements are written (shared: per block; local: per lane; the
 outputs a launcher poisoned: per element, across launches, shared with the threads simulator's tool); the
 race checker logs ``(element, block, thread, barrier phase, warp phase, read/write/atomic, line)`` and analyses

@@ -2,10 +2,10 @@
 
 ::
 
-    with flashnb.traffic.count() as t:
+    with flashnb.instruments.traffic.count() as t:
         flashnb.attention_forward(q, k, v, impl="naive")
     print(t)                                  # a table: launch, array, reads, writes, atomics, bytes
-    t.summary() == flashnb.naive.model_forward(BH, Nq, Nk, d)   # the model format of CONTRIBUTING.md
+    t.summary() == flashnb.stages.naive.model_forward(BH, Nq, Nk, d)   # the model format of CONTRIBUTING.md
 
 What is counted, per launch (grid, block, label from :func:`flashnb.common.launch` or the kernel's name):
 
@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import runtime
-from .common import current_label
+from .. import runtime
+from ..common import current_label
 
 __all__ = ["count", "Traffic", "LaunchTraffic", "TrafficError", "ModelMismatch", "RECORD_FIELDS"]
 
@@ -494,7 +494,8 @@ class Traffic:
     def __enter__(self) -> "Traffic":
         _check_simulator()
         if self._state != "new":
-            raise TrafficError("this traffic counter was already used; make a new one with flashnb.traffic.count()")
+            raise TrafficError("this traffic counter was already used; make a new one with "
+                               "flashnb.instruments.traffic.count()")
         if _current is not None:
             raise TrafficError("cannot start counting inside a kernel launch")
         _install()
@@ -685,13 +686,13 @@ class Traffic:
     # -- roofline
     def modelled_time(self, flops: float, gpu="H100 SXM"):
         """Roofline time of these counted bytes (:attr:`global_bytes`) and ``flops`` on a GPU preset -- a
-        :class:`flashnb.roofline.ModelledTime`, modelled, not measured."""
+        :class:`flashnb.instruments.roofline.ModelledTime`, modelled, not measured."""
         from .roofline import modelled_time
 
         return modelled_time(flops, self.global_bytes, gpu)
 
     def roofline_point(self, flops: float, label: str = "counted") -> dict:
-        """``dict(label, flops, bytes)`` of this count, ready for :func:`flashnb.roofline.roofline_plot`
+        """``dict(label, flops, bytes)`` of this count, ready for :func:`flashnb.instruments.roofline.roofline_plot`
         (its arithmetic intensity is ``flops / bytes``, bytes = :attr:`global_bytes`)."""
         if isinstance(flops, bool) or not isinstance(flops, (int, float)) or not flops >= 0:
             raise ValueError(f"flops must be a number >= 0, got {flops!r}")
@@ -732,7 +733,7 @@ class Traffic:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return f"<flashnb.traffic.Traffic {self._state}, {self._headline()}>"
+        return f"<flashnb.instruments.traffic.Traffic {self._state}, {self._headline()}>"
 
     def _repr_html_(self) -> str:
         e = html.escape
@@ -761,13 +762,13 @@ def _bytes(n: int) -> str:
 def _check_simulator() -> None:
     if runtime.MODE != "sim":
         raise TrafficError(
-            "flashnb.traffic.count() needs the Numba CUDA simulator, but this process runs kernels on a GPU "
-            "(flashnb.MODE == 'gpu'). Start a fresh process with FLASHNB_DEVICE=sim (the mode is fixed when "
+            "flashnb.instruments.traffic.count() needs the Numba CUDA simulator, but this process runs kernels on a "
+            "GPU (flashnb.MODE == 'gpu'). Start a fresh process with FLASHNB_DEVICE=sim (the mode is fixed when "
             "numba.cuda is first imported) to count element accesses; on a GPU use Nsight Compute for bytes.")
 
 
 def count() -> Traffic:
-    """A new traffic counter: ``with flashnb.traffic.count() as t: ...``; raises :class:`TrafficError` in
+    """A new traffic counter: ``with flashnb.instruments.traffic.count() as t: ...``; raises :class:`TrafficError` in
     GPU mode."""
     _check_simulator()
     return Traffic()

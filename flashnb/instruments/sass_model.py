@@ -1,8 +1,8 @@
 """A modelled time from the machine code: what a kernel's SASS costs on a GPU's pipes, without a GPU.
 
-The roofline (:mod:`flashnb.roofline`) says how fast a kernel *could* run from its FLOPs and HBM bytes.  It
+The roofline (:mod:`flashnb.instruments.roofline`) says how fast a kernel *could* run from its FLOPs and HBM bytes.  It
 cannot tell a kernel whose inner loop is 85 % FFMA from one at 25 %: both do the same FLOPs.  This model
-counts the instructions the kernel *issues* -- from its SASS (:mod:`flashnb.sass`) -- and charges each one
+counts the instructions the kernel *issues* -- from its SASS (:mod:`flashnb.instruments.sass`) -- and charges each one
 to the pipes of an SM (NVIDIA's published per-SM throughputs, CUDA C++ Programming Guide, "Arithmetic
 Instructions", cc 8.0 / 9.0):
 
@@ -18,15 +18,16 @@ pipe           per SM per clock                       what is charged
                                                       (``.4``: 4); LDGSTS.128: 4 (its shared-memory write); SHFL: 1
 ``tensor``     dense FP16 multiply-adds per SM per    HMMA: its multiply-adds (``16816``: 2,048, ``1688``: 1,024),
                clock: cc 7.5 512, cc 8.0 1,024, cc    TF32 counted twice (half the rate); see
-               9.0 2,048 (:mod:`flashnb.roofline`'s   :attr:`flashnb.roofline.GPU.tensor_clock_hz` for the clock
-               whitepaper figures)                    that gives each datasheet's dense peak
+               9.0 2,048 (:mod:`~flashnb.instruments.    :attr:`~flashnb.instruments.roofline.GPU.tensor_clock_hz`
+               roofline`'s whitepaper figures)        for the clock that gives each datasheet's dense peak
 =============  =====================================  =========================================================
 
 and HBM is charged the bytes of the kernel's analytic traffic model at the datasheet bandwidth.
 
-The *work* of a kernel is its FFMAs, or its HMMAs when it has tensor-core instructions (:attr:`flashnb.sass.Sass.work`):
-the tile loop and the matmul loops below are found by that category, and ``phases`` count it.  A tensor-core tile
-loop usually holds no inner loop at all (every MMA of a tile unrolled); then it is the loop with the most HMMAs.
+The *work* of a kernel is its FFMAs, or its HMMAs when it has tensor-core instructions
+(:attr:`flashnb.instruments.sass.Sass.work`): the tile loop and the matmul loops below are found by that category, and
+``phases`` count it.  A tensor-core tile loop usually holds no inner loop at all (every MMA of a tile unrolled); then
+it is the loop with the most HMMAs.
 
 **How many times each instruction runs** (the SASS is static; the count is not).  A FlashAttention kernel is
 a prologue (load ``Q_i``), a loop over K/V tiles -- the *tile loop*, the loop with the most FFMAs that holds
@@ -71,8 +72,9 @@ _MIO = {"lds", "sts", "ldsm", "ldgsts"}
 
 def _per_clock(gpu: GPU) -> dict:
     """Warp-instructions (wavefronts; FP16 multiply-adds for the tensor pipe) each pipe of one SM takes per clock of
-    ``gpu.boost_clock_hz``.  The tensor pipe's per-SM rate runs at :attr:`~flashnb.roofline.GPU.tensor_clock_hz`,
-    converted here to boost-clock cycles, so a tensor-bound kernel meets the datasheet's dense peak."""
+    ``gpu.boost_clock_hz``.  The tensor pipe's per-SM rate runs at
+    :attr:`~flashnb.instruments.roofline.GPU.tensor_clock_hz`, converted here to boost-clock cycles, so a
+    tensor-bound kernel meets the datasheet's dense peak."""
     tensor = gpu.tensor_fma_per_sm_clk * gpu.tensor_clock_hz / gpu.boost_clock_hz if gpu.tensor_fma_per_sm_clk \
         else 0.0
     return {"issue": 4.0, "fp32": gpu.fp32_lanes_per_sm / 32, "mufu": 0.5, "mio": 1.0, "tensor": tensor}
@@ -225,7 +227,7 @@ def _tile_loop_trips(s, tile_loop, shape, ffma_in, trips, roles):
 
 
 def count(s, shape: KernelShape) -> SassCounts:
-    """Per-warp dynamic counts of the kernel whose SASS is ``s`` (a :class:`flashnb.sass.Sass`).
+    """Per-warp dynamic counts of the kernel whose SASS is ``s`` (a :class:`flashnb.instruments.sass.Sass`).
 
     A tensor-core kernel may run its tiles in two loops with the same HMMAs: the tiles no mask touches, and the
     *edge* tiles (the causal diagonal, the end of the keys) with the masking code.  Then the shorter loop is the
@@ -309,8 +311,8 @@ class SassTime:
         return self.flops / self.seconds / 1e12
 
     def fraction_of_peak(self, gpu: str | GPU | None = None, peak: str = "fp32") -> float:
-        """Modelled FLOP/s over a roof of ``gpu``: ``peak`` as in :meth:`flashnb.roofline.GPU.peak` (``"fp32"``,
-        ``"tensor_fp16"``, ``"tensor_tf32"``)."""
+        """Modelled FLOP/s over a roof of ``gpu``: ``peak`` as in :meth:`flashnb.instruments.roofline.GPU.peak`
+        (``"fp32"``, ``"tensor_fp16"``, ``"tensor_tf32"``)."""
         return self.flops / self.seconds / get_gpu(gpu or self.gpu).peak(peak)
 
 
@@ -352,7 +354,7 @@ def _module_of(kernel: str):
     """The module that defines a registered kernel's factory (it provides the model's inputs)."""
     import sys
 
-    from .registry import KERNELS
+    from ..registry import KERNELS
 
     if kernel in KERNELS:
         return sys.modules[KERNELS[kernel].factory.__module__]
@@ -375,8 +377,9 @@ def _hbm_bytes(module, model, config) -> float:
 
 def _launch(kernel, module, config, shape, visited, order, BH, model, flops, g, cc, Nq, Nk,
             edge_name) -> SassTime:
-    """One launch's modelled time; ``visited``: :func:`flashnb.fa2.tiles_visited` (its first field, the block)."""
-    from . import inspect as fi
+    """One launch's modelled time; ``visited``: :func:`flashnb.stages.fa2.tiles_visited` (its first field, the
+    block)."""
+    from .. import instruments as fi
     from . import sass
 
     s = sass.sass(kernel, config=config, cc=cc)
@@ -403,8 +406,8 @@ def forward_time(kernel: str, BH: int, Nq: int, Nk: int, d: int, *, causal: bool
     (ptxas's registers and static shared memory, plus the dynamic shared memory the registry says its launcher
     asks for), and its blocks in launch order (``launch_order``: heavy-first or not).  ``tiles`` go to the
     module's ``sass_config`` (tiles, the product kernel's features; ``storage`` for fa2-tc)."""
+    from ..stages.fa2 import tiles_visited
     from . import roofline
-    from .fa2 import tiles_visited
 
     g = get_gpu(gpu)
     cc = tuple(cc or g.cc)
@@ -425,8 +428,8 @@ def backward_time(kernel: str, BH: int, Nq: int, Nk: int, d: int, *, causal: boo
     one block per K/V tile visiting the Q tiles (the module's ``bwd_sass_config``, ``bwd_sass_shape``,
     ``bwd_launch_order``), plus the HBM time of the launches around it (``D = rowsum(dO∘O)``, dQ's narrowing),
     which move bytes and do no matmul.  FLOPs: 2.5 × the forward's (the benchmark formula)."""
+    from ..stages.fa2 import tiles_visited
     from . import roofline
-    from .fa2 import tiles_visited
 
     g = get_gpu(gpu)
     cc = tuple(cc or g.cc)

@@ -1,6 +1,6 @@
 """Stage 6 -- from readable to fast: the FA2 forward (FA2 Alg. 1) and backward (Alg. 2) tuned against their SASS.
 
-Same algorithm, grid ``(Tr, BH)``, split-Q warps and register micro-tiles as :mod:`flashnb.fa2` (stage 4,
+Same algorithm, grid ``(Tr, BH)``, split-Q warps and register micro-tiles as :mod:`flashnb.stages.fa2` (stage 4,
 kept readable); what changes is *how* each thread's share of the work reaches the FP32 units.  Every change
 answers a finding of the stage-4 audit (``flashnb sass fa2.forward``, ``flashnb profile fa2``):
 
@@ -142,8 +142,7 @@ import warnings
 import numpy as np
 from numba import cuda, float32, uint32
 
-from . import fa2
-from .common import (
+from ..common import (
     NEG_INF,
     ZERO,
     allow_dynamic_shared,
@@ -154,8 +153,8 @@ from .common import (
     launch,
     shared_optin_limit,
 )
-from .kernels import blocks
-from .kernels.blocks import (  # noqa: F401  (the geometry is stage 6's public API)
+from ..kernels import blocks
+from ..kernels.blocks import (  # noqa: F401  (the geometry is stage 6's public API)
     LC,
     LR,
     PAD,
@@ -166,7 +165,8 @@ from .kernels.blocks import (  # noqa: F401  (the geometry is stage 6's public A
     needs_dynamic,
     shared_bytes,
 )
-from .registry import kernel_factory, register_impl
+from ..registry import kernel_factory, register_impl
+from . import fa2
 
 __all__ = ["make_forward", "make_backward", "forward", "backward", "model_forward", "model_backward", "default_tiles",
            "bwd_default_tiles", "geometry", "bwd_geometry", "shared_bytes", "bwd_shared_bytes", "needs_dynamic",
@@ -570,8 +570,8 @@ def sass_config(d, causal, Br=None, Bc=None, warps=None) -> dict:
 
 
 def sass_shape(config):
-    """The fields of a :class:`flashnb.sass_model.KernelShape` for the forward kernel, per thread: FFMAs of line 8
-    (``TM·TN·Dp``) and line 10 (``TM·DN·Bc``) per K/V tile; K_j and V_j words copied (``2·Bc·Dp`` over the
+    """The fields of a :class:`flashnb.instruments.sass_model.KernelShape` for the forward kernel, per thread: FFMAs of
+    line 8 (``TM·TN·Dp``) and line 10 (``TM·DN·Bc``) per K/V tile; K_j and V_j words copied (``2·Bc·Dp`` over the
     block's threads), Q_i's; the O_i words stored row by row, and L."""
     g = geometry(config["Br"], config["Bc"], config["d"], config["warps"])
     NT, Dp, Bc, Br = g["threads"], g["Dp"], config["Bc"], config["Br"]

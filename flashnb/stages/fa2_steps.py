@@ -1,6 +1,7 @@
-"""Stage 4, step by step -- the ladder from FA2's Algorithm 1 to the warp-partitioned kernel of :mod:`flashnb.fa2`.
+"""Stage 4, step by step -- the ladder from FA2's Algorithm 1 to the warp-partitioned kernel of
+:mod:`flashnb.stages.fa2`.
 
-The kernel in :mod:`flashnb.fa2` does three things at once: it runs FA2 Alg. 1, it splits the query rows of
+The kernel in :mod:`flashnb.stages.fa2` does three things at once: it runs FA2 Alg. 1, it splits the query rows of
 a block over warps (split-Q), and it gives every lane a register micro-tile (lanes along rows *and*
 columns, ``P~`` passed by shuffles).  This module separates them into steps, each a real kernel with its
 own launcher and exact traffic model:
@@ -14,19 +15,19 @@ own launcher and exact traffic model:
   and the arrays live in local memory -- ``flashnb inspect`` reports them as stack bytes).
 * **step (b)** :func:`make_splitq_forward` (``impl="fa2-splitq"``) -- the same algorithm with the block's
   ``Br`` rows split over ``W`` warps: warp ``w`` owns ``Br/W`` rows, ``R = Br/(32·W)`` per lane;
-  ``Q_i`` is in shared memory (Alg. 1 line 4, as in FA1 and in :mod:`flashnb.fa2`); no warp ever reads
+  ``Q_i`` is in shared memory (Alg. 1 line 4, as in FA1 and in :mod:`flashnb.stages.fa2`); no warp ever reads
   another warp's result.
-* **step (c)** is :func:`flashnb.fa2.make_forward` itself (``impl="fa2"``): split-Q plus register micro-tiles.
+* **step (c)** is :func:`flashnb.stages.fa2.make_forward` itself (``impl="fa2"``): split-Q plus register micro-tiles.
 
 Only the forward is stepped (the step kernels have no backward: Alg. 2 is transcribed in NumPy, and the
-backward kernel is :func:`flashnb.fa2.make_backward`).
+backward kernel is :func:`flashnb.stages.fa2.make_backward`).
 
 Shared-memory reads per FMA in the inner loops, which is what the steps change (``d`` = head dim):
 (a) ``S``: one ``K_j`` read per FMA, ``P~V``: one ``V_j`` read per FMA -- 1 FMA per shared read, paid for
 with ``2d`` thread-private floats for its ``Q`` and ``O~`` rows; (b) ``S`` reads ``Q_i`` *and* ``K_j`` per
 FMA -- 2/3 FMA per shared read, the same inner loop as FA1's split-K kernel minus FA1's merge of the
 warps' partial results; (c) micro-tiles, ``TM·TN`` FMAs per ``TM + TN`` reads
-(:func:`flashnb.fa2.fmas_per_shared_read`).
+(:func:`flashnb.stages.fa2.fmas_per_shared_read`).
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ import math
 import numpy as np
 from numba import cuda, float32
 
+from ..common import NEG_INF, ONE, ZERO, causal_allowed, cdiv, empty, launch, load_rows
+from ..registry import kernel_factory, register_impl
 from . import fa2
-from .common import NEG_INF, ONE, ZERO, causal_allowed, cdiv, empty, launch, load_rows
-from .registry import kernel_factory, register_impl
 
 __all__ = ["fa2_forward_numpy", "fa2_backward_numpy", "make_rows_forward", "make_splitq_forward",
            "forward_rows", "forward_splitq", "model_rows_forward", "model_splitq_forward", "rows_tiles",

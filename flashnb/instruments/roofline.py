@@ -109,7 +109,7 @@ def get_gpu(gpu: str | GPU) -> GPU:
         return gpu
     if isinstance(gpu, str) and gpu in GPUS:
         return GPUS[gpu]
-    raise ValueError(f"gpu must be a flashnb.roofline.GPU or one of {sorted(GPUS)}, got {gpu!r}")
+    raise ValueError(f"gpu must be a flashnb.instruments.roofline.GPU or one of {sorted(GPUS)}, got {gpu!r}")
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from .common import (
+from ..common import (
     NEG_INF,
     ONE,
     ZERO,
@@ -63,8 +63,8 @@ from .common import (
     storage_dtype,
     storage_of,
 )
-from .registry import kernel_factory, register_impl
-from .rng import check_dropout, dropout_kernel_args, dropout_scale
+from ..registry import kernel_factory, register_impl
+from ..rng import check_dropout, dropout_kernel_args, dropout_scale
 
 __all__ = ["BlockMask", "PreparedMask", "prepare_block_mask",
            "make_forward", "make_preprocess", "make_backward", "forward", "backward", "model_forward",
@@ -135,7 +135,7 @@ def default_tiles(d: int, direction: str = "forward") -> dict:
 def _configs(direction):
     """What the PTX guard compiles: the default tiles of every head-dim class (causal on and off), plus
     one-warp tiles with an odd head dim (padded to the lanes); the block-sparse variant (FA1 Alg. 5, see
-    :mod:`flashnb.block_sparse`) with causal off and on, smallest and largest head dim; half storage (float16,
+    :mod:`flashnb.stages.block_sparse`) with causal off and on, smallest and largest head dim; half storage (float16,
     bfloat16); dropout (dense causal d = 64; block-sparse GQA d = 128); attention modifiers last."""
     return ([dict(**default_tiles(d, direction), d=d, causal=c) for d, c in ((32, False), (64, True), (128, True))]
             + [dict(Br=16, Bc=16, d=20, warps=1, causal=False)]
@@ -206,7 +206,7 @@ def device_modifier(fn):
     """``fn`` compiled as an inlined device function, one per Python function (so every kernel that uses it
     shares it; a :func:`flashnb.flex.snapshot` brings its frozen copy); ``None`` stays ``None``.  The
     :data:`~flashnb.registry.KERNEL_CACHE_SIZE` most recently used are kept."""
-    from .registry import KERNEL_CACHE_SIZE
+    from ..registry import KERNEL_CACHE_SIZE
 
     if fn is None:
         return None
@@ -711,7 +711,7 @@ def make_convert(storage="float16"):
 
 
 # --------------------------------------------------------------------------- block masks
-# The type fa2's ``block_mask=`` takes.  It lives here, in the lower module, and flashnb.block_sparse
+# The type fa2's ``block_mask=`` takes.  It lives here, in the lower module, and flashnb.stages.block_sparse
 # (the patterns and impl="fa2-sparse") re-exports it: block_sparse builds on fa2, never the reverse.
 
 
@@ -800,7 +800,7 @@ class BlockMask:
 
     def expand(self, Nq: int, Nk: int) -> np.ndarray:
         """The element mask ``(..., Nq, Nk)`` (for :mod:`flashnb.reference`'s ``mask=``)."""
-        from .reference import expand_block_mask
+        from ..reference import expand_block_mask
 
         self.check(Nq, Nk)
         if self.mask_mod is not None:
@@ -1179,7 +1179,7 @@ def itemsizes(storage="float32") -> dict:
 def model_bytes(model, storage="float32") -> list:
     """A traffic model (elements, CONTRIBUTING.md's format) in bytes at ``storage``: per launch
     ``dict(launch, read_bytes, write_bytes, atomic_bytes)``, each the sum of elements × :func:`itemsizes` --
-    what :class:`flashnb.traffic.LaunchTraffic` reports as ``read_bytes`` and ``write_bytes`` of a counted
+    what :class:`flashnb.instruments.traffic.LaunchTraffic` reports as ``read_bytes`` and ``write_bytes`` of a counted
     launch."""
     size = itemsizes(storage)
     return [dict(launch=m["launch"], read_bytes=sum(n * size[a] for a, n in m["reads"].items()),
@@ -1260,8 +1260,8 @@ def sass_config(d, causal, Br=None, Bc=None, warps=None) -> dict:
 
 
 def sass_shape(config):
-    """The fields of a :class:`flashnb.sass_model.KernelShape` for the forward kernel, per thread: FFMAs of line 8
-    (``TM·TN·d``) and of line 10 (``TM·DN·Bc``) per K/V tile; iterations of the K_j and V_j copy loops
+    """The fields of a :class:`flashnb.instruments.sass_model.KernelShape` for the forward kernel, per thread: FFMAs of
+    line 8 (``TM·TN·d``) and of line 10 (``TM·DN·Bc``) per K/V tile; iterations of the K_j and V_j copy loops
     (``Bc·d`` and ``Bc·Dp`` elements over the block's threads), of the Q_i copy; the O_i stores."""
     g = geometry(config["Br"], config["Bc"], config["d"], config["warps"])
     NT, d, Bc, Br = g["threads"], config["d"], config["Bc"], config["Br"]

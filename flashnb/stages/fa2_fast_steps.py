@@ -1,4 +1,4 @@
-"""Stage 6, step by step -- what each change of :mod:`flashnb.fa2_fast` does to the machine code.
+"""Stage 6, step by step -- what each change of :mod:`flashnb.stages.fa2_fast` does to the machine code.
 
 The fast kernel changes several things at once.  Here each change is one small kernel: the heart of FA2
 Alg. 1 line 8 -- copy ``Q_i`` and ``K_j`` (``R = C = 32`` rows of ``d``) from HBM to shared memory, then
@@ -6,7 +6,7 @@ Alg. 1 line 8 -- copy ``Q_i`` and ``K_j`` (``R = C = 32`` rows of ``d``) from HB
 of rows ``lr + 4a`` and columns ``lc + 8b`` (stage 4's thread layout) -- written four ways, each one change
 away from the one before:
 
-1. :func:`make_qk_stage4` -- as stage 4 writes it (:func:`flashnb.fa2.make_forward`): tiles stored
+1. :func:`make_qk_stage4` -- as stage 4 writes it (:func:`flashnb.stages.fa2.make_forward`): tiles stored
    *transposed* (``QsT[k, r]``) so that lanes read consecutive rows; ``for k in range(d)``.
 2. :func:`make_qk_u32` -- the same with a 32-bit unsigned loop counter and unsigned shared indices (``while
    k < uint32(d)``): numba's ``range`` keeps a 64-bit counter, and a signed index gets a negative-index
@@ -34,8 +34,8 @@ import re
 import numpy as np
 from numba import cuda, float32, uint32
 
-from .common import ZERO
-from .registry import kernel_factory
+from ..common import ZERO
+from ..registry import kernel_factory
 
 __all__ = ["make_qk_stage4", "make_qk_u32", "make_qk_vec", "make_qk_swizzle", "make_stream", "run", "run_stream",
            "load_to_use", "STEPS", "R", "C", "TM", "TN"]
@@ -281,8 +281,8 @@ _REG = re.compile(r"\bR(\d+)\b")
 
 
 def load_to_use(s) -> list:
-    """For every global load (LDG) in the loop with the most FFMAs (``s``: a :class:`flashnb.sass.Sass`), the
-    number of instructions issued before the first one that reads its result (going round the loop, as the
+    """For every global load (LDG) in the loop with the most FFMAs (``s``: a :class:`flashnb.instruments.sass.Sass`),
+    the number of instructions issued before the first one that reads its result (going round the loop, as the
     next iteration would): the latency the warp has work to cover with.  ``[]`` without such a loop."""
     loops = [lp for lp in s.loops if any(i.category == "ffma" for i in s.instructions[lp[0]:lp[1] + 1])]
     if not loops:

@@ -13,7 +13,7 @@ GPU they would first run -- and first fail -- on borrowed GPU time.  Inside ``wi
 while the kernels still run on the simulator.  **Nothing produced here is a GPU measurement**: the device
 is named ``REHEARSAL (simulator, not a GPU)`` and every CSV row says ``mode=rehearsal``.
 
-A child process started by :func:`flashnb.bench.on_gpu` under rehearsal rehearses too
+A child process started by :func:`flashnb.instruments.bench.on_gpu` under rehearsal rehearses too
 (``FLASHNB_REHEARSAL=1`` with ``FLASHNB_DEVICE=sim``).
 """
 
@@ -23,7 +23,7 @@ import contextlib
 import os
 import time
 
-from . import runtime
+from .. import runtime
 
 __all__ = ["DEVICE_NAME", "ManualClock", "PretendDevice", "PretendEvent", "pretend_gpu", "active", "ENV",
            "dynamic_shared_requests"]
@@ -116,7 +116,8 @@ def pretend_gpu(clock=None):
         raise RuntimeError("pretend_gpu() rehearses GPU paths on the simulator; this process has a real GPU")
     from numba import cuda
 
-    # flashnb.bench asks active() for its driver versions ("rehearsal"): it imports this module, not the reverse
+    # flashnb.instruments.bench asks active() for its driver versions ("rehearsal"): it imports this module, not the
+    # reverse
     clock = clock or _wall_ms
     patches = [(runtime, "MODE", "gpu"),
                (cuda, "event", lambda timing=True: PretendEvent(clock, timing)),

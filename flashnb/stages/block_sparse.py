@@ -6,10 +6,10 @@ with ``M_ij = 0`` is never loaded and never computed, and the attention is restr
 ``S_ij = -inf`` wherever ``M = 0``.  Its HBM traffic is Θ(Nd + N²d²s/M) (Proposition 4), ``s`` the fraction
 of nonzero blocks: the tile term shrinks with ``s``, the ``Nd`` term (Q read, O written once) does not.
 
-There is no second kernel here: :mod:`flashnb.fa2`'s kernel factories take a compile-time ``sparse`` flag
+There is no second kernel here: :mod:`flashnb.stages.fa2`'s kernel factories take a compile-time ``sparse`` flag
 (``if sparse and M[z, i, j] == 0: continue``), and ``impl="fa2"`` takes ``block_mask=`` -- a
 :class:`BlockMask` (the boolean array *and* the tiles it was built for) or a plain boolean array read at the
-forward's tiles.  :func:`flashnb.fa2.block_tiles` explains how the mask maps onto the forward's and the
+forward's tiles.  :func:`flashnb.stages.fa2.block_tiles` explains how the mask maps onto the forward's and the
 backward's (smaller) tiles.
 
 Patterns (each returns a :class:`BlockMask`; on the *block* grid, aligned like the causal mask to the
@@ -34,10 +34,10 @@ import functools
 
 import numpy as np
 
+from ..common import cdiv, positive_int
+from ..registry import register_impl
 from . import fa2
-from .common import cdiv, positive_int
 from .fa2 import BlockMask
-from .registry import register_impl
 
 __all__ = ["BlockMask", "causal", "local", "strided", "fixed", "butterfly", "random", "dense", "PATTERNS",
            "forward", "backward", "measure_gpu"]
@@ -209,9 +209,9 @@ def measure_gpu(BH: int = 16, N: int = 4096, d: int = 64, densities=(1.0, 0.5, 0
     """CUDA-event time of fa2's block-sparse forward at several densities of a random block mask (GPU only;
     for notebook 07).  Masks are built at fa2's default forward tiles and copied to the device untimed; FLOPs
     count only the computed blocks (dense FLOPs x density)."""
-    from . import bench
-    from .common import poisoning, to_device
-    from .roofline import flops_forward
+    from ..common import poisoning, to_device
+    from ..instruments import bench
+    from ..instruments.roofline import flops_forward
 
     info = bench.device_info()
     rng = np.random.default_rng(seed)

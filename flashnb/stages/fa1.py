@@ -32,8 +32,8 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from . import common
-from .common import (
+from .. import common
+from ..common import (
     NEG_INF,
     ROWS_PER_BLOCK,
     ZERO,
@@ -50,7 +50,7 @@ from .common import (
     store_rows,
     store_vec,
 )
-from .registry import kernel_factory, register_impl
+from ..registry import kernel_factory, register_impl
 
 __all__ = ["make_forward", "make_backward", "make_init_forward", "make_zero_rows", "make_lse", "tiles",
            "forward", "forward_stats", "backward", "model_forward", "model_backward", "WARP", "WARPS",

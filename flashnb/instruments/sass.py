@@ -1,6 +1,6 @@
 """The machine code of a kernel, without a GPU: SASS and its instruction mix (the godbolt of this library).
 
-:func:`sass` compiles a kernel as :mod:`flashnb.inspect` does (``compile_ptx`` through NVVM, then ``ptxas`` for
+:func:`sass` compiles a kernel as :mod:`flashnb.instruments` does (``compile_ptx`` through NVVM, then ``ptxas`` for
 one architecture), disassembles the cubin with ``nvdisasm`` (the ``nvidia-cuda-nvdisasm`` wheel, pinned with
 the rest of the toolchain) and sorts every instruction into what it costs:
 
@@ -234,8 +234,8 @@ def parse(text: str, name: str = "kernel", cc=(9, 0)) -> Sass:
 
 
 def _disassemble(res, name: str, cc) -> Sass:
-    """ptxas + nvdisasm on the PTX of ``res`` (a :class:`flashnb.inspect.Resources` kept with its PTX)."""
-    from . import inspect as fi  # flashnb.inspect never imports this module (no import cycle)
+    """ptxas + nvdisasm on the PTX of ``res`` (a :class:`flashnb.instruments.Resources` kept with its PTX)."""
+    from .. import instruments as fi  # flashnb.instruments never imports this module (no import cycle)
 
     if res.ptx is None:
         raise RuntimeError(f"{name}: no PTX ({res.error})")
@@ -261,7 +261,7 @@ def _disassemble(res, name: str, cc) -> Sass:
 def sass_many(jobs, cc=(9, 0)) -> list:
     """:func:`sass` of many registered ``(name, config)`` at once: one compile batch (on the simulator, one
     child process instead of one per kernel), then ptxas and nvdisasm per kernel."""
-    from . import inspect as fi
+    from .. import instruments as fi
 
     jobs = [(n, dict(c)) for n, c in jobs]
     key = lambda n, c: (n, tuple(sorted(c.items())), tuple(cc))
@@ -279,11 +279,11 @@ _SASS: dict = {}     # (name, config, cc) -> Sass: a registered kernel's code is
 def sass(kernel, signature_or_example_args=None, cc=(9, 0), *, config=None) -> Sass:
     """SASS of a kernel for ``cc``: a registered kernel's name and ``config`` (``sass("fa2.forward",
     config=dict(Br=64, Bc=32, warps=4, d=64, causal=False))``), or a ``@cuda.jit`` kernel with its signature
-    or example arguments (as :func:`flashnb.inspect.resources`).  Needs ptxas and nvdisasm (both installed
+    or example arguments (as :func:`flashnb.instruments.resources`).  Needs ptxas and nvdisasm (both installed
     with flashnb's pinned toolchain); no GPU.  The result's ``resources`` are ptxas's (registers, shared
     memory, spills) for the same compile."""
-    from . import inspect as fi  # flashnb.inspect never imports this module (no import cycle)
-    from .registry import KERNELS
+    from .. import instruments as fi  # flashnb.instruments never imports this module (no import cycle)
+    from ..registry import KERNELS
 
     if isinstance(kernel, str):
         spec = KERNELS[kernel]

@@ -40,8 +40,8 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from . import runtime
-from .common import (
+from .. import runtime
+from ..common import (
     NEG_INF,
     ONE,
     ZERO,
@@ -54,7 +54,7 @@ from .common import (
     load_rows,
     to_device,
 )
-from .registry import kernel_factory, register_impl
+from ..registry import kernel_factory, register_impl
 
 __all__ = [
     "make_softmax_unsafe", "make_softmax_safe", "make_softmax_online", "make_online_partials",
@@ -532,10 +532,10 @@ def measure_gpu(rows: int = 4096, n: int = 4096, *, threads: int = 256, repeats:
                 seed: int = 1) -> list[dict]:
     """CUDA-event time of each softmax method on a ``rows x n`` float32 matrix (GPU only; for notebook 02).
 
-    One row per method: the :class:`flashnb.bench.Timing` fields plus the modelled HBM bytes
+    One row per method: the :class:`flashnb.instruments.bench.Timing` fields plus the modelled HBM bytes
     (:func:`model_softmax`) and the bandwidth they imply, ``model_bytes / median``.
     """
-    from . import bench
+    from ..instruments import bench
 
     info = bench.device_info()
     X = to_device(np.random.default_rng(seed).standard_normal((rows, n), dtype=np.float32))
@@ -631,7 +631,7 @@ register_impl("onepass", stage="2",
 def attention_rows(q, K, V, *, tile=TILE, scale=None, causal=False, return_lse=False):
     """Attention for query rows ``q`` (``(d,)`` or ``(Nq, d)``) over keys ``K`` and values ``V`` (``(Nk, d)``),
     in one pass over K and V (see :func:`forward`).  Returns ``o`` (q's shape), and ``lse`` if asked."""
-    from .api import _check_finite, _check_qkv, _check_scale
+    from ..api import _check_finite, _check_qkv, _check_scale
 
     q_arr = np.asarray(q)
     q2 = q_arr[None] if q_arr.ndim == 1 else q_arr

@@ -1,7 +1,7 @@
 """Decoding with a KV cache: flash-decoding (split-KV) for a few new queries against a long cache.
 
 When a language model generates text, each step attends ``Nq = 1`` new query (a few with speculative
-decoding: up to 8 here) to every key and value cached so far.  FA2's forward (:mod:`flashnb.fa2`) puts one
+decoding: up to 8 here) to every key and value cached so far.  FA2's forward (:mod:`flashnb.stages.fa2`) puts one
 thread block on each block of ``Br`` query rows of each head: at ``Nq = 1`` that is **one block per head**,
 so a GPU with 132 SMs running 8 heads keeps 124 SMs idle while 8 blocks each stream the whole cache.
 
@@ -13,7 +13,7 @@ Flash-decoding splits the *keys* instead (split-KV):
    and its log-sum-exp ``L_s``.  Inside the block the *warps* split the keys of each K/V tile (one key per
    thread for ``S = Q_i K_jᵀ``; the thread's lane then shares its ``P~`` with the warp for ``P~ V_j``), so
    each warp keeps its own ``[m, l, O~]``, and the block ends by merging its warps' states.
-2. :func:`make_merge` -- grid ``(Nq, BH)``, one warp each: the stage-2 merge operator (:func:`flashnb.softmax.
+2. :func:`make_merge` -- grid ``(Nq, BH)``, one warp each: the stage-2 merge operator (:func:`flashnb.stages.softmax.
    merge_state`, ``[m, l] ⊕ [m', l']``) folded over the splits in log-sum-exp form,
    ``L = log Σ_s e^(L_s)``, and ``O = Σ_s e^(L_s - L) O_s``.  A split with no allowed key has
    ``L_s = -inf`` and weighs nothing.
@@ -42,8 +42,8 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from . import roofline, runtime
-from .common import (
+from .. import runtime
+from ..common import (
     NEG_INF,
     ONE,
     ZERO,
@@ -57,9 +57,10 @@ from .common import (
     positive_int,
     to_device,
 )
-from .reference import check_causal, check_scale
-from .registry import kernel_factory, register_impl
-from .softmax import merge_state, warp_reduce_state
+from ..instruments import roofline
+from ..reference import check_causal, check_scale
+from ..registry import kernel_factory, register_impl
+from ..stages.softmax import merge_state, warp_reduce_state
 
 __all__ = ["KVCache", "make_split", "make_merge", "make_append", "decode", "forward", "default_warps",
            "default_splits", "chunk_length", "shared_bytes", "model_forward", "launch_blocks", "modelled_time",
@@ -242,7 +243,7 @@ def make_split(NQ, d, warps, causal):
                 threads=WARP)
 def make_merge(d):
     """Combine the splits' partials: grid ``(Nq, BH)``, one warp per query row; lanes fold the splits'
-    ``[L_s, 1]`` with :func:`flashnb.softmax.merge_state`, then weigh each ``O_s`` by ``e^(L_s - L)``."""
+    ``[L_s, 1]`` with :func:`flashnb.stages.softmax.merge_state`, then weigh each ``O_s`` by ``e^(L_s - L)``."""
     DN = cdiv(d, WARP)
 
     @cuda.jit
@@ -398,10 +399,10 @@ def default_warps(d: int) -> int:
 
 
 def sm_count(gpu=None) -> int:
-    """SMs to fill: ``gpu``'s (a :mod:`flashnb.roofline` preset or GPU); ``None``: this GPU's own count when
+    """SMs to fill: ``gpu``'s (a :mod:`flashnb.instruments.roofline` preset or GPU); ``None``: this GPU's own count when
     running on one, else the H100 SXM preset's."""
     if gpu is None:
-        from . import rehearsal
+        from ..instruments import rehearsal
 
         if runtime.MODE == "gpu" and not rehearsal.active():
             return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
@@ -471,7 +472,7 @@ def decode(q, cache: KVCache, *, scale=None, causal=None, num_splits=None, warps
     :func:`sm_count`, this GPU's own when None); more splits than tiles leave some splits empty, which is
     allowed.  ``warps``: per split block (default :func:`default_warps`); K/V tiles are ``32·warps`` keys."""
     if not isinstance(cache, KVCache):
-        raise TypeError(f"cache must be a flashnb.decode.KVCache, got {type(cache).__name__}")
+        raise TypeError(f"cache must be a flashnb.kernels.decode.KVCache, got {type(cache).__name__}")
     if cache.length < 1:
         raise ValueError("cache is empty (length 0): append keys and values first")
     shape = tuple(getattr(q, "shape", np.shape(q)))
@@ -560,7 +561,7 @@ def model_forward(BH, Nq, Nk, d, *, causal=False, num_splits=None, warps=None, g
     straight from HBM), writes ``O_part``, ``L_part`` rows; shared: ``Q_i`` written (NQ·d), per tile ``K_j``
     written (Bc·d) and read by every thread (d, plus NQ·d of ``Q_i``), then the warps' states written
     (2·warps·NQ + warps·NQ·Dp) and read 4·warps times per output element.  Merge: ``L_part`` read twice, ``O_part``
-    once, O and L written; shared: 2 writes and 64 reads per row (:func:`flashnb.softmax.warp_reduce_state`).
+    once, O and L written; shared: 2 writes and 64 reads per row (:func:`flashnb.stages.softmax.warp_reduce_state`).
     ``group`` (GQA, ``BH_q / BH_kv``): the blocks run per K/V head, each on up to 8 of the ``group·Nq`` rows that
     share it, so K and V are read once per K/V head and chunk (per 8 rows)."""
     causal, NQ, warps, S = _plan(BH, Nq, Nk, d, causal, num_splits, warps, gpu, group)
@@ -618,9 +619,9 @@ def modelled_time(BH, Nq, Nk, d, *, causal=True, num_splits=None, warps=None, gp
 
 
 def fa2_modelled_time(BH, Nq, Nk, d, *, causal=True, gpu="H100 SXM", Br=None, Bc=None, warps=None) -> dict:
-    """FA2's forward (:mod:`flashnb.fa2`, default tiles) by the same per-SM roofline as :func:`modelled_time`:
+    """FA2's forward (:mod:`flashnb.stages.fa2`, default tiles) by the same per-SM roofline as :func:`modelled_time`:
     one block per ``Br`` query rows of each head, each reading Q_i, its visited K/V tiles, writing O_i, L_i."""
-    from . import fa2
+    from ..stages import fa2
 
     g = roofline.get_gpu(gpu)
     causal = check_causal(causal, Nq, Nk)
@@ -645,14 +646,15 @@ def fa2_modelled_time(BH, Nq, Nk, d, *, causal=True, gpu="H100 SXM", Br=None, Bc
 def measure_gpu(BH: int = 8, length: int = 32768, d: int = 128, Nq: int = 1, splits=(1, 4, 16, None), *,
                 repeats: int = 20, warmup: int = 3, seed: int = 0) -> list[dict]:
     """CUDA-event times (GPU only; for notebook 11) of :func:`decode` at each split count in ``splits`` (None:
-    the heuristic for this GPU's SMs) and of FA2's forward (:func:`flashnb.fa2.forward`, default tiles) on the
+    the heuristic for this GPU's SMs) and of FA2's forward (:func:`flashnb.stages.fa2.forward`, default tiles) on the
     same ``Nq`` queries and cache, with the blocks each launches.  The cache is filled before timing."""
-    from . import bench, fa2
-    from .common import poisoning
+    from ..common import poisoning
+    from ..instruments import bench
+    from ..stages import fa2
 
     if runtime.MODE != "gpu":
         raise RuntimeError("measure_gpu times kernels on a GPU; on the simulator use bench.on_gpu("
-                           "'flashnb.decode:measure_gpu', ...), which measures nothing without a GPU")
+                           "'flashnb.kernels.decode:measure_gpu', ...), which measures nothing without a GPU")
     info = bench.device_info()
     rng = np.random.default_rng(seed)
     q = to_device(rng.standard_normal((BH, Nq, d), dtype=np.float32))

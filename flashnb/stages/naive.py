@@ -19,7 +19,7 @@ import math
 
 from numba import cuda, float32
 
-from .common import (
+from ..common import (
     NEG_INF,
     ROWS_PER_BLOCK,
     causal_allowed,
@@ -31,7 +31,7 @@ from .common import (
     load_tile,
     row_index,
 )
-from .registry import kernel_factory, register_impl
+from ..registry import kernel_factory, register_impl
 
 __all__ = ["make_matmul", "make_softmax_rows", "make_p_from_lse", "make_softmax_bwd_rows",
            "forward", "backward", "model_forward", "model_backward", "matmul_model", "TILE", "ROWS_PER_BLOCK"]

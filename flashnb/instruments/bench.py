@@ -12,8 +12,8 @@
 
 On the simulator a Python thread runs each CUDA thread, so wall time says nothing about a GPU:
 :func:`time_call` raises :class:`SimulatorTimingError`, and :func:`sweep` writes only *modelled* rows
-(roofline estimates from :mod:`flashnb.roofline`, labelled ``mode=modelled``) with the timing columns empty.
-:mod:`flashnb.rehearsal` runs all of this on the simulator with a pretend device (``mode=rehearsal``) so the
+(roofline estimates from :mod:`flashnb.instruments.roofline`, labelled ``mode=modelled``) with the timing columns empty.
+:mod:`flashnb.instruments.rehearsal` runs all of this on the simulator with a pretend device (``mode=rehearsal``) so the
 code is exercised before a GPU is lent; those numbers are not measurements.
 """
 
@@ -35,8 +35,9 @@ from typing import Callable, Iterable
 import numpy as np
 from numba import cuda, uint32
 
-from . import rehearsal, runtime
-from .registry import kernel_factory
+from .. import runtime
+from ..registry import kernel_factory
+from . import rehearsal
 from .roofline import GPU, get_gpu, modelled_time
 
 __all__ = ["SimulatorTimingError", "Timing", "measure_impls", "on_gpu", "gpu_available", "table", "FP32_LANES_PER_SM",
@@ -94,7 +95,7 @@ def _device_attr(dev, name: str):
 
 def _driver_release() -> str:
     """The NVIDIA driver release (e.g. ``580.159.03``) from NVML or nvidia-smi; "" when neither answers
-    (``rehearsal`` under :func:`flashnb.rehearsal.pretend_gpu`)."""
+    (``rehearsal`` under :func:`flashnb.instruments.rehearsal.pretend_gpu`)."""
     if rehearsal.active():
         return "rehearsal"
     try:
@@ -120,7 +121,7 @@ def _driver_release() -> str:
 
 def _driver_api_version() -> str:
     """The CUDA version the driver implements (cuDriverGetVersion, e.g. ``13.0``); "" when unknown
-    (``rehearsal`` under :func:`flashnb.rehearsal.pretend_gpu`)."""
+    (``rehearsal`` under :func:`flashnb.instruments.rehearsal.pretend_gpu`)."""
     if rehearsal.active():
         return "rehearsal"
     try:
@@ -263,7 +264,7 @@ def time_call(fn: Callable[[], object], *, repeats: int = 20, warmup: int = 3, f
     if runtime.is_simulator():
         raise SimulatorTimingError(
             "time_call needs a real GPU: on the Numba CUDA simulator wall time measures Python threads, not a "
-            "GPU. Use flashnb.roofline.modelled_time(flops, bytes, gpu) for a modelled estimate.")
+            "GPU. Use flashnb.instruments.roofline.modelled_time(flops, bytes, gpu) for a modelled estimate.")
     for name, value in (("repeats", repeats), ("warmup", warmup)):
         if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "repeats" else 0):
             raise ValueError(f"{name} must be an int >= {1 if name == 'repeats' else 0}, got {value!r}")
@@ -312,8 +313,8 @@ def measure_impls(impls=("fa2",), BH: int = 8, N: int = 1024, d: int = 64, causa
     implementation's own ``o``, ``lse``.  One row per (impl, direction) with the :class:`Timing` fields,
     FLOPs from :meth:`flashnb.registry.Impl.flops`, and ``gpu_name`` / ``mode`` (``measured``).
     """
-    from .common import to_device
-    from .registry import IMPLS
+    from ..common import to_device
+    from ..registry import IMPLS
 
     names = [impls] if isinstance(impls, str) else list(impls)
     for n in names:
@@ -411,7 +412,7 @@ def table(rows: list[dict] | None, columns) -> str:
 def modelled_bytes(impl: str, B: int, H: int, N: int, d: int, causal: bool, direction: str = "fwd") -> float | None:
     """HBM bytes of an implementation from its stage module's analytic model (``model_forward`` /
     ``model_backward``: element counts x 4 bytes); None when the stage has no such model."""
-    from .registry import IMPLS
+    from ..registry import IMPLS
 
     entry = IMPLS[impl]
     fn = entry.forward if direction == "fwd" else entry.backward
@@ -459,11 +460,11 @@ def _device_gpu(info: dict, fallback: str) -> GPU:
                FP32_LANES_PER_SM.get(cc, 0))
 
 
-from .common import poisoning  # noqa: E402
+from ..common import poisoning  # noqa: E402
 
 
 def _inputs(B, H, N, d, seed=0):
-    from .common import to_device
+    from ..common import to_device
 
     rng = np.random.default_rng(seed)
     return [to_device(rng.standard_normal((B * H, N, d), dtype=np.float32)) for _ in range(4)]
@@ -482,7 +483,7 @@ def sweep(impls=None, Ns=(1024, 2048, 4096), ds=(64, 128), causal=(False, True),
     ``deadline`` (a ``time.monotonic()`` value): a job whose projected time (one warm call, synchronised, x
     the calls it would make) would end past it is skipped, and so is everything once it has passed.
     """
-    from .registry import IMPLS
+    from ..registry import IMPLS
 
     names = list(IMPLS) if impls is None else [impls] if isinstance(impls, str) else list(impls)
     for n in names:
@@ -587,9 +588,9 @@ def plot_sweep(rows: list[dict]):
 
 def bench_parser() -> argparse.ArgumentParser:
     """The ``flashnb bench`` argument parser."""
-    from .api import MAX_HEAD_DIM
-    from .argtypes import int_in
-    from .registry import IMPLS
+    from ..api import MAX_HEAD_DIM
+    from ..argtypes import int_in
+    from ..registry import IMPLS
     from .roofline import GPUS
 
     p = argparse.ArgumentParser(
@@ -657,8 +658,8 @@ def measure_storage(BH: int = 16, N: int = 4096, d: int = 64, storages=("float32
     """CUDA-event time of fa2's forward and backward with Q, K, V, O (dO, dK, dV, dQ) in each storage, at one
     shape (GPU only; notebook 11's measurement, through :func:`on_gpu`).  Same values in every storage (drawn
     once, rounded to float16); each row carries the modelled HBM bytes (``fa2.model_bytes``) of its launches."""
-    from .common import poisoning, to_bfloat16, to_device
-    from .fa2 import backward, forward, model_backward, model_bytes, model_forward
+    from ..common import poisoning, to_bfloat16, to_device
+    from ..stages.fa2 import backward, forward, model_backward, model_bytes, model_forward
 
     info = device_info()
     rng = np.random.default_rng(seed)

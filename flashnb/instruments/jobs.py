@@ -1,0 +1,216 @@
+"""Compile jobs -- a registered kernel, a kernel in an importable module, or one shipped as source -- here in a
+GPU-mode process, or in child processes started with ``FLASHNB_DEVICE=gpu`` when this process runs the simulator
+(``NUMBA_ENABLE_CUDASIM`` is read once per process, so ``numba.cuda.compile_ptx`` does not exist in it; NVVM and
+ptxas need no driver and no GPU).
+
+NVVM (numba's front end, then libNVVM) costs far more per kernel than ptxas, so a batch is arranged around it:
+
+* one NVVM pass per (kernel, config), for the lowest cc asked for; ptxas assembles that PTX for every cc, with the
+  ``.target`` line rewritten (:func:`flashnb.instruments.ptxas.retarget_ptx`).  NVVM's PTX for cc 8.0 and 9.0 is
+  the same but for ``.target`` and symbol names (:func:`~flashnb.instruments.ptxas.normalized_ptx`);
+  ``tests/test_ptx_guard.py`` re-checks that on a sample, and ``resources_many(..., reuse_ptx=False)`` runs NVVM
+  per cc.  Were NVVM's cc 9.0 output ever to differ for a kernel outside that sample, its sm_90 row would describe
+  the sm_80 PTX assembled for sm_90 -- what the driver's JIT runs from an sm_80 build.
+* the groups are dealt over ``$FLASHNB_INSPECT_PROCESSES`` child processes (default: the CPUs, at most 4), and in
+  each, ptxas runs in a thread pool while NVVM compiles the next kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Mapping
+
+from .. import runtime
+from ..registry import KERNELS, KernelSpec
+from .ptx_cache import _cached_ptx, _ptx_key, _store_ptx
+from .ptxas import Resources, _compile_error, _nvvm, _ptx_resources, retarget_ptx
+from .shipping import _REBUILD_ERROR, _rebuild_function
+
+
+def _key(name: str, config: Mapping, cc) -> tuple:
+    return (name, json.dumps(dict(config), sort_keys=True, default=str), tuple(cc))
+
+
+_CACHE: dict[tuple, Resources] = {}
+
+
+def _threads(spec: KernelSpec | None, config: dict) -> int | None:
+    if spec is None:
+        return None
+    with contextlib.suppress(AttributeError):
+        return spec.threads_for(config)
+    return None
+
+
+class _RebuildError(RuntimeError):
+    """The compile process could not rebuild a kernel sent as source (its message starts with _REBUILD_ERROR)."""
+
+
+def _resolve(job: dict):
+    """``(kernel, signature, name, config, threads)`` of one job.  A job names a registered kernel (``name``,
+    ``config``), a kernel in an importable module (``module``, ``attr``, ``signature``), or carries a kernel's
+    source (``source``: see :func:`_describe_function`; ``signature``) -- a kernel written in ``__main__``, a
+    notebook cell or a user module, rebuilt here without importing or re-running the user's code."""
+    if "source" in job:
+        try:
+            fn = _rebuild_function(job["source"])
+        except Exception as exc:
+            raise _RebuildError(f"{_REBUILD_ERROR}: {type(exc).__name__}: {exc}") from exc
+        return fn, job["signature"], job.get("name", "?"), job.get("config", {}), None
+    if "attr" in job:
+        obj = importlib.import_module(job["module"])
+        for part in job["attr"].split("."):
+            obj = getattr(obj, part)
+        return obj, job["signature"], job.get("name", job["attr"]), job.get("config", {}), None
+    spec = KERNELS[job["name"]]
+    config = job["config"]
+    return spec.factory(**config), spec.signature_for(config), spec.name, config, _threads(spec, config)
+
+
+def _group_key(job: dict) -> str:
+    """Jobs that differ only in ``cc`` share one NVVM pass."""
+    return json.dumps({k: v for k, v in job.items() if k != "cc"}, sort_keys=True, default=str)
+
+
+def _groups(jobs: list[dict], reuse_ptx: bool) -> list[list[int]]:
+    """Indices of ``jobs`` grouped by one NVVM pass each (every job alone unless ``reuse_ptx``), ccs ascending."""
+    groups: dict[Any, list[int]] = {}
+    for i, job in enumerate(jobs):
+        groups.setdefault(_group_key(job) if reuse_ptx else i, []).append(i)
+    return [sorted(g, key=lambda i: tuple(jobs[i]["cc"])) for g in groups.values()]
+
+
+def _job_signature(job: dict) -> str | None:
+    if "signature" in job:
+        return job["signature"]
+    spec = KERNELS.get(job.get("name"))
+    return spec.signature_for(job["config"]) if spec is not None else None
+
+
+def _compile_jobs(jobs: list[dict], *, reuse_ptx: bool = True, ptxas_threads: int = 2) -> list[Resources]:
+    """Compile ``jobs`` in this (GPU-mode) process.
+
+    One NVVM pass per kernel and config, for the lowest cc asked for; with ``reuse_ptx`` its PTX, retargeted
+    (:func:`retarget_ptx`), is what ptxas assembles for the higher ccs too (``reuse_ptx=False``: a separate
+    NVVM pass per cc).  NVVM runs here, one kernel after another; each ptxas is a process of its own, run by
+    a pool of ``ptxas_threads`` threads while NVVM goes on with the next kernel."""
+    out: list[Resources | None] = [None] * len(jobs)
+    with ThreadPoolExecutor(max_workers=max(1, ptxas_threads)) as pool:
+        pending = []
+        for group in _groups(jobs, reuse_ptx):
+            first = jobs[group[0]]
+            try:
+                kernel, sig, name, config, threads = _resolve(first)
+            except Exception as exc:
+                error = str(exc) if isinstance(exc, _RebuildError) else f"{type(exc).__name__}: {exc}"
+                for i in group:
+                    out[i] = Resources(first.get("name", first.get("attr", "?")), first.get("config", {}),
+                                       tuple(jobs[i]["cc"]), error=error)
+                continue
+            key = _ptx_key(first, sig, first["cc"]) if reuse_ptx else None
+            ptx = _cached_ptx(key)
+            if ptx is None:
+                try:
+                    ptx = _nvvm(kernel, sig, tuple(first["cc"]))
+                except Exception as exc:
+                    for i in group:
+                        out[i] = _compile_error(exc, name, config, tuple(jobs[i]["cc"]))
+                    continue
+                _store_ptx(key, ptx)
+            for i in group:
+                cc = tuple(jobs[i]["cc"])
+                pending.append((i, threads, pool.submit(_ptx_resources, retarget_ptx(ptx, cc), name, config, cc)))
+        for i, threads, fut in pending:
+            out[i] = fut.result()
+            out[i].threads = threads
+    return out
+
+
+def _worker() -> None:
+    """Child-process entry point: JSON jobs on stdin, JSON results on stdout."""
+    import flashnb  # noqa: F401  (registers every stage)
+
+    payload = json.load(sys.stdin)
+    keep_ptx = bool(payload.get("keep_ptx"))
+    out = []
+    for res in _compile_jobs(payload["jobs"], reuse_ptx=payload.get("reuse_ptx", True)):
+        if not keep_ptx:
+            res.ptx = None
+        out.append(res.to_json())
+    sys.stdout.write("\n@@FLASHNB-JSON@@\n" + json.dumps(out))
+
+
+def _processes() -> int:
+    """Child processes for a batch of compiles: ``$FLASHNB_INSPECT_PROCESSES``, else the CPUs (at most 4)."""
+    env = os.environ.get("FLASHNB_INSPECT_PROCESSES")
+    if env:
+        return max(1, int(env))
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def _one_child(jobs: list[dict], keep_ptx: bool, reuse_ptx: bool, timeout: float) -> list[Resources]:
+    env = dict(os.environ)
+    env["FLASHNB_DEVICE"] = "gpu"
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    root = str(Path(__file__).resolve().parents[2])   # the directory holding the flashnb package
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.run([sys.executable, "-c", "from flashnb.instruments.jobs import _worker; _worker()"],
+                          input=json.dumps({"jobs": jobs, "keep_ptx": keep_ptx, "reuse_ptx": reuse_ptx}),
+                          capture_output=True, text=True, env=env, timeout=timeout)
+    marker = "\n@@FLASHNB-JSON@@\n"
+    if proc.returncode != 0 or marker not in proc.stdout:
+        raise RuntimeError(f"PTX compile subprocess failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return [Resources.from_json(d) for d in json.loads(proc.stdout.split(marker, 1)[1])]
+
+
+def _in_subprocess(jobs: list[dict], keep_ptx: bool = False, timeout: float = 1800, *,
+                   reuse_ptx: bool = True) -> list[Resources]:
+    """Compile ``jobs`` in child processes started with ``FLASHNB_DEVICE=gpu`` (:func:`_processes` of them,
+    each given whole NVVM groups, dealt round-robin so the big kernels of one module are spread out).  Groups
+    whose PTX is in the disk cache (:func:`ptx_cache_dir`) need no child: ptxas runs from here."""
+    out: list[Resources | None] = [None] * len(jobs)
+    groups, cached = [], []
+    for g in _groups(jobs, reuse_ptx):
+        first = jobs[g[0]]
+        ptx = _cached_ptx(_ptx_key(first, _job_signature(first), first["cc"])) if reuse_ptx else None
+        if ptx is None:
+            groups.append(g)
+        else:
+            cached += [(i, ptx) for i in g]
+    with ThreadPoolExecutor(max_workers=2) as pool:   # ptxas processes for the cached PTX
+        done = [(i, pool.submit(_ptx_resources, retarget_ptx(ptx, jobs[i]["cc"]), jobs[i].get("name", "?"),
+                                jobs[i].get("config", {}), tuple(jobs[i]["cc"]))) for i, ptx in cached]
+        if groups:
+            n = max(1, min(_processes(), len(groups)))
+            shares = [[i for g in groups[p::n] for i in g] for p in range(n)]
+            with ThreadPoolExecutor(max_workers=n) as children:
+                futures = [children.submit(_one_child, [jobs[i] for i in share], keep_ptx, reuse_ptx, timeout)
+                           for share in shares]
+                results = [f.result() for f in futures]
+            for share, res in zip(shares, results):
+                for i, r in zip(share, res):
+                    out[i] = r
+        for i, fut in done:
+            r = fut.result()
+            r.threads = _threads(KERNELS.get(jobs[i].get("name")), jobs[i]["config"]) if "source" not in jobs[i] \
+                and "attr" not in jobs[i] else None
+            if not keep_ptx:
+                r.ptx = None
+            out[i] = r
+    return out
+
+
+def _can_compile_here() -> bool:
+    if runtime.is_simulator():
+        return False
+    from numba import cuda
+
+    return cuda.compile_ptx is not None
+

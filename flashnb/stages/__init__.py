@@ -1,0 +1,13 @@
+"""The stages: teaching kernels, one idea each, in the order the notebooks teach them.
+
+| stage | module | what it teaches |
+|---|---|---|
+| 1 | :mod:`~flashnb.stages.naive` | standard attention: S and P round-trip HBM |
+| 2 | :mod:`~flashnb.stages.softmax` | unsafe, safe 3-pass and online 2-pass softmax; one-pass attention |
+| 3 | :mod:`~flashnb.stages.fa1` | FlashAttention-1: tiling, split-K warps, recomputation |
+| 4 | :mod:`~flashnb.stages.fa2`, :mod:`~flashnb.stages.fa2_steps` | FlashAttention-2 and its ladder |
+| 5 | :mod:`~flashnb.stages.block_sparse` | block-sparse FlashAttention: skipped blocks are never loaded |
+| 6 | :mod:`~flashnb.stages.fa2_fast`, :mod:`~flashnb.stages.fa2_fast_steps` | from readable to fast |
+
+The product kernel every call runs by default is not a lesson: it lives in :mod:`flashnb.kernels`.
+"""
