@@ -2,7 +2,7 @@
 
     python benchmarks/racecheck_cost.py
 
-The sizes and tiles are those of tests/test_sim_racecheck.py (several tiles, two warps).  Wall time on the
+The sizes and tiles are those of tests/sim/test_sim_racecheck.py (several tiles, two warps).  Wall time on the
 simulator: it says how long a check takes here, nothing about a GPU.
 """
 

@@ -2,7 +2,7 @@
 
 * :data:`KERNELS` -- every ``@cuda.jit`` kernel in the package, as a *kernel factory* (a function of
   compile-time constants such as tile sizes that returns a kernel) together with its launch signature and
-  the configurations the PTX guard compiles.  ``tests/test_ptx_guard.py`` checks that no kernel in the
+  the configurations the PTX guard compiles.  ``tests/instruments/test_ptx_guard.py`` checks that no kernel in the
   source tree is missing from it.
 * :data:`IMPLS` -- the implementations behind ``flashnb.attention(..., impl=NAME)``.
 

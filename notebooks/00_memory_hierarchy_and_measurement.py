@@ -470,7 +470,7 @@ assert report.findings[0].tool == "memcheck"
 
 # %% [markdown]
 # Every flashnb kernel, forward and backward, passes all four tools in the tests
-# (`tests/test_sim_sanitizer.py`), with tiles small enough that every loop reloads its shared tiles;
+# (`tests/sim/test_sim_sanitizer.py`), with tiles small enough that every loop reloads its shared tiles;
 # `flashnb sanitize my_script.py` runs a script of your own under them.
 #
 # ### A.5 · What a GPU adds

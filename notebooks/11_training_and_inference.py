@@ -212,7 +212,7 @@ plt.show()
 # %% [markdown]
 # The relative error does not grow with the inputs' magnitude: float32 arithmetic on exact inputs, one rounding
 # at the end. It sits below each format's unit roundoff, and the float16 result is the float32 kernel's rounded
-# (the `==` column). `tests/test_half.py` checks the same claims with bounds derived per element (the scores'
+# (the `==` column). `tests/kernels/test_half.py` checks the same claims with bounds derived per element (the scores'
 # float32 error propagated through the softmax, plus one rounding), for forward and backward, causal or not.
 #
 # **Range.** float16's largest value is 65504. $O$ is a convex combination of rows of $V$, so it never leaves

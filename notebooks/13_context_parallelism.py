@@ -389,7 +389,7 @@ assert stale["errors"]["o"]["ok"] and not stale["errors"]["dq"]["ok"]
 
 # %% [markdown]
 # The output is exact, so a forward test, a loss curve's first step or an inference benchmark all pass. Only
-# gradients against a single-device reference catch it -- which is why `tests/test_distributed.py` asserts dq,
+# gradients against a single-device reference catch it -- which is why `tests/distributed/test_distributed.py` asserts dq,
 # dk and dv for every layout, mode and W in {2, 3, 4}, not only o.
 
 # %% [markdown]

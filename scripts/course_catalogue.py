@@ -81,7 +81,8 @@ def exercise_answers() -> str:
 
     out = ["# Worked answers to the notebooks' exercises", "",
            "Made by `python scripts/course_catalogue.py` from `flashnb.exercises` (each exercise's explanation "
-           "and the code of its solution, which `tests/test_exercises.py` checks passes the exercise's check). "
+           "and the code of its solution, which `tests/exercises/test_exercises.py` checks passes the exercise's "
+           "check). "
            "Learners see the same with `exercises.answer(\"NN.k\")`.", ""]
     exercises._load_all()
     for ex in sorted(exercises.EXERCISES.values(), key=lambda e: [int(x) for x in e.id.split(".")]):

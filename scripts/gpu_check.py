@@ -49,7 +49,8 @@ import flashnb  # noqa: E402  (chooses GPU or simulator before numba.cuda is imp
 ATOL = 2e-4
 RTOL = 2e-4
 # TF32 (fa2-tc's float32 path) keeps 10 mantissa bits: inputs and P rounded by up to 2^-11 relative; on the
-# simulator's O(1) problems the errors are <= 2e-3 (tests/test_fa2_tc.py), at N = 1024 o is an average of 1024 values
+# simulator's O(1) problems the errors are <= 2e-3 (tests/kernels/test_flash_tc.py), at N = 1024 o is an average of 1024
+# values
 TF32_TOL = 5e-3
 NCU_METRICS = "dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum"
 

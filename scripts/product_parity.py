@@ -7,8 +7,8 @@ simulator's memory profiler (:func:`flashnb.sim.profile`) -- shared-memory bank 
 request against their ideal.  Then what dropout's Philox costs: the SASS time model
 (:mod:`flashnb.instruments.sass_model`, H100 SXM, the FA2 paper's N = 4096) with and without dropout, and the
 instructions of its loop per element. Writes ``benchmarks/product_parity.md`` (``--out``) and prints it.
-``tests/test_flash_parity.py`` checks the same rows (the CI part of them).  Compiles about 40 kernels: several minutes
-on 2 cores.
+``tests/kernels/test_flash_parity.py`` checks the same rows (the CI part of them).  Compiles about 40 kernels: several
+minutes on 2 cores.
 """
 
 from __future__ import annotations

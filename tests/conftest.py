@@ -55,28 +55,52 @@ def assert_close(actual, expected, *, atol, rtol, what):
     )
 
 
-# Stage markers, so a course (or a learner) can run one stage's tests: `pytest -m stage3`.
-STAGE_OF_MODULE = {
-    "test_runtime": "stage0", "test_api": "stage0", "test_reference": "stage0", "test_packaging": "stage0",
-    "test_traffic": "stage0", "test_sim_fastbarrier": "stage0", "test_sim_warp": "stage0",
-    "test_sim_warp_ptx": "stage0", "test_inspect": "stage0", "test_roofline": "stage0", "test_bench": "stage0",
-    "test_ptx_guard": "stage0", "test_cli": "stage0", "test_notebooks": "stage0", "test_readme": "stage0",
-    "test_rehearsal": "stage0", "test_sim_racecheck": "stage0", "test_sim_sanitizer": "stage0",
-    "test_sim_memprofile": "stage0", "test_inspect_user_kernels": "stage0", "test_course": "stage0",
-    "test_sim_vector": "stage0", "test_sim_vector_ops": "stage0", "test_sim_vector_fallback": "stage0",
-    "test_course_a1": "stage2", "test_course_a2": "stage3", "test_course_a3": "stage4", "test_course_a4": "stage4",
-    "test_course_a5": "stage5", "test_course_hostile": "stage0",
-    "test_gpu_path_bugs": "stage0", "test_sass": "stage0",
-    "test_traffic_tools": "stage0", "test_api_checks": "stage0", "test_cli_args": "stage0",
-    "test_exercises": "stage0", "test_registry_variant": "stage0",
-    "test_causal_alignment": "stage0", "test_torch": "stage0", "test_torch_ops": "stage0",
-    "test_naive": "stage1", "test_softmax": "stage2", "test_fa1": "stage3", "test_fa2": "stage4",
-    "test_fa2_steps": "stage4", "test_dropout": "stage4", "test_half": "stage4",
-    "test_block_sparse": "stage5", "test_flex": "flex", "test_flex_grad": "flex", "test_decode": "decode",
-    "test_fa2_fast": "stage6", "test_sass_model": "stage6", "test_fa2_fast_steps": "stage6",
-    "test_flash": "product", "test_flash_parity": "product",
-    "test_distributed": "distributed", "test_tensorcore": "stage7", "test_fa2_tc": "stage7",
-}
+# Markers from where a test lives, so a course (or a learner) can run one stage's tests: `pytest -m stage3`.  The
+# folders mirror the package: tests/stages/test_fa2*.py test flashnb.stages.fa2*, whose docstring says "Stage 4";
+# tests/kernels/ test the product kernel (or, where the module under test says "Stage 7", the tensor cores); the
+# simulator, the instruments and the top-level modules are the toolkit of stage 0.  A test of a module whose
+# name is a declared marker (flex, decode, distributed) gets that marker too.
+TESTS = Path(__file__).resolve().parent
+PACKAGE = TESTS.parent / "flashnb"
+FOLDER_MARKER = {"": "stage0", "stages": "stage0", "sim": "stage0", "instruments": "stage0", "exercises": "stage0",
+                 "pytorch": "stage0", "course": "course", "kernels": "product", "distributed": "distributed"}
+
+
+def _module_under_test(folder: str, stem: str) -> Path | None:
+    """The package module a test file tests: the longest ``flashnb/<folder>/<name>.py`` whose name starts the test
+    file's name after ``test_`` (``tests/stages/test_fa2_steps.py``: ``flashnb/stages/fa2_steps.py``)."""
+    name = stem[len("test_"):]
+    base = PACKAGE / folder if folder else PACKAGE
+    names = sorted((p.stem for p in base.glob("*.py") if p.stem != "__init__"), key=len, reverse=True)
+    return next((base / f"{n}.py" for n in names if name == n or name.startswith(n + "_")), None)
+
+
+def _stage_of(module: Path | None) -> str | None:
+    """``stageN`` when the module's docstring begins ``Stage N``."""
+    if module is None:
+        return None
+    import re
+
+    m = re.match(r'\s*(?:[rR]?"""|\'\'\')\s*Stage (\d+)\b', module.read_text())
+    return f"stage{m.group(1)}" if m else None
+
+
+def markers_of(path: Path, declared: set) -> list[str]:
+    """The markers of the test file at ``path`` (see above); a UsageError for a file in no known folder."""
+    rel = path.resolve().relative_to(TESTS)
+    folder = rel.parts[0] if len(rel.parts) > 1 else ""
+    if folder not in FOLDER_MARKER:
+        raise pytest.UsageError(f"{rel}: tests live in tests/ or one of its folders "
+                                f"{sorted(f for f in FOLDER_MARKER if f)}")
+    module = _module_under_test(folder if folder in ("stages", "kernels", "sim", "instruments") else "", path.stem)
+    stage = _stage_of(module)
+    if folder == "stages" and stage is None:
+        raise pytest.UsageError(f"{rel}: a stage's test is named after a module of flashnb/stages (test_<module>*.py) "
+                                "whose docstring begins 'Stage N'")
+    out = [stage or FOLDER_MARKER[folder]]
+    if module is not None and module.stem in declared and module.stem not in out:
+        out.append(module.stem)
+    return out
 
 
 # Notebooks that need the optional PyTorch extra: skipped (not failed) where torch is not installed.
@@ -96,11 +120,14 @@ def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(RUN_FIRST)}
     items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))   # stable: the rest keep order
     no_torch = importlib.util.find_spec("torch") is None
+    declared = {line.split(":", 1)[0].strip() for line in config.getini("markers")}
+    cache: dict = {}
     for item in items:
         if no_torch and Path(str(item.fspath)).name in NEEDS_TORCH:
             item.add_marker(pytest.mark.skip(reason='needs PyTorch: pip install "flashnb[torch]"'))
-        module = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
-        if module.startswith("test_") and module not in STAGE_OF_MODULE:
-            raise pytest.UsageError(f"{module}.py has no stage: add it to STAGE_OF_MODULE in tests/conftest.py")
-        if module in STAGE_OF_MODULE:
-            item.add_marker(getattr(pytest.mark, STAGE_OF_MODULE[module]))
+        path = Path(str(item.fspath))
+        if path.suffix == ".py" and path.name.startswith("test_"):
+            if path not in cache:
+                cache[path] = markers_of(path, declared)
+            for name in cache[path]:
+                item.add_marker(getattr(pytest.mark, name))

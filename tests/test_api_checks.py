@@ -14,7 +14,7 @@ from flashnb.registry import IMPLS
 # float32 kernels against the float64 reference on O(1) inputs with Nk <= 12: a few float32 ulps per dot product
 TOL = dict(atol=2e-5, rtol=2e-5)
 # an impl whose float32 path runs through TF32 tensor cores (10-bit mantissas: inputs and P rounded by up to 2^-11
-# relative): errors measured <= 2e-3 at these sizes; see tests/test_fa2_tc.py
+# relative): errors measured <= 2e-3 at these sizes; see tests/kernels/test_flash_tc.py
 TOL_TF32 = dict(atol=5e-3, rtol=5e-3)
 # block-sparse impls need at least two tiles to skip one; their masks are checked with these small tiles
 SMALL_TILES = {"fa2": dict(Br=16, Bc=16, warps=1), "fa2-sparse": dict(Br=16, Bc=16, warps=1)}

@@ -12,8 +12,8 @@ from flashnb.registry import IMPLS
 
 # Dense impls with their fastest small options; naive launches one thread per element of S, so it gets the
 # smallest problem of all (one head) below.
-# fa2 and flash are `slow` here (CI budget): tests/test_fa2.py and tests/test_flash.py check their causal Nq != Nk
-# against the reference, both alignments
+# fa2 and flash are `slow` here (CI budget): tests/stages/test_fa2.py and tests/kernels/test_flash.py check their
+# causal Nq != Nk against the reference, both alignments
 FAST = ("onepass", "fa1", pytest.param("fa2", marks=pytest.mark.slow), pytest.param("flash", marks=pytest.mark.slow))
 
 

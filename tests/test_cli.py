@@ -16,7 +16,8 @@ def test_tour_rows_cover_every_impl_and_agree_with_reference():
     assert forward == set(IMPLS)
     assert backward == {n for n, e in IMPLS.items() if e.backward}
     for r in rows:
-        # float32 vs float64 on 12 keys: ~1e-7 expected; TF32 (fa2-tc's float32 path): ~1e-3 (tests/test_fa2_tc.py)
+        # float32 vs float64 on 12 keys: ~1e-7 expected; TF32 (fa2-tc's float32 path): ~1e-3
+        # (tests/kernels/test_flash_tc.py)
         assert r["max_abs_err"] < (5e-3 if IMPLS[r["impl"]].precision == "tf32" else 1e-5), r
         assert r["modelled_ns"] > 0
     # the naive forward's counted bytes are exactly its model's

@@ -247,3 +247,23 @@ def test_find_cycle_reports_the_cycle():
 def test_no_import_cycles_in_the_package():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_markers_come_from_the_folder_and_the_stage_docstring(tmp_path):
+    """`pytest -m stage4` selects stage 4's tests because tests/stages/test_fa2*.py test flashnb/stages/fa2*.py,
+    whose docstrings begin "Stage 4"; no hand-kept map of test files to stages."""
+    from conftest import TESTS, markers_of
+
+    declared = {"flex", "decode", "distributed"}
+    assert markers_of(TESTS / "stages" / "test_fa2.py", declared) == ["stage4"]
+    assert markers_of(TESTS / "stages" / "test_fa2_fast_steps.py", declared) == ["stage6"]
+    assert markers_of(TESTS / "stages" / "test_block_sparse.py", declared) == ["stage5"]
+    assert markers_of(TESTS / "kernels" / "test_flash_tc.py", declared) == ["stage7"]
+    assert markers_of(TESTS / "kernels" / "test_decode.py", declared) == ["product", "decode"]
+    assert markers_of(TESTS / "kernels" / "test_half.py", declared) == ["product"]
+    assert markers_of(TESTS / "test_flex.py", declared) == ["stage0", "flex"]
+    assert markers_of(TESTS / "course" / "test_course_a3.py", declared) == ["course"]
+    with pytest.raises(pytest.UsageError, match="Stage N"):
+        markers_of(TESTS / "stages" / "test_not_a_stage.py", declared)
+    with pytest.raises(pytest.UsageError, match="one of its folders"):
+        markers_of(TESTS / "elsewhere" / "test_x.py", declared)

@@ -1,4 +1,5 @@
-"""Typical mistakes in A2 (the FA1 forward), each with the points it must lose (graded by tests/test_course.py)."""
+"""Typical mistakes in A2 (the FA1 forward), each with the points it must lose (graded by
+tests/course/test_course.py)."""
 
 from flashnb.course.bugs import Bug
 

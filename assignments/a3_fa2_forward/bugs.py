@@ -1,4 +1,5 @@
-"""Typical mistakes in A3 (the FA2 forward), each with the points it must lose (graded by tests/test_course.py)."""
+"""Typical mistakes in A3 (the FA2 forward), each with the points it must lose (graded by
+tests/course/test_course.py)."""
 
 from flashnb.course.bugs import Bug
 

@@ -1,4 +1,4 @@
-"""Typical mistakes in A4, each with the points it must lose (graded by tests/test_course.py)."""
+"""Typical mistakes in A4, each with the points it must lose (graded by tests/course/test_course.py)."""
 
 from flashnb.course.bugs import Bug
 

@@ -1,6 +1,6 @@
 """Realistic wrong submissions, made from an assignment's solution by small edits, with the points each must
 lose and what the grader must say.  ``assignments/<name>/bugs.py`` lists them as ``BUGS``; the test suite
-grades every one (``tests/test_course.py``) and ``scripts/course_catalogue.py`` writes the TA catalogue
+grades every one (``tests/course/test_course.py``) and ``scripts/course_catalogue.py`` writes the TA catalogue
 (``assignments/CATALOGUE.md``) from what the grader printed."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ not ``solution.ipynb``, which grading never needs and a submission must not find
 ``run_autograder`` grades with :func:`flashnb.course.grade.grade`, so the screen, the limits and the checks of
 the bundle all apply; Gradescope adds a container per submission.  ``$AUTOGRADER_ROOT`` (default
 ``/autograder``) and ``$FLASHNB_PYTHON`` (default ``/autograder/venv/bin/python``) let the same script run
-outside Gradescope, on a folder laid out the same way (``tests/test_course_hostile.py`` does).
+outside Gradescope, on a folder laid out the same way (``tests/course/test_course_hostile.py`` does).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ answer to these assignments never needs:
   ``type(name, bases, dict)``.
 
 :func:`screen` returns one :class:`Finding` per refused construct (cell, line, what, why); the grader scores a
-refused submission 0 with those lines as feedback.  ``tests/test_course_hostile.py`` runs the screen on every
+refused submission 0 with those lines as feedback.  ``tests/course/test_course_hostile.py`` runs the screen on every
 solution, every catalogued bug and a set of student-written helpers (none is refused) and on every hostile
 submission of its catalogue (each is).  The screen is one layer: what it lets through still runs with the
 grader's process limits, its integrity check and its authenticated results channel (``assignments/README.md``,

@@ -13,7 +13,7 @@ prints; ``strict=True`` raises :class:`Wrong` instead (for tests and graders).
 
 Checks are written against independent ground truth -- the float64 reference, the traffic counter, the
 race checker, numbers derived from the papers' formulas -- never against the learner's own output.  Each
-exercise also ships its solution as code (``Exercise.solution``), and ``tests/test_exercises.py`` checks
+exercise also ships its solution as code (``Exercise.solution``), and ``tests/exercises/test_exercises.py`` checks
 that every solution passes its check and that typical wrong answers do not.
 """
 
@@ -76,7 +76,7 @@ def exercise(id: str, title: str, *, level: int, minutes: int, hint: str = "", e
 
     ``signatures`` maps each answer that is a kernel to the Numba signature the check launches it with: the
     kernels of the worked solution and of the wrong answers go through the PTX guard with it
-    (``tests/test_exercises.py``), like every kernel in the package."""
+    (``tests/exercises/test_exercises.py``), like every kernel in the package."""
     if level not in LEVELS:
         raise ValueError(f"level must be 1, 2 or 3, got {level!r}")
 

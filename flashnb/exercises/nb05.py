@@ -355,7 +355,7 @@ def check_05_5(kernel, Bc):
         empty = ~np.isfinite(lse_ref)
         require(np.array_equal(lse[empty], lse_ref[empty]) and not np.abs(o[empty]).any(),
                 f"at {what}, rows that see no key must write O = 0 and L = -inf")
-        # float32 against float64: sums of at most 70 O(1) products, as tests/test_fa2.py bounds them (2e-5)
+        # float32 against float64: sums of at most 70 O(1) products, as tests/stages/test_fa2.py bounds them (2e-5)
         err_o = float(np.abs(o - o_ref).max())
         err_l = float(np.abs(lse[~empty] - lse_ref[~empty]).max()) if (~empty).any() else 0.0
         require(err_o <= 2e-5 * (1 + np.abs(o_ref).max()), f"at {what}, O is off the float64 reference by "

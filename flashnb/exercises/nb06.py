@@ -368,7 +368,7 @@ def check_06_5(kernel, Br):
             got = out.copy_to_host()
             bad = sorted(set(np.argwhere(np.isnan(got))[:, 1].tolist()))
             require(not bad, f"at {what}, {name} rows {bad[:6]} were never written (still NaN)")
-            # float32 against float64: chained sums of at most 70 O(1) products (tests/test_fa2.py: 1e-4)
+            # float32 against float64: chained sums of at most 70 O(1) products (tests/stages/test_fa2.py: 1e-4)
             err = float(np.abs(got - ref).max())
             require(err <= 1e-4 * (1 + np.abs(ref).max()), f"at {what}, {name} is off the float64 reference by "
                     f"{err:.2e}: check p = exp(scale·s - L), ds = p·(dp - D) and the mask j <= i + diag")

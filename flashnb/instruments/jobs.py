@@ -8,8 +8,8 @@ NVVM (numba's front end, then libNVVM) costs far more per kernel than ptxas, so 
 * one NVVM pass per (kernel, config), for the lowest cc asked for; ptxas assembles that PTX for every cc, with the
   ``.target`` line rewritten (:func:`flashnb.instruments.ptxas.retarget_ptx`).  NVVM's PTX for cc 8.0 and 9.0 is
   the same but for ``.target`` and symbol names (:func:`~flashnb.instruments.ptxas.normalized_ptx`);
-  ``tests/test_ptx_guard.py`` re-checks that on a sample, and ``resources_many(..., reuse_ptx=False)`` runs NVVM
-  per cc.  Were NVVM's cc 9.0 output ever to differ for a kernel outside that sample, its sm_90 row would describe
+  ``tests/instruments/test_ptx_guard.py`` re-checks that on a sample, and ``resources_many(..., reuse_ptx=False)`` runs
+  NVVM per cc.  Were NVVM's cc 9.0 output ever to differ for a kernel outside that sample, its sm_90 row would describe
   the sm_80 PTX assembled for sm_90 -- what the driver's JIT runs from an sm_80 build.
 * the groups are dealt over ``$FLASHNB_INSPECT_PROCESSES`` child processes (default: the CPUs, at most 4), and in
   each, ptxas runs in a thread pool while NVVM compiles the next kernel.

@@ -43,7 +43,7 @@ _DIGESTS: dict[str, str] = {}
 
 #: Parts of the package that hold no device code, so no kernel's PTX depends on them: the simulator, the course
 #: kit, the PyTorch and distributed front ends, and host-only tools.  :func:`package_digest` leaves them out, so
-#: editing them keeps the PTX guard's record (``tests/test_ptx_guard.py`` checks that none of them defines a
+#: editing them keeps the PTX guard's record (``tests/instruments/test_ptx_guard.py`` checks that none of them defines a
 #: ``cuda.jit`` function, an intrinsic, or a registered kernel factory).
 HOST_ONLY = ("sim/", "course/", "torch/", "distributed/", "cli.py", "notebook.py", "_gpu_child.py",
              "tiny_transformer.py",

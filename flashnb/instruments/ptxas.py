@@ -191,7 +191,7 @@ def retarget_ptx(ptx: str, cc) -> str:
     """``ptx`` with its ``.target`` directive set to ``sm_<cc>`` (one NVVM pass serving several ccs).
 
     NVVM's PTX for cc 7.5, 8.0 and 9.0 of every registered kernel differ only in that line and in symbol
-    names (``normalized_ptx``; checked on a sample in ``tests/test_ptx_guard.py``), so assembling the cc 8.0
+    names (``normalized_ptx``; checked on a sample in ``tests/instruments/test_ptx_guard.py``), so assembling the cc 8.0
     PTX retargeted to sm_90 gives ptxas the same input as a separate NVVM pass for cc 9.0 would.  Only
     retarget *upwards*: PTX for a lower target is valid for a higher one (as the driver's JIT uses it), not
     the reverse."""

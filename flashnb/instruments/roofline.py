@@ -14,7 +14,7 @@ H100 Tensor Core GPU Architecture whitepaper).  TF32 runs at half the FP16 rate 
 TF dense).  The clock that turns the per-SM rate into the datasheet's dense peak is
 :attr:`GPU.tensor_clock_hz`: 1.41 GHz on A100 (its boost clock), 1.59 GHz on T4, but 1.83 GHz on H100/H200 --
 NVIDIA's 989.5 TFLOPS assumes a lower clock than the 1.98 GHz of its 67 TFLOPS FP32 figure
-(``tests/test_roofline.py`` checks both products).
+(``tests/instruments/test_roofline.py`` checks both products).
 
 GPU presets (NVIDIA datasheet values, decimal units: 1 GB/s = 1e9 B/s, 1 TFLOP/s = 1e12 FLOP/s):
 
@@ -35,7 +35,7 @@ GPU presets (NVIDIA datasheet values, decimal units: 1 GB/s = 1e9 B/s, 1 TFLOP/s
   architecture whitepaper, Tesla T4); 64 KB shared memory per SM (Programming Guide, cc 7.5).
 
 Check: FP32 peak = SMs x FP32 lanes per SM x 2 (FMA) x clock: T4 40 x 64 x 2 x 1.59 GHz = 8.1 TF;
-A100 108 x 64 x 2 x 1.41 GHz = 19.5 TF; H100 132 x 128 x 2 x 1.98 GHz = 66.9 TF (``tests/test_roofline.py``
+A100 108 x 64 x 2 x 1.41 GHz = 19.5 TF; H100 132 x 128 x 2 x 1.98 GHz = 66.9 TF (``tests/instruments/test_roofline.py``
 asserts every preset).
 """
 

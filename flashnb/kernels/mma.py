@@ -1,4 +1,5 @@
-"""Tensor-core instructions from Numba: ``mma.sync``, ``ldmatrix``, ``cp.async`` and the conversions they need.
+"""Stage 7 -- tensor-core instructions from Numba: ``mma.sync``, ``ldmatrix``, ``cp.async`` and the conversions they
+need.
 
 numba-cuda has no API for them.  Each one here is a numba ``@intrinsic`` whose code generation emits one PTX
 instruction as LLVM inline assembly: the operands travel as 32-bit registers (packed f16x2 / bf16x2 and tf32 as

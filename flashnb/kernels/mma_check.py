@@ -1,6 +1,6 @@
 """Every tensor-core intrinsic of :mod:`flashnb.kernels.mma` against its simulator twin, on the same random inputs.
 
-The twins' fragment layouts are tested against NumPy on plain matrices (``tests/test_tensorcore.py``); what only a
+The twins' fragment layouts are tested against NumPy on plain matrices (``tests/kernels/test_mma.py``); what only a
 GPU can say is that the instruction really uses those layouts.  :func:`run` launches one small kernel per
 intrinsic -- each lane loads its registers (or its row address) from global memory, executes the instruction,
 stores what it got -- and compares the GPU's results with the twin's NumPy core (:mod:`flashnb.sim.tensorcore`)

@@ -1,4 +1,4 @@
-"""Block-sparse FlashAttention (FA1 paper, Algorithm 5 and Proposition 4) on the FA2 kernels.
+"""Stage 5 -- block-sparse FlashAttention (FA1 paper, Algorithm 5 and Proposition 4) on the FA2 kernels.
 
 A *block mask* ``M`` of shape ``(ceil(Nq/Br), ceil(Nk/Bc))`` says which ``(Q block i, K/V block j)`` pairs are
 computed: Algorithm 5 is Algorithm 2 with ``if M_ij != 0`` around the body of the inner loop, so a block

@@ -145,7 +145,8 @@ def _configs(direction):
             + [dict(**default_tiles(d, direction), d=d, causal=c, sparse=True) for d, c in ((32, False), (128, True))]
             + [dict(**default_tiles(64, direction), d=64, causal=True, dropout=True),     # dropout: dense; sparse GQA
                dict(**default_tiles(128, direction), d=128, causal=False, sparse=True, gqa=True, dropout=True)]
-            # last: the richest path (exercise answers are guarded with the last config, tests/test_exercises.py)
+            # last: the richest path (exercise answers are guarded with the last config,
+            # tests/exercises/test_exercises.py)
             + [dict(**default_tiles(d, direction), d=d, causal=c, sparse=True, H=4, gqa=True, **mods)
                for d, c, mods in ((64, False, _GUARD_MODS), (128, True, _GUARD_MODS_2))])   # last: REUSE_SAMPLE's
 

@@ -340,7 +340,7 @@ OPTIONS = {"fa1": dict(Br=8, Bc=16, warps=2), "fa2": dict(Br=16, Bc=16, warps=2)
 # non-causal runs are `slow` (CI's time budget). So are
 # naive (one thread per element of S, the slowest to sanitize), the stage-4 step impls (fa2-rows, fa2-splitq),
 # fa2-sparse and onepass: CI sanitizes fa1, fa2, fa2-fast, flash and fa2-tc; the others' races are checked in their
-# own tests (flash's features: tests/test_flash.py; fa2-tc's cp.async path: tests/test_fa2_tc.py).
+# own tests (flash's features: tests/kernels/test_flash.py; fa2-tc's cp.async path: tests/kernels/test_flash_tc.py).
 _CI = ("fa1", "fa2", "fa2-fast", "flash", "fa2-tc")   # fa2-tc here: float64 inputs, its float32 (TF32) path
 
 

@@ -27,7 +27,7 @@ from flashnb.distributed.layouts import positions  # noqa: E402
 # dQ (and dK/dV around the ring) in float32: a few roundings of 2^-24 relative each, on values of size ~1-3.
 # 2e-6 (abs and rel) is ~5x the largest error seen; a wrong block, mask or merge is O(0.1-1).
 EXACT = dict(atol=2e-6, rtol=2e-6)
-# flashnb's float32 kernels: tests/test_fa2.py's tolerances (float32 sums of <= 64 terms), plus W merges.
+# flashnb's float32 kernels: tests/stages/test_fa2.py's tolerances (float32 sums of <= 64 terms), plus W merges.
 KERNEL_FWD = dict(atol=2e-5, rtol=2e-5)
 KERNEL_BWD = dict(atol=1e-4, rtol=1e-4)
 
@@ -463,7 +463,7 @@ def test_ring_gpu_check_script_rehearsal(tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "scripts" / "ring_gpu_check.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "ring_gpu_check.py"
     done = subprocess.run([sys.executable, str(script), "--rehearse", "--out", str(tmp_path)], capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr

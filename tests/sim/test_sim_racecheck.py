@@ -1,5 +1,5 @@
 """flashnb.sim.racecheck: hand-made races are found (and their fixed versions are not), then every
-registered implementation runs race-free (in tests/test_sim_sanitizer.py, as one of the four tools)."""
+registered implementation runs race-free (in tests/sim/test_sim_sanitizer.py, as one of the four tools)."""
 
 import numpy as np
 import pytest
@@ -102,7 +102,7 @@ def test_racecheck_cannot_nest_and_needs_the_simulator_runtime():
 
 
 # Every registered impl (forward and backward, causal and not) and the stage-2 kernels run race-free under
-# racecheck as one of the sanitizer's tools: tests/test_sim_sanitizer.py (test_every_impl_passes_all_four_tools).
+# racecheck as one of the sanitizer's tools: tests/sim/test_sim_sanitizer.py (test_every_impl_passes_all_four_tools).
 
 
 def test_launch_through_common_launch_is_watched():

@@ -13,7 +13,7 @@ from flashnb.stages import fa2, fa2_steps
 
 # Float32 kernels vs the float64 reference: every output element is a sum of at most max(Nk, d) <= 64
 # products of O(1) values accumulated in float32 (~64 · 6e-8 ≈ 4e-6 relative); a wrong index, mask or
-# skipped tile gives errors of O(0.1 - 1), far above this bound (the same bound as tests/test_fa2.py).
+# skipped tile gives errors of O(0.1 - 1), far above this bound (the same bound as tests/stages/test_fa2.py).
 FWD = dict(atol=2e-5, rtol=2e-5)
 # The NumPy transcriptions run in float64 like the reference and differ only in summation order and the
 # online rescaling: rounding of O(1e-16) per operation, a few hundred operations per element.

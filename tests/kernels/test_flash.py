@@ -3,9 +3,9 @@
 Dense and causal (both alignments, Nq != Nk, odd head dims, d = 128's dynamic tiles) forward and backward against the
 float64 reference; every feature at once against the reference, and counted traffic equal to the model with every
 feature on; the dynamic-shared-memory fallback; block masks on the product's tiles; the sanitizer's four tools with
-every feature on.  The features one by one run through the feature tests of stage 4 (tests/test_half.py,
+every feature on.  The features one by one run through the feature tests of stage 4 (tests/kernels/test_half.py,
 test_dropout.py, test_flex.py, test_block_sparse.py: parametrised over conftest.FEATURE_IMPLS); the SASS and memory
-parity with stage 6 is tests/test_flash_parity.py."""
+parity with stage 6 is tests/kernels/test_flash_parity.py."""
 
 import numpy as np
 import pytest
@@ -18,12 +18,12 @@ from flashnb.instruments import traffic
 from flashnb.kernels import flash, policies
 from flashnb.stages import block_sparse as bs
 
-# As tests/test_fa2.py and test_fa2_fast.py: float32 sums of <= 128 products of O(1) values (forward); the backward
-# chains four such sums with values up to O(10) and adds dQ by atomics in any order.  A wrong index, mask or skipped
-# tile changes outputs by O(0.1 - 1).
+# As tests/stages/test_fa2.py and test_fa2_fast.py: float32 sums of <= 128 products of O(1) values (forward); the
+# backward chains four such sums with values up to O(10) and adds dQ by atomics in any order.  A wrong index, mask or
+# skipped tile changes outputs by O(0.1 - 1).
 FWD = dict(atol=2e-5, rtol=2e-5)
 BWD = dict(atol=1e-4, rtol=1e-4)
-# With dropout the weights are scaled by 1/(1-p) <= 2: the same bounds times 2 (as tests/test_dropout.py).
+# With dropout the weights are scaled by 1/(1-p) <= 2: the same bounds times 2 (as tests/kernels/test_dropout.py).
 FWD_DROP = dict(atol=4e-5, rtol=4e-5)
 BWD_DROP = dict(atol=2e-4, rtol=2e-4)
 

@@ -14,7 +14,7 @@ import pytest
 
 import flashnb  # noqa: F401
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))      # as `python scripts/product_parity.py` has it: its sibling report.py
 _SPEC = importlib.util.spec_from_file_location("product_parity", SCRIPTS / "product_parity.py")
 parity = importlib.util.module_from_spec(_SPEC)

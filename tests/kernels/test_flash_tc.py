@@ -165,7 +165,7 @@ def test_all_four_sanitizer_tools_on_the_async_path(rng):
 
 
 def test_no_bank_conflicts_on_full_tiles(rng):
-    # d = 64 halves: rows of 128 bytes, the case a plain layout makes 8-way conflicted (tests/test_tensorcore.py);
+    # d = 64 halves: rows of 128 bytes, the case a plain layout makes 8-way conflicted (tests/kernels/test_mma.py);
     # every shared access of both passes -- ldmatrix phases, cp.async chunks, dS stores, L/D -- conflict-free
     (q, k, v, do), _, _ = half_inputs(rng, "float16", (1, 64, 64), 64)
     with sim.profile() as fwd:

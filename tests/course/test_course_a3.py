@@ -1,6 +1,6 @@
 """Assignment a3_fa2_forward: released with no solution code, the solution gets full marks, the untouched release
 zero, and its bugs (assignments/a3_fa2_forward/bugs.py) lose exactly their points with their messages.  The default
-run grades the first bug; `pytest -m slow` grades every one (tests/course_grading.py)."""
+run grades the first bug; `pytest -m slow` grades every one (tests/course/course_grading.py)."""
 
 from course_grading import install_tests
 

@@ -16,9 +16,9 @@ from flashnb.instruments import sass, traffic
 from flashnb.sim import racecheck
 from flashnb.stages import fa2_fast
 
-FWD = dict(atol=2e-5, rtol=2e-5)     # as tests/test_fa2.py: float32 sums of <= 128 products of O(1) values
-# as tests/test_fa2.py: each gradient is a float32 sum over <= 64 keys or queries of products of P, dP - D (itself a
-# float32 sum of d products) and O(1) inputs, partial sums added atomically in any order: measured errors are
+FWD = dict(atol=2e-5, rtol=2e-5)     # as tests/stages/test_fa2.py: float32 sums of <= 128 products of O(1) values
+# as tests/stages/test_fa2.py: each gradient is a float32 sum over <= 64 keys or queries of products of P, dP - D
+# (itself a float32 sum of d products) and O(1) inputs, partial sums added atomically in any order: measured errors are
 # ~1e-6, and 1e-4 leaves room for the summation order without hiding a wrong term (a missing tile is O(0.1))
 BWD = dict(atol=1e-4, rtol=1e-4)
 

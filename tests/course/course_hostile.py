@@ -4,8 +4,8 @@ students' grades or the grading machine) might add to an answer cell, with what 
 Each :class:`Hostile` is a few lines appended to an answer cell (the first, unless it says) of a base notebook:
 the untouched release, unless ``base`` names a bug of ``assignments/<name>/bugs.py`` (or the solution) for an
 assignment, so that what the attack gains shows.  ``BUNDLE_PATH`` in the code is replaced by the bundle's path
-(the student who knows where the grader keeps it).  Used by ``tests/course_grading.py`` (every entry, every
-assignment, with the screen: each scores 0) and ``tests/test_course_hostile.py`` (the layers behind the screen,
+(the student who knows where the grader keeps it).  Used by ``tests/course/course_grading.py`` (every entry, every
+assignment, with the screen: each scores 0) and ``tests/course/test_course_hostile.py`` (the layers behind the screen,
 with it turned off).
 """
 
@@ -217,7 +217,7 @@ def notebook(h: Hostile, name: str, release_dir, bundle) -> nbformat.NotebookNod
     elif base == "solution":
         nb = solution
     else:
-        adir = Path(__file__).resolve().parents[1] / "assignments" / name
+        adir = Path(__file__).resolve().parents[2] / "assignments" / name
         bug = next(b for b in course_bugs.load(adir) if b.name.startswith(base))
         nb = bug.apply(solution)
     cells = _answer_cells(nb)

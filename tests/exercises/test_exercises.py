@@ -85,10 +85,10 @@ def _kernel_answers():
 MEANT_NOT_TO_COMPILE = {("05.5", 3)}
 
 
-@pytest.mark.slow   # CI budget (~40 s of NVVM): run `pytest -m slow tests/test_exercises.py` after changing one
+@pytest.mark.slow   # ~40 s of NVVM: run `pytest -m slow tests/exercises/test_exercises.py` after changing one
 def test_exercise_kernels_pass_the_ptx_guard():
-    # like every kernel in the package (tests/test_ptx_guard.py), the kernels of the worked solutions and of the
-    # wrong answers compile for sm_80 and sm_90 with no float64, shared memory within 48 KiB and no spills
+    # like every kernel in the package (tests/instruments/test_ptx_guard.py), the kernels of the worked solutions and
+    # of the wrong answers compile for sm_80 and sm_90 with no float64, shared memory within 48 KiB and no spills
     from flashnb import instruments as fi
 
     items = _kernel_answers()

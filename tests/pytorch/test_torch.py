@@ -231,7 +231,7 @@ def test_sdpa_signature_drop_in():
                        ft.attention(q, k, v, causal=True))
     assert torch.equal(ft.scaled_dot_product_attention(q, k, v, attn_mask=causal_upper_left(12, 20)), o)
     for kwargs, match in ((dict(attn_mask=torch.ones(12, 20, dtype=torch.bool)), "attn_mask"),
-                          (dict(dropout_p=1.5), "dropout_p must be in"),   # dropout itself: tests/test_dropout.py
+                          (dict(dropout_p=1.5), "dropout_p must be in"),   # see tests/kernels/test_dropout.py
                           (dict(attn_mask=causal_lower_right(3, 4)), "causal bias")):
         with pytest.raises(ValueError, match=match):
             ft.scaled_dot_product_attention(q, k, v, **kwargs)

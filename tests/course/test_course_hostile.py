@@ -1,5 +1,5 @@
 """Grades an instructor can trust: the static screen refuses every hostile submission of
-tests/course_hostile.py and none of the legitimate code (solutions, catalogued bugs, student helpers); behind it,
+tests/course/course_hostile.py and none of the legitimate code (solutions, catalogued bugs, student helpers); behind it,
 with the screen turned off, the integrity check, the authenticated channel, the bundle check and the process
 reaping each stop what they are meant to, while the submissions graded after the attackers keep their scores;
 the process limits score 0 what they stop and the batch goes on; ``--jobs`` changes nothing but the time; the
@@ -22,7 +22,7 @@ import pytest
 from flashnb.course import bugs as course_bugs
 from flashnb.course import build, grade, screen
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # A small assignment with the setup of the real ones (flashnb, NumPy, the grader's modules in reach), so that
 # every hostile entry applies, and tests cheap enough to grade a dozen submissions in seconds.

@@ -8,7 +8,7 @@ ptxas assembles that PTX for sm_80 and, retargeted, for sm_90 (NVVM's sm_90 PTX 
 ``.target`` line and symbol names: checked on a sample below).
 
 **Recorded results.**  Compiling every registered (kernel, config) costs minutes of NVVM, and the answer
-depends only on the kernels' source and the toolchain.  ``tests/ptx_guard_results.json`` holds every case's
+depends only on the kernels' source and the toolchain.  ``tests/instruments/ptx_guard_results.json`` holds every case's
 ptxas report together with the key it was computed under: the digest of every source file of the flashnb
 package that kernels can depend on (:func:`flashnb.instruments.package_digest`: all but
 :data:`flashnb.instruments.HOST_ONLY`, the simulator, course kit, front ends and host tools) and the toolchain's
@@ -17,7 +17,7 @@ and re-compiles a sample of :data:`SPOT_CHECKS` (kernel, config) pairs -- a diff
 digest -- which must reproduce their records exactly.  Any change to a source file kernels can depend on, or
 another toolchain, changes the key: then every case is compiled, as if there were no record (a changed kernel
 can never pass on an old record).  Refresh the record after changing kernels: ``FLASHNB_GUARD_RECORD=1 python
--m pytest tests/test_ptx_guard.py`` (compiles everything afresh and rewrites the file).  NVVM's PTX is also
+-m pytest tests/instruments/test_ptx_guard.py`` (compiles everything afresh and rewrites the file).  NVVM's PTX is also
 cached on disk (:func:`flashnb.instruments.ptx_cache_dir`), so a second run on one machine skips NVVM; ptxas runs
 on every compile.
 
@@ -47,7 +47,7 @@ CCS = [(7, 5), (8, 0), (9, 0)]   # T4 (Colab's free GPU), A100, H100/H200
 PACKAGE = Path(flashnb.__file__).resolve().parent
 # Packages whose kernels are simulator self-checks, never launched on a GPU (not registered; guarded below).
 SIMULATOR_ONLY = ("flashnb.sim",)
-# Exercise solutions (and their typical wrong answers) are guarded by signature in tests/test_exercises.py.
+# Exercise solutions (and their typical wrong answers) are guarded by signature in tests/exercises/test_exercises.py.
 EXERCISES = ("flashnb.exercises",)
 
 CASES = [(name, config) for name, spec in KERNELS.items() for config in spec.configs]
@@ -116,7 +116,8 @@ def compiled():
         return {k: record[k] for k in ((n, jobs._key(n, c, cc)) for n, c, cc in jobs)}
     if not os.environ.get("FLASHNB_GUARD_RECORD"):
         warnings.warn(f"{RECORD.name} does not match this source and toolchain: every case compiled (minutes); "
-                      "refresh it with FLASHNB_GUARD_RECORD=1 python -m pytest tests/test_ptx_guard.py", stacklevel=1)
+                      "refresh it with FLASHNB_GUARD_RECORD=1 python -m pytest tests/instruments/test_ptx_guard.py",
+                      stacklevel=1)
     out = {(n, jobs._key(n, c, cc)): r for (n, c, cc), r in zip(jobs, fi.resources_many(jobs))}
     if os.environ.get("FLASHNB_GUARD_RECORD"):
         results = [dict(name=n, config=c, cc=list(cc), resources=dict(out[(n, jobs._key(n, c, cc))].to_json(),

@@ -10,7 +10,7 @@ import pytest
 import flashnb
 from flashnb.instruments import bench
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _gpu_check():

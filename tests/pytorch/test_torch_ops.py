@@ -4,7 +4,7 @@
 transformers models run with ``attn_implementation`` set to flashnb's registered name.
 
 Tolerances.  Compiled against eager flashnb: the same kernels on the same inputs, so equal bit for bit
-(``torch.equal``).  Against float64 SDPA: tests/test_torch.py's TOL = 2e-5 (float32 rounding of sums of <= 64
+(``torch.equal``).  Against float64 SDPA: tests/pytorch/test_torch.py's TOL = 2e-5 (float32 rounding of sums of <= 64
 O(1) terms).  transformers against ``"eager"``: both in float32, flashnb's online softmax against eager's
 materialised softmax; logits are sums through two layers of hidden size 32, so 1e-5 (abs) is ~100x the float32
 rounding seen and far below what a wrong mask or head grouping gives (O(0.1)); parameter gradients 1e-5 likewise.

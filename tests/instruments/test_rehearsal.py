@@ -19,7 +19,7 @@ import flashnb
 from flashnb.instruments import bench, rehearsal
 from flashnb.instruments.rehearsal import ManualClock, PretendDevice, PretendEvent, pretend_gpu
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CUDA_SRC = Path(numba.cuda.__file__).resolve().parent
 
 
@@ -179,7 +179,7 @@ def test_measure_impls_rehearsal():
             bench.measure_impls("fa2", BH=1, N=16, d=16, directions=("up",))
 
 
-# CI budget: `slow` -- run `pytest -m slow tests/test_rehearsal.py` before a GPU session (CONTRIBUTING)
+# CI budget: `slow` -- run `pytest -m slow tests/instruments/test_rehearsal.py` before a GPU session (CONTRIBUTING)
 @pytest.mark.slow
 def test_softmax_and_block_sparse_measurements_rehearsal():
     with pretend_gpu():
@@ -226,7 +226,7 @@ def test_sweep_skips_a_job_projected_past_the_deadline(tmp_path):
     assert rows[0]["error"].startswith("skipped: would take") and rows[0].get("median_ms") is None
 
 
-# CI budget: `slow` -- run `pytest -m slow tests/test_rehearsal.py` before a GPU session (CONTRIBUTING)
+# CI budget: `slow` -- run `pytest -m slow tests/instruments/test_rehearsal.py` before a GPU session (CONTRIBUTING)
 @pytest.mark.slow
 def test_sweep_rehearsal(tmp_path):
     with pretend_gpu():
@@ -240,7 +240,7 @@ def test_sweep_rehearsal(tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
-# CI budget: `slow` -- run `pytest -m slow tests/test_rehearsal.py` before a GPU session (CONTRIBUTING)
+# CI budget: `slow` -- run `pytest -m slow tests/instruments/test_rehearsal.py` before a GPU session (CONTRIBUTING)
 @pytest.mark.slow
 def test_tour_measured_column_rehearsal(capsys, monkeypatch):
     from flashnb import cli, registry
@@ -276,7 +276,7 @@ FAKE_NCU = textwrap.dedent('''\
 ''')
 
 
-@pytest.mark.slow   # ~45 s: run with `pytest -m slow tests/test_rehearsal.py` before a GPU session (CONTRIBUTING)
+@pytest.mark.slow   # run with `pytest -m slow tests/instruments/test_rehearsal.py` before a GPU session (CONTRIBUTING)
 def test_gpu_check_rehearsal(tmp_path, monkeypatch):
     spec_path = ROOT / "scripts" / "gpu_check.py"
     import importlib.util

@@ -1,6 +1,6 @@
 """The course kit's machinery: a submission that hangs, crashes, deadlocks or does not parse is scored and the
 batch goes on; the released notebook works in a Jupyter kernel.  Each assignment is verified by its own
-tests/test_course_a*.py (see tests/course_grading.py)."""
+tests/test_course_a*.py (see tests/course/course_grading.py)."""
 
 from pathlib import Path
 
@@ -9,7 +9,7 @@ import pytest
 
 from flashnb.course import build, grade
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 TINY = '''# %% [markdown]

@@ -1,5 +1,5 @@
 """Shared by tests/test_course_a*.py: one assignment released and graded (its solution, its untouched student
-notebook, its bugs and every hostile submission of tests/course_hostile.py, in one batch: the hostile ones are
+notebook, its bugs and every hostile submission of tests/course/course_hostile.py, in one batch: the hostile ones are
 graded before the solution and the untouched release), and the checks every assignment must pass.  Each
 assignment has its own test file so that pytest-xdist spreads the grading over both CI workers."""
 
@@ -16,7 +16,7 @@ import pytest
 from flashnb.course import bugs as course_bugs
 from flashnb.course import build, grade
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 #: Bugs graded per assignment in the default run (CI): the first BUGS_IN_CI of each bugs.py (one: CI's time budget).
 #: Every bug is graded with `pytest -m slow tests/test_course_a*.py` (and by scripts/course_catalogue.py).
