@@ -8,12 +8,12 @@ functions; each stage registers itself in :data:`flashnb.registry.IMPLS`.  The d
 HBM, the ``storage`` argument:
 
 * ``"float32"``: inputs of any real dtype are converted to float32 copies; every result is float32.  This is
-  the only path of impls without half storage (all but ``"flash"`` and ``"fa2"``), whatever the inputs' dtype.
-* ``"float16"`` (``impl="flash"`` or ``"fa2"``): q, k, v (and o, do) must be float16; the kernels read them as they are
+  the only path of impls without half storage (all but ``"flash"``), whatever the inputs' dtype.
+* ``"float16"`` (``impl="flash"``): q, k, v (and o, do) must be float16; the kernels read them as they are
   (half the bytes), widen each element to float32 on chip, and round o (dq, dk, dv) to float16 once, at the
   store.  lse stays float32.  This is what ``storage=None`` (the default) picks for an impl with half storage
   when q, k, v are float16.
-* ``"bfloat16"`` (``impl="flash"`` or ``"fa2"``): NumPy has no bfloat16, so q, k, v (o, do) are uint16 arrays of
+* ``"bfloat16"`` (``impl="flash"``): NumPy has no bfloat16, so q, k, v (o, do) are uint16 arrays of
   bfloat16 bit patterns (:func:`flashnb.common.to_bfloat16`; :func:`flashnb.common.from_bfloat16` reads results
   back); explicit only, never picked by ``storage=None``.
 """
@@ -334,11 +334,11 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
             lesson's kernels.
         storage: ``None`` (default), ``"float32"``, ``"float16"`` or ``"bfloat16"``: the dtype the kernels keep
             q, k, v and o in (see the module docstring).  ``None``: float16 when q, k, v are float16 and the impl
-            has half storage (``"flash"``, ``"fa2"``; then all three must be float16, else TypeError), float32
+            has half storage (``"flash"``; then all three must be float16, else TypeError), float32
             otherwise.
             A half storage for an impl without one is a ValueError.
-        **options: implementation-specific options (tile sizes, ``block_mask``, ...).  ``impl="flash"`` (and
-            ``"fa2"``) also take attention modifiers (:mod:`flashnb.flex`): ``score_mod(score, b, h, q_idx,
+        **options: implementation-specific options (tile sizes, ``block_mask``, ...).  ``impl="flash"`` also
+            takes attention modifiers (:mod:`flashnb.flex`): ``score_mod(score, b, h, q_idx,
             kv_idx)`` (float32), ``mask_mod(b, h, q_idx, kv_idx)`` (bool; becomes a block mask whose empty tiles
             are skipped),
             ``block_mask=flashnb.flex.create_block_mask(mask_mod, ...)``, and for the backward
@@ -348,10 +348,10 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
             ``N_q <= 8``, against a long K/V cache: :mod:`flashnb.kernels.decode`) takes ``num_splits`` (chunks of the
             keys, default: enough blocks to fill the GPU's SMs in one wave) and ``warps``.
 
-    Grouped-/multi-query attention: with ``impl="flash"``, ``"fa2"`` or ``"flash-decoding"``, k and v may have fewer
+    Grouped-/multi-query attention: with ``impl="flash"`` or ``"flash-decoding"``, k and v may have fewer
     heads (axis -3) than q, a divisor of q's heads; query head ``h`` uses K/V head ``h // (H_q / H_kv)``.
 
-    Attention dropout (``impl="flash"``, ``"fa2"``): ``dropout_p`` in ``[0, 1)`` and ``seed``, an int in
+    Attention dropout (``impl="flash"``): ``dropout_p`` in ``[0, 1)`` and ``seed``, an int in
     ``[0, 2**64)`` (required when ``dropout_p > 0``; there is no default because :func:`attention_backward` needs
     the same one).  Each weight ``P_ij`` is kept with probability ``1 - p`` and scaled by ``1/(1-p)``, decided by
     Philox4x32-10 from ``(seed, batch·head, row, column)`` (:mod:`flashnb.rng`, whose
@@ -359,8 +359,7 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
     flattened leading axes); ``lse`` is the undropped softmax's.  Precision: an element is kept iff its 32-bit
     Philox word is ``>= ceil(p·2^32)`` (keep probability within ``2^-32`` of ``1 - p``), and the factor is
     ``1/(1-p)`` computed in float64 and rounded once to float32 (within ``2^-24``); ``p <= 1 - 2^-32``.
-    ``dropout_p=0`` is no dropout, for any impl.  ``"fa2"`` takes it without attention modifiers; ``"flash"``
-    with them too.
+    ``dropout_p=0`` is no dropout, for any impl; ``"flash"`` takes dropout with attention modifiers too.
 
     With float32 storage, inputs of any real dtype are converted to float32 (the kernels compute in float32),
     and may be non-contiguous.  Returns ``o`` with q's shape and ``lse`` (log-sum-exp of each scaled score row)
@@ -496,8 +495,8 @@ def _mask_rows(entry, options: dict, BH: int, Nq: int, Nk: int, d: int, causal: 
         full = mask_array(mask_mod, BH // H, H, Nq, Nk).reshape(BH, Nq, Nk)
     elif full is None and options.get("block_mask") is not None:
         from .kernels import flash
+        from .masks import BlockMask
         from .stages import fa2
-        from .stages.fa2 import BlockMask
 
         bm = options["block_mask"]
         if isinstance(bm, (fa2.PreparedMask, flash.PreparedMask)):

@@ -9,9 +9,9 @@ A modifier is a plain Python function the user writes::
         return q_idx >= kv_idx
 
 ``flashnb.attention(q, k, v, score_mod=..., mask_mod=...)`` compiles them (``numba.cuda.jit(device=True)``) into
-the product kernel (:func:`flashnb.kernels.flash.make_forward` / ``make_backward``; with ``impl="fa2"`` into stage
-4's) as compile-time options, so a kernel is compiled once per distinct function and tile configuration, and
-memoised like every other configuration; ``None`` is the unchanged kernel.  ``b``, ``h`` come from
+the product kernel (:func:`flashnb.kernels.flash.make_forward` / ``make_backward``) as compile-time options, so a
+kernel is compiled once per distinct function and tile configuration, and memoised like every other configuration;
+``None`` is the unchanged kernel.  ``b``, ``h`` come from
 ``z = blockIdx.y = b·H + h`` (``H`` = q's heads), ``q_idx``, ``kv_idx`` are the element's row and column; all four
 are int32.
 
@@ -22,7 +22,7 @@ How it works:
   with three states per tile: **empty** (no element allowed: the tile is skipped -- never loaded, never
   computed, exactly as stage 5's block-sparse kernels), **full** (every element allowed: no per-element work),
   **partial** (``mask_mod`` is called per element).  Counted traffic therefore falls with the mask's density
-  (``fa2.model_forward`` / ``model_backward`` take ``mask_mod=`` and equal the counter).
+  (:func:`flashnb.kernels.flash.model_forward` / ``model_backward`` take the block mask and equal the counter).
 * The backward needs ``d score_mod / d score``.  flashnb **derives it from the modifier's source**
   (:func:`derivative`, :mod:`flashnb.flex_grad`: forward mode, source to source, over a stated subset --
   arithmetic, comparisons, conditional expressions, ``math.exp/log/tanh/sqrt``, ``abs``, ``min``/``max``,
@@ -74,10 +74,6 @@ points, else element by element).
 
 Where flashnb departs from FlexAttention, or from the simplest design, and why:
 
-* The kernels read the three-state entry ``M_ij`` twice per visited tile when a ``mask_mod`` is given (once by
-  stage 5's unchanged ``if M_ij != 0`` test, once for full/partial), so that stage 5's lines -- which the
-  course (assignments A4/A5) cuts out and whose "bugs" edit them -- stay verbatim and the default kernels' PTX
-  is byte-identical; one byte per warp per tile, counted in ``fa2.model_forward``/``model_backward``.
 * The GQA backward sums dK, dV over the group *on chip* (its grid runs over the K/V heads and each block loops
   over its group's query heads) rather than per-query-head dK/dV plus a reduction kernel, or atomics: K and V
   are then read, and dK, dV written, once per K/V head (the counted saving), deterministically.  The forward's
@@ -86,8 +82,8 @@ Where flashnb departs from FlexAttention, or from the simplest design, and why:
   model.
 * ``causal()`` in the gallery is top-left aligned by default (``q_idx >= kv_idx``, as FlexAttention and SDPA);
   ``causal(offset=Nk - Nq)`` is flashnb's bottom-right ``causal=True``.  ``causal=`` and ``mask_mod`` combine by AND.
-* ``impl="flash"`` (the product kernel, the default: :mod:`flashnb.kernels.flash`) and ``impl="fa2"`` take
-  modifiers and GQA; the others (``fa2-fast`` included) refuse them with an error naming the impl.  The product
+* ``impl="flash"`` (the product kernel, the default: :mod:`flashnb.kernels.flash`) takes modifiers and GQA; the
+  stages' impls (``fa2``, ``fa2-fast``, ...) refuse them with an error naming the impl.  The product
   kernel calls back into this module only to derive a missing ``score_mod_grad``:
   :func:`flashnb.api.attention_forward` and :mod:`flashnb.torch` check its modifiers and build a ``mask_mod``'s
   block mask for it.
@@ -107,7 +103,10 @@ from pathlib import Path
 import numpy as np
 from numba import cuda, float32
 
+from . import masks
 from .common import cdiv, positive_int
+from .kernels.policies import python_modifier
+from .masks import BlockMask
 from .modifiers import (  # noqa: F401  (flex's names: a modifier as a value lives in flashnb.modifiers)
     _UNSET,
     ARGS,
@@ -126,7 +125,6 @@ from .modifiers import (  # noqa: F401  (flex's names: a modifier as a value liv
     snapshot,
 )
 from .stages import fa2
-from .stages.fa2 import BlockMask, python_modifier
 
 __all__ = ["ModifierError", "check_modifiers", "check_many", "create_block_mask", "mask_array", "numpy_modifier",
            "name_of", "Snapshot", "snapshot", "check_current", "check_heads",
@@ -349,7 +347,7 @@ def _block_mask(mask_mod: "Snapshot", B, H, Nq, Nk, Br, Bc) -> BlockMask:
 
 def create_block_mask(mask_mod, B, H, Nq, Nk, *, Br=None, Bc=None, d=64) -> BlockMask:
     """The block mask of ``mask_mod`` (FlexAttention's ``create_block_mask``): ``(B, H, Tr, Tc)`` at tiles
-    ``Br × Bc`` (default: fa2's forward tiles for head dim ``d``); a tile is empty (no element allowed: never
+    ``Br × Bc`` (default: FA2's forward tiles for head dim ``d``); a tile is empty (no element allowed: never
     loaded), full (all allowed: no per-element work) or partial (``mask_mod`` per element).  Pass it as
     ``block_mask=`` (it keeps a :func:`snapshot` of ``mask_mod``: no ``mask_mod=`` needed; a launch refuses it once
     an array ``mask_mod`` captures has changed).  ``B``/``H`` None: 1 (the mask is the same for every batch /
@@ -504,13 +502,6 @@ def prefix_lm(prefix: int):
 GALLERY = {"causal": causal, "sliding_window": sliding_window, "alibi": alibi, "softcap": softcap,
            "document": document, "prefix_lm": prefix_lm}
 
-# What the PTX guard compiles into fa2's kernels (fa2._configs names them "flashnb.flex:GUARD_...").
-GUARD_ALIBI = alibi(4)
-GUARD_WINDOW = sliding_window(16)
-GUARD_SOFTCAP = softcap(20.0)
-GUARD_DOCUMENT = document(np.repeat(np.arange(16, dtype=np.int32), 64), causal=True)
-
-
 from .flex_grad import NotDifferentiable, derivative, derivative_source, score_mod_grad_of  # noqa: E402  (builds on this module)
 
-fa2._FLEX = sys.modules[__name__]   # fa2's kernels call back into this module when given modifiers
+masks._FLEX = sys.modules[__name__]   # a BlockMask from a mask_mod calls back into this module (snapshots, finer tiles)

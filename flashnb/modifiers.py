@@ -12,7 +12,7 @@ import inspect as std_inspect
 import numpy as np
 from numba import cuda
 
-from .stages.fa2 import python_modifier
+from .kernels.policies import python_modifier
 
 __all__ = ["ModifierError", "name_of", "Snapshot", "snapshot", "check_current", "ARGS"]
 

@@ -43,8 +43,8 @@ os.environ["FLASHNB_DEVICE"] = "sim"  # counting traffic needs the simulator
 import flashnb
 from flashnb import flex, reference
 from flashnb.instruments import roofline, traffic
+from flashnb.kernels import flash, policies
 from flashnb.notebook import savefig, show_source
-from flashnb.stages import fa2
 
 T0 = time.perf_counter()
 rng = np.random.default_rng(10)
@@ -52,23 +52,27 @@ rng = np.random.default_rng(10)
 # %% [markdown]
 # ## The change to the kernels: one call per element, compiled only when asked for
 #
-# `fa2.make_forward` and `fa2.make_backward` take `score_mod=None, mask_mod=None` (and `H`, the number of
-# query heads, so that `b = z // H`, `h = z % H` from `z = blockIdx.y`). With both `None` the flag `flex` is
-# a compile-time `False` and the kernels are exactly those of notebooks 05-07 (their PTX is byte-identical).
-# The lines of the two factories that mention it:
+# Modifiers are a feature of the product kernel (`flashnb.kernels.flash`, `impl="flash"`, the default), not of
+# the lessons: stage 4's kernels of notebooks 05-07 stay dense and causal. The product kernel's factories take
+# `score_mod=None, mask_mod=None` (and `H`, the number of query heads, so that `b = z // H`, `h = z % H` from
+# `z = blockIdx.y`) and hand them to a small *policy*, `policies.modifiers`, which returns three device
+# functions the loop calls at fixed places. With both `None` they are the identity (and all-allowed), which
+# numba inlines into nothing: the kernel is the plain one. The lines of the two factories that call them:
 
 # %%
-show_source(fa2.make_forward, grep="flex")
-show_source(fa2.make_backward, grep="flex")
+show_source(flash.make_forward, grep="score(")
+show_source(flash.make_forward, grep="allowed_bits")
+show_source(flash.make_backward, grep="score(")
 
 # %% [markdown]
-# The forward's per-element step, `modify`: `score_mod` on the *scaled* score of every element in range,
-# then, only on a **partial** tile (block-mask entry `PARTIAL`), `-inf` where `mask_mod` says False.
-# Everything else of FA2 Alg. 1 (online softmax, delayed rescaling) is untouched: a masked element is a
-# `-inf` score, exactly like a causal one.
+# The policy: `score` applies `score_mod` to the *scaled* score of every element in range; `allowed_bits`, only
+# on a **partial** tile (block-mask entry `PARTIAL`), asks `mask_mod` about each of a lane's elements once per
+# tile and packs the answers into one 64-bit mask, so the unrolled tile code holds one bit test per element; a
+# masked element then gets a `-inf` score, exactly like a causal one. Everything else of FA2 Alg. 1 (online
+# softmax, delayed rescaling) is untouched. `grad` is the backward's (next section).
 
 # %%
-show_source(fa2.make_modify)
+show_source(policies.modifiers)
 
 # %% [markdown]
 # ### The backward needs the derivative — derived from the modifier's own source
@@ -110,8 +114,8 @@ print(flex.derivative_source(capped_bias))
 # exactly like the modifier (next section). A hand-written derivative still **overrides** the derived one:
 # pass `score_mod_grad` (same arguments) or attach it as `score_mod.grad`. The gallery's modifiers carry
 # theirs (ALiBi: 1; soft-capping: $1 - \tanh^2(s/c)$), and they now serve as checks of the derived ones — here
-# on random points (the tests also check `alibi`, and train modifiers without a derivative on `impl="fa2"`
-# and `"flash"` against the float64 reference; the backward below does it for `capped_bias`):
+# on random points (the tests also check `alibi`, and train modifiers without a derivative on the product
+# kernel against the float64 reference; the backward below does it for `capped_bias`):
 
 # %%
 sc = flex.softcap(5.0)
@@ -134,11 +138,11 @@ except flex.NotDifferentiable as err:
     print("NotDifferentiable:", re.sub(r" of \S+, is", " of this cell, is", str(err))[:170], "...")
 
 # %% [markdown]
-# `mask_mod` needs nothing: a masked element has $P = 0$ and no gradient. In the kernel the derivative is one
-# more device function, called where the backward forms `dS`:
+# `mask_mod` needs nothing: a masked element has $P = 0$ and no gradient. In the kernel the derivative is the
+# policy's `grad`, called where the backward forms `dS`:
 
 # %%
-show_source(fa2.make_modify_grad)
+show_source(flash.make_backward, grep="grad(s")
 
 # %% [markdown]
 # ## A modifier must compile for a GPU — checked before any launch
@@ -236,7 +240,7 @@ q, k, v, do = (rng.standard_normal((1, 2, n, 16)) for n in (Nq, Nk, Nk, Nq))
 cases = dict(GALLERY, **{"user rel_bias + window": (rel_bias, flex.sliding_window(24))})
 flex.check_many([(cases["user rel_bias + window"][1], "mask_mod")], strict=False)
 for name, (sm, mm) in cases.items():
-    o, lse = flashnb.attention_forward(q, k, v, impl="fa2", score_mod=sm, mask_mod=mm, **TILES)
+    o, lse = flashnb.attention_forward(q, k, v, impl="flash", score_mod=sm, mask_mod=mm, **TILES)
     mask = None if mm is None else flex.mask_array(mm, 1, 2, Nq, Nk)
     o_ref, lse_ref = reference.attention_forward(q, k, v, mask=mask,
                                                  score_mod=None if sm is None else flex.numpy_modifier(sm))
@@ -244,8 +248,8 @@ for name, (sm, mm) in cases.items():
     print(f"{name:24s} max|o - ref| = {err:.1e}")
     assert err < 2e-5        # float32 sums of <= 64 O(1) terms, one rounding per modifier: ~1e-6
 name, (sm, mm) = "softcap (5)", (flex.softcap(5.0), flex.document(np.repeat(np.arange(4), [12, 20, 8, 24])))
-o, lse = flashnb.attention_forward(q, k, v, impl="fa2", score_mod=sm, mask_mod=mm, **TILES)
-grads = flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", score_mod=sm, mask_mod=mm, **TILES)
+o, lse = flashnb.attention_forward(q, k, v, impl="flash", score_mod=sm, mask_mod=mm, **TILES)
+grads = flashnb.attention_backward(q, k, v, o, lse, do, impl="flash", score_mod=sm, mask_mod=mm, **TILES)
 refs = reference.attention_backward(q, k, v, do, mask=flex.mask_array(mm, 1, 2, Nq, Nk), score_mod=sm.numpy,
                                     score_mod_grad=sm.grad.numpy)
 print("backward, softcap + document: max|grad - ref| =",
@@ -274,7 +278,7 @@ assert err < 1e-4        # as the tests: four chained float32 products of sums o
 #
 # A modifier adds no global memory traffic: its per-element work is arithmetic, and captured arrays (document
 # ids, ALiBi slopes) are constants of the compiled kernel (constant memory on a GPU). What changes is the set
-# of tiles visited — the empty ones are skipped — so the counted traffic equals `fa2.model_forward` with the
+# of tiles visited — the empty ones are skipped — so the counted traffic equals `flash.model_forward` with the
 # block mask of `mask_mod`, and falls with its density. Counted on the simulator (one head, $N = 64$):
 
 # %%
@@ -282,23 +286,23 @@ qd, kd, vd = (flashnb.common.to_device(rng.standard_normal((1, 64, 8))) for _ in
 for w in (8, 24, 64):
     mm = flex.sliding_window(w)
     flex.check_many([(mm, "mask_mod")], strict=False)
-    with traffic.count() as t:
-        fa2.forward(qd, kd, vd, scale=0.35, mask_mod=mm, **TILES)
-    model = fa2.model_forward(1, 64, 64, 8, mask_mod=mm, **TILES)
-    assert t.summary() == model
     bm = flex.create_block_mask(mm, 1, 1, 64, 64, Br=16, Bc=16)
+    with traffic.count() as t:
+        flash.forward(qd, kd, vd, scale=0.35, mask_mod=mm, block_mask=bm, **TILES)
+    model = flash.model_forward(1, 64, 64, 8, block_mask=bm, **TILES)
+    assert t.summary() == model
     print(f"window {w:2d}: tiles visited {bm.density:.3f}, K+V reads {model[0]['reads']['K'] * 2:5d} elements "
           f"(counted == model)")
 
 # %% [markdown]
-# At scale (batch·heads 16, $N = 4096$, $d = 64$, fa2's default tiles), the same model for each gallery mask,
+# At scale (batch·heads 16, $N = 4096$, $d = 64$, the product kernel's default tiles), the same model for each gallery mask,
 # against dense attention, with a roofline time on the H100 preset — **modelled, not measured**. FLOPs count
 # the visited tiles; the per-element `mask_mod` calls on partial tiles are extra integer work the roofline
 # does not see, so the partial fraction is printed beside it (it is what a GPU measurement would add).
 
 # %%
 BHs, Ns, ds = 16, 4096, 64
-tt = fa2.default_tiles(ds)
+tt = flash.mask_tiles(ds)      # the tiles a mask_mod's block mask is built at
 big = {"dense": None, "causal": flex.causal(), "sliding window 512": flex.sliding_window(512),
        "document (8 docs)": flex.document(np.repeat(np.arange(8), Ns // 8)), "prefix-LM 1024": flex.prefix_lm(1024)}
 
@@ -311,7 +315,7 @@ def nbytes(model):
 rows = []
 for name, mm in big.items():
     bm = None if mm is None else flex.create_block_mask(mm, 1, 1, Ns, Ns, Br=tt["Br"], Bc=tt["Bc"])
-    model = fa2.model_forward(BHs, Ns, Ns, ds, block_mask=bm)
+    model = flash.model_forward(BHs, Ns, Ns, ds, block_mask=bm)
     dens = 1.0 if bm is None else bm.density
     partial = 0.0 if bm is None else float(bm.partial.mean())
     tm = roofline.modelled_time(roofline.flops_forward(1, BHs, Ns, Ns, ds) * dens, nbytes(model), "H100 SXM")
@@ -326,7 +330,7 @@ ax.bar(np.arange(len(rows)) - 0.2, [r[3] / rows[0][3] for r in rows], 0.4, label
 ax.bar(np.arange(len(rows)) + 0.2, [r[4] / rows[0][4] for r in rows], 0.4, label="modelled time / dense")
 ax.set_xticks(np.arange(len(rows)), names, fontsize=8)
 ax.set_ylabel("relative to dense")
-ax.set_title(f"fa2 forward, BH={BHs}, N={Ns}, d={ds} (model; H100 preset, not measured)", fontsize=9)
+ax.set_title(f"product kernel forward, BH={BHs}, N={Ns}, d={ds} (model; H100 preset, not measured)", fontsize=9)
 ax.legend(fontsize=8)
 savefig(fig, "10_cost_vs_dense")
 plt.show()
@@ -347,11 +351,11 @@ plt.show()
 qg, dog = (rng.standard_normal((1, 4, 32, 8)) for _ in range(2))
 for Hkv in (4, 2, 1):
     kg, vg = (rng.standard_normal((1, Hkv, 32, 8)) for _ in range(2))
-    o, lse = flashnb.attention_forward(qg, kg, vg, impl="fa2", **TILES)
+    o, lse = flashnb.attention_forward(qg, kg, vg, impl="flash", **TILES)
     with traffic.count() as t:
-        grads = flashnb.attention_backward(qg, kg, vg, o, lse, dog, impl="fa2", **TILES)
+        grads = flashnb.attention_backward(qg, kg, vg, o, lse, dog, impl="flash", **TILES)
     main = t.summary()[1]
-    assert t.summary() == fa2.model_backward(4, 32, 32, 8, group=4 // Hkv, **TILES)
+    assert t.summary() == flash.model_backward(4, 32, 32, 8, group=4 // Hkv, **TILES)
     err = max(np.abs(g - r).max() for g, r in zip(grads, reference.attention_backward(qg, kg, vg, dog)))
     print(f"H_kv = {Hkv}: K+V read {main['reads']['K'] + main['reads']['V']:5d}, dK+dV written "
           f"{main['writes']['dK'] + main['writes']['dV']:5d} elements; Q read {main['reads']['Q']}; "

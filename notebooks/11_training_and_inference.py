@@ -43,7 +43,7 @@ os.environ["FLASHNB_DEVICE"] = "sim"
 import flashnb
 from flashnb import common, reference, rng
 from flashnb.instruments import bench, traffic
-from flashnb.kernels import decode
+from flashnb.kernels import decode, flash, policies
 from flashnb.notebook import savefig, show_source
 from flashnb.stages import fa2, softmax
 
@@ -57,7 +57,8 @@ T_NOTEBOOK = time.perf_counter()
 # FlashAttention itself takes float16 or bfloat16 inputs (2 bytes) and does its arithmetic in float32: the
 # matmuls accumulate in float32, and $m_i$, $\ell_i$, $L$, $D$ and the $dQ$ accumulator are float32.
 #
-# flashnb's `fa2` kernels do the same with one compile-time option of their factories, `storage`:
+# flashnb's product kernel (`flashnb.kernels.flash`, `impl="flash"`) does the same with one compile-time option of
+# its factories, `storage`, a small policy (`policies.storage`) that its loop calls:
 #
 # * the kernel **signature** types $Q, K, V, O$ (and $dO, dK, dV$) as `float16[:, :, ::1]` (bfloat16: `uint16`
 #   bit patterns, see below), and $L$, $D$, $dQ_{acc}$ stay `float32`;
@@ -66,12 +67,14 @@ T_NOTEBOOK = time.perf_counter()
 # * $dQ$ is summed with float32 atomics from many thread blocks, so it cannot be rounded per block: a third
 #   launch converts the float32 accumulator once, at the end (FlashAttention-2 ends its backward the same way).
 #
-# With `storage="float32"` both conversions are the identity and the kernel is the float32 kernel of
-# notebooks 05-06, instruction for instruction. The lines that changed:
+# With `storage="float32"` both conversions are the identity and the kernel is the float32 kernel, instruction
+# for instruction (stage 4's lesson kernels of notebooks 05-06 are float32 only: storage is a product feature).
+# The policy and the lines of the forward that use it:
 
 # %%
 gen = np.random.default_rng(11)      # each part draws from a generator of its own
-show_source(fa2.make_forward, grep="_f32")
+show_source(policies.storage)
+show_source(flash.make_forward, grep="_f32")
 
 # %% [markdown]
 # and the conversions themselves (`flashnb/common.py`). For float32 and float16 they are numba's casts: float16
@@ -96,14 +99,14 @@ counts = {}
 for storage in ("float32", "float16"):
     q, k, v, do = (common.to_device(a, storage) for a in x)
     with traffic.count() as t:
-        o, lse = fa2.forward(q, k, v, causal=causal, scale=d ** -0.5, **tiles)
-        fa2.backward(q, k, v, o, lse, do, causal=causal, scale=d ** -0.5, **tiles)
+        o, lse = flash.forward(q, k, v, causal=causal, scale=d ** -0.5, **tiles)
+        flash.backward(q, k, v, o, lse, do, causal=causal, scale=d ** -0.5, **tiles)
     counts[storage] = t
-    model = (fa2.model_forward(BH, N, N, d, causal=causal, storage=storage, **tiles)
-             + fa2.model_backward(BH, N, N, d, causal=causal, storage=storage, **tiles))
+    model = (flash.model_forward(BH, N, N, d, causal=causal, storage=storage, **tiles)
+             + flash.model_backward(BH, N, N, d, causal=causal, storage=storage, **tiles))
     assert t.summary() == model    # elements: exactly the model's, in both storages
     assert [(lt.read_bytes, lt.write_bytes) for lt in t.launches] == \
-        [(m["read_bytes"], m["write_bytes"]) for m in fa2.model_bytes(model, storage)]
+        [(m["read_bytes"], m["write_bytes"]) for m in flash.model_bytes(model, storage)]
 
 
 def bytes_by_array(t):
@@ -131,7 +134,7 @@ ax.bar(pos - 0.2, [b32.get(n, 0) for n in names], 0.4, label="float32 storage")
 ax.bar(pos + 0.2, [b16.get(n, 0) for n in names], 0.4, label="float16 storage")
 ax.set_xticks(pos, [{"dQ": "dQ (f32 acc.)", "dQh": "dQ (half)"}.get(n, n) for n in names], fontsize=8)
 ax.set_ylabel("counted HBM bytes")
-ax.set_title(f"fa2 forward + backward, N = {N}, d = {d}, causal (simulator count)")
+ax.set_title(f"product kernel forward + backward, N = {N}, d = {d}, causal (simulator count)")
 ax.legend()
 savefig(fig, "11_half_bytes")
 plt.show()
@@ -144,9 +147,9 @@ plt.show()
 
 # %%
 for shape in ((16, 1024, 1024, 64), (16, 4096, 4096, 64)):
-    for model in (fa2.model_forward, fa2.model_backward):
+    for model in (flash.model_forward, flash.model_backward):
         tot = {s: sum(r["read_bytes"] + r["write_bytes"] + r["atomic_bytes"]
-                      for r in fa2.model_bytes(model(*shape, causal=True, storage=s), s))
+                      for r in flash.model_bytes(model(*shape, causal=True, storage=s), s))
                for s in ("float32", "float16")}
         print(f"{model.__name__:>15} BH, N, N, d = {shape}: float32 {tot['float32'] / 2**20:8.1f} MiB, "
               f"float16 {tot['float16'] / 2**20:8.1f} MiB, ratio {tot['float16'] / tot['float32']:.3f}")
@@ -178,10 +181,10 @@ for vscale in (1.0, 30.0, 300.0):
     k = (gen.standard_normal((1, Nk, d)) * 60).astype(np.float16)
     v = (gen.standard_normal((1, Nk, d)) * vscale).astype(np.float16)
     o_ref, _ = reference.attention_forward(*(a.astype(np.float64) for a in (q, k, v)), causal=True, scale=scale)
-    o32, _ = flashnb.attention_forward(q, k, v, causal=True, scale=scale, impl="fa2", storage="float32", **tiles)
-    o16, _ = flashnb.attention_forward(q, k, v, causal=True, scale=scale, impl="fa2", **tiles)
+    o32, _ = flashnb.attention_forward(q, k, v, causal=True, scale=scale, impl="flash", storage="float32", **tiles)
+    o16, _ = flashnb.attention_forward(q, k, v, causal=True, scale=scale, impl="flash", **tiles)
     qb, kb, vb = (common.to_bfloat16(a) for a in (q, k, v))      # bfloat16 keeps 8 bits: other inputs,
-    obf, _ = flashnb.attention_forward(qb, kb, vb, causal=True, scale=scale, impl="fa2", storage="bfloat16", **tiles)
+    obf, _ = flashnb.attention_forward(qb, kb, vb, causal=True, scale=scale, impl="flash", storage="bfloat16", **tiles)
     ob_ref, _ = reference.attention_forward(*(common.from_bfloat16(a).astype(np.float64) for a in (qb, kb, vb)),
                                             causal=True, scale=scale)  # ... so their own reference
     rel = {name: float(np.max(np.abs(o.astype(np.float64) - ref) / np.abs(ref).max()))
@@ -204,7 +207,7 @@ for u, label in ((2.0 ** -11, "2^-11"), (2.0 ** -8, "2^-8"), (2.0 ** -24, "2^-24
 ax.set_xscale("log")
 ax.set_xlabel("max |v| (float16 inputs)")
 ax.set_ylabel("max |o - o_ref| / max |o_ref|")
-ax.set_title("fa2 forward vs the float64 reference")
+ax.set_title("product kernel forward vs the float64 reference")
 ax.legend(fontsize=8)
 savefig(fig, "11_half_error")
 plt.show()
@@ -310,15 +313,16 @@ for counter, key, want in KAT:
     assert device == twin == want
 
 # %% [markdown]
-# In the FA2 forward kernel the whole change is one loop over the lane's $\tilde P_{ij}$, after they were added
-# into $\ell_i$ and before $\tilde P V_j$; in the backward, one branch where $P$ and $dS$ are formed
-# (`make_forward(..., dropout=True)`, `make_backward(..., dropout=True)`; without it the kernels compile to the
-# same PTX as before):
+# In the product kernel dropout is one more policy, `policies.dropout`: `keep_bits` draws a lane's $Z_{ij}$ for
+# its micro-tile from Philox, `factor` is $1/(1-p)$ for a kept element and 0 for a dropped one. The forward
+# applies it to the lane's $\tilde P_{ij}$ after they were added into $\ell_i$ and before $\tilde P V_j$; the
+# backward where $P$ and $dS$ are formed (`make_forward(..., dropout=True)`, `make_backward(..., dropout=True)`;
+# without it the policy compiles to nothing):
 
 # %%
-show_source(fa2.make_forward, grep="dropout_scale(")
-show_source(fa2.make_backward, grep="dropout_scale(")
-show_source(fa2.make_backward, grep="= pv * ")
+show_source(policies.dropout)
+show_source(flash.make_forward, grep="keep")
+show_source(flash.make_backward, grep="factor(")
 
 # %% [markdown]
 # ### Counted: what crosses HBM with and without dropout
@@ -332,8 +336,8 @@ q, k, v, do = (gen.standard_normal((BH, N, d)) for _ in range(4))
 global_bytes = {}
 for drop in (0.0, p):
     with traffic.count() as t:
-        o, lse = flashnb.attention_forward(q, k, v, impl="fa2", dropout_p=drop, seed=seed)
-        flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", dropout_p=drop, seed=seed)
+        o, lse = flashnb.attention_forward(q, k, v, impl="flash", dropout_p=drop, seed=seed)
+        flashnb.attention_backward(q, k, v, o, lse, do, impl="flash", dropout_p=drop, seed=seed)
     global_bytes[drop] = sum(e["read_bytes"] + e["write_bytes"] for e in t.totals_by_array().values()
                              if e["kind"] == "global")
 stored_mask = 2 * BH * N * N                     # written once, read once, 1 byte per element
@@ -344,14 +348,14 @@ print(f"  dropout, mask stored  {global_bytes[0.0] + stored_mask:>9,}  (+{stored
 assert global_bytes[p] == global_bytes[0.0]
 
 # %% [markdown]
-# At longer sequences the counts come from fa2's traffic model (`fa2.model_forward` / `model_backward`, which the
+# At longer sequences the counts come from the traffic model (`flash.model_forward` / `model_backward`, which the
 # tests hold equal to the counts above): one head, $d = 64$, default tiles, float32 arrays, against a uint8
 # mask written by the forward and read by the backward.
 
 # %%
 print(f"{'N':>6}  {'FA2 fwd+bwd bytes':>17}  {'stored mask bytes':>17}  {'mask / FA2':>10}")
 for N_ in (1024, 4096, 16384):
-    model = fa2.model_forward(1, N_, N_, 64) + fa2.model_backward(1, N_, N_, 64)
+    model = flash.model_forward(1, N_, N_, 64) + flash.model_backward(1, N_, N_, 64)
     fa_bytes = 4 * sum(sum(launch[kind].values()) for launch in model for kind in ("reads", "writes", "atomics"))
     mask_bytes = 2 * N_ * N_
     print(f"{N_:>6}  {fa_bytes:>17,}  {mask_bytes:>17,}  {mask_bytes / fa_bytes:>10.2f}")
@@ -374,8 +378,8 @@ n, p, seed = 48, 0.3, 7
 q1, k1 = gen.standard_normal((1, n, n)), gen.standard_normal((1, n, n))
 eye = np.eye(n)[None]
 P_ref = reference.attention_forward(q1, k1, eye)[0]             # softmax itself, since V = I
-o1, lse1 = flashnb.attention_forward(q1, k1, eye, impl="fa2", dropout_p=p, seed=seed, Br=16, Bc=16, warps=1)
-dq1, dk1, dv1 = flashnb.attention_backward(q1, k1, eye, o1, lse1, eye, impl="fa2", dropout_p=p, seed=seed,
+o1, lse1 = flashnb.attention_forward(q1, k1, eye, impl="flash", dropout_p=p, seed=seed, Br=16, Bc=16, warps=1)
+dq1, dk1, dv1 = flashnb.attention_backward(q1, k1, eye, o1, lse1, eye, impl="flash", dropout_p=p, seed=seed,
                                            Br=16, Bc=16, warps=1)
 W_fwd = (o1 / P_ref)[0] * (1 - p)                               # 1 kept, 0 dropped (up to rounding)
 W_bwd = (dv1[0].T / P_ref[0]) * (1 - p)
@@ -423,8 +427,8 @@ for p_ in (0.1, 0.3, 0.5, 0.9):
 
 # %%
 q2, k2, v2, do2 = (gen.standard_normal((2, 40, 16)) for _ in range(4))
-o2, lse2 = flashnb.attention_forward(q2, k2, v2, causal=True, impl="fa2", dropout_p=0.25, seed=5)
-grads = flashnb.attention_backward(q2, k2, v2, o2, lse2, do2, causal=True, impl="fa2", dropout_p=0.25, seed=5)
+o2, lse2 = flashnb.attention_forward(q2, k2, v2, causal=True, impl="flash", dropout_p=0.25, seed=5)
+grads = flashnb.attention_backward(q2, k2, v2, o2, lse2, do2, causal=True, impl="flash", dropout_p=0.25, seed=5)
 W2 = rng.dropout_scale_np(5, 0.25, 2, 40, 40)
 ref = reference.attention_backward(q2, k2, v2, do2, causal=True, dropout_mask=W2)
 o_err = np.abs(o2 - reference.attention(q2, k2, v2, causal=True, dropout_mask=W2)).max()
@@ -634,9 +638,9 @@ from flashnb import exercises  # noqa: E402
 
 # %% [markdown]
 # **11.1 · The bytes of a half-precision forward** (★, ~10 min) Write `forward_bytes(BH, Nq, Nk, d, itemsize)`:
-# the HBM bytes (reads + writes) of fa2's forward at its default tiles for $d \le 64$ ($B_r = 64$, no causal
-# mask), with $Q, K, V, O$ stored at `itemsize` bytes per element. The check runs the kernel on the simulator in
-# float16 and float32 storage and counts.
+# the HBM bytes (reads + writes) of the product kernel's forward at tiles $B_r = 64$, $B_c = 32$ (no causal mask),
+# with $Q, K, V, O$ stored at `itemsize` bytes per element. The check runs the kernel on the simulator in float16
+# and float32 storage and counts.
 
 # %%
 forward_bytes = ...   # def forward_bytes(BH, Nq, Nk, d, itemsize): ...

@@ -214,8 +214,8 @@ for phase in ("forward", "backward"):
 
 tiles = dict(Br=16, Bc=16, warps=1)
 dkv = model.kv_message_bytes(r["B"], r["N"] // W, r["H_kv"], r["d"], 4)     # dK/dV travel in float32
-print(f"\nrank 1, zigzag: bytes on the link per step, the formula's, and the HBM bytes of the step's fa2 kernels "
-      f"(fa2's traffic model, tiles {tiles})")
+print(f"\nrank 1, zigzag: bytes on the link per step, the formula's, and the HBM bytes of the step's kernels "
+      f"(the product kernel's traffic model, tiles {tiles})")
 print(f"{'phase':>8} {'step':>4} {'link sent B':>12} {'formula B':>10} {'HBM B (model)':>14} {'HBM / link':>10}")
 ratios = []
 for phase in ("forward", "backward"):
@@ -234,7 +234,7 @@ print("H100 HBM bandwidth over a link's (datasheet): " +
       ", ".join(f"{name} {hbm_bw / link.bandwidth:.0f}x" for name, link in model.LINKS.items()))
 
 # %% [markdown]
-# The HBM column is fa2's traffic model for the blocks of each step. The traffic counter checks it on one of
+# The HBM column is the product kernel's traffic model for the blocks of each step. The traffic counter checks it on one of
 # them, the step-0 diagonal block of rank 1, run here on the simulator:
 
 # %%
@@ -244,7 +244,7 @@ rng = np.random.default_rng(13)
 q = rng.standard_normal((r["B"], r["H"], b.rows, r["d"])).astype(np.float32)
 k, v = (rng.standard_normal((r["B"], r["H_kv"], b.keys, r["d"])).astype(np.float32) for _ in range(2))
 with traffic.count() as t:
-    flashnb.attention_forward(q, k, v, causal=b.causal, impl="fa2", **tiles)
+    flashnb.attention_forward(q, k, v, causal=b.causal, impl="flash", **tiles)
 counted_hbm = t.global_read_bytes + t.global_write_bytes
 print(f"block {b}: counted {counted_hbm:,} HBM bytes, model {model.block_hbm_bytes(plan0, r['B'], r['H'], r['H_kv'], r['d'], 'forward', **tiles):,}")
 assert counted_hbm == model.block_hbm_bytes(plan0, r["B"], r["H"], r["H_kv"], r["d"], "forward", **tiles)
@@ -258,18 +258,18 @@ assert counted_hbm == model.block_hbm_bytes(plan0, r["B"], r["H"], r["H_kv"], r[
 # %% [markdown]
 # ## Compute and wait, per rank: flashnb's kernels in the ring
 #
-# Now the blocks are flashnb's FA2 kernels on the simulator, two ranks (so that on a two-core machine they do
+# Now the blocks are flashnb's product kernel on the simulator, two ranks (so that on a two-core machine they do
 # not share a core), contiguous against zigzag, causal. Each rank records when it computed and when
 # it waited on a transfer. Times are simulator seconds -- Python running every CUDA thread -- so only the
 # *shape* carries over to a GPU: who works, who waits.
 
 # %%
 W2 = 2
-kernel_cases = [dict(N=32, B=1, H=2, H_kv=1, d=16, layout=layout, mode="ring", causal=True, impl="fa2")
+kernel_cases = [dict(N=32, B=1, H=2, H_kv=1, d=16, layout=layout, mode="ring", causal=True, impl="flash")
                 for layout in ("contiguous", "zigzag")]
 t0 = time.perf_counter()
 kout = launch.run(lessons.run_cases, W2, kernel_cases, timeout=300)[0]
-print(f"2 runs through the fa2 kernels in {time.perf_counter() - t0:.1f} s")
+print(f"2 runs through the product kernel in {time.perf_counter() - t0:.1f} s")
 for r in kout:
     print(f"{r['layout']:>10}: {r['impl']}, ok={r['ok']}, " +
           ", ".join(f"{k} {e['max_abs']:.1e} (bound {e['bound']:.0e})" for k, e in r["errors"].items()))

@@ -3,7 +3,7 @@
 
     python scripts/check_training_inference.py [--seed 1] [--cases 6] [--impl flash]
 
-* **float16 storage** (``--impl``: ``"flash"``, the product kernel, by default, or ``"fa2"``): inputs of large
+* **float16 storage** (``--impl``: ``"flash"``, the product kernel, the impl with both features): inputs of large
   magnitude (q, k up to ~30, v up to ~300), Nq != Nk, causal or not, forward and backward, against the float64
   reference run on the same float16 values (a gradient beyond float16's 65504 must be refused with a ValueError).
 * **dropout** (the same impl, ``dropout_p``, ``seed``): forward and backward against the reference with the mask
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--cases", type=int, default=6, help="cases of each kind")
-    p.add_argument("--impl", default="flash", choices=("flash", "fa2"), help="the impl of the half-storage and "
+    p.add_argument("--impl", default="flash", choices=("flash",), help="the impl of the half-storage and "
                    "dropout cases (default: flash, the product kernel)")
     args = p.parse_args(argv)
     global IMPL

@@ -11,11 +11,12 @@ import flashnb  # noqa: F401  (must be imported before numba.cuda)
 from flashnb.kernels import flash
 from flashnb.stages import fa2
 
-# The impls that carry every feature (half storage, block masks, modifiers, dropout, GQA), each module with its
-# launchers and models under the same names: the feature tests run on both (`pytest -m product` selects the product
-# kernel's cases in every file).  CI runs them on the product kernel, the default impl; stage 4's (whose features
-# the product kernel takes over) are `slow`, so that running each feature test twice costs CI no time.
-FEATURE_IMPLS = [pytest.param("fa2", marks=pytest.mark.slow), pytest.param("flash", marks=pytest.mark.product)]
+# The impl that carries every feature (half storage, block masks with partial tiles, modifiers, dropout, GQA): the
+# product kernel.  Block masks of two states (skip or compute) are also stage 5's lesson, on stage 4's kernels: the
+# block-sparse tests run on both, each module with its launchers and models under the same names (`pytest -m
+# product` selects the product kernel's cases); stage 4's are `slow` (the "fa2-sparse" impl covers stage 5 in CI).
+FEATURE_IMPLS = [pytest.param("flash", marks=pytest.mark.product)]
+BLOCK_MASK_IMPLS = [pytest.param("fa2", marks=pytest.mark.slow), pytest.param("flash", marks=pytest.mark.product)]
 MODULE_OF = {"fa2": fa2, "flash": flash}
 
 

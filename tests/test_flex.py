@@ -13,7 +13,6 @@ import flashnb
 from flashnb import flex, reference
 from flashnb.flex import ModifierError
 from flashnb.instruments import traffic
-from flashnb.stages import fa2
 
 # As in test_fa2 / test_block_sparse: float32 sums of at most max(Nk, d) <= 64 O(1) products (~1e-5 relative in
 # the worst case); a modifier adds one float32 rounding per score (|score| <= ~10 here: ~1e-6).  The backward chains
@@ -399,7 +398,7 @@ def test_compile_check_is_cached_by_code_and_captured_types(rng, monkeypatch):
     monkeypatch.setattr(flex, "_compile_many", lambda items: batches.append(len(items)) or real(items))
     q, k, v = qkv(rng, (1, 1, 16, 8), 16)
     for n in (3, 5):                                           # two new packings (the fixture checked document's)
-        o = flashnb.attention(q, k, v, impl="fa2", mask_mod=flex.document(np.arange(16) // n), **TILES)
+        o = flashnb.attention(q, k, v, impl="flash", mask_mod=flex.document(np.arange(16) // n), **TILES)
         assert_close(o, reference.attention(q, k, v, mask=_doc_mask(np.arange(16) // n)), **FWD, what="o")
     assert batches == []
     f32, f64 = _bias_of(np.zeros(16, np.float32)), _bias_of(np.zeros(16))
@@ -419,14 +418,16 @@ def test_kernel_cache_is_bounded():
     import weakref
 
     from flashnb import modifiers, registry
+    from flashnb.kernels import flash, policies
 
     n = registry.KERNEL_CACHE_SIZE
-    assert fa2.make_forward.cache_info().maxsize == n
+    assert flash.make_forward.cache_info().maxsize == n
     first = None
     for i in range(n + 3):
-        kernel = fa2.make_forward(16, 16, 8, 1, False, True, None, flex.snapshot(flex.document(np.full(32, i))))
+        kernel = flash.make_forward(16, 16, 8, 1, False, sparse=True,
+                                    mask_mod=flex.snapshot(flex.document(np.full(32, i))))
         first = first or weakref.ref(kernel)
     del kernel
     gc.collect()
-    assert fa2.make_forward.cache_info().currsize == n and first() is None
-    assert len(modifiers._FROZEN) <= n and len(fa2._DEVICE_FNS) <= n
+    assert flash.make_forward.cache_info().currsize == n and first() is None
+    assert len(modifiers._FROZEN) <= n and len(policies._DEVICE_FNS) <= n

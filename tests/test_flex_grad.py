@@ -203,7 +203,7 @@ def problem():
     return q, k, v, do
 
 
-@pytest.mark.parametrize("impl", ["fa2", "flash"])
+@pytest.mark.parametrize("impl", ["flash"])
 def test_modifier_without_grad_trains(problem, impl):
     """``capped_bias`` has no ``.grad`` and no ``score_mod_grad`` is given: the backward derives it."""
     q, k, v, do = problem
@@ -267,7 +267,7 @@ def test_outside_the_subset_is_refused_naming_construct_and_line(fn, construct):
         flex.derivative(fn)
 
 
-@pytest.mark.parametrize("impl", ["fa2", "flash"])
+@pytest.mark.parametrize("impl", ["flash"])
 def test_backward_refuses_before_any_launch(problem, impl):
     q, k, v, do = problem
     o, lse = reference.attention_forward(q, k, v, score_mod=flex.numpy_modifier(floor_division))

@@ -53,8 +53,8 @@ def _gather(t: torch.Tensor, world: int) -> list:
 
 
 def _impl(impl):
-    if impl in (None, "fa2") and runtime.MODE == "sim":
-        return Kernels("fa2", Br=16, Bc=16, warps=1)     # small tiles: the simulator runs every thread in Python
+    if impl in (None, "flash") and runtime.MODE == "sim":
+        return Kernels("flash", Br=16, Bc=16, warps=1)     # small tiles: the simulator runs every thread in Python
     return resolve_impl(impl)
 
 
@@ -62,7 +62,7 @@ def check(rank: int, world: int, *, N: int = 64, B: int = 1, H: int = 2, H_kv: i
           layout: str = "zigzag", mode: str = "ring", causal: bool = True, impl=None, seed: int = 0,
           device: str = "cpu", timeout: float | None = None, reference_check: bool = True, schedule=None) -> dict:
     """One forward and backward on this rank; returns (on every rank) the gathered errors against float64,
-    their tolerances, every rank's stats rows and the formula's bytes.  ``impl``: None / "fa2" (flashnb's
+    their tolerances, every rank's stats rows and the formula's bytes.  ``impl``: None / "flash" (flashnb's
     kernels; small tiles on the simulator), "exact", another impl name, or a block computation object.
     ``schedule``: a :class:`~flashnb.distributed.ring.RingSchedule` subclass to run instead of the mode's."""
     q, k, v, do = inputs(N, B=B, H=H, H_kv=H_kv, d=d, seed=seed)
@@ -123,7 +123,8 @@ def main(argv=None) -> int:
     p.add_argument("--layout", default="zigzag", choices=("contiguous", "zigzag", "striped"))
     p.add_argument("--mode", default="ring", choices=("ring", "allgather"))
     p.add_argument("--no-causal", action="store_true")
-    p.add_argument("--impl", default="fa2", help="'fa2' (flashnb's kernels), 'exact' (float64), or an impl name")
+    p.add_argument("--impl", default="flash", help="'flash' (flashnb's product kernel), 'exact' (float64), or an "
+                                                   "impl name")
     p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl when CUDA is available)")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="the process group's timeout: seconds any collective or transfer may take")

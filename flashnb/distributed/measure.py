@@ -101,7 +101,7 @@ def measure_cases(rank: int, world: int, cases: list, *, reps: int = 3, rehearse
     run at ``N``; returns one row per case (see the module docstring)."""
     device = torch.device("cuda", torch.cuda.current_device()) if (torch.cuda.is_available() and not rehearse) \
         else torch.device("cpu")
-    impl = Kernels("fa2", Br=16, Bc=16, warps=1) if rehearse else Kernels("fa2")
+    impl = Kernels("flash", Br=16, Bc=16, warps=1) if rehearse else Kernels("flash")
     rows = []
     with _rehearsing(rehearse):
         for case in cases:

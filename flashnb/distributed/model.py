@@ -147,14 +147,14 @@ def min_block_tokens(flops: float, bandwidth: float, *, H: int = 1, H_kv: int = 
 
 
 def block_hbm_bytes(blocks, B: int, H: int, H_kv: int, d: int, direction: str = "forward", **tiles) -> int:
-    """HBM bytes flashnb's fa2 kernels move for a step's ``blocks`` (:func:`flashnb.distributed.blocks.plan`),
-    from fa2's traffic model (:func:`flashnb.stages.fa2.model_forward` / ``model_backward``; ``tiles``: Br, Bc,
-    warps)."""
-    from ..stages import fa2
+    """HBM bytes flashnb's kernels move for a step's ``blocks`` (:func:`flashnb.distributed.blocks.plan`), from the
+    product kernel's traffic model (:func:`flashnb.kernels.flash.model_forward` / ``model_backward``; ``tiles``:
+    Br, Bc, warps)."""
+    from ..kernels import models
 
-    model = fa2.model_forward if direction == "forward" else fa2.model_backward
+    model = models.model_forward if direction == "forward" else models.model_backward
     total = 0
     for b in blocks:
-        for launch in fa2.model_bytes(model(B * H, b.rows, b.keys, d, causal=b.causal, group=H // H_kv, **tiles)):
+        for launch in models.model_bytes(model(B * H, b.rows, b.keys, d, causal=b.causal, group=H // H_kv, **tiles)):
             total += launch["read_bytes"] + launch["write_bytes"] + launch["atomic_bytes"]
     return total

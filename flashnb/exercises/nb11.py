@@ -9,9 +9,12 @@ from . import Wrong, exercise, require
 
 # --------------------------------------------------------------------------- 11.1
 
+TILES = dict(Br=64, Bc=32, warps=4)   # the tiles 11.1 names (the product kernel's own defaults vary with d)
+
 
 def _counted_forward_bytes(BH, Nq, Nk, d, storage):
-    """HBM bytes the fa2 forward moves at its default tiles, counted on the simulator (the ground truth)."""
+    """HBM bytes the product kernel's forward moves at the tiles ``TILES``, counted on the simulator (the ground
+    truth)."""
     from .. import api
     from ..instruments import traffic
 
@@ -19,22 +22,23 @@ def _counted_forward_bytes(BH, Nq, Nk, d, storage):
     q = rng.standard_normal((BH, Nq, d)).astype(np.float16)
     k, v = (rng.standard_normal((BH, Nk, d)).astype(np.float16) for _ in range(2))
     with traffic.count() as t:
-        api.attention_forward(q, k, v, impl="fa2", storage=storage)
+        api.attention_forward(q, k, v, impl="flash", storage=storage, **TILES)
     return t.global_read_bytes + t.global_write_bytes
 
 
 @exercise("11.1", "the bytes of a half-precision forward", level=1, minutes=10,
-          hint="""At its default tiles (d <= 64: Br = 64) the fa2 forward reads Q_i once per block, K and V once per
+          hint="""At tiles Br = 64, Bc = 32 the product kernel's forward reads Q_i once per block, K and V once per
           Q block (Tr = ceil(Nq / Br) times each), writes O once, and writes L (float32, 4 bytes) once per row.
           Multiply each count of elements by its bytes: 2 for float16 storage, 4 for float32.""",
           explain="""Half storage halves every term but one: L stays float32 (it is a statistic, and its precision
           matters for the backward's exp(S - L)). The K/V term dominates (it is read Tr times), so the total falls by
           almost exactly 2x. On a GPU the kernel is memory-bound at small d, so this is close to a 2x speed-up there;
-          at large d the FLOPs dominate and half storage helps through tensor cores instead (which fa2's FP32
-          arithmetic does not use; notebook 12's impl="fa2-tc" does).""")
+          at large d the FLOPs dominate and half storage helps through tensor cores instead (which the product
+          kernel's FP32 arithmetic does not use; notebook 12's impl="fa2-tc" does).""")
 def check_11_1(forward_bytes):
-    """forward_bytes(BH, Nq, Nk, d, itemsize) -> HBM bytes (reads + writes) of fa2's forward at its default tiles for
-    d <= 64, with Q, K, V and O stored at ``itemsize`` bytes per element (L is float32)."""
+    """forward_bytes(BH, Nq, Nk, d, itemsize) -> HBM bytes (reads + writes) of the product kernel's forward at tiles
+    Br = 64, Bc = 32 (no causal mask), with Q, K, V and O stored at ``itemsize`` bytes per element (L is
+    float32)."""
     require(callable(forward_bytes), "forward_bytes must be a function (BH, Nq, Nk, d, itemsize) -> bytes")
     for BH, Nq, Nk, d in ((1, 40, 24, 8), (1, 70, 17, 4)):
         for storage, itemsize in (("float16", 2), ("float32", 4)):

@@ -655,11 +655,12 @@ def main_bench(argv=None) -> int:
 
 def measure_storage(BH: int = 16, N: int = 4096, d: int = 64, storages=("float32", "float16", "bfloat16"), *,
                     causal: bool = False, repeats: int = 10, warmup: int = 3, seed: int = 0) -> list[dict]:
-    """CUDA-event time of fa2's forward and backward with Q, K, V, O (dO, dK, dV, dQ) in each storage, at one
-    shape (GPU only; notebook 11's measurement, through :func:`on_gpu`).  Same values in every storage (drawn
-    once, rounded to float16); each row carries the modelled HBM bytes (``fa2.model_bytes``) of its launches."""
+    """CUDA-event time of the product kernel's forward and backward with Q, K, V, O (dO, dK, dV, dQ) in each
+    storage, at one shape (GPU only; notebook 11's measurement, through :func:`on_gpu`).  Same values in every
+    storage (drawn once, rounded to float16); each row carries the modelled HBM bytes
+    (:func:`flashnb.kernels.flash.model_bytes`) of its launches."""
     from ..common import poisoning, to_bfloat16, to_device
-    from ..stages.fa2 import backward, forward, model_backward, model_bytes, model_forward
+    from ..kernels.flash import backward, forward, model_backward, model_bytes, model_forward
 
     info = device_info()
     rng = np.random.default_rng(seed)

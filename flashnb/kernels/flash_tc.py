@@ -925,11 +925,12 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, stora
 
 
 def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warps=None, storage=None):
-    """FA2 Alg. 2 on tensor cores: stage 4's preprocessing launch (``D = rowsum(dO∘O)``, the float32 dQ accumulator
-    zeroed), the main launch (one block per K/V tile), and for half storage dQ narrowed (stage 4's convert launch).
+    """FA2 Alg. 2 on tensor cores: the product kernel's preprocessing launch (``D = rowsum(dO∘O)``, the float32 dQ
+    accumulator zeroed), the main launch (one block per K/V tile), and for half storage dQ narrowed (the product
+    kernel's convert launch).
     Device arrays in q's storage (``lse`` float32); gradients out in it.  sm_80 and newer (ValueError naming the
     architecture on sm_75)."""
-    from ..stages import fa2
+    from . import flash
 
     storage = check_inputs(storage, q=q, k=k, v=v, o=o, do=do)
     mma.check_arch("fa2-tc backward", ARCHS[80])
@@ -938,7 +939,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     t = _bwd_tiles(storage, d, Br, Bc, warps)
     D = empty((BH, Nq))
     dQ = empty((BH, Nq, d))                          # float32: the atomics' accumulator
-    launch(fa2.make_preprocess(storage), (cdiv(Nq, fa2.PRE_WARPS), BH), 32 * fa2.PRE_WARPS, o, do, D, dQ,
+    launch(flash.make_preprocess(storage), (cdiv(Nq, flash.PRE_WARPS), BH), 32 * flash.PRE_WARPS, o, do, D, dQ,
            label="D = rowsum(dO∘O)")
     dK = empty((BH, Nk, d), storage=storage)
     dV = empty((BH, Nk, d), storage=storage)
@@ -947,7 +948,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
            causal_diag(causal, Nq, Nk), label=BWD_LABEL)
     if storage != "float32":
         dQh = empty((BH, Nq, d), storage=storage)
-        launch(fa2.make_convert(storage), (cdiv(Nq * d, fa2.CONVERT_THREADS), BH), fa2.CONVERT_THREADS, dQ, dQh,
+        launch(flash.make_convert(storage), (cdiv(Nq * d, flash.CONVERT_THREADS), BH), flash.CONVERT_THREADS, dQ, dQh,
                label=f"dQ -> {storage}")
         dQ = dQh
     return dQ, dK, dV
@@ -1002,7 +1003,7 @@ def model_forward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, Bc
 
 def hbm_bytes(model, config) -> int:
     """Bytes of a model of fa2-tc's launches at the configuration's storage (L, D, dQ's accumulator: 4 bytes)."""
-    from ..stages.fa2 import model_bytes
+    from .models import model_bytes
 
     return sum(m["read_bytes"] + m["write_bytes"] + m["atomic_bytes"]
                for m in model_bytes(model, config.get("storage", "float16")))

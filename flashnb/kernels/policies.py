@@ -48,6 +48,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint64
 
 from ..common import ONE, ZERO, storage_conversions
+from ..masks import EMPTY, FULL, PARTIAL  # noqa: F401  (block-mask tile states, as BlockMask.states writes them)
 from ..rng import check_dropout, dropout_keep, dropout_kernel_args
 
 __all__ = ["EMPTY", "FULL", "PARTIAL", "ALL", "MAX_ELEMENTS", "storage", "tile_state", "modifiers", "is_set",
@@ -56,7 +57,6 @@ __all__ = ["EMPTY", "FULL", "PARTIAL", "ALL", "MAX_ELEMENTS", "storage", "tile_s
            "check_dropout_at", "GUARD_ALIBI", "GUARD_WINDOW",
            "GUARD_SOFTCAP", "GUARD_DOCUMENT"]
 
-EMPTY, FULL, PARTIAL = 0, 1, 2   # block-mask tile states, as flashnb.stages.fa2.BlockMask.states writes them
 FULL_MASK = 0xFFFFFFFF
 
 
@@ -102,14 +102,20 @@ def python_modifier(fn):
 
 
 def device_modifier(fn):
-    """``fn`` compiled as an inlined device function, one per Python function (every kernel using it shares it);
-    ``None`` stays ``None``."""
+    """``fn`` compiled as an inlined device function, one per Python function (every kernel using it shares it;
+    a :func:`flashnb.flex.snapshot` brings its frozen copy); ``None`` stays ``None``.  The
+    :data:`~flashnb.registry.KERNEL_CACHE_SIZE` most recently used are kept, as the factories keep their kernels:
+    a process that makes modifiers in a loop does not keep every one alive."""
+    from ..registry import KERNEL_CACHE_SIZE
+
     if fn is None:
         return None
     fn = python_modifier(fn)
-    if fn not in _DEVICE_FNS:
-        _DEVICE_FNS[fn] = cuda.jit(device=True, inline="always")(fn)
-    return _DEVICE_FNS[fn]
+    dev = _DEVICE_FNS.pop(fn, None) or cuda.jit(device=True, inline="always")(fn)
+    _DEVICE_FNS[fn] = dev                            # (re)inserted last: the most recently used
+    while len(_DEVICE_FNS) > KERNEL_CACHE_SIZE:
+        del _DEVICE_FNS[next(iter(_DEVICE_FNS))]
+    return dev
 
 
 @cuda.jit(device=True, inline="always")

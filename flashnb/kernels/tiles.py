@@ -9,6 +9,7 @@ import numpy as np
 from numba import cuda
 
 from ..common import check_shared_fit
+from ..masks import BlockMask
 from ..stages import fa2
 from .blocks import LC, LR, bwd_geometry, bwd_shared_bytes, geometry, needs_dynamic, shared_bytes
 from .policies import PARTIAL
@@ -145,12 +146,12 @@ class PreparedMask:
 
 
 def _as_block_mask(block_mask, d, Br, Bc):
-    """``block_mask`` as a :class:`flashnb.stages.fa2.BlockMask`: a plain boolean array is read at the ``Br``, ``Bc``
+    """``block_mask`` as a :class:`flashnb.masks.BlockMask`: a plain boolean array is read at the ``Br``, ``Bc``
     options, else at :func:`mask_tiles` ``(d)``."""
-    if isinstance(block_mask, fa2.BlockMask):
+    if isinstance(block_mask, BlockMask):
         return block_mask
     t = mask_tiles(d)
-    return fa2.BlockMask(np.asarray(block_mask), Br=t["Br"] if Br is None else Br, Bc=t["Bc"] if Bc is None else Bc)
+    return BlockMask(np.asarray(block_mask), Br=t["Br"] if Br is None else Br, Bc=t["Bc"] if Bc is None else Bc)
 
 
 def _mask_at_tiles(direction, d, Br, Bc, warps, block_mask, BH, Nq, Nk, optin=DESIGN_OPTIN_BYTES, static=False,

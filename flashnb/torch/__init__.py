@@ -8,7 +8,7 @@ Needs PyTorch (``pip install "flashnb[torch]"``); ``import flashnb`` never impor
   dropout: :mod:`flashnb.rng`, the seed drawn from torch's generator when not given) takes tensors of
   shape ``(B, H, N, d)`` (or ``(H, N, d)``, ``(N, d)``) like ``torch.nn.functional.scaled_dot_product_attention``
   and returns ``o`` with q's shape and dtype; gradients flow to q, k and v.  k and v may have fewer heads than q
-  (grouped-/multi-query attention, ``impl="flash"`` or ``"fa2"``; dk, dv are summed over each group).
+  (grouped-/multi-query attention, ``impl="flash"``; dk, dv are summed over each group).
 * :func:`scaled_dot_product_attention` has SDPA's own signature and semantics (``is_causal`` aligned top-left,
   ``attn_mask`` a ``causal_lower_right``/``causal_upper_left`` bias or None), for a literal drop-in.
 * Both call flashnb's **custom operators** ``torch.ops.flashnb.attention_forward`` / ``attention_backward``
@@ -39,7 +39,7 @@ through ``__cuda_array_interface__`` (``numba.cuda.as_cuda_array``) and launch o
 simulator this path is rehearsed (:func:`rehearse_cuda`): CPU tensors take it, wrapped zero-copy.
 
 **dtypes.** flashnb's kernels compute in float32.  float32 tensors are used as they are.  float16 and bfloat16
-tensors given to an impl with half-precision storage (``impl="flash"`` or ``"fa2"``) stay in their dtype: the
+tensors given to an impl with half-precision storage (``impl="flash"``) stay in their dtype: the
 kernels read them as they are (half the bytes), widen every element to float32 on chip, and write ``o`` and the
 gradients in the input dtype, rounded once (dq is summed in float32 and rounded at the end), as
 FlashAttention does; ``lse`` is float32.  dq and dk also inherit the rounding of the stored ``o`` through

@@ -172,14 +172,14 @@ def attention(q, k, v, *, causal=False, scale=None, impl: str = "flash", block_m
         scale: softmax scale, default ``1/sqrt(d)``.
         impl: any impl with a backward (:func:`impls_with_backward`); a forward-only impl when no gradient is
             needed.  Default ``"flash"``, the product kernel (:mod:`flashnb.kernels.flash`).
-        block_mask: the block-sparse mask of ``impl="flash"`` / ``"fa2"`` (``flashnb.kernels.flash.forward``), or a
+        block_mask: the block-sparse mask of ``impl="flash"`` (``flashnb.kernels.flash.forward``), or a
             ``flashnb.flex.create_block_mask`` of a ``mask_mod``.
-        score_mod, mask_mod, score_mod_grad: attention modifiers (``impl="flash"`` / ``"fa2"``), as in
+        score_mod, mask_mod, score_mod_grad: attention modifiers (``impl="flash"``), as in
             :func:`flashnb.attention_forward` (:mod:`flashnb.flex`); the backward uses ``score_mod_grad``, else
             ``score_mod.grad``, else the derivative flashnb derives from ``score_mod``'s source
             (:func:`flashnb.flex.derivative`; a modifier outside its subset is refused before the forward when a
             gradient is needed).  k and v may have fewer heads than q (grouped-query attention).
-        dropout_p: attention dropout probability in ``[0, 1)`` (``impl="flash"`` / ``"fa2"``; 0: none).  Applied
+        dropout_p: attention dropout probability in ``[0, 1)`` (``impl="flash"``; 0: none).  Applied
             whenever it is non-zero, as SDPA does (pass 0 in evaluation).
         seed: the dropout seed, an int in ``[0, 2**64)``; when None and ``dropout_p > 0``, one is drawn from
             torch's default generator (``torch.manual_seed`` makes it repeatable; under ``torch.compile`` the draw
@@ -187,7 +187,7 @@ def attention(q, k, v, *, causal=False, scale=None, impl: str = "flash", block_m
             regenerates exactly the forward's mask (:mod:`flashnb.rng`), nothing N×N is saved.
         allow_float64: accept float64 tensors (computed in float32; see the module docstring).
         storage: ``None`` (default: float16 and bfloat16 tensors stay in their dtype when the impl has half
-            storage, ``"flash"``, ``"fa2"``; everything else is computed from float32 copies), ``"float32"``
+            storage, ``"flash"``; everything else is computed from float32 copies), ``"float32"``
             (always float32 copies), ``"float16"`` / ``"bfloat16"`` (the tensors must have that dtype and the impl
             half storage: TypeError / ValueError otherwise).  See the module docstring.
         **options: the impl's tile options (``Br``, ``Bc``, ``warps``, ...).
@@ -198,7 +198,7 @@ def attention(q, k, v, *, causal=False, scale=None, impl: str = "flash", block_m
     """
     _check_tensors(q, k, v, allow_float64)
     if isinstance(block_mask, np.ndarray) and torch.compiler.is_compiling():
-        raise TypeError("block_mask: under torch.compile pass a flashnb.stages.fa2.BlockMask (or a "
+        raise TypeError("block_mask: under torch.compile pass a flashnb.masks.BlockMask (or a "
                         "flashnb.flex.create_block_mask), not a NumPy array, which dynamo would turn into a tensor")
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     config = _options(impl, causal, scale, dropout_p, seed, storage, q.dtype, needs_grad, score_mod, mask_mod,
@@ -228,7 +228,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ``is_causal=True`` is top-left aligned (``"upper_left"``), ``attn_mask`` may be None or a
     ``torch.nn.attention.bias.causal_lower_right``/``causal_upper_left`` bias.  Anything flashnb does not
     compute (a tensor ``attn_mask``) is an error, never ignored; ``enable_gqa=True`` lets k, v have fewer heads
-    than q.  ``dropout_p > 0`` is attention dropout (``impl="flash"`` / ``"fa2"``), applied whenever non-zero
+    than q.  ``dropout_p > 0`` is attention dropout (``impl="flash"``), applied whenever non-zero
     as in SDPA, with a seed drawn from torch's generator (or ``seed=`` among the options): see :func:`attention`.
     Its mask is flashnb's Philox mask, not the one SDPA's kernels would draw."""
     from torch.nn.attention.bias import CausalBias, CausalVariant

@@ -257,14 +257,14 @@ def test_attended_pairs_are_counted_per_rank_and_step(W, free_port):
 
 
 def test_kernels_on_the_simulator(free_port):
-    # W = 2, zigzag, causal, grouped-query K/V: diagonal blocks (step 0) and full ones (step 1) in fa2's kernels
+    # W = 2, zigzag, causal, grouped-query K/V: diagonal blocks (step 0) and full ones (step 1) in the product kernel
     case = dict(layout="zigzag", causal=True, mode="ring", N=16, B=1, H=2, H_kv=1, d=8, seed=7,
-                impl=fd.Kernels("fa2", Br=16, Bc=16, warps=1))
+                impl=fd.Kernels("flash", Br=16, Bc=16, warps=1))
     results = launch.run(matrix_worker, 2, [case], port=free_port(), timeout=180, group_timeout=60)
     got, want = _unshard(results, 0, case, 2), _reference(case)
-    assert_close(got["o"], want["o"], **KERNEL_FWD, what="fa2 ring o")
+    assert_close(got["o"], want["o"], **KERNEL_FWD, what="flash ring o")
     for name in ("dq", "dk", "dv"):
-        assert_close(got[name], want[name], **KERNEL_BWD, what=f"fa2 ring {name}")
+        assert_close(got[name], want[name], **KERNEL_BWD, what=f"flash ring {name}")
 
 
 # --------------------------------------------------------------------------- more of the API, in two more groups

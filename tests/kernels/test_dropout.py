@@ -18,7 +18,6 @@ import flashnb
 from flashnb import common, reference, sim
 from flashnb import rng as frng  # (the name rng is conftest's seeded-generator fixture)
 from flashnb.instruments import traffic
-from flashnb.stages import fa2
 
 FWD = dict(atol=4e-5, rtol=4e-5)
 BWD = dict(atol=2e-4, rtol=2e-4)
@@ -213,22 +212,28 @@ def test_no_mask_crosses_hbm(rng, impl):
 
 
 def test_p_zero_is_no_dropout_bit_for_bit(rng):
-    """The dropout kernels launched with p = 0 (every element kept, factor 1) give the dense kernels' bits."""
+    """The product kernel's dropout kernels launched with p = 0 (every element kept, factor 1) give the dense
+    kernels' bits."""
+    from flashnb.kernels import flash, policies
+
     BH, Nq, Nk, d = 1, 20, 28, 8
     q, k, v, do = _dev(*qkv(rng, (BH, Nq, d), Nk, do=True))
     scale, diag = np.float32(0.35), Nk - Nq
-    M = fa2._mask_device(None)
+    M = flash._device_mask(None)                      # the 1x1x1 block mask a dense launch passes
+    positions = tuple(np.int32(x) for axis in policies.SAME_POSITIONS for x in axis)
     outs = {}
     for dropout in (False, True):
-        extra = frng.dropout_kernel_args(0.0, 123 + 7 * 2**32) if dropout else ()   # threshold 0, factor 1
-        assert not dropout or (extra[:2] == (0, 1) and extra[2:] == (123, 7))
+        drop = frng.dropout_kernel_args(0.0, 123 + 7 * 2**32) if dropout else ()   # threshold 0, factor 1
+        assert not dropout or (drop[:2] == (0, 1) and drop[2:] == (123, 7))
+        extra = drop + positions if dropout else policies.NO_DROPOUT
         O, L = common.empty((BH, Nq, d)), common.empty((BH, Nq))
-        kernel = fa2.make_forward(16, 16, d, 1, True, dropout=dropout)
+        kernel = flash.make_forward(16, 16, d, 1, True, dropout=dropout)
         common.launch(kernel, (2, BH), 32, q, k, v, O, L, scale, diag, M, *extra)
         D, dQ, dK, dV = common.empty((BH, Nq)), common.empty((BH, Nq, d)), common.empty((BH, Nk, d)), \
             common.empty((BH, Nk, d))
-        common.launch(fa2.make_preprocess(), (fa2.cdiv(Nq, fa2.PRE_WARPS), BH), 32 * fa2.PRE_WARPS, O, do, D, dQ)
-        kernel = fa2.make_backward(16, 16, d, 1, True, dropout=dropout)
+        common.launch(flash.make_preprocess(), (common.cdiv(Nq, flash.PRE_WARPS), BH), 32 * flash.PRE_WARPS, O, do,
+                      D, dQ)
+        kernel = flash.make_backward(16, 16, d, 1, True, dropout=dropout)
         common.launch(kernel, (2, BH), 32, q, k, v, do, L, D, dQ, dK, dV, scale, diag, M, *extra)
         outs[dropout] = [a.copy_to_host() for a in (O, L, dQ, dK, dV)]
     for name, a, b in zip(("O", "L", "dQ", "dK", "dV"), outs[False], outs[True]):
@@ -263,11 +268,11 @@ def test_dropout_kernels_pass_the_sanitizer(rng, impl):
     (dict(dropout_p=0.1, seed=1.0), TypeError, "seed must be an int"),
     (dict(dropout_p=0.1, seed=True), TypeError, "seed must be an int"),
     (dict(dropout_p=0.1, seed=1, impl="fa1"), ValueError, "impl 'fa1' has no attention dropout"),
-    (dict(dropout_p=0.1, seed=1, score_mod=lambda s, b, h, i, j: s), ValueError, "modifiers"),
+    (dict(dropout_p=0.1, seed=1, impl="fa2"), ValueError, "impl 'fa2' has no attention dropout"),
 ])
 def test_bad_dropout_arguments(rng, kwargs, err, words):
     q, k, v = qkv(rng, (1, 8, 8), 8)
-    kwargs = dict(dict(impl="fa2"), **kwargs)
+    kwargs = dict(dict(impl="flash"), **kwargs)
     with pytest.raises(err, match=words):
         flashnb.attention_forward(q, k, v, **kwargs)
 
@@ -288,14 +293,14 @@ def test_backward_without_the_forwards_dropout_arguments_says_so(rng):
     right lse with a wrong o points at the dropout arguments, and the message says so; a wrong lse keeps the
     general message."""
     q, k, v, do = qkv(rng, (1, 12, 8), 12, do=True)
-    o, lse = flashnb.attention_forward(q, k, v, impl="fa2", dropout_p=0.5, seed=3, **SMALL)
+    o, lse = flashnb.attention_forward(q, k, v, impl="flash", dropout_p=0.5, seed=3, **SMALL)
     with pytest.raises(ValueError, match="lse is right but o is not, as after a forward with dropout: pass "
                                          "attention_backward the forward's dropout_p and seed"):
-        flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", **SMALL)
+        flashnb.attention_backward(q, k, v, o, lse, do, impl="flash", **SMALL)
     with pytest.raises(ValueError, match=r"the mask of dropout_p=0.5, seed=4 is not the forward's"):
-        flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", dropout_p=0.5, seed=4, **SMALL)
+        flashnb.attention_backward(q, k, v, o, lse, do, impl="flash", dropout_p=0.5, seed=4, **SMALL)
     with pytest.raises(ValueError, match="pass the o and lse that attention_forward returned"):
-        flashnb.attention_backward(q, k, v, o, lse + 1, do, impl="fa2", dropout_p=0.5, seed=3, **SMALL)
+        flashnb.attention_backward(q, k, v, o, lse + 1, do, impl="flash", dropout_p=0.5, seed=3, **SMALL)
 
 
 # --------------------------------------------------------------------------- PyTorch

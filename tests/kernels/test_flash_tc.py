@@ -146,7 +146,7 @@ def test_traffic_equals_the_model(rng, storage, d, causal):
     with traffic.count() as t:
         flash_tc.backward(q, k, v, o, lse, do, causal=causal, scale=scale, storage=storage, **TILES)
     t.check_model(flash_tc.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, **TILES))
-    from flashnb.stages.fa2 import model_bytes
+    from flashnb.kernels.models import model_bytes
     assert [lt.read_bytes for lt in t.launches] == [m["read_bytes"] for m in model_bytes(
         flash_tc.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, **TILES), storage)]
 

@@ -154,11 +154,11 @@ def test_half_gradient_error_is_the_rounded_o_in_D(rng, storage):
     q, k = (half(rng.standard_normal((1, n, 16))) for n in (24, 32))
     v = half(256 + rng.standard_normal((1, 32, 16)))
     do = half(64 * rng.standard_normal((1, 24, 16)))
-    o, lse = flashnb.attention_forward(q, k, v, impl="fa2", storage=storage, **SMALL)
-    grads = flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", storage=storage, **SMALL)
+    o, lse = flashnb.attention_forward(q, k, v, impl="flash", storage=storage, **SMALL)
+    grads = flashnb.attention_backward(q, k, v, o, lse, do, impl="flash", storage=storage, **SMALL)
     q, k, v, do, o = (values(a) for a in (q, k, v, do, o))
-    exact_o = flashnb.attention_forward(q, k, v, impl="fa2", storage="float32", **SMALL)
-    g32 = flashnb.attention_backward(q, k, v, *exact_o, do, impl="fa2", storage="float32", **SMALL)
+    exact_o = flashnb.attention_forward(q, k, v, impl="flash", storage="float32", **SMALL)
+    g32 = flashnb.attention_backward(q, k, v, *exact_o, do, impl="flash", storage="float32", **SMALL)
     g_ref = reference.attention_backward(*f64(q, k, v, do))
     scale = 16 ** -0.5
     P = reference._softmax(*f64(q, k), False, scale, None)[0]
@@ -338,18 +338,18 @@ def test_uint16_without_bfloat16_storage_is_refused(rng):
 
     q, k, v = (rng.standard_normal((1, 16, 8)) for _ in range(3))
     bits = [common.to_bfloat16(a) for a in (q, k, v)]
-    for kw in (dict(impl="fa2"), dict(impl="fa2", storage="float32"), dict(impl="naive")):
+    for kw in (dict(impl="flash"), dict(impl="flash", storage="float32"), dict(impl="naive")):
         with pytest.raises(TypeError, match=r"q has dtype uint16.*bfloat16 bit patterns.*storage='bfloat16'"):
             flashnb.attention_forward(*bits, **kw)
-    o, lse = flashnb.attention_forward(q, k, v, impl="fa2", **SMALL)
+    o, lse = flashnb.attention_forward(q, k, v, impl="flash", **SMALL)
     with pytest.raises(TypeError, match=r"do has dtype uint16.*from_bfloat16\(do\)"):
-        flashnb.attention_backward(q, k, v, o, lse, common.to_bfloat16(o), impl="fa2", **SMALL)
+        flashnb.attention_backward(q, k, v, o, lse, common.to_bfloat16(o), impl="flash", **SMALL)
     torch = pytest.importorskip("torch")
     with pytest.raises(TypeError, match="k has dtype uint16"):
-        flashnb.attention(q, torch.from_numpy(bits[1]), v, impl="fa2")
+        flashnb.attention(q, torch.from_numpy(bits[1]), v, impl="flash")
     with pytest.raises(TypeError, match="k_new has dtype uint16"):
         decode.KVCache(1, 16, 8).append(bits[1], v)
-    o16, _ = flashnb.attention_forward(*bits, impl="fa2", storage="bfloat16", **SMALL)   # the bits, as meant
+    o16, _ = flashnb.attention_forward(*bits, impl="flash", storage="bfloat16", **SMALL)   # the bits, as meant
     assert_close(common.from_bfloat16(o16), reference.attention(*(common.from_bfloat16(b) for b in bits)),
                  atol=0.02, rtol=0.02, what="o")   # bfloat16's rounding of o (2^-8 relative) and of the inputs
 

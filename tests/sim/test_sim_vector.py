@@ -134,7 +134,7 @@ def test_tensor_core_kernels_fall_back_to_the_threads_simulator_with_a_note():
     dict(score_mod=flex.alibi(2), mask_mod=flex.sliding_window(6), heads=2),
     dict(score_mod=flex.softcap(2.0)), dict(mask_mod=flex.document(np.repeat(np.arange(3), [9, 8, 7])))],
     ids=["float16", "dropout", "upper-left", "alibi+window", "softcap", "document"])
-def test_fa2_options(opts):
+def test_product_kernel_options(opts):
     opts = dict(opts)
     causal = opts.pop("causal_align", True)
     BH = opts.get("heads", 1)
@@ -146,20 +146,20 @@ def test_fa2_options(opts):
         q, k, v, do = (x.astype(np.float16) for x in (q, k, v, do))
 
     def run():
-        o, lse = flashnb.attention_forward(q, k, v, causal=causal, impl="fa2", Br=16, Bc=16, warps=2, **opts)
-        return (o, lse) + tuple(flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, impl="fa2", Br=16,
+        o, lse = flashnb.attention_forward(q, k, v, causal=causal, impl="flash", Br=16, Bc=16, warps=2, **opts)
+        return (o, lse) + tuple(flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, impl="flash", Br=16,
                                                            Bc=16, warps=2, **opts))
     differential(run, launches=3)
 
 
-def test_fa2_bfloat16_gqa_and_block_sparse():
+def test_product_kernel_bfloat16_gqa_and_stage5_block_sparse():
     q, k, v, do = _inputs(Nq=20, Nk=17, kv_heads=1)
     qb, kb, vb, dob = (common.to_bfloat16(x.astype(np.float32)) for x in (q, k, v, do))
     tiles = dict(Br=16, Bc=16, warps=2)
 
     def run():
-        o, lse = flashnb.attention_forward(qb, kb, vb, causal=True, impl="fa2", storage="bfloat16", **tiles)
-        g = flashnb.attention_backward(qb, kb, vb, o, lse, dob, causal=True, impl="fa2", storage="bfloat16", **tiles)
+        o, lse = flashnb.attention_forward(qb, kb, vb, causal=True, impl="flash", storage="bfloat16", **tiles)
+        g = flashnb.attention_backward(qb, kb, vb, o, lse, dob, causal=True, impl="flash", storage="bfloat16", **tiles)
         o2, lse2 = flashnb.attention_forward(q[:, :1], k, v, causal=False, impl="fa2-sparse", window=1, Br=16,
                                              Bc=16, warps=2)
         return (o, lse, *g, o2, lse2)
@@ -327,8 +327,8 @@ def test_every_gallery_modifier(name):
 
     def run():
         kw = {role: mod, "heads": 2}
-        o, lse = flashnb.attention_forward(q, k, v, impl="fa2", Br=16, Bc=16, warps=2, **kw)
-        return (o, lse) + tuple(flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2", Br=16, Bc=16, warps=2,
+        o, lse = flashnb.attention_forward(q, k, v, impl="flash", Br=16, Bc=16, warps=2, **kw)
+        return (o, lse) + tuple(flashnb.attention_backward(q, k, v, o, lse, do, impl="flash", Br=16, Bc=16, warps=2,
                                                            **kw))
     differential(run, launches=3)
 

@@ -4,7 +4,7 @@ the backward's tiles, counted traffic against the model (and its proportionality
 
 import numpy as np
 import pytest
-from conftest import FEATURE_IMPLS, MODULE_OF, assert_close, qkv
+from conftest import BLOCK_MASK_IMPLS, MODULE_OF, assert_close, qkv
 
 import flashnb
 from flashnb import common, reference
@@ -56,14 +56,14 @@ CASES = [
 IDS = ["random.5", "random.25-causal", "local-BrneBc", "butterfly", "strided-causal", "fixed", "dense-d32"]
 
 
-@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+@pytest.mark.parametrize("impl", BLOCK_MASK_IMPLS)
 @pytest.mark.parametrize("lead, Nq, Nk, d, build, causal", CASES, ids=IDS)
 def test_matches_masked_reference(rng, lead, Nq, Nk, d, build, causal, impl):
     q, k, v, do = qkv(rng, (*lead, Nq, d), Nk, do=True)
     _check(q, k, v, do, build(Nq, Nk), causal, impl=impl)
 
 
-@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+@pytest.mark.parametrize("impl", BLOCK_MASK_IMPLS)
 def test_per_head_masks_and_raw_array(rng, impl):
     """A (B, H, Tr, Tc) plain boolean array, different for every head, read at the explicit tiles."""
     q, k, v, do = qkv(rng, (1, 2, 33, 8), 47, do=True)
@@ -86,7 +86,7 @@ def test_default_tiles_backward_refines_the_mask(rng):
     assert np.array_equal(M[0], np.repeat(arr, 2, axis=0)[:3])
 
 
-@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+@pytest.mark.parametrize("impl", BLOCK_MASK_IMPLS)
 def test_fully_masked_rows_give_zeros_not_nan(rng, impl):
     """Query block 1 has no block; key block 0 is never used: O = 0, LSE = -inf, dQ = 0 there; dK = dV = 0."""
     Nq, Nk, d = 40, 40, 8
@@ -163,7 +163,7 @@ def _dev(*arrays):
     (1, 64, 64, 8, lambda Nq, Nk: bs.butterfly(Nq, Nk, 16, 16), False, dict(Br=8, Bc=16, warps=1)),
     (1, 45, 70, 8, lambda Nq, Nk: bs.strided(Nq, Nk, 16, 16, 2), True, dict(warps=2)),
 ], ids=["random-per-head", "local-causal", "butterfly-refined", "strided-2warps"])
-@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+@pytest.mark.parametrize("impl", BLOCK_MASK_IMPLS)
 def test_counted_traffic_equals_model(rng, BH, Nq, Nk, d, build, causal, tiles, impl):
     mod = MODULE_OF[impl]
     bm = build(Nq, Nk)
@@ -176,7 +176,7 @@ def test_counted_traffic_equals_model(rng, BH, Nq, Nk, d, build, causal, tiles, 
     assert t.summary() == mod.model_backward(BH, Nq, Nk, d, causal=causal, block_mask=bm, **tiles)
 
 
-@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+@pytest.mark.parametrize("impl", BLOCK_MASK_IMPLS)
 def test_dense_mask_costs_only_the_mask_reads(impl):
     """An all-ones mask visits the dense tiles: the same counts, plus one byte of M per warp per tile."""
     mod = MODULE_OF[impl]
@@ -185,7 +185,7 @@ def test_dense_mask_costs_only_the_mask_reads(impl):
     assert ones["reads"].pop("M") == 16 and ones == dense
 
 
-@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+@pytest.mark.parametrize("impl", BLOCK_MASK_IMPLS)
 def test_model_traffic_is_proportional_to_s_plus_the_Nd_term(impl):
     """Proposition 4's shape, exactly: K, V reads = 2 · s · Tr · Tc · Bc · d; Q, O, L do not depend on s."""
     BH, N, d, Br, Bc = 2, 1024, 64, 64, 32
@@ -206,7 +206,7 @@ def test_model_traffic_is_proportional_to_s_plus_the_Nd_term(impl):
 # --------------------------------------------------------------------------- bad masks
 
 
-@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+@pytest.mark.parametrize("impl", BLOCK_MASK_IMPLS)
 @pytest.mark.parametrize("mask, opts, err, words", [
     (np.ones((3, 3), dtype=bool), dict(Br=16, Bc=16), ValueError, r"block_mask must have shape \(\.\.\., 3, 4\)"),
     (np.ones((3, 4), dtype=np.int8), dict(Br=16, Bc=16), TypeError, "block_mask must be a boolean"),
@@ -221,7 +221,7 @@ def test_bad_block_mask(rng, mask, opts, err, words, impl):
         flashnb.attention_forward(q, k, v, impl=impl, block_mask=mask, **opts)
 
 
-@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+@pytest.mark.parametrize("impl", BLOCK_MASK_IMPLS)
 def test_bad_block_mask_backward(rng, impl):
     q, k, v, do = qkv(rng, (1, 40, 8), 56, do=True)
     o, lse = reference.attention_forward(q, k, v)
@@ -248,7 +248,7 @@ def test_fa2_sparse_impl_is_local_attention_checked_against_its_own_mask(rng):
     assert np.abs(o - o_dense).max() > 1e-2
 
 
-@pytest.mark.parametrize("impl", FEATURE_IMPLS)
+@pytest.mark.parametrize("impl", BLOCK_MASK_IMPLS)
 def test_prepared_mask_is_reused_and_checked(rng, impl):
     """fa2.prepare_block_mask maps a mask onto a launch's tiles once (outside timed loops); reusing it gives the
     same result as passing the BlockMask, and using it for another direction or shape is an error."""
