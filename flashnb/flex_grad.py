@@ -586,3 +586,12 @@ def score_mod_grad_of(score_mod, score_mod_grad=None):
         return score_mod_grad
     grad = getattr(python_modifier(score_mod), "grad", None)
     return grad if grad is not None else derivative(score_mod)
+
+
+def _register() -> None:
+    from .kernels import policies
+
+    policies._DERIVE = score_mod_grad_of     # the product kernel derives a missing score_mod_grad through this
+
+
+_register()

@@ -267,3 +267,18 @@ def test_markers_come_from_the_folder_and_the_stage_docstring(tmp_path):
         markers_of(TESTS / "stages" / "test_not_a_stage.py", declared)
     with pytest.raises(pytest.UsageError, match="one of its folders"):
         markers_of(TESTS / "elsewhere" / "test_x.py", declared)
+
+
+def test_kernels_never_import_a_user_surface():
+    """The lessons (flashnb.stages), the product kernels (flashnb.kernels) and what they stand on (common, registry,
+    rng, masks, modifiers) import no user surface -- api, flex, flex_grad, torch, distributed, course, exercises,
+    cli -- not even inside a function: the surfaces sit above the kernels (a surface registers a callback where a
+    kernel needs one, as flex does for block masks and flex_grad for derived score_mod gradients)."""
+    graph = import_graph()
+    surfaces = ("flashnb.api", "flashnb.flex", "flashnb.flex_grad", "flashnb.torch", "flashnb.distributed",
+                "flashnb.course", "flashnb.exercises", "flashnb.cli")
+    below = [m for m in graph if m.startswith(("flashnb.stages", "flashnb.kernels")) or m in (
+        "flashnb.common", "flashnb.registry", "flashnb.rng", "flashnb.masks", "flashnb.modifiers")]
+    assert len(below) > 15, below                  # the scan found the kernel modules
+    upward = {m: sorted(t for t in graph[m] if t.startswith(surfaces)) for m in below}
+    assert {m: t for m, t in upward.items() if t} == {}

@@ -10,13 +10,13 @@ off (with all of them off the kernels are stage 6's):
 * **storage** -- ``storage="float16"`` / ``"bfloat16"`` (uint16 bit patterns): Q, K, V, O (dO, dK, dV, dQ) kept in
   half precision in HBM, widened at every load, narrowed at every store; tiles, statistics and the dQ accumulator
   stay float32 (a conversion launch narrows dQ after the backward).
-* **block masks** -- ``block_mask=`` (:class:`flashnb.stages.fa2.BlockMask`, a boolean array, or a prepared mask): three
+* **block masks** -- ``block_mask=`` (:class:`flashnb.masks.BlockMask`, a boolean array, or a prepared mask): three
   tile states, ``EMPTY`` (never loaded, never computed: FA1 Alg. 5's ``if M_ij != 0``), ``FULL`` (no
   per-element work), ``PARTIAL`` (``mask_mod`` per element).
 * **attention modifiers** -- ``score_mod`` on every score, ``mask_mod`` through its block mask (built by the user
-  surfaces with :func:`flashnb.flex.create_block_mask`; this module imports :mod:`flashnb.flex` only to derive
-  a missing ``score_mod_grad``), and the backward's ``score_mod_grad`` (default: ``score_mod.grad``, else
-  derived from the modifier's source by :mod:`flashnb.flex_grad`).
+  surfaces with :func:`flashnb.flex.create_block_mask`), and the backward's ``score_mod_grad`` (default:
+  ``score_mod.grad``, else derived from the modifier's source by :mod:`flashnb.flex_grad`, which registers itself
+  with :mod:`~flashnb.kernels.policies`: the kernels never import a user surface).
 * **dropout** -- ``dropout_p``, ``seed``: Philox (:mod:`flashnb.rng`) regenerated per element in both directions;
   ``dropout_at`` keys it by positions in a longer sequence (a context-parallel shard).
 * **GQA / MQA** -- K, V with fewer heads than Q; the backward's blocks loop over their group's query heads, so K_j,
@@ -309,9 +309,7 @@ def make_backward(Br, Bc, d, warps, causal, storage="float32", sparse=False, sco
     d score``; dropout regenerates the forward's ``Z`` (``dV_j += (P ∘ W)ᵀ dO_i``, ``dS = P ∘ (dP ∘ W - D)``,
     ``W = Z / (1-p)``); half ``storage`` narrows dK, dV at their store (dQ: :func:`make_convert`)."""
     if score_mod is not None and score_mod_grad is None:
-        from ..flex_grad import score_mod_grad_of
-
-        score_mod_grad = score_mod_grad_of(score_mod)   # score_mod.grad, else derived from its source
+        score_mod_grad = policies.score_mod_grad_of(score_mod)   # score_mod.grad, else derived from its source
     g = bwd_geometry(Br, Bc, d, warps)
     TM, TN, DN, Dp, TQ, E, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["TQ"], g["E"], g["threads"]
     H = _check_features(sparse, mask_mod, dropout, H, TM * TN)
@@ -570,9 +568,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     t, M, bm_mod, partial = _launch_mask("backward", d, Br, Bc, warps, block_mask, BH, Nq, Nk)
     mask_mod, H = _modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH)
     if score_mod is not None and score_mod_grad is None:
-        from ..flex_grad import score_mod_grad_of
-
-        score_mod_grad = score_mod_grad_of(score_mod)   # score_mod.grad, else derived from its source
+        score_mod_grad = policies.score_mod_grad_of(score_mod)   # score_mod.grad, else derived from its source
     D = empty((BH, Nq))
     dQ = empty((BH, Nq, d))                            # float32: the atomics' accumulator
     launch(make_preprocess(storage), (cdiv(Nq, PRE_WARPS), BH), 32 * PRE_WARPS, o, do, D, dQ,

@@ -101,6 +101,21 @@ def python_modifier(fn):
     return getattr(fn, "py_func", fn)
 
 
+_DERIVE = None   # flashnb.flex_grad.score_mod_grad_of, registered by flex_grad at its import (no import cycle)
+
+
+def score_mod_grad_of(score_mod):
+    """``d score_mod / d score`` for a backward: ``score_mod.grad`` when the modifier carries one, else derived from
+    its source by :func:`flashnb.flex_grad.derivative` (which registers itself here when imported)."""
+    grad = getattr(python_modifier(score_mod), "grad", None)
+    if grad is not None:
+        return grad
+    if _DERIVE is None:
+        raise RuntimeError("score_mod has no .grad and deriving it needs flashnb.flex_grad: import flashnb (which "
+                           "imports it) first, or pass score_mod_grad")
+    return _DERIVE(score_mod)
+
+
 def device_modifier(fn):
     """``fn`` compiled as an inlined device function, one per Python function (every kernel using it shares it;
     a :func:`flashnb.flex.snapshot` brings its frozen copy); ``None`` stays ``None``.  The

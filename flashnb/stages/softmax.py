@@ -631,16 +631,22 @@ register_impl("onepass", stage="2",
 def attention_rows(q, K, V, *, tile=TILE, scale=None, causal=False, return_lse=False):
     """Attention for query rows ``q`` (``(d,)`` or ``(Nq, d)``) over keys ``K`` and values ``V`` (``(Nk, d)``),
     in one pass over K and V (see :func:`forward`).  Returns ``o`` (q's shape), and ``lse`` if asked."""
-    from ..api import _check_finite, _check_qkv, _check_scale
+    from ..reference import check_scale
 
-    q_arr = np.asarray(q)
+    arrays = {}
+    for name, a in (("q", q), ("K", K), ("V", V)):
+        a = np.asarray(a)
+        if a.dtype == np.bool_ or not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)):
+            raise TypeError(f"{name} must be a real array, got dtype {a.dtype}")
+        if a.size and not (np.all(np.isfinite(a)) and np.abs(a).max() <= np.finfo(np.float32).max):
+            raise ValueError(f"{name} must be finite within the float32 range (the kernel computes in float32)")
+        arrays[name] = a
+    q_arr, K, V = arrays["q"], arrays["K"], arrays["V"]
     q2 = q_arr[None] if q_arr.ndim == 1 else q_arr
-    q2, K, V = _check_qkv(q2, K, V)
-    if q2.ndim != 2:
-        raise ValueError(f"q must be (d,) or (Nq, d) and K, V (Nk, d), got q {q_arr.shape}, K {K.shape}")
-    for name, a in (("q", q2), ("K", K), ("V", V)):
-        _check_finite(name, a)
-    s = _check_scale(scale, q2.shape[-1])
+    if q2.ndim != 2 or K.ndim != 2 or V.shape != K.shape or K.shape[1] != q2.shape[1] or 0 in q2.shape + K.shape:
+        raise ValueError(f"q must be (d,) or (Nq, d) and K, V (Nk, d) with the same d, every axis >= 1; got q "
+                         f"{q_arr.shape}, K {K.shape}, V {V.shape}")
+    s = check_scale(scale, q2.shape[-1])
     o, lse = forward(*(to_device(a[None]) for a in (q2, K, V)), causal=bool(causal), scale=s, tile=tile)
     o = o.copy_to_host()[0].reshape(q_arr.shape)
     lse = lse.copy_to_host()[0].reshape(q_arr.shape[:-1])
