@@ -319,9 +319,9 @@ def test_dynamic_shared_memory():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(flex.GALLERY))
 def test_every_gallery_modifier(name):
-    make = flex.GALLERY[name]
-    mod = {"causal": make(), "sliding_window": make(8), "alibi": make(2), "softcap": make(3.0),
-           "document": make(np.repeat(np.arange(4), 6)), "prefix_lm": make(5)}[name]
+    args = {"causal": (), "sliding_window": (8,), "alibi": (2,), "softcap": (3.0,),
+            "document": (np.repeat(np.arange(4), 6),), "prefix_lm": (5,)}[name]
+    mod = flex.GALLERY[name](*args)
     role = "mask_mod" if name in ("causal", "sliding_window", "document", "prefix_lm") else "score_mod"
     q, k, v, do = _inputs(Nk=24)
 
