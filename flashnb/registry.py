@@ -242,22 +242,30 @@ def _spec_of(factory) -> KernelSpec | None:
     return next((spec for spec in KERNELS.values() if spec.factory is factory), None)
 
 
-def variant(factory, *, replace=(), source: str | None = None, names: dict | None = None,
-            filename: str | None = None):
+def variant(factory, *, region: str | None = None, replace=(), regions: dict | None = None,
+            source: str | None = None, names: dict | None = None, filename: str | None = None):
     """A modified copy of a registered kernel factory, for experiments and exercises.
 
-    ``replace`` is a pair ``(old, new)`` or a list of pairs: each ``old`` must occur exactly once in the
-    factory's source (what :func:`flashnb.notebook.show_source` prints), and is replaced by ``new``.
-    ``source`` instead gives the whole edited ``def`` of the factory.  The result is compiled in the namespace
-    of the factory's module (so ``NEG_INF``, ``load_tile``, ... resolve as in the original), memoised like
-    the original, and registered nowhere: the original keeps its registration and the PTX guard its
-    coverage.  Its source is kept in ``linecache`` under ``<variant of module.name>``, so tracebacks, the traffic
-    counter's shared-array names, the sanitizer's line numbers and ``inspect.getsource`` work on it.  Use it
-    with the library's own launchers through :func:`using`.  ``names`` replaces names of the module's namespace
-    for this variant only (e.g. ``names={"merge_state": my_merge}`` makes it call your device function);
-    ``filename`` names its source in tracebacks and reports (default ``<variant of module.name>``)::
+    A stage kernel names the lines worth changing with region markers (``# region kv-barrier`` ...
+    ``# endregion kv-barrier``: :mod:`flashnb.regions`; a function defined in the factory is a region too, by
+    its name).  ``regions={"causal-skip": new_body}`` replaces the body of each region named (the markers
+    stay; a body written without indentation is indented like the region).  ``region="online-update",
+    replace=(old, new)`` replaces ``old`` by ``new`` where it occurs, exactly once, inside that region;
+    ``replace`` may be a list of pairs.  ``regions`` are applied first, then ``replace``.  Without ``region``,
+    each ``old`` must occur exactly once in the factory's whole source (what :func:`flashnb.notebook.show_source`
+    prints).  ``show_source(factory, region=name)`` prints a region's lines.  ``source`` instead gives the whole
+    edited ``def`` of the factory.  ``factory`` may itself be a variant: its source is the starting point.
 
-        no_barrier = registry.variant(fa2.make_forward, replace=("cuda.syncthreads()  # every warp", "# (removed)"))
+    The result is compiled in the namespace of the factory's module (so ``NEG_INF``, ``load_tile``, ...
+    resolve as in the original), memoised like the original, and registered nowhere: the original keeps its
+    registration and the PTX guard its coverage.  Its source is kept in ``linecache`` under ``<variant of
+    module.name>``, so tracebacks, the traffic counter's shared-array names, the sanitizer's line numbers and
+    ``inspect.getsource`` work on it.  Use it with the library's own launchers through :func:`using`.
+    ``names`` replaces names of the module's namespace for this variant only (e.g. ``names={"merge_state":
+    my_merge}`` makes it call your device function); ``filename`` names its source in tracebacks and reports
+    (default ``<variant of module.name>``)::
+
+        no_barrier = registry.variant(fa2.make_forward, regions={"kv-barrier": "pass"})
         with registry.using(fa2.make_forward, no_barrier):
             flashnb.attention(q, k, v, impl="fa2", Br=16, Bc=16, warps=2)
     """
@@ -266,23 +274,41 @@ def variant(factory, *, replace=(), source: str | None = None, names: dict | Non
     import sys
     import textwrap
 
-    original = getattr(factory, "__wrapped__", factory)
+    from . import regions as _regions
+
+    base = getattr(factory, "variant_source", None)          # a variant of a variant starts from its source
+    root = factory.variant_of if base is not None else factory
+    original = getattr(root, "__wrapped__", root)
     if not callable(original) or not hasattr(original, "__code__"):
         raise TypeError(f"factory must be a kernel factory function (e.g. fa2.make_forward), got {factory!r}")
+    if region is not None and not isinstance(region, str):
+        raise TypeError(f"region must be a region name (a str), got {region!r}")
+    if regions is not None and not isinstance(regions, dict):
+        raise TypeError(f"regions must be a dict {{region name: new body}}, got {type(regions).__name__}")
+    where = f"{original.__module__.rsplit('.', 1)[-1]}.{original.__name__}"
     if source is None:
-        text = textwrap.dedent(inspect.getsource(original))
+        text = base if base is not None else textwrap.dedent(inspect.getsource(original))
+        for name, new_body in (regions or {}).items():
+            text = _regions.replace_body(text, name, new_body, where)
         pairs = [replace] if replace and isinstance(replace[0], str) else list(replace)
+        if region is not None and not pairs:
+            raise TypeError(f"region={region!r} without replace=: say what to change in it (replace=(old, new)), "
+                            "or replace its whole body with regions={name: new_body}")
         for pair in pairs:
             if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
                 raise TypeError(f"replace must be a pair (old, new) of strings or a list of them, got {pair!r}")
             old, new = pair
+            if region is not None:
+                text = _regions.replace_in(text, region, old, new, where)
+                continue
             n = text.count(old)
             if n != 1:
                 raise ValueError(f"replace: {old!r} occurs {n} times in {original.__name__}'s source; it must "
-                                 "occur exactly once (copy it from show_source, with enough context)")
+                                 "occur exactly once (name a region to search in: region=..., its names: "
+                                 f"{', '.join(_regions.names(text, where)) or 'none'})")
             text = text.replace(old, new)
-    elif replace:
-        raise TypeError("pass either replace= or source=, not both")
+    elif replace or regions or region is not None:
+        raise TypeError("pass either source= or replace=/region=/regions=, not both")
     else:
         text = textwrap.dedent(source)
     tree = ast.parse(text)
@@ -303,7 +329,7 @@ def variant(factory, *, replace=(), source: str | None = None, names: dict | Non
         namespace.update(names)
     exec(compile(tree, filename, "exec"), namespace)
     made = _memoised(namespace[defs[0].name])
-    made.variant_of = factory
+    made.variant_of = root
     made.variant_source = text
     return made
 
