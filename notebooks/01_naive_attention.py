@@ -263,8 +263,11 @@ print(f"notebook ran in {time.perf_counter() - T0:.1f} s")
 # Each exercise has a check: fill in the `...` and run its cell (`...` means "not attempted yet"). Stuck?
 # `exercises.hint("01.1")` gives a hint and `exercises.answer("01.1")` the worked answer -- try first.
 # Levels: ★ a few lines, ★★ a small kernel or experiment, ★★★ a real change to a kernel.
-# To change a library kernel, edit a copy: `registry.variant(factory, replace=(old_text, new_text))` (copy
-# `old_text` from `show_source`), and run it through the library with `with registry.using(factory, variant):`.
+# To change a library kernel, edit a copy. The lines worth changing are marked in the kernels as named regions
+# (`# region max-and-sum` ... `# endregion max-and-sum`; `show_source(factory, region=name)` prints one):
+# `registry.variant(factory, regions={name: new_lines})` replaces a region's lines, `registry.variant(factory,
+# region=name, replace=(old_text, new_text))` one piece of text inside it. Run the copy through the library with
+# `with registry.using(factory, variant):`.
 
 # %%
 from flashnb import exercises, registry  # noqa: F401,E402  (registry: for exercise 01.2)
@@ -290,7 +293,7 @@ passed = exercises.check("01.1", reads_T8=reads_T8, operand_factor=operand_facto
 # what fraction of the forward's traffic is that?
 
 # %%
-two_pass = ...       # registry.variant(naive.make_softmax_rows, replace=(old, new))
+two_pass = ...       # registry.variant(naive.make_softmax_rows, regions={"max-and-sum": new_lines})
 saving_bytes = ...
 passed = exercises.check("01.2", variant=two_pass, saving_bytes=saving_bytes)
 

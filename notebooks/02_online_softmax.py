@@ -395,8 +395,11 @@ print(f"notebook ran in {time.perf_counter() - T0:.1f} s")
 # Each exercise has a check: fill in the `...` and run its cell (`...` means "not attempted yet"). Stuck?
 # `exercises.hint("02.1")` gives a hint and `exercises.answer("02.1")` the worked answer -- try first.
 # Levels: ★ a few lines, ★★ a small kernel or experiment, ★★★ a real change to a kernel.
-# To change a library kernel, edit a copy: `registry.variant(factory, replace=(old_text, new_text))` (copy
-# `old_text` from `show_source`), and run it through the library with `with registry.using(factory, variant):`.
+# To change a library kernel, edit a copy. The lines worth changing are marked in the kernels as named regions
+# (`# region tile-update` ... `# endregion tile-update`; `show_source(factory, region=name)` prints one):
+# `registry.variant(factory, regions={name: new_lines})` replaces a region's lines, `registry.variant(factory,
+# region=name, replace=(old_text, new_text))` one piece of text inside it. Run the copy through the library with
+# `with registry.using(factory, variant):`.
 
 # %%
 import math  # noqa: E402,F401  (for the kernels you write below)
@@ -460,7 +463,7 @@ passed = exercises.check("02.4", kernel=block_sum, shared_reads_now=shared_reads
 # impl="onepass", tile=8)` against the reference and counts it. Which counts of `model_forward` change?
 
 # %%
-skip_masked = ...            # registry.variant(S.make_attention_tiles, replace=(old, new))
+skip_masked = ...            # registry.variant(S.make_attention_tiles, region="tile-update", replace=(old, new))
 changed = ...                # a set of model fields: "reads", "writes", "shared_reads", "shared_writes"
 passed = exercises.check("02.5", variant=skip_masked, changed=changed)
 
@@ -471,6 +474,6 @@ passed = exercises.check("02.5", variant=skip_masked, changed=changed)
 # at $N_k = 1024$, $d = 64$?
 
 # %%
-unnormalised = ...           # registry.variant(S.make_attention_rows, replace=[...])
+unnormalised = ...           # registry.variant(S.make_attention_rows, regions={"o-update": ..., "write-o": ...})
 divisions_saved = ...
 passed = exercises.check("02.6", variant=unnormalised, divisions_saved=divisions_saved)

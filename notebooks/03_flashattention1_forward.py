@@ -600,8 +600,11 @@ print(f"notebook ran in {time.perf_counter() - T0:.1f} s")
 # Each exercise has a check: fill in the `...` and run its cell (`...` means "not attempted yet"). Stuck?
 # `exercises.hint("03.1")` gives a hint and `exercises.answer("03.1")` the worked answer -- try first.
 # Levels: ★ a few lines, ★★ a small kernel or experiment, ★★★ a real change to a kernel.
-# To change a library kernel, edit a copy: `registry.variant(factory, replace=(old_text, new_text))` (copy
-# `old_text` from `show_source`), and run it through the library with `with registry.using(factory, variant):`.
+# To change a library kernel, edit a copy. The lines worth changing are marked in the kernels as named regions
+# (`# region loop-nest` ... `# endregion loop-nest`; `show_source(factory, region=name)` prints one):
+# `registry.variant(factory, regions={name: new_lines})` replaces a region's lines, `registry.variant(factory,
+# region=name, replace=(old_text, new_text))` one piece of text inside it. Run the copy through the library with
+# `with registry.using(factory, variant):`.
 
 # %%
 from flashnb import exercises, registry  # noqa: E402,F401
@@ -615,7 +618,7 @@ from flashnb import exercises, registry  # noqa: E402,F401
 # the reference, counts it, and race-checks it.
 
 # %%
-i_outer = ...     # registry.variant(fa1.make_forward, replace=[(old, new), ...])
+i_outer = ...     # registry.variant(fa1.make_forward, regions={"loop-nest": ..., "write-back": ...})
 model = ...       # def model(N, d, Br): ...
 passed = exercises.check("03.1", variant=i_outer, model=model)
 

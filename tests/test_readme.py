@@ -16,8 +16,8 @@ def test_python_examples_run(capsys):
     # (the experimenting page's resource report reads its kernel's source from there)
     blocks = [b for text in [README] + [p.read_text() for p in PAGES]
               for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)]
-    assert len(blocks) == 6, ("the python examples: the README's first call, modifiers, experimenting, sanitizer "
-                              "and profiler, torch, transformers")
+    assert len(blocks) == 7, ("the python examples: the README's first call, modifiers, experimenting, changing a "
+                              "library kernel, sanitizer and profiler, torch, transformers")
     for n, block in enumerate(blocks):
         if "flashnb.torch" in block and importlib.util.find_spec("torch") is None:
             continue   # PyTorch is optional (the [torch] extra); its example runs wherever it is installed
@@ -32,6 +32,8 @@ def test_python_examples_run(capsys):
     assert "0,scale_rows,scale_rows,(8),(64),X,global,4,512,0,0,2048,0,0" in out
     assert re.search(r"modelled \d+\.\d{3} ns on H100 SXM", out)
     assert re.search(r"\d+ registers, 256 B shared, \d+% occupancy", out)
+    # changing a library kernel: the region's lines, its markers included, with their line numbers in naive.py
+    assert re.search(r"naive\.py:\d+ +# region max-and-sum\n", out) and "# endregion max-and-sum" in out
     # the sanitizer and profiler example
     assert "no errors in 1 launch(es) (memcheck, racecheck, initcheck, synccheck)" in out
     assert "QsT" in out and "wave" in out

@@ -59,7 +59,7 @@ from flashnb.stages.softmax import NEG_INF, ONE, ZERO  # noqa: F401  -- for your
 
 # %% tags=["answer"]
 # flashnb-course: from flashnb.stages.softmax import merge_state
-# flashnb-course: todo "m = max(m_a, m_b)" .. "return m, d_a" "[m, d] = [m_a, d_a] ⊕ [m_b, d_b]; two empty states give [-inf, 0]"
+# flashnb-course: todo merge_state "[m, d] = [m_a, d_a] ⊕ [m_b, d_b]; two empty states give [-inf, 0]"
 
 # %% tags=["tests"]
 def _merge_kernel(merge):
@@ -109,7 +109,7 @@ def _(ns):
 
 # %% tags=["answer"]
 # flashnb-course: from flashnb.stages.softmax import make_online_partials
-# flashnb-course: todo "for j in range(c * C + tid" .. "m, d = merge_state(m, d, X[row, j], ONE)" "fold this thread's elements of the chunk (every TPB-th, from c·C + tid) into [m, d]"
+# flashnb-course: todo chunk-fold "fold this thread's elements of the chunk (every TPB-th, from c·C + tid) into [m, d]"
 
 # %% tags=["tests"]
 def _partials(ns, x, chunks, TPB=32):
@@ -187,8 +187,8 @@ def _(ns):
 
 # %% tags=["answer"]
 # flashnb-course: from flashnb.stages.softmax import make_softmax_online
-# flashnb-course: todo "for j in range(tid, n, TPB):                       # pass 1" .. "m, d = merge_state(m, d, X[row, j], ONE)" "pass 1: fold this thread's elements x_j (every TPB-th, from tid) into [m, d]"
-# flashnb-course: todo "m_safe = m if" .. "Y[row, j] = float32" "pass 2: y_j = e^(x_j - m) / d for this thread's elements (a row of only -inf: zeros, never NaN)"
+# flashnb-course: todo online-pass "pass 1: fold this thread's elements x_j (every TPB-th, from tid) into [m, d]"
+# flashnb-course: todo normalise "pass 2: y_j = e^(x_j - m) / d for this thread's elements (a row of only -inf: zeros, never NaN)"
 
 # %% tags=["tests"]
 def _softmax(ns, x, TPB=32, reduce="block"):

@@ -87,9 +87,9 @@ from flashnb.stages.fa1 import WARP, exp_diff, load_rows, load_vec, store_rows, 
 
 # %% tags=["answer"]
 # flashnb-course: from flashnb.stages.fa1 import make_forward
-# flashnb-course: todo "for cc in range(Bw):                          # line 9" .. "mx = max(mx, s)" "line 9: S[cc] = scale · Q_i[r]·K_j[c] for this warp's keys c = w·Bw + cc, -inf past Nk or where the causal mask forbids, and the row max mx"
-# flashnb-course: todo "mn = max(mo, mt)" .. "l_i[r] = ln" "line 11: m_new, l_new (and its inverse, 0 for an empty row); the weights a_i[r] of the old O_i and l_w[v, r] of each warp's partial, divided by l_new; then m_i[r], l_i[r]"
-# flashnb-course: todo "for e in range(tid, Br * d, NT):                  # line 12" .. "O_i[r, x] = acc" "line 12: O_i[r, x] = a_i[r]·O_i[r, x] + Σ_v l_w[v, r]·O_w[v, r, x], element-parallel over the Br × d tile"
+# flashnb-course: todo scores "line 9: S[cc] = scale · Q_i[r]·K_j[c] for this warp's keys c = w·Bw + cc, -inf past Nk or where the causal mask forbids, and the row max mx"
+# flashnb-course: todo statistics "line 11: m_new, l_new (and its inverse, 0 for an empty row); the weights a_i[r] of the old O_i and l_w[v, r] of each warp's partial, divided by l_new; then m_i[r], l_i[r]"
+# flashnb-course: todo o-update "line 12: O_i[r, x] = a_i[r]·O_i[r, x] + Σ_v l_w[v, r]·O_w[v, r, x], element-parallel over the Br × d tile"
 
 # %% tags=["tests"]
 TILES = dict(Br=16, Bc=16, warps=2)     # small tiles: every CUDA thread is a Python thread on the simulator

@@ -6,7 +6,9 @@ An assignment is a jupytext notebook ``assignments/<name>/master.py``.  Its cell
   is the solution; the release replaces it with a TODO that says how many lines it took.  A cell that is
   one directive, ``# flashnb-course: from flashnb.stages.fa1 import make_forward``, holds the *library's* factory
   (the solution lives where it lives, never copied): the build pastes its source, and each following
-  ``# flashnb-course: todo "<first line>" .. "<last line>" <hint>`` cuts a region out of the release.
+  ``# flashnb-course: todo REGION "<hint>"`` cuts the lines of one of its regions (:mod:`flashnb.regions`:
+  between ``# region REGION`` and ``# endregion REGION``, or the body of a function it defines) out of the
+  release, leaving the markers and a TODO.
 * ``tests`` -- public tests (kept in the release: the student runs them with :func:`check`).
 * ``hidden-tests`` -- tests only the autograder has (other shapes, the IO budget, ...).
 * ``solution-only`` -- cells the release leaves out (worked written answers).

@@ -7,30 +7,62 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 
 @dataclass
 class Bug:
+    """One wrong submission: the solution with an edit made in one answer cell.
+
+    The edit is ``replace`` ([(old, new)]) made inside region ``region`` of that cell (:mod:`flashnb.regions`:
+    the markers a library kernel carries, which the solution cell keeps), each ``old`` occurring there exactly
+    once; and/or ``append``, code added at the end of the cell.  A cell with marked regions is edited only
+    through a region, so reformatting the kernel outside its regions keeps every bug applying; ``region=None``
+    edits a cell without markers (the master's own answer code), each ``old`` once in the whole cell."""
+
     name: str                       # what a student did wrong, in a few words
+    _: KW_ONLY
     cell: int                       # which answer cell (1-based, in notebook order) the edit is in
-    replace: list                   # [(old, new)]: each old occurs exactly once in that cell of the solution
     loses: list                     # ids of the tests that must score 0 ("q2: IO budget: ..."); all others full
     says: str                       # a substring of the first lost test's message
+    region: str | None = None       # the region of that cell the replacements are made in
+    replace: list = field(default_factory=list)   # [(old, new)]: each old occurs exactly once in the region
+    append: str = ""                # code appended to the cell (e.g. an import that rebinds the answer's name)
     why: str = ""                   # for the catalogue: what the message means and how to fix it
     tags: list = field(default_factory=list)
 
     def apply(self, solution_nb):
-        """A copy of ``solution_nb`` (nbformat) with the edit made; ValueError if an ``old`` is not unique."""
+        """A copy of ``solution_nb`` (nbformat) with the edit made; ValueError if an ``old`` is not unique in its
+        region (or cell), or the cell has marked regions and the bug names none."""
+        from .. import regions
+
         nb = copy.deepcopy(solution_nb)
         answers = [c for c in nb.cells if c["cell_type"] == "code" and "answer" in c["metadata"].get("tags", [])]
         cell = answers[self.cell - 1]
+        where = f"answer cell {self.cell}"
+        if not self.replace and not self.append:
+            raise ValueError(f"bug {self.name!r}: no edit (give replace= or append=)")
+        try:
+            marked = regions.names(cell["source"], where)
+        except regions.RegionError as e:
+            raise ValueError(f"bug {self.name!r}: {e}") from None
+        if self.replace and self.region is None and marked:
+            raise ValueError(f"bug {self.name!r}: {where} has marked regions ({', '.join(marked)}): name the one "
+                             "the edit is in (region=...)")
         for old, new in self.replace:
+            if self.region is not None:
+                try:
+                    cell["source"] = regions.replace_in(cell["source"], self.region, old, new, where)
+                except regions.RegionError as e:
+                    raise ValueError(f"bug {self.name!r}: {e}") from None
+                continue
             n = cell["source"].count(old)
             if n != 1:
                 raise ValueError(f"bug {self.name!r}: {old!r} occurs {n} times in answer cell {self.cell}")
             cell["source"] = cell["source"].replace(old, new)
+        if self.append:
+            cell["source"] = cell["source"].rstrip("\n") + "\n\n" + self.append.strip("\n") + "\n"
         return nb
 
 

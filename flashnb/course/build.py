@@ -68,10 +68,12 @@ def _library_source(target: str) -> str:
 
 
 def _todo(indent: str, hint: str, removed: list[str]) -> list[str]:
+    from .. import regions
+
     code = [ln for ln in removed if ln.strip() and not ln.strip().startswith("#")]
     notes = []
     for ln in removed:   # the paper-line comments of the removed code stay, as the hint of what to write
-        if "#" in ln:
+        if "#" in ln and not regions.MARKER.match(ln):
             comment = ln[ln.index("#") + 1:].strip()
             if comment and not comment.startswith(("BEGIN", "END", "##")):
                 notes.append(f"{indent}#   {comment}")
@@ -80,15 +82,11 @@ def _todo(indent: str, hint: str, removed: list[str]) -> list[str]:
             + [f'{indent}raise NotImplementedError("TODO: {msg}")'])
 
 
-def cut(source: str, start: str, end: str, hint: str) -> tuple[str, list[str]]:
-    """Replace the lines from the first that starts with ``start`` (leading spaces aside) to the next whose code is
-    ``end`` -- or, if none is, the next that starts with ``end`` -- by a TODO; returns the new source and the
-    removed lines."""
+def _cut_lines(source: str, start: str, end: str, hint: str) -> tuple[str, list[str]]:
     lines = source.splitlines()
     try:
         i = next(k for k, ln in enumerate(lines) if ln.strip().startswith(start.strip()))
         code = [ln.split("#")[0].strip() for ln in lines]
-        # the line whose code *is* ``end`` if there is one ("S[a, b] = pv", not "S[a, b] = pv * w" before it)
         j = next((k for k in range(i, len(lines)) if code[k] == end.strip()), None)
         if j is None:
             j = next(k for k in range(i, len(lines)) if lines[k].strip().startswith(end.strip()))
@@ -97,6 +95,23 @@ def cut(source: str, start: str, end: str, hint: str) -> tuple[str, list[str]]:
     indent = re.match(r"\s*", lines[i]).group(0)
     removed = lines[i:j + 1]
     return "\n".join(lines[:i] + _todo(indent, hint, removed) + lines[j + 1:]) + "\n", removed
+
+
+def cut(source: str, region: str, hint: str, where: str | None = None) -> tuple[str, list[str]]:
+    """Replace the body of ``region`` (:mod:`flashnb.regions`: between its markers, which stay so the student
+    sees where to write; or a function's body after its docstring) by a TODO; returns the new source and the
+    removed lines.  :class:`MasterError` naming the region when the source has none of that name."""
+    from .. import regions
+
+    try:
+        r = regions.find(source, region, where)
+    except regions.RegionError as e:
+        raise MasterError(f"todo {region!r}: {e} (the library changed?)") from None
+    lines = source.splitlines()
+    removed = lines[r.first:r.last]
+    if not any(ln.strip() for ln in removed):
+        raise MasterError(f"todo {region!r}: the region is empty{f' in {where}' if where else ''}")
+    return "\n".join(lines[:r.first] + _todo(r.indent, hint, removed) + lines[r.last:]) + "\n", removed
 
 
 def _assigned_names(body: list[str]) -> list[str]:
@@ -155,9 +170,15 @@ def expand(cell) -> tuple[str, str, list[list[str]]]:
         student, removed = solution, []
         for d in head[1:]:
             parts = shlex.split(d)
-            if len(parts) < 4 or parts[0] != "todo" or parts[2] != "..":
-                raise MasterError(f"'{DIRECTIVE} {d}': expected 'todo \"<first line>\" .. \"<last line>\" <hint>'")
-            student, gone = cut(student, parts[1], parts[3], " ".join(parts[4:]) or "your code here")
+            if len(parts) >= 4 and parts[0] == "todo" and parts[2] == "..":   # the literal form, until a3-a5 move
+                student, gone = _cut_lines(student, parts[1], parts[3], " ".join(parts[4:]) or "your code here")
+                removed.append(gone)
+                continue
+            if len(parts) < 2 or parts[0] != "todo" or ".." in parts:
+                raise MasterError(f"'{DIRECTIVE} {d}': expected 'todo REGION \"<hint>\"' (REGION: a region of the "
+                                  "kernel, between '# region REGION' and '# endregion REGION' markers, or a function "
+                                  "it defines)")
+            student, gone = cut(student, parts[1], " ".join(parts[2:]) or "your code here", head[0].split()[-1])
             removed.append(gone)
         return solution, student, removed
     return _regions(src)

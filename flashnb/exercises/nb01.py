@@ -88,8 +88,10 @@ def _():
 @exercise("01.2", "a two-pass softmax in the naive forward", level=2, minutes=20,
           hint="""Replace passes 1 and 2 of naive.make_softmax_rows by one online pass (notebook 02, §3): per element
           s, m_new = max(m, s); l = l·e^(m - m_new) + e^(s - m_new) (skip the update while m_new is -inf); m = m_new.
-          registry.variant(naive.make_softmax_rows, replace=(old, new)) with old copied from show_source; run it with
-          `with registry.using(naive.make_softmax_rows, variant):`. The saving: one read of S fewer per element.""",
+          The lines of passes 1 and 2 are the kernel's region max-and-sum (show_source(naive.make_softmax_rows,
+          region="max-and-sum")): registry.variant(naive.make_softmax_rows, regions={"max-and-sum": new}) replaces
+          them by your lines `new`; run it with `with registry.using(naive.make_softmax_rows, variant):`. The saving:
+          one read of S fewer per element.""",
           explain="""The online normaliser computes the maximum and the shifted sum in the same pass, so the softmax
           reads S twice (one pass for [m, l], one to normalise) instead of three times: 4·N_q·N_k bytes saved per
           head, 4 MiB at N = 1024. That is only about 5 % of this forward's traffic at d = 64: the 16-wide tiled
@@ -127,25 +129,18 @@ def _():
     from flashnb import registry
     from flashnb.stages import naive
 
-    old = """        m = NEG_INF
-        for j in range(n):                       # pass 1: m = rowmax(S)
-            m = max(m, S[z, i, j])
-        m_safe = m if m != NEG_INF else float32(0.0)   # fully masked row: avoid (-inf) - (-inf)
-        l = float32(0.0)
-        for j in range(n):                       # pass 2: l = rowsum(exp(S - m))
-            l += float32(math.exp(S[z, i, j] - m_safe))
+    online = """
+m = NEG_INF
+l = float32(0.0)
+for j in range(n):                       # pass 1: [m, l] = [m, l] ⊕ [s, 1], the online normaliser
+    s = S[z, i, j]
+    m_new = max(m, s)
+    if m_new != NEG_INF:
+        l = l * float32(math.exp(m - m_new)) + float32(math.exp(s - m_new))
+    m = m_new
+m_safe = m if m != NEG_INF else float32(0.0)
 """
-    new = """        m = NEG_INF
-        l = float32(0.0)
-        for j in range(n):                       # pass 1: [m, l] = [m, l] ⊕ [s, 1], the online normaliser
-            s = S[z, i, j]
-            m_new = max(m, s)
-            if m_new != NEG_INF:
-                l = l * float32(math.exp(m - m_new)) + float32(math.exp(s - m_new))
-            m = m_new
-        m_safe = m if m != NEG_INF else float32(0.0)
-"""
-    two_pass = registry.variant(naive.make_softmax_rows, replace=(old, new))
+    two_pass = registry.variant(naive.make_softmax_rows, regions={"max-and-sum": online})
     return dict(variant=two_pass, saving_bytes=4 * 1024 * 1024)      # one float32 read of S per element fewer
 
 

@@ -412,9 +412,10 @@ def _tiles_truth(Nq, Nk, d, B):
 @exercise("02.5", "causal: skip the work, not just the load", level=3, minutes=30,
           hint="""In make_attention_tiles a row i may see key j when j <= i + diag (diag = Nk - Nq: the diagonal is
           aligned to the bottom-right corner). The tile starting at key k0 is fully masked for row i when
-          k0 > i + diag: guard the work of row i (`if active:` before the scores) accordingly. registry.variant(
-          softmax.make_attention_tiles, replace=(old, new)) with enough context to make `old` unique; run it
-          with registry.using(...) through flashnb.attention(..., causal=True, impl="onepass", tile=8).""",
+          k0 > i + diag: guard the work of row i (`if active:`, the first line of the kernel's region tile-update)
+          accordingly: registry.variant(softmax.make_attention_tiles, region="tile-update", replace=(old, new))
+          replaces `old` inside that region; run it with registry.using(...) through flashnb.attention(...,
+          causal=True, impl="onepass", tile=8).""",
           explain="""The block still loads every K/V tile that *some* of its rows need (the last row of the block sees
           the most keys), so global reads and shared writes stay as they are. What changes is the work per row:
           a row skips the scores and P̃V of the tiles entirely right of its diagonal -- in model_forward only
@@ -458,10 +459,8 @@ def _():
     from flashnb import registry
     from flashnb.stages import softmax as S
 
-    skip = registry.variant(S.make_attention_tiles, replace=(
-        "            if active:\n                m_t = NEG_INF",
-        "            if active and (not causal or k0 <= i + diag):   # tile not fully masked for row i\n"
-        "                m_t = NEG_INF"))
+    skip = registry.variant(S.make_attention_tiles, region="tile-update", replace=(
+        "if active:", "if active and (not causal or k0 <= i + diag):   # tile not fully masked for row i"))
     return dict(variant=skip, changed={"shared_reads"})
 
 
@@ -470,9 +469,8 @@ def _():
     from flashnb import registry
     from flashnb.stages import softmax as S
 
-    top_left = registry.variant(S.make_attention_tiles, replace=(        # diagonal aligned to the top-left
-        "            if active:\n                m_t = NEG_INF",
-        "            if active and (not causal or k0 <= i):\n                m_t = NEG_INF"))
+    top_left = registry.variant(S.make_attention_tiles, region="tile-update", replace=(   # aligned to the top-left
+        "if active:", "if active and (not causal or k0 <= i):"))
     return dict(variant=top_left, changed={"shared_reads"})
 
 
@@ -499,9 +497,10 @@ def _divisions_in_key_loop(factory) -> int:
 
 
 @exercise("02.6", "keep o unnormalised, divide once", level=2, minutes=20,
-          hint="""In make_attention_rows replace the lines computing a, b and the update of o_i by
-          o_i[t] = o_i[t] * decay + p * V[z, j, t] (o = Σ e^(x_k - m_j) V_k, rescaled only when the maximum
-          grows), and divide by dn once after the loop, where O is written (0 for a row with no key). Count
+          hint="""In make_attention_rows replace the lines computing a, b and the update of o_i (the kernel's region
+          o-update) by o_i[t] = o_i[t] * decay + p * V[z, j, t] (o = Σ e^(x_k - m_j) V_k, rescaled only when the
+          maximum grows), and divide by dn once after the loop, where O is written (region write-o; 0 for a row with
+          no key): registry.variant(softmax.make_attention_rows, regions={"o-update": ..., "write-o": ...}). Count
           divisions per query row before (per key: a and b) and after.""",
           explain="""With o kept unnormalised the per-key update is o ← o·e^(m_j - m_{j+1}) + e^(x - m_{j+1})·V_{j+1}:
           the same 2 multiply-adds per element of o, but no divisions -- the old version computed a = d_j·e^(..)/d_{j+1}
@@ -538,19 +537,16 @@ def _():
     from flashnb import registry
     from flashnb.stages import softmax as S
 
-    unnormalised = registry.variant(S.make_attention_rows, replace=[
-        ("""            a = dn * decay / d_new
-            b = p / d_new
-            for t in range(d):
-                o_i[t] = o_i[t] * a + b * V[z, j, t]""",
-         """            for t in range(d):                             # o = Σ e^(x_k - m_j) V_k, not normalised
-                o_i[t] = o_i[t] * decay + p * V[z, j, t]"""),
-        ("""        for t in range(d):
-            O[z, i, t] = o_i[t]""",
-         """        inv = ONE / dn if dn > ZERO else ZERO             # normalise once, after the last key
-        for t in range(d):
-            O[z, i, t] = o_i[t] * inv"""),
-    ])
+    unnormalised = registry.variant(S.make_attention_rows, regions={
+        "o-update": """
+for t in range(d):                             # o = Σ e^(x_k - m_j) V_k, not normalised
+    o_i[t] = o_i[t] * decay + p * V[z, j, t]
+""",
+        "write-o": """
+inv = ONE / dn if dn > ZERO else ZERO          # normalise once, after the last key
+for t in range(d):
+    O[z, i, t] = o_i[t] * inv
+"""})
     return dict(variant=unnormalised, divisions_saved=2 * 1024 - 64)    # 2 per key before; d at the end after
 
 

@@ -32,10 +32,12 @@ def _swapped_main_launch(N, d, Br):
 @exercise("03.1", "swap the loops", level=3, minutes=40,
           hint="""Make `for i` the outer loop: load Q_i once and set O_i = 0, l_i = 0, m_i = -inf in shared memory
           (no load of O, l, m from HBM); the inner `for j` loads K_j, V_j, then a barrier, then the same tile
-          update; after the inner loop store O_i, l_i, m_i once. registry.variant(fa1.make_forward, replace=[(old,
-          new), ...]) with the loop heads and loads as one pair and the stores as another; run it with
-          registry.using(fa1.make_forward, variant) through flashnb.attention_forward(..., impl="fa1", Br=16,
-          Bc=16, warps=2). The model: count what crosses HBM per query block.""",
+          update; after the inner loop store O_i, l_i, m_i once. The loop heads and loads are the kernel's region
+          loop-nest, the stores its region write-back (show_source(fa1.make_forward, region="loop-nest")):
+          registry.variant(fa1.make_forward, regions={"loop-nest": ..., "write-back": ...}) with your lines, indented
+          as they must stand in the kernel; run it with registry.using(fa1.make_forward, variant) through
+          flashnb.attention_forward(..., impl="fa1", Br=16, Bc=16, warps=2). The model: count what crosses HBM per
+          query block.""",
           explain="""With i outside, Q_i is read once and O_i, l_i, m_i live on chip for the whole inner loop: they are
           written once at the end and never read back, so the T_c·(3Nd + 4N) round trips of FA1 disappear. The
           price: K_j and V_j are now loaded once per query block, 2·T_r·N·d. Per head the main launch moves
@@ -85,16 +87,6 @@ def _():
     from flashnb import registry
     from flashnb.stages import fa1
 
-    loops = """        for j in range((Nk + Bc - 1) // Bc):                      # line 5
-            load_rows(K, z, j * Bc, K_j, tid, NT)                 # line 6: K_j, V_j -> SRAM, once
-            load_rows(V, z, j * Bc, V_j, tid, NT)
-            for i in range((Nq + Br - 1) // Br):                  # line 7
-                load_rows(Q, z, i * Br, Q_i, tid, NT)             # line 8: Q_i, O_i, l_i, m_i -> SRAM
-                load_rows(O, z, i * Br, O_i, tid, NT)
-                load_vec(l, z, i * Br, l_i, tid, NT)
-                load_vec(m, z, i * Br, m_i, tid, NT)
-                cuda.syncthreads()
-"""
     swapped = """        for i in range((Nq + Br - 1) // Br):                      # outer loop: query blocks
             load_rows(Q, z, i * Br, Q_i, tid, NT)                 # Q_i -> SRAM, once
             for e in range(tid, Br * dd, NT):                     # O_i = 0, l_i = 0, m_i = -inf, on chip
@@ -107,17 +99,12 @@ def _():
                 load_rows(V, z, j * Bc, V_j, tid, NT)
                 cuda.syncthreads()                                # K_j, V_j loaded before anyone reads them
 """
-    stores = """                # Each thread stores exactly the elements it wrote above and loads them again next
-                # iteration, so no barrier is needed before the next loads.
-                store_rows(O_i, O, z, i * Br, tid, NT)            # lines 12-13: O_i, l_i, m_i -> HBM
-                store_vec(l_i, l, z, i * Br, tid, NT)
-                store_vec(m_i, m, z, i * Br, tid, NT)
-"""
     once = """            store_rows(O_i, O, z, i * Br, tid, NT)                # O_i, l_i, m_i -> HBM once, after all j
             store_vec(l_i, l, z, i * Br, tid, NT)                 # (each thread stores what it wrote)
             store_vec(m_i, m, z, i * Br, tid, NT)
 """
-    i_outer = registry.variant(fa1.make_forward, replace=[(loops, swapped), (stores, once)])
+    # both bodies indented as they stand in the kernel: the stores move out of the inner loop
+    i_outer = registry.variant(fa1.make_forward, regions={"loop-nest": swapped, "write-back": once})
 
     def model(N, d, Br):
         Tr = -(-N // Br)
@@ -136,11 +123,9 @@ def _():
 @check_03_1.fails
 def _():
     from flashnb import registry
-    from flashnb.stages import fa1
 
     sol = check_03_1.solution()
-    barrier = "cuda.syncthreads()                                # K_j, V_j loaded before anyone reads them\n"
-    no_barrier = registry.variant(fa1.make_forward, source=sol["variant"].variant_source.replace(barrier, "pass\n"))
+    no_barrier = registry.variant(sol["variant"], region="loop-nest", replace=("cuda.syncthreads()", "pass"))
     return dict(variant=no_barrier, model=sol["model"])
 
 

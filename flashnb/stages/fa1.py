@@ -112,6 +112,7 @@ def make_forward(Br, Bc, d, W, causal):
         Nq = Q.shape[1]
         Nk = K.shape[1]
         dd = Q.shape[2]   # = d, read at run time so the compiler keeps the d-loops rolled (no spills)
+        # region loop-nest
         for j in range((Nk + Bc - 1) // Bc):                      # line 5
             load_rows(K, z, j * Bc, K_j, tid, NT)                 # line 6: K_j, V_j -> SRAM, once
             load_rows(V, z, j * Bc, V_j, tid, NT)
@@ -121,8 +122,10 @@ def make_forward(Br, Bc, d, W, causal):
                 load_vec(l, z, i * Br, l_i, tid, NT)
                 load_vec(m, z, i * Br, m_i, tid, NT)
                 cuda.syncthreads()
+        # endregion loop-nest
                 for r in range(lane, Br, WARP):                   # warp w: rows r, keys w*Bw .. w*Bw+Bw-1
                     mx = NEG_INF
+                    # region scores
                     for cc in range(Bw):                          # line 9: S_ij = τ Q_i K_jᵀ, MASK
                         c = w * Bw + cc
                         acc = float32(0.0)
@@ -133,6 +136,7 @@ def make_forward(Br, Bc, d, W, causal):
                             s = NEG_INF
                         S[cc] = s
                         mx = max(mx, s)                           # line 10: m̃ (this warp's keys)
+                    # endregion scores
                     ls = float32(0.0)
                     for cc in range(Bw):
                         p = exp_diff(S[cc], mx)                   # line 10: P̃ = exp(S - m̃)
@@ -155,6 +159,7 @@ def make_forward(Br, Bc, d, W, causal):
                         lt += exp_diff(m_w[v, r], mt) * l_w[v, r]  # l̃_ij = Σ_w e^(m_w - m̃) l_w
                     mo = m_i[r]
                     lo = l_i[r]
+                    # region statistics
                     mn = max(mo, mt)                              # line 11: m_new = max(m_i, m̃_ij)
                     eo = exp_diff(mo, mn)
                     et = exp_diff(mt, mn)
@@ -165,7 +170,11 @@ def make_forward(Br, Bc, d, W, causal):
                         l_w[v, r] = et * exp_diff(m_w[v, r], mt) * inv
                     m_i[r] = mn                                   # line 13 (on chip)
                     l_i[r] = ln
+                    # endregion statistics
+                # region weights-barrier
                 cuda.syncthreads()
+                # endregion weights-barrier
+                # region o-update
                 for e in range(tid, Br * d, NT):                  # line 12: O_i = diag(l_new)^-1 (...)
                     r = e // d
                     x = e - r * d
@@ -173,11 +182,14 @@ def make_forward(Br, Bc, d, W, causal):
                     for v in range(W):
                         acc += l_w[v, r] * O_w[v, r, x]
                     O_i[r, x] = acc
+                # endregion o-update
+                # region write-back
                 # Each thread stores exactly the elements it wrote above and loads them again next
                 # iteration, so no barrier is needed before the next loads.
                 store_rows(O_i, O, z, i * Br, tid, NT)            # lines 12-13: O_i, l_i, m_i -> HBM
                 store_vec(l_i, l, z, i * Br, tid, NT)
                 store_vec(m_i, m, z, i * Br, tid, NT)
+                # endregion write-back
 
     return fa1_forward
 

@@ -89,6 +89,7 @@ def make_softmax_rows():
         if i >= S.shape[1]:
             return
         n = S.shape[2]
+        # region max-and-sum
         m = NEG_INF
         for j in range(n):                       # pass 1: m = rowmax(S)
             m = max(m, S[z, i, j])
@@ -96,6 +97,7 @@ def make_softmax_rows():
         l = float32(0.0)
         for j in range(n):                       # pass 2: l = rowsum(exp(S - m))
             l += float32(math.exp(S[z, i, j] - m_safe))
+        # endregion max-and-sum
         inv_l = float32(1.0) / l if l > float32(0.0) else float32(0.0)
         for j in range(n):                       # pass 3: P = exp(S - m) / l
             P[z, i, j] = float32(math.exp(S[z, i, j] - m_safe)) * inv_l

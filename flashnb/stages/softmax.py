@@ -298,16 +298,20 @@ def make_softmax_online(TPB, reduce):
         n = X.shape[1]
         m = NEG_INF
         d = ZERO
+        # region online-pass
         for j in range(tid, n, TPB):                       # pass 1: [m, d] ← [m, d] ⊕ [x_j, 1]
             m, d = merge_state(m, d, X[row, j], ONE)
+        # endregion online-pass
         if warp:
             m, d = warp_reduce_state(m, d, red_m, red_d, tid)
         else:
             m, d = block_reduce_state(red_m, red_d, m, d, tid)
+        # region normalise
         m_safe = m if m != NEG_INF else ZERO
         inv_d = ONE / d if d > ZERO else ZERO
         for j in range(tid, n, TPB):                       # pass 2: y_j = e^(x_j - m) / d
             Y[row, j] = float32(math.exp(X[row, j] - m_safe)) * inv_d
+        # endregion normalise
 
     return softmax_online
 
@@ -332,8 +336,10 @@ def make_online_partials(TPB):
         C = (n + M.shape[1] - 1) // M.shape[1]
         m = NEG_INF
         d = ZERO
+        # region chunk-fold
         for j in range(c * C + tid, min(n, (c + 1) * C), TPB):
             m, d = merge_state(m, d, X[row, j], ONE)
+        # endregion chunk-fold
         m, d = block_reduce_state(red_m, red_d, m, d, tid)
         if tid == 0:
             M[row, c] = m
@@ -383,14 +389,18 @@ def make_attention_rows(R, d, causal):
             decay = float32(math.exp(m - m_new))           # e^(m_{j-1} - m_j); 0 for the first key
             p = float32(math.exp(x - m_new))
             d_new = dn * decay + p
+            # region o-update
             a = dn * decay / d_new
             b = p / d_new
             for t in range(d):
                 o_i[t] = o_i[t] * a + b * V[z, j, t]
+            # endregion o-update
             m = m_new
             dn = d_new
+        # region write-o
         for t in range(d):
             O[z, i, t] = o_i[t]
+        # endregion write-o
         L[z, i] = m + float32(math.log(dn)) if dn > ZERO else NEG_INF
 
     return attention_rows
@@ -430,6 +440,7 @@ def make_attention_tiles(Br, Bc, d, causal):
             load_rows(K, z, k0, Kj, tid, Br)                 # line 6: load Kj, Vj into SRAM
             load_rows(V, z, k0, Vj, tid, Br)
             cuda.syncthreads()
+            # region tile-update
             if active:
                 m_t = NEG_INF
                 for c in range(Bc):                          # line 9: S = scale·q Kjᵀ (masked)
@@ -455,6 +466,7 @@ def make_attention_tiles(Br, Bc, d, causal):
                     o_i[t] = (l_i * alpha * o_i[t] + beta * pv) * inv
                 m_i = m_new
                 l_i = l_new
+            # endregion tile-update
             cuda.syncthreads()                               # tile consumed before the next load
         if active:
             for t in range(d):
