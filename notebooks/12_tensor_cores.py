@@ -172,8 +172,8 @@ plt.show()
 # problem with d = 64:
 
 # %%
-plain = registry.variant(flash_tc.make_forward, replace=("P = _make_policies(storage, g, arch)",
-                                                         "P = _make_policies(storage, g, arch, swizzle=False)"))
+plain = registry.variant(flash_tc.make_forward, region="policies",
+                         replace=("_make_policies(storage, g, arch)", "_make_policies(storage, g, arch, swizzle=False)"))
 prng = np.random.default_rng(7)
 q16, k16, v16 = (prng.standard_normal((1, 64, 64)).astype(np.float16) for _ in range(3))
 conflicts = {}
@@ -194,7 +194,7 @@ for name, factory in (("swizzled", flash_tc.make_forward), ("plain", plain)):
 # computed, tile j + 1 is already flying into the other buffer:
 
 # %%
-show_source(flash_tc.make_forward, grep="cp_async")
+show_source(flash_tc.make_forward, region="kv-load")
 
 # %% [markdown]
 # On the simulator a copy lands when its thread reaches a `wait_group` that covers it -- not before. So the two
@@ -203,13 +203,13 @@ show_source(flash_tc.make_forward, grep="cp_async")
 # copy wrote, unordered (**racecheck**).
 
 # %%
-mistakes = {
-    "no wait": ("mma.cp_async_wait_group(1)             # all but the newest group: tile j has landed", "pass"),
-    "no barrier": ("cuda.syncthreads()                             # tile j visible to every warp", "pass"),
+mistakes = {                                   # edits of the kernel's region kv-load (the loads of K_j, V_j)
+    "no wait": ("mma.cp_async_wait_group(1)", "pass"),
+    "no barrier": ("cuda.syncthreads()", "pass"),
 }
 q8, k8, v8 = (prng.standard_normal((1, 40, 16)).astype(np.float16) for _ in range(3))
 for name, change in mistakes.items():
-    broken = registry.variant(flash_tc.make_forward, replace=change)
+    broken = registry.variant(flash_tc.make_forward, region="kv-load", replace=change)
     # (the broken kernels multiply shared memory nothing wrote -- NaN on the simulator: NumPy would warn)
     with registry.using(flash_tc.make_forward, broken), sim.sanitize(raise_on_error=False) as report, \
             warnings.catch_warnings():

@@ -309,7 +309,9 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80):
     MT, NB, ND, KD, KV, LD, E = g["MT"], g["NB"], g["ND"], g["KD"], g["KV"], g["LD"], g["E"]
     ASYNC, TF32, KN, TOTAL, QO = g["copy"] == "async", storage == "float32", g["KN"], g["total"], g["q_offset"]
     S0, S1 = g["stage_offsets"][0], g["stage_offsets"][-1]
+    # region policies
     P = _make_policies(storage, g, arch)
+    # endregion policies
     swz, at, load_tile, mma_k, p_fragment, from_f32 = P["swz"], P["at"], P["load_tile"], P["mma_k"], \
         P["p_fragment"], P["from_f32"]
     SDT = _SHARED_TYPE[storage]
@@ -321,6 +323,7 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80):
         diagonal or the end of the keys."""
         j0 = j * Bc
         kb = S0 if j % 2 == 0 else S1                  # K_j at kb, V_j at kb + KN
+        # region kv-load
         if ASYNC:                                      # lines 7-8, pipelined: tile j + 1 flies while j computes
             if j + 1 < n_tiles:
                 nb_ = S1 if j % 2 == 0 else S0
@@ -334,6 +337,7 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80):
             load_tile(Kz, sm, kb, j0, Nk, Bc, tid)
             load_tile(Vz, sm, kb + KN, j0, Nk, Bc, tid)
         cuda.syncthreads()                             # tile j visible to every warp
+        # endregion kv-load
         for mt in range(MT):                           # line 8: S_ij = Q_i K_jᵀ
             for nb in range(NB):
                 for c in range(4):
