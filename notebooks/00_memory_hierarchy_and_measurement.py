@@ -586,8 +586,9 @@ passed = exercises.check("00.5", kernel=warp_scan)
 
 # %% [markdown]
 # **00.6 · The race a missing barrier makes** (★★, ~15 min) Make a variant of `fa2.make_forward` without the
-# `cuda.syncthreads()` marked "every warp is done with K_{j-1}, V_{j-1}" -- `registry.variant(fa2.make_forward,
-# replace=(old_text, new_text))` edits a copy of the factory without touching the library -- and run it through
+# `cuda.syncthreads()` marked "every warp is done with K_{j-1}, V_{j-1}", the kernel's region `kv-barrier`
+# (`show_source(fa2.make_forward, region="kv-barrier")`) -- `registry.variant(fa2.make_forward,
+# regions={"kv-barrier": new_lines})` edits a copy of the factory without touching the library -- and run it through
 # the library's launcher (`with registry.using(fa2.make_forward, variant):`) under `sim.sanitize()`, with two
 # warps and several key tiles (`Br=16, Bc=16, warps=2`, $N = 48$). Which shared arrays does racecheck report,
 # and at which lines? Does the output still match the reference on the simulator, and why is that no evidence

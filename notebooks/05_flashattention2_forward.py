@@ -645,15 +645,16 @@ from flashnb import exercises, registry  # noqa: F401  (registry: for exercise 0
 
 # %% [markdown]
 # **05.1 · An 8 × 4 lane grid** (★★★, ~30 min) Give the kernel warps of `LR = 8` row lanes × `LC = 4` column
-# lanes instead of 4 × 8. Do not edit `fa2.LC`: make a copy of the factory with
-# `registry.variant(fa2.make_forward, replace=(old_text, new_text))` (copy `old_text` from `show_source`), and
+# lanes instead of 4 × 8. Do not edit `fa2.LC`: the factory picks its lane grid in its region `lane-grid`
+# (`show_source(fa2.make_forward, region="lane-grid")`); make a copy of the factory with new lines there,
+# `registry.variant(fa2.make_forward, regions={"lane-grid": new_lines})`, and
 # run it through the library's launcher with `with registry.using(fa2.make_forward, variant):`. The check runs
 # it at $N = 32$, $d = 16$, `Br=16, Bc=16, warps=1` against the reference and counts its shared reads. Then, per
 # thread, at `Br=64, Bc=32, d=64, warps=4`: how many FMAs per shared read (as `fa2.fmas_per_shared_read(...)["tile"]`
 # reports for today's layout), and how many shuffles per K/V tile?
 
 # %%
-variant = ...             # registry.variant(fa2.make_forward, replace=(..., ...))
+variant = ...             # registry.variant(fa2.make_forward, regions={"lane-grid": ...})
 fmas_per_read = ...
 shuffles_per_tile = ...
 passed = exercises.check("05.1", variant=variant, fmas_per_read=fmas_per_read, shuffles_per_tile=shuffles_per_tile)

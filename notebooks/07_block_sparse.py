@@ -33,7 +33,6 @@
 # **different function** from dense attention, an approximation of it.
 
 # %%
-import inspect
 import os
 import time
 
@@ -59,17 +58,12 @@ rng = np.random.default_rng(7)
 # There is no second kernel. `fa2.make_forward` and `fa2.make_backward` take a compile-time flag `sparse`
 # and one more argument, `M` (uint8, one entry per tile, per batch·head). When `sparse` is False the
 # condition is a compile-time `False` and `M` is never read (the launcher passes a 1×1×1 dummy), so the
-# dense kernels do exactly what they did in notebooks 05 and 06. The lines of the forward and backward
-# kernels that mention `sparse`:
+# dense kernels do exactly what they did in notebooks 05 and 06. The lines that test it, the region
+# `block-skip` of the forward and of the backward kernel:
 
 # %%
 for factory in (fa2.make_forward, fa2.make_backward):
-    lines, first = inspect.getsourcelines(factory.__wrapped__)
-    for n, line in enumerate(lines):
-        if "sparse" in line and not line.lstrip().startswith(('"', "``")):
-            print(f"fa2.py:{first + n:4d} {line.rstrip()}")
-            if line.lstrip().startswith("if sparse"):
-                print(f"fa2.py:{first + n + 1:4d} {lines[n + 1].rstrip()}")
+    show_source(factory, region="block-skip")
 
 # %% [markdown]
 # The test is *block-uniform*: lane 0 of each warp reads $M_{ij}$ and hands it to the other 31 lanes with a

@@ -86,9 +86,9 @@ from flashnb.stages.fa2 import FULL_MASK, LC, LR, cdiv_dev, geometry  # noqa: F4
 
 # %% tags=["answer"]
 # flashnb-course: from flashnb.stages.fa2 import make_forward
-# flashnb-course: todo "if causal:                                   # skip K/V blocks" .. "n_tiles = min(n_tiles, last // Bc + 1)" "causal block skipping: visit only the K/V tiles holding a key some row of this block may see (row r sees keys <= r + diag); none when the block's last row sees no key"
-# flashnb-course: todo "m_new = max(m[a], mx)" .. "Oi[a, c] *= alpha" "lines 9-10: m_new, alpha = e^(m_old - m_new), P~ = e^(S - m_new) in S[a, b] and its sum rs (P~ = 0, alpha = 1 while m_new = -inf); l[a], m[a]; rescale Oi[a, :] by alpha"
-# flashnb-course: todo "for a in range(TM):                          # lines 12-14" .. "L[z, row] = m[a]" "lines 12-14: l summed over the row group's 8 lanes (shfl_xor_sync), O = O~ / l (0 when l = 0) for rows < Nq and columns < d, L = m + log l (-inf when l = 0) written by one lane"
+# flashnb-course: todo causal-skip "causal block skipping: visit only the K/V tiles holding a key some row of this block may see (row r sees keys <= r + diag); none when the block's last row sees no key"
+# flashnb-course: todo online-update "lines 9-10: m_new, alpha = e^(m_old - m_new), P~ = e^(S - m_new) in S[a, b] and its sum rs (P~ = 0, alpha = 1 while m_new = -inf); l[a], m[a]; rescale Oi[a, :] by alpha"
+# flashnb-course: todo epilogue "lines 12-14: l summed over the row group's 8 lanes (shfl_xor_sync), O = O~ / l (0 when l = 0) for rows < Nq and columns < d, L = m + log l (-inf when l = 0) written by one lane"
 
 # %% tags=["tests"]
 TILES = dict(Br=16, Bc=16, warps=2)     # small tiles: every CUDA thread is a Python thread on the simulator

@@ -80,8 +80,8 @@ from flashnb.stages.fa2 import FULL_MASK, LC, LR, PRE_WARPS, cdiv_dev, geometry 
 
 # %% tags=["answer"]
 # flashnb-course: from flashnb.stages.fa2 import make_preprocess
-# flashnb-course: todo "for e in range(lane, O.shape[2], 32):" .. "dQ[z, i, e] = ZERO" "Alg. 2 line 4: add this lane's products dO·O over e = lane, lane + 32, ... into acc, and zero dQ[z, i, e] there"
-# flashnb-course: todo "off = 16" .. "off //= 2" "sum acc over the 32 lanes of the warp with cuda.shfl_down_sync (lane 0 ends with the row's total)"
+# flashnb-course: todo rowsum "Alg. 2 line 4: add this lane's products dO·O over e = lane, lane + 32, ... into acc, and zero dQ[z, i, e] there"
+# flashnb-course: todo warp-sum "sum acc over the 32 lanes of the warp with cuda.shfl_down_sync (lane 0 ends with the row's total)"
 
 # %% tags=["tests"]
 def _mine(ns, name):
@@ -168,9 +168,9 @@ def _(ns):
 
 # %% tags=["answer"]
 # flashnb-course: from flashnb.stages.fa2 import make_backward
-# flashnb-course: todo "pv = ZERO" .. "S[a, b] = pv" "Alg. 2 line 11: P = exp(scale·S - L_r) into S[a, b]; 0 for a key >= Nk, a causal-masked key and a row with L_r = -inf"
-# flashnb-course: todo "dP[a, b] = pv * (dP[a, b] - Dr)" .. "dP[a, b] = pv * (dP[a, b] - Dr)" "Alg. 2 line 14: dS = P ∘ (dP - D_r) into dP[a, b]"
-# flashnb-course: todo "acc = ZERO" .. "cuda.atomic.add(dQ" "Alg. 2 line 15: acc = Σ_c dSs[c, r]·KsT[k, c]; add scale·acc into dQ[z, i0 + r, k] for rows < Nq (other thread blocks add into it too)"
+# flashnb-course: todo recompute-p "Alg. 2 line 11: P = exp(scale·S - L_r) into S[a, b]; 0 for a key >= Nk, a causal-masked key and a row with L_r = -inf"
+# flashnb-course: todo ds "Alg. 2 line 14: dS = P ∘ (dP - D_r) into dP[a, b]"
+# flashnb-course: todo dq-update "Alg. 2 line 15: acc = Σ_c dSs[c, r]·KsT[k, c]; add scale·acc into dQ[z, i0 + r, k] for rows < Nq (other thread blocks add into it too)"
 
 # %% tags=["tests"]
 # Your make_backward runs after a copy of the library's preprocessing kernel (so Q1 does not count twice)

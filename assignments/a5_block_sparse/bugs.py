@@ -11,31 +11,30 @@ Q1 = [f"q1: {t}" for t in (
     "causal with Nq > Nk (query blocks that see no key) and Nq < Nk")]
 IO, IO_CAUSAL = Q1[3], Q1[4]
 
-# the skip as the library writes it (the solution of the second cut of answer cell 1)
+# the skip as the library writes it: the body of region block-skip (the second TODO of answer cell 1)
 SKIP = ("            if sparse:                               "
         "# FA1 Alg. 5: if M_ij != 0 (lane 0 reads, the warp shares)\n"
         "                if cuda.shfl_sync(FULL_MASK, int32(M[z, cuda.blockIdx.x, jt]) "
         "if lane == 0 else int32(0), 0) == 0:\n"
         "                    continue                         # block-uniform: K_j, V_j never loaded\n")
-AFTER_LOAD = "            cuda.syncthreads()\n            fa2_tile("
+LOADED = "            cuda.syncthreads()\n"      # the last line of region kv-load: K_j, V_j are in shared memory
 
 BUGS = [
     Bug("loads every K/V tile, then skips the compute of the masked ones (right answer, the IO of dense FA2)",
         cell=1,
-        replace=[(SKIP, ""),
-                 (AFTER_LOAD, "            cuda.syncthreads()\n" + SKIP + "            fa2_tile(")],
+        replace=[("block-skip", SKIP, ""), ("kv-load", LOADED, LOADED + SKIP)],
         loses=[IO, IO_CAUSAL],
         says="reads of 'K': counted",
         why="the mask is tested after K_j, V_j are already in shared memory: the output is right (the tile is "
             "never used) but every tile is loaded, so block sparsity saves compute and no IO; test M_ij before "
             "the load"),
-    Bug("mask read transposed: M[z, jt, i] instead of M[z, i, jt]", cell=1,
+    Bug("mask read transposed: M[z, jt, i] instead of M[z, i, jt]", cell=1, region="block-skip",
         replace=[("int32(M[z, cuda.blockIdx.x, jt])", "int32(M[z, jt, cuda.blockIdx.x])")],
         loses=Q1,
         says="differ from the float64 reference",
         why="M has shape (BH, Tr, Tc): the row index is the query block (blockIdx.x), the column the K/V tile jt; "
             "transposed, each query block visits the tiles of another (and with Tr != Tc reads out of bounds)"),
-    Bug("every thread reads M_ij itself (no shuffle)", cell=1,
+    Bug("every thread reads M_ij itself (no shuffle)", cell=1, region="block-skip",
         replace=[("cuda.shfl_sync(FULL_MASK, int32(M[z, cuda.blockIdx.x, jt]) if lane == 0 else int32(0), 0) == 0",
                   "M[z, cuda.blockIdx.x, jt] == 0")],
         loses=[IO, IO_CAUSAL],
@@ -43,21 +42,19 @@ BUGS = [
         why="right answer, but 32 one-byte reads of the same entry per warp per tile: the model (and a GPU's "
             "memory system) wants one read per warp, broadcast with cuda.shfl_sync"),
     Bug("no causal limit: the loop runs over every K/V tile and lets the mask in fa2_tile zero the scores", cell=1,
-        replace=[("        if causal:                                   # skip K/V blocks entirely above the diagonal\n"
-                  "            last = min(i0 + Br, Nq) - 1 + diag       # last key any row of this block may see\n"
-                  "            n_tiles = min(n_tiles, last // Bc + 1) if last >= 0 else 0\n", "")],
+        regions={"causal-skip": ""},
         loses=[IO_CAUSAL],
         says="reads of 'K': counted",
         why="tiles above the diagonal contribute nothing (every score is -inf) but are loaded and their M_ij "
             "read: stop the loop at the tile of the last key the block's last row may see"),
     Bug("causal limit without diag (top-left alignment): right when Nq = Nk, keys missing when Nq < Nk", cell=1,
-        replace=[("last = min(i0 + Br, Nq) - 1 + diag", "last = min(i0 + Br, Nq) - 1")],
+        region="causal-skip", replace=[("last = min(i0 + Br, Nq) - 1 + diag", "last = min(i0 + Br, Nq) - 1")],
         loses=[Q1[8]],
         says="differ from the float64 reference",
         why="causal=True is bottom-right aligned: row r sees keys up to r + diag, diag = Nk - Nq; without diag "
             "the loop stops too early when Nq < Nk (and visits tiles of no use when Nq > Nk). The public tests "
             "have Nq = Nk, where diag = 0: only the hidden test with Nq != Nk catches it"),
-    Bug("float64: the tile count by true division", cell=1,
+    Bug("float64: the tile count by true division", cell=1, region="tile-count",
         replace=[("n_tiles = cdiv_dev(Nk, Bc)", "n_tiles = int(math.ceil(Nk / Bc))")],
         loses=[Q1[6]],
         says="float64",

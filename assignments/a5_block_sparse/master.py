@@ -81,8 +81,8 @@ from flashnb.stages.fa2 import FULL_MASK, LC, LR, cdiv_dev, geometry  # noqa: F4
 
 # %% tags=["answer"]
 # flashnb-course: from flashnb.stages.fa2 import make_forward
-# flashnb-course: todo "n_tiles = cdiv_dev(Nk, Bc)" .. "n_tiles = min(n_tiles, last" "n_tiles: the number of K/V tiles this query block loops over -- all ceil(Nk/Bc), or with causal only up to the tile of the last key its rows may see (0 if none)"
-# flashnb-course: todo "if sparse:" .. "continue" "block-sparse (only if sparse): skip tile jt when M[z, blockIdx.x, jt] == 0 -- lane 0 of each warp reads it, the warp shares it by shuffle, the whole block skips together"
+# flashnb-course: todo tile-count "n_tiles: the number of K/V tiles this query block loops over -- all ceil(Nk/Bc), or with causal only up to the tile of the last key its rows may see (0 if none)"
+# flashnb-course: todo block-skip "block-sparse (only if sparse): skip tile jt when M[z, blockIdx.x, jt] == 0 -- lane 0 of each warp reads it, the warp shares it by shuffle, the whole block skips together"
 
 # %% tags=["tests"]
 def _mine(ns):

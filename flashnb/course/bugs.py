@@ -17,7 +17,9 @@ class Bug:
 
     The edit is ``replace`` ([(old, new)]) made inside region ``region`` of that cell (:mod:`flashnb.regions`:
     the markers a library kernel carries, which the solution cell keeps), each ``old`` occurring there exactly
-    once; and/or ``append``, code added at the end of the cell.  A cell with marked regions is edited only
+    once -- an entry ``(region, old, new)`` names its own region, for a bug that edits two places; and/or
+    ``regions`` ({region: new lines}: whole bodies replaced, as :func:`flashnb.registry.variant` does); and/or
+    ``append``, code added at the end of the cell.  A cell with marked regions is edited only
     through a region, so reformatting the kernel outside its regions keeps every bug applying; ``region=None``
     edits a cell without markers (the master's own answer code), each ``old`` once in the whole cell."""
 
@@ -27,7 +29,8 @@ class Bug:
     loses: list                     # ids of the tests that must score 0 ("q2: IO budget: ..."); all others full
     says: str                       # a substring of the first lost test's message
     region: str | None = None       # the region of that cell the replacements are made in
-    replace: list = field(default_factory=list)   # [(old, new)]: each old occurs exactly once in the region
+    replace: list = field(default_factory=list)   # [(old, new) or (region, old, new)]: old once in the region
+    regions: dict = field(default_factory=dict)   # {region: new lines}: whole bodies replaced (before replace)
     append: str = ""                # code appended to the cell (e.g. an import that rebinds the answer's name)
     why: str = ""                   # for the catalogue: what the message means and how to fix it
     tags: list = field(default_factory=list)
@@ -41,19 +44,25 @@ class Bug:
         answers = [c for c in nb.cells if c["cell_type"] == "code" and "answer" in c["metadata"].get("tags", [])]
         cell = answers[self.cell - 1]
         where = f"answer cell {self.cell}"
-        if not self.replace and not self.append:
-            raise ValueError(f"bug {self.name!r}: no edit (give replace= or append=)")
+        if not self.replace and not self.regions and not self.append:
+            raise ValueError(f"bug {self.name!r}: no edit (give replace=, regions= or append=)")
         try:
             marked = regions.names(cell["source"], where)
         except regions.RegionError as e:
             raise ValueError(f"bug {self.name!r}: {e}") from None
-        if self.replace and self.region is None and marked:
+        for region, new_body in self.regions.items():
+            try:
+                cell["source"] = regions.replace_body(cell["source"], region, new_body, where)
+            except regions.RegionError as e:
+                raise ValueError(f"bug {self.name!r}: {e}") from None
+        edits = [(self.region, *e) if len(e) == 2 else tuple(e) for e in self.replace]
+        if any(r is None for r, _, _ in edits) and marked:
             raise ValueError(f"bug {self.name!r}: {where} has marked regions ({', '.join(marked)}): name the one "
                              "the edit is in (region=...)")
-        for old, new in self.replace:
-            if self.region is not None:
+        for region, old, new in edits:
+            if region is not None:
                 try:
-                    cell["source"] = regions.replace_in(cell["source"], self.region, old, new, where)
+                    cell["source"] = regions.replace_in(cell["source"], region, old, new, where)
                 except regions.RegionError as e:
                     raise ValueError(f"bug {self.name!r}: {e}") from None
                 continue

@@ -82,21 +82,6 @@ def _todo(indent: str, hint: str, removed: list[str]) -> list[str]:
             + [f'{indent}raise NotImplementedError("TODO: {msg}")'])
 
 
-def _cut_lines(source: str, start: str, end: str, hint: str) -> tuple[str, list[str]]:
-    lines = source.splitlines()
-    try:
-        i = next(k for k, ln in enumerate(lines) if ln.strip().startswith(start.strip()))
-        code = [ln.split("#")[0].strip() for ln in lines]
-        j = next((k for k in range(i, len(lines)) if code[k] == end.strip()), None)
-        if j is None:
-            j = next(k for k in range(i, len(lines)) if lines[k].strip().startswith(end.strip()))
-    except StopIteration:
-        raise MasterError(f"todo {start!r} .. {end!r}: not found in the source (the library changed?)") from None
-    indent = re.match(r"\s*", lines[i]).group(0)
-    removed = lines[i:j + 1]
-    return "\n".join(lines[:i] + _todo(indent, hint, removed) + lines[j + 1:]) + "\n", removed
-
-
 def cut(source: str, region: str, hint: str, where: str | None = None) -> tuple[str, list[str]]:
     """Replace the body of ``region`` (:mod:`flashnb.regions`: between its markers, which stay so the student
     sees where to write; or a function's body after its docstring) by a TODO; returns the new source and the
@@ -170,10 +155,6 @@ def expand(cell) -> tuple[str, str, list[list[str]]]:
         student, removed = solution, []
         for d in head[1:]:
             parts = shlex.split(d)
-            if len(parts) >= 4 and parts[0] == "todo" and parts[2] == "..":   # the literal form, until a3-a5 move
-                student, gone = _cut_lines(student, parts[1], parts[3], " ".join(parts[4:]) or "your code here")
-                removed.append(gone)
-                continue
             if len(parts) < 2 or parts[0] != "todo" or ".." in parts:
                 raise MasterError(f"'{DIRECTIVE} {d}': expected 'todo REGION \"<hint>\"' (REGION: a region of the "
                                   "kernel, between '# region REGION' and '# endregion REGION' markers, or a function "

@@ -256,14 +256,12 @@ def _():
     return dict(kernel=not_a_scan)
 
 
-_BARRIER = "cuda.syncthreads()                       # every warp is done with K_{j-1}, V_{j-1}"
-
-
 @exercise("00.6", "the race a missing barrier makes in FA2's forward", level=2, minutes=15,
-          hint="""no_barrier = registry.variant(fa2.make_forward, replace=(<that syncthreads line, as show_source
-          prints it>, "pass")); then `with registry.using(fa2.make_forward, no_barrier), sim.sanitize(
-          raise_on_error=False) as report:` run flashnb.attention(q, k, v, impl="fa2", Br=16, Bc=16, warps=2) on
-          (1, 48, 8) inputs, and look at report.by_tool("racecheck").""",
+          hint="""That barrier is the kernel's region kv-barrier (show_source(fa2.make_forward, region="kv-barrier")):
+          no_barrier = registry.variant(fa2.make_forward, regions={"kv-barrier": "pass"}); then `with
+          registry.using(fa2.make_forward, no_barrier), sim.sanitize(raise_on_error=False) as report:` run
+          flashnb.attention(q, k, v, impl="fa2", Br=16, Bc=16, warps=2) on (1, 48, 8) inputs, and look at
+          report.by_tool("racecheck").""",
           explain="""Without that barrier a fast warp starts loading K_j, V_j of the next tile while a slow warp still
           reads the previous tile: racecheck reports read/write races on the shared tiles KsT and Vs, between the
           tile loads in fa2_forward and the reads in fa2_tile. Whether the simulator's output is still right
@@ -275,7 +273,7 @@ def check_00_6(race_arrays):
     from .. import api, registry, sim
     from ..stages import fa2
 
-    variant = registry.variant(fa2.make_forward, replace=(_BARRIER, "pass"))
+    variant = registry.variant(fa2.make_forward, regions={"kv-barrier": "pass"})
     q, k, v = (np.random.default_rng(s).standard_normal((1, 48, 8)) for s in range(3))
     with registry.using(fa2.make_forward, variant), sim.sanitize(tools="racecheck", raise_on_error=False) as rep:
         api.attention(q, k, v, impl="fa2", Br=16, Bc=16, warps=2)
@@ -292,8 +290,7 @@ def _():
     from flashnb import api, registry, sim
     from flashnb.stages import fa2
 
-    no_barrier = registry.variant(fa2.make_forward, replace=(
-        "cuda.syncthreads()                       # every warp is done with K_{j-1}, V_{j-1}", "pass"))
+    no_barrier = registry.variant(fa2.make_forward, regions={"kv-barrier": "pass"})
     q, k, v = (np.random.default_rng(s).standard_normal((1, 48, 8)) for s in range(3))
     with registry.using(fa2.make_forward, no_barrier), sim.sanitize(raise_on_error=False) as report:
         api.attention(q, k, v, impl="fa2", Br=16, Bc=16, warps=2)

@@ -40,10 +40,10 @@ def _shared_reads(Nq, Nk, Br, Bc, d, warps, LR, LC):
 
 @exercise("05.1", "an 8 x 4 lane grid instead of 4 x 8", level=3, minutes=30,
           hint="""fa2.make_forward takes its lane grid from the module constants LR, LC through
-          g = geometry(Br, Bc, d, warps). In a variant, replace that line by local constants and the micro-tile they
-          give: registry.variant(fa2.make_forward, replace=("g = geometry(Br, Bc, d, warps)", "LR, LC = 8, 4\\n    g
-          = dict(TM=..., TN=..., DN=..., Dp=..., threads=32 * warps)")) -- the nested kernels then see the local
-          LR, LC. Count with traffic.count() inside `with registry.using(fa2.make_forward, variant):`. For the
+          g = geometry(Br, Bc, d, warps), the kernel's region lane-grid. In a variant, replace that line by local
+          constants and the micro-tile they give: registry.variant(fa2.make_forward, regions={"lane-grid": "LR, LC =
+          8, 4\\ng = dict(TM=..., TN=..., DN=..., Dp=..., threads=32 * warps)"}) -- the nested kernels then see the
+          local LR, LC. Count with traffic.count() inside `with registry.using(fa2.make_forward, variant):`. For the
           numbers, redo fa2.fmas_per_shared_read's formula and count the shfl calls in fa2_tile per K/V tile.""",
           explain="""With 8 row lanes × 4 column lanes each thread owns TM = Br/(8·warps) rows (half as many) and
           TN = Bc/4, DN = d/4 columns (twice as many). The S product still costs d·TM·TN FMAs per d·(TM + TN) reads
@@ -88,10 +88,9 @@ def _():
     from flashnb import registry
     from flashnb.stages import fa2
 
-    lanes_8x4 = registry.variant(fa2.make_forward, replace=(
-        "g = geometry(Br, Bc, d, warps)",
+    lanes_8x4 = registry.variant(fa2.make_forward, regions={"lane-grid": (
         "LR, LC = 8, 4   # local: the nested kernels close over these instead of fa2.LR, fa2.LC\n"
-        "    g = dict(TM=Br // (warps * LR), TN=Bc // LC, DN=cdiv(d, LC), Dp=cdiv(d, LC) * LC, threads=32 * warps)"))
+        "g = dict(TM=Br // (warps * LR), TN=Bc // LC, DN=cdiv(d, LC), Dp=cdiv(d, LC) * LC, threads=32 * warps)")})
     Br, Bc, d, warps, LR, LC = 64, 32, 64, 4, 8, 4
     TM, TN, DN = Br // (warps * LR), Bc // LC, math.ceil(d / LC)
     fmas = d * TM * TN + Bc * DN * TM                  # S = Q Kᵀ, then P~ V
@@ -105,10 +104,9 @@ def _():
     from flashnb import registry
     from flashnb.stages import fa2
 
-    only_lc = registry.variant(fa2.make_forward, replace=(   # LC changed, LR not: 16 lanes, 32 threads
-        "g = geometry(Br, Bc, d, warps)",
-        "LC = 4\n    g = dict(TM=Br // (warps * LR), TN=Bc // LC, DN=cdiv(d, LC), Dp=cdiv(d, LC) * LC, "
-        "threads=32 * warps)"))
+    only_lc = registry.variant(fa2.make_forward, regions={"lane-grid": (   # LC changed, LR not: 16 lanes
+        "LC = 4\ng = dict(TM=Br // (warps * LR), TN=Bc // LC, DN=cdiv(d, LC), Dp=cdiv(d, LC) * LC, "
+        "threads=32 * warps)")})
     return dict(variant=only_lc, fmas_per_read=1.78, shuffles_per_tile=68)
 
 

@@ -106,7 +106,8 @@ def _counted_dS(Nq, Nk, d, Br, Bc):
           hint="""Run flashnb.attention_backward(..., impl="fa2", Br=16, Bc=16, warps=1) at Nq = 16, Nk = 32, d = 8 in
           `with traffic.count() as t:`; the launch labelled "FA2 backward" has per-array counts in
           lt.shared_reads / lt.shared_writes (dS is staged in "dSs"). Divide by the tiles it visits
-          (fa2.tiles_visited(..., "backward")), then read fa2_bwd_tile and line 15 in show_source for the formula.""",
+          (fa2.tiles_visited(..., "backward")), then read fa2_bwd_tile and line 15 (show_source(fa2.make_backward,
+          region="dq-update")) for the formula.""",
           explain="""Each visited tile writes dS once, Br·Bc elements (every thread its TM × TN micro-tile), and
           reads it Br·d·Bc times: line 15 forms each of the Br·d elements of dQ_i += dS K_j from a column of Bc
           values of dS. That is as many shared reads as dQ's FMAs, one per FMA (K_j comes from shared memory

@@ -42,7 +42,8 @@ def _csr_reads(mask, warps):
 
 @exercise("07.1", "the mask term: dense layout vs CSR", level=2, minutes=20,
           hint="""In the forward, lane 0 of every warp reads M[z, i, j] once per tile the loop reaches -- look at the
-          `if sparse:` line in show_source(fa2.make_forward). Count it with traffic.count() (totals_by_array()["M"]).
+          kernel's region block-skip: show_source(fa2.make_forward, region="block-skip"). Count it with
+          traffic.count() (totals_by_array()["M"]).
           For CSR: block row i's warps read row_ptr[i] and row_ptr[i + 1], then one column index per nonzero block of
           the row (and never look at the zero blocks).""",
           explain="""Today every warp reads M_ij for every tile (i, j) the causal limit lets it reach, zero or not:

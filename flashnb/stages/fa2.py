@@ -118,7 +118,9 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False):
     ``sparse``: block-sparse FlashAttention (stage 5; FA1 Alg. 5 is Alg. 2 with ``if M_ij != 0``): a K/V tile
     whose block-mask entry ``M[z, i, j]`` is 0 is skipped -- never loaded, never computed.  Dense kernels never
     read ``M`` (the launcher passes a 1×1×1 dummy)."""
+    # region lane-grid
     g = geometry(Br, Bc, d, warps)
+    # endregion lane-grid
     TM, TN, DN, Dp, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["threads"]
 
     @cuda.jit(device=True, inline="always")
@@ -150,6 +152,7 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False):
             while off > 0:                           # row max across the 8 lanes of the row group
                 mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, off))
                 off //= 2
+            # region online-update
             m_new = max(m[a], mx)
             alpha = ONE
             rs = ZERO
@@ -166,6 +169,7 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False):
             m[a] = m_new
             for c in range(DN):                      # line 10: O~ = diag(e^(m_old - m_new)) O~ ...
                 Oi[a, c] *= alpha
+            # endregion online-update
         for b in range(TN):                          # ... + P~ V_j; P~_ij comes from its owner lane
             for src in range(LC):
                 for a in range(TM):
@@ -206,16 +210,25 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False):
             l[a] = ZERO
             for c in range(DN):
                 Oi[a, c] = ZERO
+        # region tile-count
         n_tiles = cdiv_dev(Nk, Bc)
+        # region causal-skip
         if causal:                                   # skip K/V blocks entirely above the diagonal
             last = min(i0 + Br, Nq) - 1 + diag       # last key any row of this block may see
             n_tiles = min(n_tiles, last // Bc + 1) if last >= 0 else 0
+        # endregion causal-skip
+        # endregion tile-count
         for jt in range(n_tiles):                    # line 6
+            # region block-skip
             if sparse:                               # FA1 Alg. 5: if M_ij != 0 (lane 0 reads, the warp shares)
                 if cuda.shfl_sync(FULL_MASK, int32(M[z, cuda.blockIdx.x, jt]) if lane == 0 else int32(0), 0) == 0:
                     continue                         # block-uniform: K_j, V_j never loaded
+            # endregion block-skip
             j0 = jt * Bc
+            # region kv-barrier
             cuda.syncthreads()                       # every warp is done with K_{j-1}, V_{j-1}
+            # endregion kv-barrier
+            # region kv-load
             for e in range(tid, Bc * d, NT):         # line 7: load K_j, V_j
                 c = e // d
                 k = e - c * d
@@ -225,7 +238,9 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False):
                 k = e - c * Dp
                 Vs[c, k] = V[z, j0 + c, k] if j0 + c < Nk and k < d else ZERO
             cuda.syncthreads()
+            # endregion kv-load
             fa2_tile(QsT, KsT, Vs, S, Oi, m, l, qv, kv, p, r0, lr, lc, i0, j0, Nk, scale, diag)
+        # region epilogue
         for a in range(TM):                          # lines 12-14: O_i = diag(l)^-1 O~_i, L_i = m + log l
             ls = l[a]
             off = LC // 2
@@ -241,6 +256,7 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False):
                         O[z, row, col] = Oi[a, c] * inv
                 if lc == 0:
                     L[z, row] = m[a] + float32(math.log(ls)) if ls > ZERO else NEG_INF
+        # endregion epilogue
 
     return fa2_forward
 
@@ -260,13 +276,17 @@ def make_preprocess():
         i = cuda.blockIdx.x * PRE_WARPS + cuda.threadIdx.x // 32
         acc = ZERO
         if i < O.shape[1]:                          # warp-uniform branch
+            # region rowsum
             for e in range(lane, O.shape[2], 32):
                 acc += dO[z, i, e] * O[z, i, e]
                 dQ[z, i, e] = ZERO
+            # endregion rowsum
+        # region warp-sum
         off = 16
         while off > 0:
             acc += cuda.shfl_down_sync(FULL_MASK, acc, off)
             off //= 2
+        # endregion warp-sum
         if lane == 0 and i < O.shape[1]:
             D[z, i] = acc
 
@@ -309,11 +329,15 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False):
             Dr = Ds[r]
             for a in range(TM):
                 key = j0 + c0 + LR * a
+                # region recompute-p
                 pv = ZERO
                 if Lr != NEG_INF and key < Nk and not (causal and key > i0 + r + diag):
                     pv = float32(math.exp(scale * S[a, b] - Lr))
                 S[a, b] = pv
+                # endregion recompute-p
+                # region ds
                 dP[a, b] = pv * (dP[a, b] - Dr)
+                # endregion ds
         for b in range(TN):                          # line 12: dV_j += Pᵀ dO_i; line 16: dK_j += dSᵀ Q_i
             for src in range(LC):
                 r = b * LC + src
@@ -373,9 +397,11 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False):
             first = j0 - diag                        # first query row that may see key j0
             i_first = first // Br if first > 0 else 0
         for it in range(i_first, cdiv_dev(Nq, Br)):  # line 8
+            # region block-skip
             if sparse:                               # FA1 Alg. 5: if M_ij != 0 (lane 0 reads, the warp shares)
                 if cuda.shfl_sync(FULL_MASK, int32(M[z, it, cuda.blockIdx.x]) if lane == 0 else int32(0), 0) == 0:
                     continue                         # block-uniform: Q_i, dO_i, L_i, D_i never loaded
+            # endregion block-skip
             i0 = it * Br
             cuda.syncthreads()
             for e in range(tid, Br * Dp, NT):        # line 9: load Q_i, dO_i, L_i, D_i
@@ -394,11 +420,13 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False):
             for e in range(tid, Br * d, NT):         # line 15: dQ_i += scale · dS K_j (atomic, HBM)
                 r = e // d
                 k = e - r * d
+                # region dq-update
                 acc = ZERO
                 for c in range(Bc):
                     acc += dSs[c, r] * KsT[k, c]
                 if i0 + r < Nq:
                     cuda.atomic.add(dQ, (z, i0 + r, k), scale * acc)
+                # endregion dq-update
         for a in range(TM):                          # line 18: write dK_j, dV_j once
             key = j0 + c0 + LR * a
             if key < Nk:
