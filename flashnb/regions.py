@@ -185,7 +185,7 @@ def replace_in(source: str, name: str, old: str, new: str, where: str | None = N
     n = inside.count(old)
     if n != 1:
         raise RegionError(f"{old!r} occurs {n} times in region {name!r}{_where(where)}; it must occur exactly "
-                          f"once there (the region's lines: print them with regions.body)")
+                          "once there (show_source(factory, region=...) prints the region's lines)")
     text = "".join(ln + "\n" for ln in lines[:r.first]) + inside.replace(old, new) \
         + "".join(ln + "\n" for ln in lines[r.last:])
     return text if source.endswith("\n") else text[:-1]
