@@ -4,6 +4,7 @@ tests/course/test_course.py)."""
 from flashnb.course.bugs import Bug
 
 PUBLIC = "q1: non-causal, 1 head, 48 x 48, d = 16 (3 x 3 tiles)"
+RACE = "q1: race-free"
 ALL = [PUBLIC] + [f"q1: {t}" for t in (
     "causal, 2 heads, 40 x 40, d = 8 (a partial last tile)", "your kernel runs, not the library's",
     "IO budget: HBM and shared traffic equal fa1.model_forward", "race-free",
@@ -49,12 +50,13 @@ BUGS = [
             "and Tr times the K and V traffic"),
     Bug("no barrier between the statistics (line 11) and the O_i update (line 12)", cell=1,
         region="weights-barrier", replace=[("                cuda.syncthreads()\n", "")],
-        loses=ALL,
-        says="differ from the float64 reference",
+        loses=[RACE],
+        says="data race",
         why="line 12 is element-parallel and reads the weights a_i[r], l_w[v, r] that one thread per row wrote in "
             "line 11: without cuda.syncthreads() between them a thread may read a row's weights before they are "
-            "written. The simulator runs a block's threads in turn, so here the race shows as wrong numbers; on a "
-            "GPU it would come and go with timing. The race checker names both accesses (race-free test)"),
+            "written. The simulator runs a block's threads in lockstep, statement by statement, so every weight is "
+            "written before any is read and the numbers come out right; on a GPU the warps are not in lockstep and "
+            "the race comes and goes with timing. The race checker, which records every access, names both"),
     Bug("float64 literals in the statistics update", cell=1, region="statistics",
         replace=[("inv = float32(1.0) / ln if ln > float32(0.0) else float32(0.0)",
                   "inv = 1.0 / ln if ln > 0.0 else 0.0")],

@@ -190,7 +190,8 @@ HOSTILE = [
     Hostile("kill-grader", "sends SIGTERM to the grading process (its parent): the batch stops",
             "import os, signal\nos.kill(os.getppid(), signal.SIGTERM)\n", says="imports os",
             stops="screen (a separate account: the grader's processes are not the submission's to signal)"),
-    Hostile("memory-hog", "allocates 3 GiB in the answer cell", "_hog = np.ones((3 << 30) // 8)\n",
+    Hostile("memory-hog", "allocates 5 GiB in the answer cell (beyond the grader's 4 GiB of address space, whatever "
+            "the process already holds)", "_hog = np.ones((5 << 30) // 8)\n",
             says="MemoryError", stops="limits (address space)"),
 ]
 
