@@ -127,10 +127,11 @@ def _lse_case():
 
 @exercise("02.2", "an online softmax that also stores the log-sum-exp", level=2, minutes=20,
           signatures={"kernel": "void(float32[:, ::1], float32[:, ::1], float32[::1])"},
-          hint="""Copy the kernel of softmax.make_softmax_online (show_source) with TPB = 32 and reduce="block", add
-          a parameter L, and let thread 0 write L[row] = m + log d once the block has merged the states (-inf when
-          d = 0). Import merge_state and block_reduce_state from flashnb.stages.softmax, NEG_INF, ZERO, ONE from
-          flashnb.common. Accesses per element: count the passes over X, the write of Y, and one L per row.""",
+          hint="""Copy the kernel of softmax.make_softmax_online (show_source(..., numbers=False)) with TPB = 32
+          and reduce="block", add a parameter L, and let thread 0 write L[row] = m + log d once the block has
+          merged the states (-inf when d = 0). Import merge_state and block_reduce_state from
+          flashnb.stages.softmax, NEG_INF, ZERO, ONE from flashnb.common. Accesses per element: count the passes
+          over X, the write of Y, and one L per row.""",
           explain="""The log-sum-exp comes for free: after the merge the block already holds [m, d] for the row, and
           L = m + ln d is one more write per row. The model is 2n reads of X, n writes of Y and 1 write of L per
           row: (3n + 1)/n = 3 + 1/n accesses per element, 3.000244 at n = 4096 -- the unsafe softmax's traffic,
