@@ -431,3 +431,20 @@ def test_kernel_cache_is_bounded():
     gc.collect()
     assert flash.make_forward.cache_info().currsize == n and first() is None
     assert len(modifiers._FROZEN) <= n and len(policies._DEVICE_FNS) <= n
+
+
+def test_equal_modifiers_made_anew_for_every_call(rng):
+    """Before: the second attention(..., mask_mod=flex.causal()) of a process was refused ("block_mask was not made
+    from mask_mod"): each call of flex.causal() makes a new function, equal snapshots are shared, and the block mask
+    the API built carried the first call's function.  A mask_mod with the same code and captured values is the
+    same mask; one with other values (another window) still needs its own block mask."""
+    q, k, v, do = qkv(rng, (1, 2, 40, 8), 40, do=True)
+    want = reference.attention_forward(q, k, v, mask=flex.mask_array(flex.causal(), 1, 2, 40, 40))
+    for _ in range(3):
+        o, lse = flashnb.attention_forward(q, k, v, mask_mod=flex.causal(), score_mod=flex.alibi(2), **TILES)
+        flashnb.attention_backward(q, k, v, o, lse, do, mask_mod=flex.causal(), score_mod=flex.alibi(2), **TILES)
+        o, lse = flashnb.attention_forward(q, k, v, mask_mod=flex.causal(), **TILES)
+        assert_close(o, want[0], **FWD, what="o")
+    bm = flex.create_block_mask(flex.sliding_window(16), 1, 2, 40, 40, Br=16, Bc=16)
+    with pytest.raises(ValueError, match="block_mask was not made from mask_mod"):
+        flashnb.attention_forward(q, k, v, mask_mod=flex.sliding_window(8), block_mask=bm, **TILES)

@@ -61,6 +61,7 @@ from ..common import (
     storage_dtype,
     storage_of,
 )
+from .. import modifiers
 from ..registry import kernel_factory, register_impl
 from . import blocks, policies
 from .blocks import LC, LR, PAD, VEC, bwd_geometry, geometry, needs_dynamic, shared_bytes
@@ -458,6 +459,15 @@ def _origin(fn):
     modifiers as they were at the call), else the Python function itself."""
     return getattr(fn, "origin", None) or python_modifier(fn)
 
+
+def _made_from(bm_mod, mask_mod) -> bool:
+    """Is ``bm_mod`` (the snapshot a block mask carries) what ``mask_mod`` is now: the same function, or one with the
+    same code and captured values (each call of ``flex.causal()`` makes a new, equal function, and equal snapshots
+    are shared, so the mask may carry the first one's)."""
+    if bm_mod == mask_mod or _origin(bm_mod) is _origin(mask_mod):
+        return True
+    return bm_mod == (mask_mod if isinstance(mask_mod, modifiers.Snapshot) else modifiers.snapshot(mask_mod))
+
 def _modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH):
     """``(mask_mod, H)`` of a launch with attention modifiers, checked against the block mask: ``mask_mod`` reaches
     the kernel through its block mask (:func:`flashnb.flex.create_block_mask`; the user surfaces build it), which
@@ -476,7 +486,7 @@ def _modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH):
             raise ValueError("mask_mod reaches the flash kernels through its block mask: pass block_mask="
                              "flashnb.flex.create_block_mask(mask_mod, ...) (flashnb.attention and flashnb.torch "
                              "build it for you)")
-        if bm_mod is None or (bm_mod != mask_mod and _origin(bm_mod) is not _origin(mask_mod)):
+        if bm_mod is None or not _made_from(bm_mod, mask_mod):
             raise ValueError(f"block_mask was not made from mask_mod {getattr(mask_mod, '__name__', mask_mod)!r}: "
                              "pass block_mask=flashnb.flex.create_block_mask(mask_mod, ...) or leave block_mask out")
     return bm_mod, H
