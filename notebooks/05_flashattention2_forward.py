@@ -570,7 +570,7 @@ for (name, cfg, cc), res in zip(jobs, finspect.resources_many(jobs)):
     if res.registers is None:
         print(name, "could not be compiled here:", res.error)
         continue
-    occ = finspect.occupancy(res.registers, res.shared_bytes, finspect.KERNELS[name].threads_for(cfg), cc)
+    occ = finspect.occupancy(res.registers, res.shared_bytes, flashnb.registry.KERNELS[name].threads_for(cfg), cc)
     print(f"{name} {cfg}: {res.registers} registers, {res.shared_bytes} B shared, stack {res.stack_bytes} B, "
           f"spills {res.spill_bytes} B, "
           f"{occ.warps_per_sm} warps/SM ({occ.occupancy:.0%}, limited by {occ.limiter})")
