@@ -39,7 +39,8 @@ import pytest
 
 import flashnb  # noqa: F401  (selects the simulator before numba.cuda is imported)
 from flashnb import instruments as fi
-from flashnb.instruments import jobs, ptx_cache
+from flashnb.instruments import jobs as fjobs
+from flashnb.instruments import ptx_cache
 from flashnb.registry import KERNELS
 from numba import cuda, float32
 
@@ -79,7 +80,7 @@ def _load_record() -> dict | None:
     data = json.loads(RECORD.read_text())
     if data.get("key") != _record_key():
         return None
-    return {(n, jobs._key(n, c, cc)): fi.Resources.from_json(r)
+    return {(n, fjobs._key(n, c, cc)): fi.Resources.from_json(r)
             for n, c, cc, r in ((e["name"], e["config"], tuple(e["cc"]), e["resources"]) for e in data["results"])}
 
 
@@ -106,21 +107,21 @@ def compiled():
 
     jobs = JOBS
     record = _load_record()
-    if record is not None and all((n, jobs._key(n, c, cc)) in record for n, c, cc in jobs):
+    if record is not None and all((n, fjobs._key(n, c, cc)) in record for n, c, cc in jobs):
         spot = [(n, c, cc) for n, c in _spot_sample(CASES) for cc in CCS if KERNELS[n].supports(c, cc)]
         for (n, c, cc), fresh in zip(spot, fi.resources_many(spot)):
-            kept = record[(n, jobs._key(n, c, cc))]
+            kept = record[(n, fjobs._key(n, c, cc))]
             assert _same_report(fresh, kept), (
                 f"{n} {c} sm_{cc[0]}{cc[1]}: compiled now {fresh}, recorded {kept}: the record in {RECORD.name} is "
                 "not what this source and toolchain compile to; refresh it (FLASHNB_GUARD_RECORD=1)")
-        return {k: record[k] for k in ((n, jobs._key(n, c, cc)) for n, c, cc in jobs)}
+        return {k: record[k] for k in ((n, fjobs._key(n, c, cc)) for n, c, cc in jobs)}
     if not os.environ.get("FLASHNB_GUARD_RECORD"):
         warnings.warn(f"{RECORD.name} does not match this source and toolchain: every case compiled (minutes); "
                       "refresh it with FLASHNB_GUARD_RECORD=1 python -m pytest tests/instruments/test_ptx_guard.py",
                       stacklevel=1)
-    out = {(n, jobs._key(n, c, cc)): r for (n, c, cc), r in zip(jobs, fi.resources_many(jobs))}
+    out = {(n, fjobs._key(n, c, cc)): r for (n, c, cc), r in zip(jobs, fi.resources_many(jobs))}
     if os.environ.get("FLASHNB_GUARD_RECORD"):
-        results = [dict(name=n, config=c, cc=list(cc), resources=dict(out[(n, jobs._key(n, c, cc))].to_json(),
+        results = [dict(name=n, config=c, cc=list(cc), resources=dict(out[(n, fjobs._key(n, c, cc))].to_json(),
                                                                       ptx=None, ptxas_log=""))
                    for n, c, cc in jobs]
         RECORD.write_text(json.dumps({"key": _record_key(), "results": results}, indent=0, sort_keys=True) + "\n")
@@ -134,7 +135,7 @@ def test_ptxas_available():
 @pytest.mark.parametrize("job", JOBS, ids=lambda j: f"{_id(j[:2])}-sm_{j[2][0]}{j[2][1]}")
 def test_kernel_passes_guard(compiled, job):
     name, config, cc = job
-    res = compiled[(name, jobs._key(name, config, cc))]
+    res = compiled[(name, fjobs._key(name, config, cc))]
     assert res.error is None, res.error
     assert res.f64_count == 0, f"{name} {config}: {res.f64_count} .f64 PTX lines (Python float literal?)"
     assert res.shared_bytes <= 48 * 1024, f"{name} {config}: {res.shared_bytes} B static shared > 48 KiB"
@@ -188,15 +189,15 @@ def test_one_nvvm_pass_serves_every_architecture(compiled):
     """The guard's sm_80 and sm_90 results come from the sm_75 PTX retargeted; a separate NVVM pass per cc
     must give the same PTX (up to .target and symbol names) and the same ptxas report, or the reuse is wrong."""
     jobs = [(name, config, cc) for name, config in REUSE_SAMPLE for cc in CCS]
-    direct = {jobs._key(*job): r for job, r in zip(jobs, fi.resources_many(jobs, keep_ptx=True, reuse_ptx=False))}
+    direct = {fjobs._key(*job): r for job, r in zip(jobs, fi.resources_many(jobs, keep_ptx=True, reuse_ptx=False))}
     for name, config in REUSE_SAMPLE:
-        ptx = {cc: direct[jobs._key(name, config, cc)].ptx for cc in CCS}
+        ptx = {cc: direct[fjobs._key(name, config, cc)].ptx for cc in CCS}
         for cc in CCS:
             assert f".target sm_{cc[0]}{cc[1]}" in ptx[cc]
             assert fi.normalized_ptx(ptx[cc]) == fi.normalized_ptx(ptx[CCS[0]]), \
                 f"{name} {config}: NVVM's PTX for sm_{cc[0]}{cc[1]} differs from sm_{CCS[0][0]}{CCS[0][1]}'s"
             assert fi.retarget_ptx(ptx[CCS[0]], cc).count(f".target sm_{cc[0]}{cc[1]}") == 1
-            reused, own = compiled[(name, jobs._key(name, config, cc))], direct[jobs._key(name, config, cc)]
+            reused, own = compiled[(name, fjobs._key(name, config, cc))], direct[fjobs._key(name, config, cc)]
             assert (reused.registers, reused.shared_bytes, reused.stack_bytes, reused.spill_bytes,
                     reused.f64_count) == (own.registers, own.shared_bytes, own.stack_bytes, own.spill_bytes,
                                           own.f64_count)
@@ -344,7 +345,7 @@ def test_record_key_changes_with_any_kernel_source_edit(tmp_path):
     sim_file = copy / "sim" / "vector" / "arrays.py"
     sim_file.write_text(sim_file.read_text() + " ")
     assert fi.package_digest(copy) == fi.package_digest()
-    fa2 = copy / "fa2.py"
+    fa2 = copy / "stages" / "fa2.py"
     fa2.write_text(fa2.read_text() + " ")
     assert fi.package_digest(copy) != fi.package_digest()
 
@@ -389,8 +390,8 @@ def test_record_matches_its_cases():
     data = json.loads(RECORD.read_text())
     if data["key"] != _record_key():
         pytest.skip("the record is stale (another source or toolchain): the guard compiled every case")
-    recorded = {(e["name"], jobs._key(e["name"], e["config"], tuple(e["cc"]))) for e in data["results"]}
-    assert recorded == {(n, jobs._key(n, c, cc)) for n, c, cc in JOBS}
+    recorded = {(e["name"], fjobs._key(e["name"], e["config"], tuple(e["cc"]))) for e in data["results"]}
+    assert recorded == {(n, fjobs._key(n, c, cc)) for n, c, cc in JOBS}
     a = fi.Resources.from_json(data["results"][0]["resources"])
     b = fi.Resources.from_json(dict(a.to_json(), registers=(a.registers or 0) + 1))
     assert _same_report(a, a) and not _same_report(a, b)
