@@ -7,7 +7,8 @@ so every loop runs several iterations with several warps), every fa2 option (hal
 block-sparse, grouped-query, top-left causal alignment), the kernels no impl launches (softmax variants, the
 stage-6 step kernels, the dropout mask, the KV-cache append) and hand-made kernels for the constructs the
 library's kernels do not use (atomics in the threads simulator's order, shuffles and votes with partial masks, 3-D
-grids and blocks, local arrays indexed per lane, dynamic shared memory, mixed types per lane ...).
+grids and blocks, local arrays indexed per lane, dynamic shared memory, mixed types per lane, a variable both
+branches of an if assign under a partial mask ...).
 ``-m slow`` adds the non-causal runs, every gallery modifier and larger shapes.
 """
 
@@ -272,6 +273,34 @@ def shared_dynamic(x, out):
 TABLE = np.array([1.5, -2.0, 0.25, 3.0, -0.5], np.float32)
 
 
+@cuda.jit(device=True)
+def _both_branches(x, t):
+    """Each branch assigns ``p`` (unassigned before): after the if it is assigned on every lane that runs."""
+    if x > float32(0):
+        p = x
+    else:
+        p = float32(-2) * x
+    return p + float32(t)
+
+
+@cuda.jit
+def assigned_in_both_branches(x, out):
+    """A fresh variable assigned by both branches of an if under a mask that is not every lane's: after an early
+    return, and in a device function called from a loop whose bounds differ per lane."""
+    t = cuda.threadIdx.x
+    if t >= 24:
+        return
+    v = x[t]
+    if v > float32(0.5):
+        p = v
+    else:
+        p = v * float32(3)
+    acc = p
+    for j in range(t % 3, 3):
+        acc += _both_branches(x[j * 8 + t % 8], j)
+    out[t] = acc
+
+
 def test_atomics_apply_in_the_threads_simulators_order():
     x = np.random.default_rng(0).standard_normal(96).astype(np.float32) * np.float32(1e3)
 
@@ -302,6 +331,16 @@ def test_control_flow_3d_grid():
     def run():
         out = common.to_device(np.full((300, 3), np.nan, np.float32))
         control_flow[(3, 3, 1), (4, 2, 2)](common.to_device(x), out, np.int32(140))
+        return out
+    differential(run)
+
+
+def test_a_variable_both_branches_assign_under_a_partial_mask():
+    x = np.random.default_rng(4).standard_normal(32).astype(np.float32)
+
+    def run():
+        out = common.to_device(np.full(32, np.nan, np.float32))
+        assigned_in_both_branches[1, 32](common.to_device(x), out)
         return out
     differential(run)
 
