@@ -44,7 +44,7 @@ import numpy as np
 
 __all__ = [
     "LAYOUTS", "LDMATRIX_LAYOUT", "MMA_SHAPES", "decode", "encode", "fragments", "matrices", "mma_core",
-    "ldmatrix_core", "to_tf32_core", "pack_core", "unpack_core",
+    "ldmatrix_core", "to_tf32_core", "pack_core", "unpack_core", "exp2_core",
     "mma_m16n8k16_f16", "mma_m16n8k16_bf16", "mma_m16n8k8_tf32", "mma_m16n8k8_f16",
     "to_tf32", "pack_f16x2", "pack_bf16x2", "exp2",
     "ldmatrix_x1", "ldmatrix_x2", "ldmatrix_x4", "ldmatrix_x1_trans", "ldmatrix_x2_trans", "ldmatrix_x4_trans",
@@ -216,6 +216,14 @@ def pack_core(lo, hi, kind: str) -> np.ndarray:
     return bits[0] | (bits[1] << np.uint32(16))
 
 
+def exp2_core(x) -> np.ndarray:
+    """:func:`exp2` of float32 values: NumPy's float32 ``exp2`` (one loop for an array and for a scalar), subnormal
+    results flushed to +0."""
+    r = np.exp2(np.asarray(x, dtype=np.float32))
+    a = np.abs(r)
+    return np.where((a > 0) & (a < np.finfo(np.float32).tiny), np.float32(0.0), r).astype(np.float32)
+
+
 def unpack_core(r, kind: str) -> np.ndarray:
     """The two float32 values (..., 2) of packed registers ``r`` (low half first)."""
     return decode(r, kind).astype(np.float32)
@@ -309,8 +317,7 @@ def pack_bf16x2(lo, hi):
 def exp2(x):
     """``ex2.approx.ftz.f32``: 2**x in float32 (the hardware's approximation is within 2 ulp of it; -inf -> +0;
     a subnormal result flushes to zero, as ``.ftz`` does)."""
-    r = np.float32(np.exp2(np.float32(x)))
-    return np.float32(0.0) if 0 < abs(r) < np.finfo(np.float32).tiny else r
+    return np.float32(exp2_core(np.float32(x))[()])
 
 
 # -- memory: reads and writes through the simulator's arrays, named by the kernel line

@@ -207,9 +207,7 @@ def _guarded(run, replay_lanes, replay):
     out = run()
     if _FPE[0]:
         _FPE[0] = False
-        lanes = replay_lanes(out)
-        if len(lanes):
-            _replay_fp(lanes, replay)
+        _replay_fp(replay_lanes(), replay)
     return out
 
 
@@ -234,7 +232,7 @@ def _make_mma(fn, shape, na, nb):
             w = int(lane) // 32 if warps is None else int(np.flatnonzero(warps == int(lane) // 32)[0])
             tc.mma_core(shape, A[w], B[w], C[w])
 
-        def first_lanes(_):
+        def first_lanes():
             ws = np.arange(L // 32) if warps is None else warps
             return lanes_in_order(np.isin(np.arange(L) // 32, ws) & (tools.cur.geo.lane_in_warp == 0))
 
@@ -409,13 +407,6 @@ def cp_async_wait_all(m, site):
 # --------------------------------------------------------------------------- conversions
 
 
-def _exp2_lanes(x):
-    r = np.exp2(x)
-    tiny = np.finfo(np.float32).tiny
-    a = np.abs(r)
-    return np.where((a > 0) & (a < tiny), np.float32(0.0), r).astype(np.float32)
-
-
 def _make_conversion(fn, nargs, compute, kind):
     """``fn(*args)`` per lane by ``compute`` on float32 lane arrays (the threads twin's core on arrays)."""
     name = fn.__name__
@@ -433,10 +424,8 @@ def _make_conversion(fn, nargs, compute, kind):
             return scalarise(fn, args, m)                     # exact, lane by lane
         xs = [np.broadcast_to(_f32(name, a), (now.L,)) for a in args]
 
-        def suspects(_):
-            return lanes_in_order(m)
-
-        r = _guarded(lambda: compute(*xs), suspects, lambda lane: fn(*(scalar_at(a, lane) for a in args)))
+        r = _guarded(lambda: compute(*xs), lambda: lanes_in_order(m),
+                     lambda lane: fn(*(scalar_at(a, lane) for a in args)))
         return V(r, kind)
 
     twin.__name__ = name
@@ -460,7 +449,7 @@ TWINS = {f.__name__: f for f in (
     _make_conversion(tc.to_tf32, 1, tc.to_tf32_core, np.uint32),
     _make_conversion(tc.pack_f16x2, 2, _pack("f16"), np.uint32),
     _make_conversion(tc.pack_bf16x2, 2, _pack("bf16"), np.uint32),
-    _make_conversion(tc.exp2, 1, _exp2_lanes, np.float32),
+    _make_conversion(tc.exp2, 1, tc.exp2_core, np.float32),
 )}
 
 
