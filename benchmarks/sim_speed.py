@@ -1,6 +1,6 @@
 """How fast the two simulators are: the vectorised one (the default) against the Numba simulator's threads.
 
-    python benchmarks/sim_speed.py            # writes benchmarks/sim_speed.md (about 5 minutes on 2 cores)
+    python benchmarks/sim_speed.py            # writes benchmarks/sim_speed.md (about 6 minutes on 2 cores)
 
 Each row runs the same launches in both modes in this one process, checks that the outputs are byte-identical
 and the traffic counts equal, and reports wall times and their ratio.  Targets: fa2 forward at N = 512, d = 64,
