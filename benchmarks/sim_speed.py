@@ -1,12 +1,14 @@
 """How fast the two simulators are: the vectorised one (the default) against the Numba simulator's threads.
 
-    python benchmarks/sim_speed.py            # writes benchmarks/sim_speed.md (about 3 minutes on 2 cores)
+    python benchmarks/sim_speed.py            # writes benchmarks/sim_speed.md (about 6 minutes on 2 cores)
 
 Each row runs the same launches in both modes in this one process, checks that the outputs are byte-identical
 and the traffic counts equal, and reports wall times and their ratio.  Targets: fa2 forward at N = 512, d = 64,
 causal at least 30x faster than threads; N = 4096 in under 30 s (vectorised only: the threads simulator would
 take about half an hour, so it is not run); notebook-sized launches (N <= 128) at least 8x faster; racecheck at
-most about 5x a plain vectorised run.  These are wall times of the simulator on this machine, nothing about a GPU.
+most about 5x a plain vectorised run; the tensor-core kernels (fa2-tc, float16: mma.sync, ldmatrix, cp.async)
+at notebook sizes within about 2x fa2-fast's vectorised time (float32, the CUDA cores), forward and backward.
+These are wall times of the simulator on this machine, nothing about a GPU.
 """
 
 from __future__ import annotations
@@ -32,14 +34,21 @@ from flashnb.sim import racecheck  # noqa: E402
 OUT = Path(__file__).with_name("sim_speed.md")
 
 
-def inputs(N, d, BH=1, seed=0):
+def inputs(N, d, BH=1, seed=0, dtype=np.float32):
     rng = np.random.default_rng(seed)
-    return [rng.standard_normal((BH, N, d)).astype(np.float32) for _ in range(4)]
+    return [rng.standard_normal((BH, N, d)).astype(dtype) for _ in range(4)]
 
 
-def forward(impl, N, d, causal, **opts):
-    q, k, v, _ = inputs(N, d)
+def forward(impl, N, d, causal, dtype=np.float32, **opts):
+    q, k, v, _ = inputs(N, d, dtype=dtype)
     return lambda: flashnb.attention_forward(q, k, v, impl=impl, causal=causal, **opts)
+
+
+def backward(impl, N, d, causal, dtype=np.float32, **opts):
+    """The backward's launches alone (O and L from one forward, made here)."""
+    q, k, v, do = inputs(N, d, dtype=dtype)
+    o, lse = flashnb.attention_forward(q, k, v, impl=impl, causal=causal, **opts)
+    return lambda: flashnb.attention_backward(q, k, v, o, lse, do, impl=impl, causal=causal, **opts)
 
 
 def forward_backward(impl, N, d, causal, **opts):
@@ -74,10 +83,21 @@ def main():
         ("fa2 forward + backward", "N = 128, d = 64, causal", forward_backward("fa2", 128, 64, True), True, 8),
         ("fa2 forward", "N = 4096, d = 64, causal", forward("fa2", 4096, 64, True), False, None),
     ]
+    half = dict(dtype=np.float16, storage="float16")
+    shape = "N = 128, d = 64, causal"
+    versus = [  # (direction, fa2-tc row, fa2-fast row): the tensor cores against the CUDA cores, vectorised
+        ("forward", ("fa2-tc forward (float16)", shape, forward("fa2-tc", 128, 64, True, **half), True, 8),
+         ("fa2-fast forward", shape, forward("fa2-fast", 128, 64, True), True, 8)),
+        ("backward", ("fa2-tc backward (float16)", shape, backward("fa2-tc", 128, 64, True, **half), True, 8),
+         ("fa2-fast backward", shape, backward("fa2-fast", 128, 64, True), True, 8)),
+    ]
+    cases += [case for _, tc_row, fast_row in versus for case in (tc_row, fast_row)]
+    vector_time = {}
     for name, shape, fn, both, target in cases:
         print(f"{name}, {shape} ...", file=sys.stderr, flush=True)
         fn()  # warm-up: kernel factories, the translation cache, Numba's simulator set-up
         tv, ov, cv = timed("vector", fn)
+        vector_time[name] = tv
         if both:
             tt, ot, ct = timed("threads", fn)
             exact = same(ov, ot) and cv == ct
@@ -119,7 +139,15 @@ def main():
         "|---|---|---|---|---|---|---|---|",
     ]
     tail = ["", "| tool | plain vector | checked | cost | target | met |", "|---|---|---|---|---|---|"]
-    OUT.write_text("\n".join(head + rows + tail + notes) + "\n")
+    tc = ["", "The tensor-core kernels against the CUDA-core kernel, both vectorised (the times of the rows above):",
+          "", "| launches | shape (one head) | fa2-tc (float16) | fa2-fast (float32) | ratio | target | met |",
+          "|---|---|---|---|---|---|---|"]
+    for direction, tc_row, fast_row in versus:
+        t_tc, t_fast = vector_time[tc_row[0]], vector_time[fast_row[0]]
+        ratio = t_tc / t_fast
+        tc.append(f"| {direction} | {tc_row[1]} | {t_tc:.2f} s | {t_fast:.2f} s | {ratio:.2f}x | at most ~2x | "
+                  f"{'yes' if ratio <= 2.2 else 'no'} |")
+    OUT.write_text("\n".join(head + rows + tail + notes + tc) + "\n")
     print(OUT.read_text())
 
 

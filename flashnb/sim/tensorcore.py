@@ -29,8 +29,10 @@ profiler see it:
 
 Values: a packed register is a ``numpy.uint32`` (element 0 in the low 16 bits), a tf32 operand the uint32 bits of
 a float32 whose low 13 bits the tensor core ignores, an accumulator a ``numpy.float32``.  The cores compute
-``D = A·B + C`` exactly (float64) and round once to float32; a GPU accumulates in float32 in an unspecified
-order, so compare with tolerances, never bits.  Conversions round as PTX says: ``cvt.rn`` to nearest even,
+``D = A·B + C`` in float64 (exact products, summed in a fixed order) and round once to float32; a GPU
+accumulates in float32 in an unspecified order, so compare with tolerances, never bits.  The vectorised
+simulator (:mod:`flashnb.sim.vector.tensorcore`) runs the same cores on every warp of a launch at once, with the
+same accesses and errors.  Conversions round as PTX says: ``cvt.rn`` to nearest even,
 ``cvt.rna.tf32.f32`` to nearest with ties away from zero.
 """
 
@@ -42,7 +44,7 @@ import numpy as np
 
 __all__ = [
     "LAYOUTS", "LDMATRIX_LAYOUT", "MMA_SHAPES", "decode", "encode", "fragments", "matrices", "mma_core",
-    "ldmatrix_core", "to_tf32_core", "pack_core", "unpack_core",
+    "ldmatrix_core", "to_tf32_core", "pack_core", "unpack_core", "exp2_core",
     "mma_m16n8k16_f16", "mma_m16n8k16_bf16", "mma_m16n8k8_tf32", "mma_m16n8k8_f16",
     "to_tf32", "pack_f16x2", "pack_bf16x2", "exp2",
     "ldmatrix_x1", "ldmatrix_x2", "ldmatrix_x4", "ldmatrix_x1_trans", "ldmatrix_x2_trans", "ldmatrix_x4_trans",
@@ -157,12 +159,19 @@ def fragments(matrix, layout) -> np.ndarray:
 def mma_core(shape: str, a, b, c) -> np.ndarray:
     """``D = A·B + C`` of one ``mma.sync`` per leading index: ``a`` (..., 32, 4 or 2) and ``b`` (..., 32, 2 or 1)
     uint32 registers, ``c`` (..., 32, 4) float32 accumulators; returns D's (..., 32, 4) float32.  ``shape`` is a
-    key of :data:`MMA_SHAPES`.  Exact products and sum (float64), one rounding to float32."""
+    key of :data:`MMA_SHAPES`.  The products are exact in float64 and summed in float64 in the order of k, then C
+    is added and the result rounded once to float32.  The order is fixed (element-wise NumPy operations, no
+    matmul whose summation order a BLAS chooses), so one warp's result does not depend on how many warps a call
+    serves: the threads simulator's twin (one warp a call) and the vectorised simulator's (every warp of a
+    launch at once) agree bit for bit."""
     M, N, K, key, kind = MMA_SHAPES[shape]
     A = matrices(decode(a, kind), LAYOUTS[(key, "a")], (M, K))
     B = matrices(decode(b, kind), LAYOUTS[(key, "b")], (K, N))
     C = matrices(np.asarray(c, dtype=np.float32).astype(np.float64)[..., None], LAYOUTS[("c", "c")], (M, N))
-    D = A @ B + C
+    D = A[..., :, 0, None] * B[..., None, 0, :]
+    for k in range(1, K):
+        D += A[..., :, k, None] * B[..., None, k, :]
+    D += C
     return fragments(D, LAYOUTS[("c", "c")])[..., 0].astype(np.float32)
 
 
@@ -205,6 +214,14 @@ def pack_core(lo, hi, kind: str) -> np.ndarray:
     else:
         raise ValueError(f"kind must be 'f16' or 'bf16', got {kind!r}")
     return bits[0] | (bits[1] << np.uint32(16))
+
+
+def exp2_core(x) -> np.ndarray:
+    """:func:`exp2` of float32 values: NumPy's float32 ``exp2`` (one loop for an array and for a scalar), subnormal
+    results flushed to +0."""
+    r = np.exp2(np.asarray(x, dtype=np.float32))
+    a = np.abs(r)
+    return np.where((a > 0) & (a < np.finfo(np.float32).tiny), np.float32(0.0), r).astype(np.float32)
 
 
 def unpack_core(r, kind: str) -> np.ndarray:
@@ -300,8 +317,7 @@ def pack_bf16x2(lo, hi):
 def exp2(x):
     """``ex2.approx.ftz.f32``: 2**x in float32 (the hardware's approximation is within 2 ulp of it; -inf -> +0;
     a subnormal result flushes to zero, as ``.ftz`` does)."""
-    r = np.float32(np.exp2(np.float32(x)))
-    return np.float32(0.0) if 0 < abs(r) < np.finfo(np.float32).tiny else r
+    return np.float32(exp2_core(np.float32(x))[()])
 
 
 # -- memory: reads and writes through the simulator's arrays, named by the kernel line
@@ -335,7 +351,7 @@ def _element_address(arr, idx) -> int:
     a = _ndarray(arr)
     idx = idx if isinstance(idx, tuple) else (idx,)
     if len(idx) != a.ndim:
-        raise TensorCoreError(f"index {idx} does not name one element of a {a.ndim}-dimensional array")
+        raise TensorCoreError(index_message(idx, a.ndim))
     # bounds are memcheck's (the reads below go through the proxy); a wild index must not crash here
     flat = sum(int(i) * s for i, s in zip(idx, a.strides))
     return a.__array_interface__["data"][0] + flat
@@ -374,16 +390,42 @@ def _bits16(values, dtype) -> list:
     return [int(x) for x in raw.ravel()]
 
 
+def ldmatrix_dtype_message(name, dtype) -> str:
+    return (f"{name}: shared array of dtype {dtype} (ldmatrix moves 16-bit elements: use float16 / uint16, or "
+            "float32 read as pairs of b16)")
+
+
+def ldmatrix_alignment_message(name, lane, idx, off) -> str:
+    return (f"{name}: lane {lane}'s row address (element {idx}, byte {off} of the array) is not 16-byte aligned; "
+            "ldmatrix rows must start on 16 bytes")
+
+
+def cp_async_nbytes_message(itemsize, nbytes) -> str:
+    return (f"cp_async_16: nbytes must be 0..16 and a multiple of the source's {itemsize}-byte elements, got "
+            f"{nbytes}")
+
+
+def cp_async_elements_message(itemsize) -> str:
+    return f"cp_async_16: destination elements of {itemsize} bytes do not tile 16 bytes"
+
+
+def cp_async_alignment_message(what, idx, off) -> str:
+    return (f"cp_async_16: the {what} address (index {idx}, byte {off} of the array) is not 16-byte aligned; "
+            "cp.async of 16 bytes needs both addresses on 16 bytes")
+
+
+def index_message(idx, ndim) -> str:
+    return f"index {idx} does not name one element of a {ndim}-dimensional array"
+
+
 def _read_row(name, arr, idx, lane, where, request):
     """The 16 bytes at element ``idx`` of the 1-D shared array ``arr``, read by this lane, as 8 uint16."""
     dtype = _ndarray(arr).dtype
     if dtype.itemsize not in (2, 4):
-        raise TensorCoreError(f"{name}: shared array of dtype {dtype} (ldmatrix moves 16-bit elements: use "
-                              "float16 / uint16, or float32 read as pairs of b16)")
+        raise TensorCoreError(ldmatrix_dtype_message(name, dtype))
     off = _byte_offset(arr, _element_address(arr, idx))
     if off % 16:
-        raise TensorCoreError(f"{name}: lane {lane}'s row address (element {int(idx)}, byte {off} of the array) is "
-                              "not 16-byte aligned; ldmatrix rows must start on 16 bytes")
+        raise TensorCoreError(ldmatrix_alignment_message(name, lane, int(idx), off))
     n = 16 // dtype.itemsize
     with _Attribution(where, request):
         vals = [arr[int(idx) + e] for e in range(n)]
@@ -485,15 +527,13 @@ def cp_async_16(dst, di, src, sidx, nbytes):
     nbytes = int(nbytes)
     sdt, ddt = _ndarray(src).dtype, _ndarray(dst).dtype
     if not 0 <= nbytes <= 16 or nbytes % sdt.itemsize:
-        raise TensorCoreError(f"cp_async_16: nbytes must be 0..16 and a multiple of the source's {sdt.itemsize}-byte "
-                              f"elements, got {nbytes}")
+        raise TensorCoreError(cp_async_nbytes_message(sdt.itemsize, nbytes))
     if 16 % ddt.itemsize:
-        raise TensorCoreError(f"cp_async_16: destination elements of {ddt.itemsize} bytes do not tile 16 bytes")
+        raise TensorCoreError(cp_async_elements_message(ddt.itemsize))
     for what, arr, idx in (("shared destination", dst, int(di)), ("global source", src, sidx)):
         off = _byte_offset(arr, _element_address(arr, idx))
         if off % 16:
-            raise TensorCoreError(f"cp_async_16: the {what} address (index {idx}, byte {off} of the array) is not "
-                                  "16-byte aligned; cp.async of 16 bytes needs both addresses on 16 bytes")
+            raise TensorCoreError(cp_async_alignment_message(what, idx, off))
     where = _site()
     _pending(t)["open"].append(_Copy(dst, int(di), src, sidx, nbytes, where, _next_seq(t, ("cp.async", where))))
 
@@ -505,15 +545,20 @@ def cp_async_commit():
     state["open"] = []
 
 
+def wait_group_message(n) -> str:
+    return f"cp_async_wait_group: n must be >= 0, got {n}"
+
+
 def cp_async_wait_group(n):
     """``cp.async.wait_group n``: wait until at most ``n`` of this thread's committed groups are pending (the
     newest ``n``): the older ones land now.  Other threads see them only after a barrier."""
     n = int(n)
     if n < 0:
-        raise TensorCoreError(f"cp_async_wait_group: n must be >= 0, got {n}")
+        raise TensorCoreError(wait_group_message(n))
     state = _pending(_thread("cp_async_wait_group"))
     groups = state["groups"]
-    ready, state["groups"] = (groups[:len(groups) - n], groups[len(groups) - n:]) if n else (groups, [])
+    keep = min(n, len(groups))                   # fewer than n pending: nothing to wait for
+    ready, state["groups"] = groups[:len(groups) - keep], groups[len(groups) - keep:]
     for group in ready:
         for copy in group:
             copy.land()

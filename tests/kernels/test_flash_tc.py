@@ -179,6 +179,25 @@ def test_no_bank_conflicts_on_full_tiles(rng):
     assert ldsm and all(s.ideal == s.requests for s in ldsm)    # one wavefront per 8x8 matrix, as ideal
 
 
+def test_the_profile_is_the_same_on_both_simulators(rng):
+    # d = 64 halves (the swizzled layout): every line's requests, wavefronts and sectors -- ldmatrix's 8-row
+    # phases, the cp.async copies, the dS stores -- on the vectorised simulator are the threads simulator's
+    # (the forward with two warps; the backward, the threads simulator's slowest, with one warp on 16 rows)
+    (q, k, v, do), _, _ = half_inputs(rng, "float16", (1, 32, 64), 32)
+    one = dict(Br=16, Bc=16, warps=1)
+    profs = {}
+    for mode in ("vector", "threads"):
+        with sim.simulating(mode), sim.profile() as prof:
+            flashnb.attention_forward(q, k, v, causal=True, impl="fa2-tc", **TILES)
+            q1, k1, v1, do1 = (x[:, :16] for x in (q, k, v, do))
+            o, lse = flashnb.attention_forward(q1, k1, v1, causal=True, impl="fa2-tc", **one)
+            flashnb.attention_backward(q1, k1, v1, o, lse, do1, causal=True, impl="fa2-tc", **one)
+        profs[mode] = prof
+    assert len(profs["vector"].launches) == 5 and profs["vector"].lines == profs["threads"].lines, \
+        f"vector:\n{profs['vector'].table()}\nthreads:\n{profs['threads'].table()}"
+    assert profs["vector"].total(memory="shared")["bank_conflicts"] == 0
+
+
 def test_sm75_forward_on_the_simulator(rng):
     # the T4 kernel: m16n8k8 (two per k-step), plain copies into one buffer; launched by hand (the simulator is
     # an sm_80 to the launcher)

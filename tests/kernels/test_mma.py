@@ -2,12 +2,15 @@
 
 Each check builds the 32 lanes' registers from plain matrices with the fragment layouts *as the PTX ISA states
 them* (written out below, formula by formula, independently of the twins' tables), runs the instruction -- through
-a kernel on the simulator, where the twin is a warp collective, and through the NumPy core with a leading warps
-axis -- and compares what comes back, read with the same stated layout, with NumPy's ``A @ B + C``.  Never twin
-against twin.  A deliberately wrong layout put into the twin must make the same check fail (the negative tests):
-a check that passed with any layout would prove nothing.
+a kernel on both simulators (the threads simulator's twin is a warp collective, the vectorised one's runs every
+warp at once) and through the NumPy core with a leading warps axis -- and compares what comes back, read with the
+same stated layout, with NumPy's ``A @ B + C``.  Never twin against twin.  A deliberately wrong layout put into
+the twin must make the same check fail (the negative tests): a check that passed with any layout would prove
+nothing.  What the tools see (traffic, memcheck, initcheck, racecheck, the profiler's wavefronts) is checked on
+both simulators, with the same findings.
 """
 
+import inspect
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +22,25 @@ from flashnb import sim
 from flashnb.kernels import mma, mma_check
 from flashnb.kernels.mma import SHARED_ALIGN
 from flashnb.sim import tensorcore as tc
+from flashnb.sim import vector
 
 pytestmark = pytest.mark.skipif(flashnb.MODE != "sim", reason="simulator twins")
+
+MODES = ("vector", "threads")
+
+
+def on_both(fn):
+    """``fn()`` on the vectorised and on the threads simulator: {mode: result}.  The vectorised run must run its
+    launches itself (none handed to the threads simulator)."""
+    out = {}
+    for mode in MODES:
+        with sim.simulating(mode):
+            before = vector.counts()
+            out[mode] = fn()
+            after = vector.counts()
+        if mode == "vector":
+            assert after["threads"] == before["threads"], vector.notes()[-2:]
+    return out
 
 LANE = np.arange(32)
 G, T = LANE // 4, LANE % 4     # the PTX ISA's groupID and threadID_in_group
@@ -138,8 +158,8 @@ TOL = dict(rtol=1e-6, atol=1e-6)
 def check_mma(shape, seed=0):
     A, B, C, a, b, c = mma_case(shape, seed)
     want = A.astype(np.float64) @ B.astype(np.float64) + C
-    np.testing.assert_allclose(read_d(launch_mma(shape, a, b, c)), want, **TOL,
-                               err_msg=f"{shape} through the simulator's warp collective")
+    for mode, d in on_both(lambda: launch_mma(shape, a, b, c)).items():
+        np.testing.assert_allclose(read_d(d), want, **TOL, err_msg=f"{shape} through the {mode} simulator's twin")
     # the NumPy core, three warps at once (a vectorised simulator's call): each warp its own matrices
     cases = [mma_case(shape, seed + w) for w in range(3)]
     d = tc.mma_core(shape, np.stack([x[3] for x in cases]), np.stack([x[4] for x in cases]),
@@ -203,10 +223,13 @@ def check_ldmatrix(num, trans, seed=0):
     rng = np.random.default_rng(seed)
     M = rng.integers(0, 1 << 16, (32, 8), dtype=np.uint16)
     rows = rng.permutation(32).astype(np.int32)
-    R = cuda.to_device(np.zeros((32, num), np.uint32))
-    mma_check.make_ldmatrix(num, trans)[1, 32](M, rows, R)
-    np.testing.assert_array_equal(R.copy_to_host(), ldmatrix_expected(M, rows, num, trans),
-                                  err_msg=f"ldmatrix x{num} trans={trans}")
+    def run():
+        R = cuda.to_device(np.zeros((32, num), np.uint32))
+        mma_check.make_ldmatrix(num, trans)[1, 32](M, rows, R)
+        return R.copy_to_host()
+    for mode, R in on_both(run).items():
+        np.testing.assert_array_equal(R, ldmatrix_expected(M, rows, num, trans),
+                                      err_msg=f"ldmatrix x{num} trans={trans} ({mode})")
 
 
 @pytest.mark.parametrize("trans", [False, True])
@@ -261,15 +284,36 @@ def test_cp_async_lands_at_wait_group():
     G_ = rng.integers(0, 1 << 16, (32, 8), dtype=np.uint16)
     rows = rng.permutation(32).astype(np.int32)
     nbytes = (2 * rng.integers(0, 9, 32)).astype(np.int32)
-    out = cuda.to_device(np.zeros((32, 16), np.uint16))
-    mma_check.make_cp_async()[1, 32](G_, rows, nbytes, out)
-    out = out.copy_to_host()
+
+    def run():
+        out = cuda.to_device(np.zeros((32, 16), np.uint16))
+        mma_check.make_cp_async()[1, 32](G_, rows, nbytes, out)
+        return out.copy_to_host()
     other = (LANE + 1) % 32
-    for lane in range(32):
-        n = nbytes[other[lane]] // 2
-        np.testing.assert_array_equal(out[lane, :n], G_[rows[other[lane]], :n])
-        assert not out[lane, n:8].any()                                            # zero-filled
-        np.testing.assert_array_equal(out[lane, 8:], G_[31 - rows[other[lane]]])
+    for out in on_both(run).values():
+        for lane in range(32):
+            n = nbytes[other[lane]] // 2
+            np.testing.assert_array_equal(out[lane, :n], G_[rows[other[lane]], :n])
+            assert not out[lane, n:8].any()                                            # zero-filled
+            np.testing.assert_array_equal(out[lane, 8:], G_[31 - rows[other[lane]]])
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")    # 7e4 is beyond float16: inf, as cvt.rn gives
+def test_conversions_on_both_simulators():
+    # the conversion kernel on random values and on the edges (ties, infinities, NaN, beyond f16's range, a
+    # subnormal), bit for bit against the cores on the same inputs
+    rng = np.random.default_rng(6)
+    X = rng.standard_normal((32, 2)).astype(np.float32) * np.float32(8)
+    X[:8, 0] = [1 + 2.0 ** -11, -(1 + 2.0 ** -11), np.inf, -np.inf, np.nan, 7e4, 1e-40, 1 + 2.0 ** -8]
+    want = np.stack([tc.to_tf32_core(X[:, 0]), tc.pack_core(X[:, 0], X[:, 1], "f16"),
+                     tc.pack_core(X[:, 0], X[:, 1], "bf16")], axis=1)
+
+    def run():
+        R = cuda.to_device(np.zeros((32, 3), np.uint32))
+        mma_check.make_convert()[1, 32](X, R)
+        return R.copy_to_host()
+    for mode, R in on_both(run).items():
+        np.testing.assert_array_equal(R, want, err_msg=mode)
 
 
 @cuda.jit
@@ -293,6 +337,118 @@ def _copy_then_read(wait, barrier):
     with sim.sanitize(raise_on_error=False) as report:
         copy_then_read[1, 64](G_, out, wait, barrier)
     return G_, out.copy_to_host(), report
+
+
+@pytest.mark.parametrize("wait, barrier", [(True, True), (False, True), (True, False)],
+                         ids=["clean", "missing-wait", "missing-barrier"])
+def test_the_sanitizer_finds_the_same_on_both_simulators(wait, barrier):
+    runs = on_both(lambda: _copy_then_read(wait, barrier))
+    (_, out_v, report_v), (_, out_t, report_t) = runs["vector"], runs["threads"]
+    # the same findings: tool, kind, kernel, line(s) and how often.  The example each message names (which thread,
+    # which element) is the first the threads simulator's threads happen to run into after the barrier (the last
+    # thread to arrive leaves it first), the first in start order on the vectorised one.  Without the barrier the
+    # threads simulator, running one thread after another, also reads copies later threads have not landed yet
+    # (initcheck); in lockstep every copy lands before any read, and the race is the finding
+    tools = sim.sanitizer.TOOLS if barrier else ("memcheck", "racecheck", "synccheck")
+
+    def found(report):
+        return [(f.tool, f.kind, f.launch, f.kernel, f.where, f.count) for t in tools for f in report.by_tool(t)]
+    assert found(report_v) == found(report_t), f"vector:\n{report_v}\nthreads:\n{report_t}"
+    want = (set() if wait else {"initcheck"}) | (set() if barrier else {"racecheck"})
+    assert {f.tool for f in report_v.findings} == want, str(report_v)
+    assert report_v.traffic.summary() == report_t.traffic.summary()
+    if wait and barrier:
+        np.testing.assert_array_equal(out_v, out_t)
+
+
+@cuda.jit
+def two_groups(G_, out, n_wait):
+    """Two groups of copies, issued by different threads: a first (threads t % 3 != 0: row t), a second (odd
+    threads: half of row 63 - t, zero-filled); ``cp.async.wait_group n_wait``; each thread reads back its own."""
+    S = cuda.shared.array(64 * 16, uint16, alignment=SHARED_ALIGN)
+    t = cuda.threadIdx.x
+    if t % 3 != 0:
+        mma.cp_async_16(S, t * 16, G_, (t, 0), uint32(16))
+    mma.cp_async_commit()
+    if t % 2 == 1:
+        mma.cp_async_16(S, t * 16 + 8, G_, (63 - t, 0), uint32(8))
+    mma.cp_async_commit()
+    mma.cp_async_wait_group(n_wait)
+    for e in range(8):
+        if t % 3 != 0:
+            out[t, e] = S[t * 16 + e]                 # GROUP 0: in flight still when n_wait >= 2
+        if t % 2 == 1:
+            out[t, 8 + e] = S[t * 16 + 8 + e]         # GROUP 1: in flight still when n_wait >= 1
+
+
+@pytest.mark.parametrize("n_wait", [0, 1, 3])
+def test_cp_async_groups_land_per_thread(n_wait):
+    # wait_group n lands all but a thread's newest n committed groups (none when it has n or fewer): an in-flight
+    # copy read back is initcheck's error at that line; the same on both simulators
+    G_ = np.random.default_rng(7).integers(0, 1 << 16, (64, 8), dtype=np.uint16)
+
+    def run():
+        out = cuda.to_device(np.zeros((64, 16), np.uint16))
+        with sim.sanitize(raise_on_error=False) as report:
+            two_groups[1, 64](G_, out, n_wait)
+        return out.copy_to_host(), [(f.tool, f.where, f.count) for f in report.findings]
+    runs = on_both(run)
+    lines, first = inspect.getsourcelines(two_groups.py_func)
+    at = {g: f"{Path(__file__).name}:{first + i} (two_groups)" for i, line in enumerate(lines)
+          for g in ("GROUP 0", "GROUP 1") if g in line}
+    t = np.arange(64)
+    want = {0: [], 1: [("initcheck", at["GROUP 1"], 32 * 8)],
+            3: [("initcheck", at["GROUP 0"], int((t % 3 != 0).sum()) * 8), ("initcheck", at["GROUP 1"], 32 * 8)]}
+    for mode, (out, found) in runs.items():
+        assert found == want[n_wait], (mode, found)
+        if n_wait == 0:
+            first_group, second = t % 3 != 0, t % 2 == 1
+            np.testing.assert_array_equal(out[first_group, :8], G_[t[first_group]])
+            np.testing.assert_array_equal(out[second, 8:12], G_[63 - t[second], :4])
+            assert not out[second, 12:].any() and not out[~first_group, :8].any()
+    if n_wait == 0:
+        np.testing.assert_array_equal(runs["vector"][0], runs["threads"][0])
+
+
+@cuda.jit
+def ldmatrix_past_the_end(out):
+    S = cuda.shared.array(256, uint16, alignment=SHARED_ALIGN)
+    lane = cuda.laneid
+    for e in range(8):
+        S[lane * 8 + e] = uint16(e)
+    cuda.syncwarp()
+    out[lane] = mma.ldmatrix_x1(S, lane * 8 + 200)     # BUG: lane 7's row is S[256:264], past the end
+
+
+@cuda.jit
+def copy_past_the_end(G_, out):
+    S = cuda.shared.array(256, uint16, alignment=SHARED_ALIGN)
+    lane = cuda.laneid
+    mma.cp_async_16(S, lane * 8, G_, (lane + 1, 0), uint32(16))   # BUG: lane 31 copies row 32 of 32
+    mma.cp_async_wait_all()
+    out[lane] = S[lane * 8]
+
+
+@pytest.mark.parametrize("kernel, text", [
+    (ldmatrix_past_the_end, "invalid shared read of S[256] by thread [7, 0, 0]"),
+    (copy_past_the_end, "invalid global read of G_[32, 0] by thread [31, 0, 0]")])
+def test_memcheck_checks_the_instructions_addresses(kernel, text):
+    # ldmatrix's rows and cp.async's source are element reads like any other: an index past the end is memcheck's
+    # error, named by the instruction's line (a copy's by the line that issued it), on both simulators
+    G_ = np.random.default_rng(5).integers(0, 1 << 16, (32, 8), dtype=np.uint16)
+    args = (G_,) if kernel is copy_past_the_end else ()
+
+    def run():
+        with sim.sanitize(tools="memcheck", raise_on_error=False) as report:
+            kernel[1, 32](*args, cuda.to_device(np.zeros(32, np.uint32)))
+        return report.findings
+    runs = on_both(run)
+    (f,) = runs["vector"]
+    lines, first = inspect.getsourcelines(kernel.py_func)
+    (k,) = [i for i, line in enumerate(lines) if "# BUG" in line]
+    assert f.tool == "memcheck" and text in f.message, f.message
+    assert f.where == f"{Path(__file__).name}:{first + k} ({kernel.py_func.__name__})"
+    assert runs["threads"] == runs["vector"]
 
 
 def test_cp_async_with_wait_and_barrier_is_clean_and_right():
@@ -334,12 +490,17 @@ def ldsm_rows(out, stride, swizzle):
 def test_profiler_counts_ldmatrix_wavefronts_by_8_row_phases(swizzle, conflicts):
     # rows 64 halves = 128 bytes apart: all 8 rows of a matrix start in bank 0 -> 8 wavefronts where 1 is
     # ideal (7 conflicts per matrix, 4 matrices); with the XOR swizzle the 8 rows cover all 32 banks
-    out = cuda.to_device(np.zeros(32, np.uint32))
-    with sim.profile() as prof:
-        ldsm_rows[1, 32](out, 64, swizzle)
+    def run():
+        out = cuda.to_device(np.zeros(32, np.uint32))
+        with sim.profile() as prof:
+            ldsm_rows[1, 32](out, 64, swizzle)
+        return prof
+    profs = on_both(run)
+    prof = profs["vector"]
     line = [s for s in prof.select(array="S", op="ld")]
     assert len(line) == 1 and line[0].requests == 4, prof.table()
     assert line[0].bank_conflicts == conflicts and line[0].ideal == 4, prof.table()
+    assert profs["threads"].lines == prof.lines, profs["threads"].table()
 
 
 @cuda.jit

@@ -4,10 +4,12 @@ handed to the threads simulator).
 
 CI runs every registered impl causal, forward and backward (ragged shapes: Nq = 24 > Nk = 20, d = 8, small tiles
 so every loop runs several iterations with several warps), every fa2 option (half storages, dropout, modifiers,
-block-sparse, grouped-query, top-left causal alignment), the kernels no impl launches (softmax variants, the
-stage-6 step kernels, the dropout mask, the KV-cache append) and hand-made kernels for the constructs the
-library's kernels do not use (atomics in the threads simulator's order, shuffles and votes with partial masks, 3-D
-grids and blocks, local arrays indexed per lane, dynamic shared memory, mixed types per lane ...).
+block-sparse, grouped-query, top-left causal alignment), the tensor-core kernels in each storage (mma.sync,
+ldmatrix, cp.async and the conversions: :mod:`flashnb.sim.vector.tensorcore`), the kernels no impl launches
+(softmax variants, the stage-6 step kernels, the dropout mask, the KV-cache append) and hand-made kernels for the
+constructs the library's kernels do not use (atomics in the threads simulator's order, shuffles and votes with
+partial masks, 3-D grids and blocks, local arrays indexed per lane, dynamic shared memory, mixed types per lane,
+a variable both branches of an if assign under a partial mask ...).
 ``-m slow`` adds the non-causal runs, every gallery modifier and larger shapes.
 """
 
@@ -90,7 +92,8 @@ def _inputs(seed=0, BH=2, Nq=24, Nk=20, d=8, kv_heads=None):
 # small tiles so loops iterate with several warps (as the sanitizer's every-impl test)
 OPTIONS = {"fa1": dict(Br=8, Bc=16, warps=2), "fa2": dict(Br=16, Bc=16, warps=2),
            "fa2-rows": dict(Br=64, Bc=16), "fa2-splitq": dict(Br=64, Bc=16, warps=2),
-           "fa2-fast": dict(Br=8, Bc=8, warps=2), "naive": dict(tile=8), "onepass": dict(tile=4)}
+           "fa2-fast": dict(Br=8, Bc=8, warps=2), "naive": dict(tile=8), "onepass": dict(tile=4),
+           "fa2-tc": dict(Br=32, Bc=32, warps=2)}
 
 
 def _fwd_bwd(name, causal, **opts):
@@ -105,28 +108,42 @@ def _fwd_bwd(name, causal, **opts):
     return run
 
 
-# fa2-tc's kernels call the tensor-core twins, warp collectives of the threads simulator (each lane hands its
-# registers to the warp): the vectorised simulator hands those launches over, which the next test checks.
-VECTORISED = [n for n in IMPLS if n != "fa2-tc"]
-
-
 @pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("name", VECTORISED)
+@pytest.mark.parametrize("name", list(IMPLS))
 def test_every_impl_forward_and_backward(name, causal):
     differential(_fwd_bwd(name, causal, **OPTIONS.get(name, {})))
 
 
-def test_tensor_core_kernels_fall_back_to_the_threads_simulator_with_a_note():
-    """fa2-tc on the vectorised simulator: its forward and backward (they call the twins) run on the threads
-    simulator after a note naming the twin, the launch between them (D = rowsum(dO∘O)) vectorised; the bytes
-    and counts are the threads simulator's."""
-    fn = _fwd_bwd("fa2-tc", True, **OPTIONS.get("fa2-tc", {}))
-    out_v, sum_v, n_v = _run("vector", fn)
-    out_t, sum_t, _ = _run("threads", fn)
-    assert n_v["threads"] >= 2, n_v
-    assert any("flashnb.sim.tensorcore" in note for note in vector.notes()), vector.notes()[-3:]
-    _same(out_v, out_t)
-    assert sum_v == sum_t
+# fa2-tc in each storage (float64 inputs above take the float32 path, TF32): (storage, (BH, Nq, d), Nk, causal)
+TC_CASES = {
+    "float16-async": ("float16", (1, 40, 16), 36, True),          # cp.async double buffering, partial tiles
+    "bfloat16-odd-d": ("bfloat16", (1, 24, 20), 40, "upper_left"),  # d = 20: plain copies, padded to 32; top-left
+    "tf32-no-key-rows": ("float32", (1, 33, 8), 20, True),        # Nq > Nk bottom-right: rows that see no key
+    "float16-full": pytest.param(("float16", (2, 20, 64), 70, False), marks=pytest.mark.slow),  # default tiles
+}
+
+
+@pytest.mark.parametrize("case", list(TC_CASES.values()), ids=list(TC_CASES))
+def test_tensor_core_kernels_run_vectorised(case):
+    """fa2-tc's forward and backward call the tensor-core twins (mma.sync, ldmatrix, cp.async, the conversions):
+    the vectorised simulator runs them itself -- no launch handed to the threads simulator, no note -- with the
+    threads simulator's bytes and counts."""
+    storage, (BH, Nq, d), Nk, causal = case
+    r = np.random.default_rng(Nq * 131 + d)
+    arrays = [r.standard_normal(s) for s in ((BH, Nq, d), (BH, Nk, d), (BH, Nk, d), (BH, Nq, d))]
+    if storage == "bfloat16":
+        q, k, v, do = (common.to_bfloat16(a) for a in arrays)
+    else:
+        q, k, v, do = (a.astype(storage) for a in arrays)
+    tiles = OPTIONS["fa2-tc"] if d < 64 else {}
+    notes = len(vector.notes())
+
+    def run():
+        o, lse = flashnb.attention_forward(q, k, v, causal=causal, impl="fa2-tc", storage=storage, **tiles)
+        return (o, lse) + tuple(flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, impl="fa2-tc",
+                                                           storage=storage, **tiles))
+    differential(run, launches=3)
+    assert not any("tensorcore" in note for note in vector.notes()[notes:]), vector.notes()[notes:]
 
 
 @pytest.mark.parametrize("opts", [
@@ -272,6 +289,34 @@ def shared_dynamic(x, out):
 TABLE = np.array([1.5, -2.0, 0.25, 3.0, -0.5], np.float32)
 
 
+@cuda.jit(device=True)
+def _both_branches(x, t):
+    """Each branch assigns ``p`` (unassigned before): after the if it is assigned on every lane that runs."""
+    if x > float32(0):
+        p = x
+    else:
+        p = float32(-2) * x
+    return p + float32(t)
+
+
+@cuda.jit
+def assigned_in_both_branches(x, out):
+    """A fresh variable assigned by both branches of an if under a mask that is not every lane's: after an early
+    return, and in a device function called from a loop whose bounds differ per lane."""
+    t = cuda.threadIdx.x
+    if t >= 24:
+        return
+    v = x[t]
+    if v > float32(0.5):
+        p = v
+    else:
+        p = v * float32(3)
+    acc = p
+    for j in range(t % 3, 3):
+        acc += _both_branches(x[j * 8 + t % 8], j)
+    out[t] = acc
+
+
 def test_atomics_apply_in_the_threads_simulators_order():
     x = np.random.default_rng(0).standard_normal(96).astype(np.float32) * np.float32(1e3)
 
@@ -302,6 +347,16 @@ def test_control_flow_3d_grid():
     def run():
         out = common.to_device(np.full((300, 3), np.nan, np.float32))
         control_flow[(3, 3, 1), (4, 2, 2)](common.to_device(x), out, np.int32(140))
+        return out
+    differential(run)
+
+
+def test_a_variable_both_branches_assign_under_a_partial_mask():
+    x = np.random.default_rng(4).standard_normal(32).astype(np.float32)
+
+    def run():
+        out = common.to_device(np.full(32, np.nan, np.float32))
+        assigned_in_both_branches[1, 32](common.to_device(x), out)
         return out
     differential(run)
 

@@ -8,7 +8,7 @@ loads and stores gather and scatter for the threads that are active.  It compute
 computes, bit for bit (the same float32 arithmetic, NumPy's scalar rules, Python's exceptions), and counts what
 its traffic counter counts; the sanitizer's four tools and the memory profiler work on it with the same
 findings.  See :mod:`.translate` (what is translated), :mod:`.values` (the scalar semantics), :mod:`.arrays`,
-:mod:`.warp`, :mod:`.tools` and :mod:`.fallback`.
+:mod:`.warp`, :mod:`.tensorcore` (``mma.sync``, ``ldmatrix``, ``cp.async``), :mod:`.tools` and :mod:`.fallback`.
 
 Choosing the simulator: ``FLASHNB_SIM=vector`` (the default) or ``FLASHNB_SIM=threads`` (the Numba simulator's
 threads: to step through one thread in a debugger, or to print in thread order), before flashnb is imported, or

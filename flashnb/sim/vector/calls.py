@@ -213,8 +213,13 @@ def call(f, m, site, args, kw=None, used=True):
         vf = INSTANCE[0](f.fn)
         return vf(m, *args, **(kw or {}))
     if getattr(f, "__module__", None) == "flashnb.sim.tensorcore":
-        # the tensor-core twins run on the threads simulator (its warp collectives: each lane hands its registers)
-        raise Unsupported(f"a tensor-core intrinsic's twin ({getattr(f, '__name__', f)}, flashnb.sim.tensorcore)")
+        # a tensor-core instruction's twin: its warp collective over the lanes' vectors (.tensorcore)
+        from .tensorcore import twin_of
+
+        vf = twin_of(f)
+        if vf is None:
+            raise Unsupported(f"{getattr(f, '__name__', f)} of flashnb.sim.tensorcore (no vectorised twin)")
+        return vf(m, site, *args, **(kw or {}))
     handler = _BUILTINS.get(f) if _hashable(f) else None
     if handler is not None and not kw:
         return handler(args, m)

@@ -130,6 +130,8 @@ class LaunchTools:
         self.grid = (1, 1, 1)
         self.tpb = 1
         self.apply_deferred = None               # warp.apply_deferred (set by the launch)
+        self.request = None                      # a tensor-core twin's own profiler requests (lanes), see below
+        self.tc = None                           # the tensor-core twins' per-chunk state (.tensorcore)
 
     # -- traffic
     def bump(self, arr, op, n):
@@ -310,11 +312,16 @@ class LaunchTools:
         lanes = lanes_in_order(m)
         f = flat[lanes] if type(flat) is np.ndarray else np.full(len(lanes), flat)
         key = (site, op, arr.name, arr.memory)
-        kc = self.prof_k.get(key)
-        if kc is None or kc.shape[0] != g.L:
-            kc = self.prof_k[key] = np.zeros(g.L, np.int64)
-        k = kc[lanes].copy()
-        kc[lanes] += 1
+        if self.request is not None:
+            # an instruction twin groups its accesses as the hardware serves them (ldmatrix: one request per 8x8
+            # matrix; cp.async: the warp's copies), apart from the line's k-th accesses, which it does not count
+            k = self.request[lanes]
+        else:
+            kc = self.prof_k.get(key)
+            if kc is None or kc.shape[0] != g.L:
+                kc = self.prof_k[key] = np.zeros(g.L, np.int64)
+            k = kc[lanes].copy()
+            kc[lanes] += 1
         if arr.memory == "shared":
             offs = (f - g.blk[lanes] * arr.per_block) * arr.dtype.itemsize
         else:
@@ -326,6 +333,7 @@ class LaunchTools:
         self.geo = geo
         self.prof_k = {}
         self.shared_written = {}
+        self.tc = None
 
     # -- atomics deferred to the threads simulator's order
     def flush_atomics(self, arr=None):

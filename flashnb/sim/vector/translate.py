@@ -74,7 +74,8 @@ HELPERS = {
     "_v_notin": lambda a, b, m: not values.contains(b, a, m),
     "_v_neg": values.u_neg, "_v_pos": values.u_pos, "_v_inv": values.u_invert, "_v_not": values.u_not,
     "_v_split": values.split, "_v_merge": values.merge, "_v_select": values.select, "_v_U": values.U,
-    "_v_chk": values.check_defined, "_v_ld": calls.load, "_v_st": calls.store, "_v_call": calls.call,
+    "_v_chk": values.check_defined, "_v_val": values.settled, "_v_ld": calls.load, "_v_st": calls.store,
+    "_v_call": calls.call,
     "_v_f32m": calls.f32_math, "_v_loop": calls.LoopState, "_v_ret": calls.RetState,
     "_v_range": calls.range_iter, "_v_iter": calls.iter_values, "_v_restore": calls.restore,
     "_v_andnot": values.m_andnot, "_v_retval": calls.retval, "_v_slice": slice, "_v_assert": calls.assert_,
@@ -718,6 +719,10 @@ class _Gen:
     def name_load(self, node):
         if id(node) in self.an.checks:
             return ast.copy_location(_call("_v_chk", _N(node.id), _N("_vm"), _C(node.id)), node)
+        if node.id in self.an.targets:
+            # assigned here on every lane that runs the load, maybe still a Partial of the lanes that ever assigned
+            # it (both branches of an if/else under a mask that is not every lane's): its value
+            return ast.copy_location(_call("_v_val", _N(node.id)), node)
         return ast.copy_location(_N(node.id), node)
 
     def _hoist_before(self, pre, mark, exprs):

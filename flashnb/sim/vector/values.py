@@ -532,6 +532,12 @@ def check_defined(x, m, name):
     return x
 
 
+def settled(x):
+    """A load of a variable the analysis proves assigned on every lane that runs it: the value of a
+    :class:`Partial` (the lanes it does not cover are not running this load)."""
+    return x.value if type(x) is Partial else x
+
+
 # --------------------------------------------------------------------------- float exceptions
 
 _FPE = [False]
