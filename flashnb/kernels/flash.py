@@ -45,6 +45,7 @@ import warnings
 import numpy as np
 from numba import cuda, float32, uint32
 
+from .. import modifiers
 from ..common import (
     NEG_INF,
     ONE,
@@ -61,7 +62,6 @@ from ..common import (
     storage_dtype,
     storage_of,
 )
-from .. import modifiers
 from ..registry import kernel_factory, register_impl
 from . import blocks, policies
 from .blocks import LC, LR, PAD, VEC, bwd_geometry, geometry, needs_dynamic, shared_bytes
