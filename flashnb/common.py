@@ -26,8 +26,8 @@ from numba.core.types import float16  # noqa: E402  (numba exports no float16 at
 from .reference import CAUSAL_ALIGNMENTS, causal_diag  # noqa: E402,F401  (pure NumPy; kernels' launchers use it)
 
 __all__ = [
-    "NEG_INF", "ZERO", "ONE", "cdiv", "causal_allowed", "load_tile", "load_rows", "store_rows", "load_vec",
-    "store_vec",
+    "NEG_INF", "ZERO", "ONE", "cdiv", "causal_allowed", "load_tile", "load_rows", "load_rows_T", "store_rows",
+    "load_vec", "store_vec",
     "empty", "poisoning", "to_device", "launch", "launch_rows", "row_index", "ROWS_PER_BLOCK", "current_label",
     "launch_hooks", "ShapeOnly", "dry_run", "SHARED_LIMIT_BYTES", "check_shared_fit",
     "SIM_OPTIN_LIMIT_BYTES", "shared_optin_limit", "allow_dynamic_shared", "positive_int",
@@ -190,21 +190,36 @@ def load_tile(src, z, r0, c0, tile, transposed):
 
 @cuda.jit(device=True, inline="always")
 def load_rows(src, z, r0, tile, tid, nthreads):
-    """Cooperative load of rows ``r0 ..`` of ``src[z]`` into ``tile`` (shape (R, C), C = src's width).
+    """Cooperative load of rows ``r0 ..`` of ``src[z]`` into ``tile`` (shape (R, C), C at least src's width).
 
     Thread ``tid`` of ``nthreads`` copies elements ``tid, tid + nthreads, ...`` in row-major order, so
-    consecutive threads read consecutive addresses (coalesced).  Rows past the end are zero-filled.
+    consecutive threads read consecutive addresses (coalesced).  Rows past the end, and columns past ``src``'s
+    width (a padded tile), are zero-filled.
     """
     R = tile.shape[0]
     C = tile.shape[1]
-    nrows = src.shape[1]
     for e in range(tid, R * C, nthreads):
         r = e // C
         c = e - r * C
         value = float32(0.0)
-        if r0 + r < nrows:
+        if r0 + r < src.shape[1] and c < src.shape[2]:
             value = src[z, r0 + r, c]
         tile[r, c] = value
+
+
+@cuda.jit(device=True, inline="always")
+def load_rows_T(src, z, r0, rows, tileT, tid, nthreads):
+    """:func:`load_rows`, transposed: ``tileT[c, r] = src[z, r0 + r, c]`` for ``r < rows`` and every row ``c`` of
+    ``tileT`` (shape (C, ≥ rows)).  Elements are walked in ``src``'s row-major order, so consecutive threads
+    still read consecutive addresses; rows past the end and columns past ``src``'s width are zero-filled."""
+    C = tileT.shape[0]
+    for e in range(tid, rows * C, nthreads):
+        r = e // C
+        c = e - r * C
+        value = float32(0.0)
+        if r0 + r < src.shape[1] and c < src.shape[2]:
+            value = src[z, r0 + r, c]
+        tileT[c, r] = value
 
 
 @cuda.jit(device=True, inline="always")

@@ -282,3 +282,31 @@ def test_kernels_never_import_a_user_surface():
     assert len(below) > 15, below                  # the scan found the kernel modules
     upward = {m: sorted(t for t in graph[m] if t.startswith(surfaces)) for m in below}
     assert {m: t for m, t in upward.items() if t} == {}
+
+
+# A lesson's kernel factory fits on about one screen: its code, comments and docstring at most LESSON_LINES
+# lines. The region markers (the comment pairs through which the course and the exercises address the kernel,
+# see flashnb/regions.py) are counted apart, with a small allowance of their own.
+LESSON_LINES = 120
+MARKER_ALLOWANCE = 5
+
+
+def test_every_stage_kernel_factory_fits_one_screen():
+    import inspect
+
+    import flashnb  # noqa: F401  (registers every kernel factory)
+    from flashnb import regions, registry
+
+    measured = {}
+    for spec in registry.KERNELS.values():
+        factory = inspect.unwrap(spec.factory)
+        if not factory.__module__.startswith("flashnb.stages."):
+            continue
+        lines = inspect.getsource(factory).splitlines()
+        body = lines[next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("def ")):]
+        markers = sum(1 for ln in body if regions.MARKER.match(ln))
+        measured[f"{factory.__module__}.{factory.__name__}"] = (len(body) - markers, len(body))
+    assert len(measured) >= 20, sorted(measured)     # the scan found the stages' factories
+    too_long = {name: n for name, n in measured.items()
+                if n[0] > LESSON_LINES or n[1] > LESSON_LINES + MARKER_ALLOWANCE}
+    assert not too_long, f"(lines without region markers, with them) over {LESSON_LINES}: {too_long}"

@@ -61,7 +61,7 @@ from flashnb import course, registry
 from flashnb.stages import fa2
 from flashnb.common import NEG_INF, ONE, ZERO  # noqa: F401  -- for your kernel
 from flashnb.course import criteria
-from flashnb.stages.fa2 import FULL_MASK, LC, LR, cdiv_dev, geometry  # noqa: F401  -- for your kernel
+from flashnb.stages.fa2 import FULL_MASK, LC, LR, cdiv_dev, geometry, group_sum  # noqa: F401  -- for your kernel
 
 # %% [markdown]
 # ## Q1 · The FA2 forward kernel [16 points]
@@ -88,7 +88,7 @@ from flashnb.stages.fa2 import FULL_MASK, LC, LR, cdiv_dev, geometry  # noqa: F4
 # flashnb-course: from flashnb.stages.fa2 import make_forward
 # flashnb-course: todo causal-skip "causal block skipping: visit only the K/V tiles holding a key some row of this block may see (row r sees keys <= r + diag); none when the block's last row sees no key"
 # flashnb-course: todo online-update "lines 9-10: m_new, alpha = e^(m_old - m_new), P~ = e^(S - m_new) in S[a, b] and its sum rs (P~ = 0, alpha = 1 while m_new = -inf); l[a], m[a]; rescale Oi[a, :] by alpha"
-# flashnb-course: todo epilogue "lines 12-14: l summed over the row group's 8 lanes (shfl_xor_sync), O = O~ / l (0 when l = 0) for rows < Nq and columns < d, L = m + log l (-inf when l = 0) written by one lane"
+# flashnb-course: todo epilogue "lines 12-14: l summed over the row group's 8 lanes (group_sum(l[a], LC), a shfl_xor_sync butterfly), O = O~ / l (0 when l = 0) for rows < Nq and columns < d, L = m + log l (-inf when l = 0) written by one lane"
 
 # %% tags=["tests"]
 TILES = dict(Br=16, Bc=16, warps=2)     # small tiles: every CUDA thread is a Python thread on the simulator

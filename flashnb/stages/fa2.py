@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import cuda, float32, int32
 
-from ..common import NEG_INF, ONE, ZERO, causal_diag, cdiv, check_shared_fit, empty, launch
+from ..common import NEG_INF, ONE, ZERO, causal_diag, cdiv, check_shared_fit, empty, launch, load_rows, load_rows_T
 from ..masks import BlockMask
 from ..registry import kernel_factory, register_impl
 
@@ -107,17 +107,47 @@ def cdiv_dev(a, b):
     return (a + b - 1) // b
 
 
+@cuda.jit(device=True, inline="always")
+def group_max(x, width):
+    """The maximum of ``x`` over each aligned group of ``width`` lanes (a power of two), in all of them: a
+    ``shfl_xor`` butterfly, log2(width) steps (lane ``^ off`` stays inside the group)."""
+    off = width // 2
+    while off > 0:
+        x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, off))
+        off //= 2
+    return x
+
+
+@cuda.jit(device=True, inline="always")
+def group_sum(x, width):
+    """:func:`group_max` with a sum: ``x`` summed over each aligned group of ``width`` lanes."""
+    off = width // 2
+    while off > 0:
+        x += cuda.shfl_xor_sync(FULL_MASK, x, off)
+        off //= 2
+    return x
+
+
+@cuda.jit(device=True, inline="always")
+def store_micro(dst, z, r0, lc, tile, factor):
+    """A lane's register micro-tile to HBM: ``dst[z, r0 + LR·a, lc + LC·c] = factor · tile[a, c]`` for the rows
+    and columns inside ``dst`` (the lane grid of the module docstring)."""
+    for a in range(tile.shape[0]):
+        if r0 + LR * a < dst.shape[1]:
+            for c in range(tile.shape[1]):
+                if lc + LC * c < dst.shape[2]:
+                    dst[z, r0 + LR * a, lc + LC * c] = factor * tile[a, c]
+
+
 # --------------------------------------------------------------------------- forward kernel
 
 
 @kernel_factory("fa2.forward", stage="4", signature=_FWD_SIG, configs=_configs("forward"),
                 threads=lambda warps, **_: 32 * warps)
 def make_forward(Br, Bc, d, warps, causal, sparse=False):
-    """FA2 Alg. 1 for one (Br, Bc, d, warps, causal); grid ``(Tr, BH)``, block ``32·warps`` threads.
-
-    ``sparse``: block-sparse FlashAttention (stage 5; FA1 Alg. 5 is Alg. 2 with ``if M_ij != 0``): a K/V tile
-    whose block-mask entry ``M[z, i, j]`` is 0 is skipped -- never loaded, never computed.  Dense kernels never
-    read ``M`` (the launcher passes a 1×1×1 dummy)."""
+    """FA2 Alg. 1 for one (Br, Bc, d, warps, causal); grid ``(Tr, BH)``, block ``32·warps`` threads.  ``sparse``:
+    block-sparse FlashAttention (stage 5; FA1 Alg. 5 is Alg. 2 with ``if M_ij != 0``): a K/V tile whose block-mask
+    entry ``M[z, i, j]`` is 0 is skipped, never loaded nor computed (dense kernels never read ``M``)."""
     # region lane-grid
     g = geometry(Br, Bc, d, warps)
     # endregion lane-grid
@@ -142,16 +172,12 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False):
             mx = NEG_INF
             for b in range(TN):
                 s = scale * S[a, b]
-                if crossing:
-                    col = j0 + lc + LC * b
-                    if col >= Nk or (causal and col > i0 + r0 + LR * a + diag):
-                        s = NEG_INF
+                col = j0 + lc + LC * b
+                if crossing and (col >= Nk or (causal and col > i0 + r0 + LR * a + diag)):
+                    s = NEG_INF
                 S[a, b] = s
                 mx = max(mx, s)
-            off = LC // 2
-            while off > 0:                           # row max across the 8 lanes of the row group
-                mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, off))
-                off //= 2
+            mx = group_max(mx, LC)                   # row max across the LC lanes of the row group
             # region online-update
             m_new = max(m[a], mx)
             alpha = ONE
@@ -192,22 +218,15 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False):
         qv = cuda.local.array(TM, float32)
         kv = cuda.local.array(TN, float32)
         p = cuda.local.array(TM, float32)
-        z = cuda.blockIdx.y
-        i0 = cuda.blockIdx.x * Br
+        z, i0 = cuda.blockIdx.y, cuda.blockIdx.x * Br  # head, first query row of Q_i
         tid = cuda.threadIdx.x
         lane = tid % 32
-        lr = lane // LC
-        lc = lane % LC
+        lr, lc = lane // LC, lane % LC               # this lane's place in the warp's LR × LC grid
         r0 = (tid // 32) * (TM * LR) + lr            # this lane's rows: r0 + LR·a
-        Nq = Q.shape[1]
-        Nk = K.shape[1]
-        for e in range(tid, Br * d, NT):             # Alg. 1 line 4: load Q_i once (coalesced)
-            r = e // d
-            k = e - r * d
-            QsT[k, r] = Q[z, i0 + r, k] if i0 + r < Nq else ZERO
+        Nq, Nk = Q.shape[1], K.shape[1]
+        load_rows_T(Q, z, i0, Br, QsT, tid, NT)      # Alg. 1 line 4: load Q_i once (coalesced)
         for a in range(TM):                          # line 5: O~ = 0, l = 0, m = -inf
-            m[a] = NEG_INF
-            l[a] = ZERO
+            m[a], l[a] = NEG_INF, ZERO
             for c in range(DN):
                 Oi[a, c] = ZERO
         # region tile-count
@@ -229,24 +248,14 @@ def make_forward(Br, Bc, d, warps, causal, sparse=False):
             cuda.syncthreads()                       # every warp is done with K_{j-1}, V_{j-1}
             # endregion kv-barrier
             # region kv-load
-            for e in range(tid, Bc * d, NT):         # line 7: load K_j, V_j
-                c = e // d
-                k = e - c * d
-                KsT[k, c] = K[z, j0 + c, k] if j0 + c < Nk else ZERO
-            for e in range(tid, Bc * Dp, NT):
-                c = e // Dp
-                k = e - c * Dp
-                Vs[c, k] = V[z, j0 + c, k] if j0 + c < Nk and k < d else ZERO
+            load_rows_T(K, z, j0, Bc, KsT, tid, NT)  # line 7: load K_j, V_j
+            load_rows(V, z, j0, Vs, tid, NT)
             cuda.syncthreads()
             # endregion kv-load
             fa2_tile(QsT, KsT, Vs, S, Oi, m, l, qv, kv, p, r0, lr, lc, i0, j0, Nk, scale, diag)
         # region epilogue
         for a in range(TM):                          # lines 12-14: O_i = diag(l)^-1 O~_i, L_i = m + log l
-            ls = l[a]
-            off = LC // 2
-            while off > 0:
-                ls += cuda.shfl_xor_sync(FULL_MASK, ls, off)
-                off //= 2
+            ls = group_sum(l[a], LC)                 # l_i: this row's partial sums over its row group
             row = i0 + r0 + LR * a
             inv = ONE / ls if ls > ZERO else ZERO
             if row < Nq:
@@ -296,10 +305,10 @@ def make_preprocess():
 @kernel_factory("fa2.backward", stage="4", signature=_BWD_SIG, configs=_configs("backward"),
                 threads=lambda warps, **_: 32 * warps)
 def make_backward(Br, Bc, d, warps, causal, sparse=False):
-    """FA2 Alg. 2 for one configuration; grid ``(Tc, BH)``.  The warps split the Bc *key* rows (each lane
-    owns ``TM`` key rows × ``TN`` query columns of Sᵀ and ``TM × DN`` of dK_j, dV_j); dS goes through
-    shared memory once per tile so that all threads can form dQ_i = dS K_j and add it into HBM.
-    ``sparse``: Q tiles whose block-mask entry ``M[z, i, j]`` is 0 are skipped (FA1 Alg. 5's backward)."""
+    """FA2 Alg. 2 for one configuration; grid ``(Tc, BH)``.  The warps split the Bc *key* rows (a lane owns
+    ``TM`` key rows × ``TN`` query columns of Sᵀ and ``TM × DN`` of dK_j, dV_j); dS goes through shared memory
+    once per tile, so that all threads form dQ_i = dS K_j and add it into HBM.  ``sparse``: Q tiles whose
+    block-mask entry ``M[z, i, j]`` is 0 are skipped (FA1 Alg. 5's backward)."""
     g = geometry(Bc, Br, d, warps)
     TM, TN, DN, Dp, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["threads"]
     BrP, BcP = Br + 1, Bc + 1   # padded leading dimensions of the transposed shared tiles
@@ -310,8 +319,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False):
         """Alg. 2 lines 10-16 for one Q tile on this lane's micro-tile of the transposed scores."""
         for a in range(TM):
             for b in range(TN):
-                S[a, b] = ZERO
-                dP[a, b] = ZERO
+                S[a, b] = dP[a, b] = ZERO
         for k in range(d):                           # line 10: Sᵀ = K_j Q_iᵀ; line 13: dPᵀ = V_j dO_iᵀ
             for a in range(TM):
                 kv[a] = KsT[k, c0 + LR * a]
@@ -356,8 +364,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False):
 
     @cuda.jit
     def fa2_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M):
-        # Transposed tiles get one padding column (BcP = Bc + 1, BrP = Br + 1): lanes that walk down a column
-        # then hit 32 different banks instead of one (no shared-memory bank conflicts; never read).
+        # Transposed tiles get a padding column (never read): lanes walking down a column hit 32 banks, not one.
         KsT = cuda.shared.array((d, BcP), float32)   # K_j, V_j: loaded once
         VsT = cuda.shared.array((d, BcP), float32)
         QsT = cuda.shared.array((Dp, BrP), float32)  # Q_i, dO_i: one tile per inner step
@@ -373,29 +380,19 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False):
         vv = cuda.local.array(TM, float32)
         qv = cuda.local.array(TN, float32)
         ov = cuda.local.array(TN, float32)
-        z = cuda.blockIdx.y
-        j0 = cuda.blockIdx.x * Bc
+        z, j0 = cuda.blockIdx.y, cuda.blockIdx.x * Bc  # head, first key row of K_j
         tid = cuda.threadIdx.x
         lane = tid % 32
-        lr = lane // LC
-        lc = lane % LC
+        lr, lc = lane // LC, lane % LC               # this lane's place in the warp's LR × LC grid
         c0 = (tid // 32) * (TM * LR) + lr            # this lane's key rows: c0 + LR·a
-        Nq = Q.shape[1]
-        Nk = K.shape[1]
-        for e in range(tid, Bc * d, NT):             # Alg. 2 line 6: load K_j, V_j
-            c = e // d
-            k = e - c * d
-            inside = j0 + c < Nk
-            KsT[k, c] = K[z, j0 + c, k] if inside else ZERO
-            VsT[k, c] = V[z, j0 + c, k] if inside else ZERO
+        Nq, Nk = Q.shape[1], K.shape[1]
+        load_rows_T(K, z, j0, Bc, KsT, tid, NT)      # Alg. 2 line 6: load K_j, V_j
+        load_rows_T(V, z, j0, Bc, VsT, tid, NT)
         for a in range(TM):                          # line 7: dK_j = dV_j = 0 (on chip)
             for c in range(DN):
-                dKj[a, c] = ZERO
-                dVj[a, c] = ZERO
-        i_first = 0
-        if causal:                                   # skip Q blocks whose rows all precede key j0
-            first = j0 - diag                        # first query row that may see key j0
-            i_first = first // Br if first > 0 else 0
+                dKj[a, c] = dVj[a, c] = ZERO
+        # causal: skip the Q blocks whose rows all precede key j0 (row j0 - diag is the first that may see it)
+        i_first = max(j0 - diag, 0) // Br if causal else 0
         for it in range(i_first, cdiv_dev(Nq, Br)):  # line 8
             # region block-skip
             if sparse:                               # FA1 Alg. 5: if M_ij != 0 (lane 0 reads, the warp shares)
@@ -404,12 +401,8 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False):
             # endregion block-skip
             i0 = it * Br
             cuda.syncthreads()
-            for e in range(tid, Br * Dp, NT):        # line 9: load Q_i, dO_i, L_i, D_i
-                r = e // Dp
-                k = e - r * Dp
-                inside = i0 + r < Nq and k < d
-                QsT[k, r] = Q[z, i0 + r, k] if inside else ZERO
-                dOsT[k, r] = dO[z, i0 + r, k] if inside else ZERO
+            load_rows_T(Q, z, i0, Br, QsT, tid, NT)  # line 9: load Q_i, dO_i, L_i, D_i
+            load_rows_T(dO, z, i0, Br, dOsT, tid, NT)
             for r in range(tid, Br, NT):
                 Ls[r] = L[z, i0 + r] if i0 + r < Nq else NEG_INF
                 Ds[r] = D[z, i0 + r] if i0 + r < Nq else ZERO
@@ -418,8 +411,7 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False):
                          scale, diag)
             cuda.syncthreads()                       # dSs complete (written by every warp)
             for e in range(tid, Br * d, NT):         # line 15: dQ_i += scale · dS K_j (atomic, HBM)
-                r = e // d
-                k = e - r * d
+                r, k = e // d, e % d
                 # region dq-update
                 acc = ZERO
                 for c in range(Bc):
@@ -427,14 +419,8 @@ def make_backward(Br, Bc, d, warps, causal, sparse=False):
                 if i0 + r < Nq:
                     cuda.atomic.add(dQ, (z, i0 + r, k), scale * acc)
                 # endregion dq-update
-        for a in range(TM):                          # line 18: write dK_j, dV_j once
-            key = j0 + c0 + LR * a
-            if key < Nk:
-                for c in range(DN):
-                    col = lc + LC * c
-                    if col < d:
-                        dK[z, key, col] = scale * dKj[a, c]
-                        dV[z, key, col] = dVj[a, c]
+        store_micro(dK, z, j0 + c0, lc, dKj, scale)  # line 18: write dK_j, dV_j once
+        store_micro(dV, z, j0 + c0, lc, dVj, ONE)
 
     return fa2_backward
 
