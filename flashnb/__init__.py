@@ -10,11 +10,12 @@ The package, from the bottom up:
 * :mod:`flashnb.instruments` -- traffic counting, rooflines, timing, ptxas resources, SASS;
 * :mod:`flashnb.sim` -- the simulator's vectorised mode and its sanitizer tools;
 * user surfaces above them: :func:`attention` and friends (:mod:`flashnb.api`), :mod:`flashnb.flex` (attention
-  modifiers), :mod:`flashnb.torch`, :mod:`flashnb.distributed`; the course kit :mod:`flashnb.course` and the
+  modifiers), :mod:`flashnb.pytorch`, :mod:`flashnb.distributed`; the course kit :mod:`flashnb.course` and the
   notebooks' :mod:`flashnb.exercises`.
 
 Modules that moved keep their old names: ``flashnb.fa2`` is :mod:`flashnb.stages.fa2`, ``flashnb.traffic`` is
-:mod:`flashnb.instruments.traffic`, ``flashnb.inspect`` is :mod:`flashnb.instruments` (see :data:`MOVED`).
+:mod:`flashnb.instruments.traffic`, ``flashnb.inspect`` is :mod:`flashnb.instruments` (see :data:`MOVED`);
+``flashnb.torch`` is :mod:`flashnb.pytorch`, imported on first use (it needs PyTorch; see :data:`RENAMED`).
 """
 
 import sys as _sys
@@ -58,6 +59,53 @@ for _old, _new in MOVED.items():
     globals()[_old.rsplit(".", 1)[1]] = _sys.modules[_new]
 del _old, _new
 
+#: Modules renamed whose new module needs an optional dependency, by their old name: imported on first use of
+#: the old name (``import flashnb.torch`` or ``flashnb.torch``), so that ``import flashnb`` never imports torch.
+RENAMED = {"flashnb.torch": "flashnb.pytorch"}
+
+
+def _renamed(name: str) -> str | None:
+    """The new name of ``name`` when it is (or lies inside) a renamed module, else None."""
+    for old, new in RENAMED.items():
+        if name == old or name.startswith(old + "."):
+            return new + name[len(old):]
+    return None
+
+
+class _RenamedFinder:
+    """``import flashnb.torch`` (or ``flashnb.torch.ops``) gives the module object of ``flashnb.pytorch`` (its
+    ``ops``): one module under two names, never a second copy."""
+
+    def find_spec(self, name, path=None, target=None):
+        if _renamed(name) is None:
+            return None
+        import importlib.util
+
+        return importlib.util.spec_from_loader(name, self)
+
+    def create_module(self, spec):
+        import importlib
+
+        module = importlib.import_module(_renamed(spec.name))
+        self.own_spec = module.__spec__
+        return module
+
+    def exec_module(self, module):
+        module.__spec__ = self.own_spec    # the import system stamped the old name's spec on it: give its own back
+
+
+if not any(isinstance(f, _RenamedFinder) for f in _sys.meta_path):
+    _sys.meta_path.insert(0, _RenamedFinder())
+
+
+def __getattr__(name):
+    """``flashnb.torch`` (and ``from flashnb import torch``): the renamed module, imported on first use."""
+    if f"flashnb.{name}" in RENAMED:
+        import importlib
+
+        return importlib.import_module(RENAMED[f"flashnb.{name}"])
+    raise AttributeError(f"module 'flashnb' has no attribute {name!r}")
+
 __all__ = ["MODE", "is_simulator", "attention", "attention_forward", "attention_backward", "registry", "common",
-           "runtime", "sim", "stages", "kernels", "instruments", "rng", "flex", "reference", "MOVED",
+           "runtime", "sim", "stages", "kernels", "instruments", "rng", "flex", "reference", "MOVED", "RENAMED",
            "__version__"]

@@ -46,7 +46,7 @@ def _torch_to_numpy(name: str, x) -> np.ndarray:
     bfloat16 (which NumPy lacks) becomes float32 exactly, as every dtype does before the kernels."""
     if x.requires_grad:
         raise TypeError(f"{name} is a torch.Tensor that requires grad, and flashnb.attention* return NumPy "
-                        "arrays (no autograd): use flashnb.torch.attention for gradients, or pass "
+                        "arrays (no autograd): use flashnb.pytorch.attention for gradients, or pass "
                         f"{name}.detach() to compute values only")
     if x.is_complex() or str(x.dtype) == "torch.bool":
         raise TypeError(f"{name} must hold real numbers (a float or integer dtype), got dtype {x.dtype}")
@@ -170,7 +170,7 @@ def _check_dropout(entry, impl: str, options: dict) -> dict:
 def _check_options(entry, impl: str, options: dict, q, k) -> dict:
     """Options the impl accepts; modifiers and grouped-query K/V only for impls that support them.  Adds
     ``heads`` (q's H, for ``b = z // H``, ``h = z % H``) when a modifier or a block mask with one is given; a
-    caller whose q is already flattened to (B·H, N, d) passes ``heads=H`` itself (as ``flashnb.torch`` does).
+    caller whose q is already flattened to (B·H, N, d) passes ``heads=H`` itself (as ``flashnb.pytorch`` does).
     ``dropout_p``/``seed``: see :func:`_check_dropout`."""
     if any(n in options for n in _DROPOUT):
         options = _check_dropout(entry, impl, options)
@@ -200,7 +200,7 @@ def _surface_modifiers(entry, options: dict, q, k) -> dict:
     """For an impl whose kernels take ``mask_mod`` only through its block mask (``Impl.mask_tiles``, e.g.
     ``"flash"``): the modifiers checked for a GPU here (:func:`flashnb.flex.check_modifiers`: before any launch),
     and ``mask_mod``'s block mask built here (:func:`flashnb.flex.create_block_mask` at the impl's mask tiles) when
-    none is given.  Shared by this API and :mod:`flashnb.torch`."""
+    none is given.  Shared by this API and :mod:`flashnb.pytorch`."""
     from . import flex
 
     mask_mod = options.get("mask_mod")
@@ -213,7 +213,7 @@ def _surface_modifiers(entry, options: dict, q, k) -> dict:
         raise ValueError(f"heads={H} must divide batch·heads = {BH} (q's leading axes)")
     if bm_mod is not None:
         # a given block mask: still what its mask_mod's arrays hold (unless the call's mask_mod is that very
-        # snapshot, as flashnb.torch's backward passes its forward's), and made for this call's (B, H)
+        # snapshot, as flashnb.pytorch's backward passes its forward's), and made for this call's (B, H)
         if not (isinstance(mask_mod, flex.Snapshot) and mask_mod == bm_mod):
             flex.check_current(bm_mod)
         flex.check_heads(bm_mod, options["block_mask"].mask.shape[:-2], BH // H, H, q.shape[-2], k.shape[-2])
@@ -267,7 +267,7 @@ _HALF_DTYPE = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
 
 def _explicit_storage(entry, impl: str, storage: str) -> str:
     """A storage given by name, checked (:func:`flashnb.common.check_storage`) and refused for an impl without half
-    storage unless it is float32 (shared by this API and :mod:`flashnb.torch`, which then check the dtypes)."""
+    storage unless it is float32 (shared by this API and :mod:`flashnb.pytorch`, which then check the dtypes)."""
     storage = common.check_storage(storage)
     if storage != "float32" and "storage" not in entry.options:
         have = sorted(n for n, e in IMPLS.items() if "storage" in e.options)

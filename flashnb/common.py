@@ -406,7 +406,7 @@ def current_stream():
 @contextlib.contextmanager
 def on_stream(stream):
     """Launch kernels (and allocate/fill outputs) on ``stream`` in this thread, e.g. torch's current stream
-    wrapped by ``numba.cuda.external_stream`` (see :mod:`flashnb.torch`)."""
+    wrapped by ``numba.cuda.external_stream`` (see :mod:`flashnb.pytorch`)."""
     previous = current_stream()
     _stream.stream = stream
     try:

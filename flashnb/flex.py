@@ -61,7 +61,7 @@ training loop with a new ``document(ids)`` per batch does not grow it without en
 (:func:`check_modifiers`) depends only on the code and the *types* of the captured values (array dtype and rank,
 numbers with their values), so a new closure of the same factory is checked once, not per batch.  A block mask
 made by :func:`create_block_mask` is itself a snapshot: passing it after an array its ``mask_mod`` captures
-changed is a ValueError (rebuild it, or pass ``mask_mod=`` alone).  ``flashnb.torch`` takes the snapshot at the
+changed is a ValueError (rebuild it, or pass ``mask_mod=`` alone).  ``flashnb.pytorch`` takes the snapshot at the
 forward, so the backward uses the forward's values whatever happens to the arrays in between.  Content changes
 the snapshot sees: NumPy arrays and numbers; an object a modifier captures (a dict, a class instance) is keyed
 by identity only.
@@ -85,7 +85,7 @@ Where flashnb departs from FlexAttention, or from the simplest design, and why:
 * ``impl="flash"`` (the product kernel, the default: :mod:`flashnb.kernels.flash`) takes modifiers and GQA; the
   stages' impls (``fa2``, ``fa2-fast``, ...) refuse them with an error naming the impl.  The product
   kernel calls back into this module only to derive a missing ``score_mod_grad``:
-  :func:`flashnb.api.attention_forward` and :mod:`flashnb.torch` check its modifiers and build a ``mask_mod``'s
+  :func:`flashnb.api.attention_forward` and :mod:`flashnb.pytorch` check its modifiers and build a ``mask_mod``'s
   block mask for it.
 """
 

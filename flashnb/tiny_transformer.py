@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import torch as ft
+from . import pytorch as ft
 from .instruments import rehearsal
 
 __all__ = ["zen_text", "Vocab", "attention_fn", "CharDecoder", "batches", "train", "resume", "loss_and_grads",
@@ -49,7 +49,7 @@ class Vocab:
 
 def attention_fn(impl: str, **options):
     """``f(q, k, v)`` causal self-attention on ``(B, H, N, d)``: ``"sdpa"`` is PyTorch's
-    ``scaled_dot_product_attention(is_causal=True)``, anything else a flashnb impl via :func:`flashnb.torch.attention`
+    ``scaled_dot_product_attention(is_causal=True)``, anything else a flashnb impl via :func:`flashnb.pytorch.attention`
     (``causal=True``: the same mask, since queries and keys are the same positions, Nq == Nk)."""
     if impl == "sdpa":
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -177,7 +177,7 @@ def generate(model, attn, prompt: torch.Tensor, n: int, seed: int | None = None)
 def measure_gpu(impls=("sdpa", "fa2", "fa1"), *, batch: int = 8, context: int = 256, width: int = 128,
                 heads: int = 4, layers: int = 2, repeats: int = 5, warmup: int = 2, seed: int = 0) -> list[dict]:
     """CUDA-event time of one training step (forward, backward, AdamW) per attention, on a GPU (notebook 09).
-    Rehearsed on the simulator with CPU tensors taking the CUDA-tensor path (``flashnb.torch.rehearse_cuda``)."""
+    Rehearsed on the simulator with CPU tensors taking the CUDA-tensor path (``flashnb.pytorch.rehearse_cuda``)."""
     from .instruments import bench
 
     rehearsing = rehearsal.active()

@@ -18,7 +18,7 @@
 # a model with them, PyTorch's autograd needs a `torch.autograd.Function` whose forward saves what
 # FlashAttention saves — $Q, K, V$, the output $O$ and the row log-sum-exp $L$, **never** the $N \times N$
 # matrix $P$ — and whose backward is the recompute backward (P rebuilt tile by tile as $\exp(S - L)$).
-# `flashnb.torch` is that function, with the shapes of `torch.nn.functional.scaled_dot_product_attention`
+# `flashnb.pytorch` is that function, with the shapes of `torch.nn.functional.scaled_dot_product_attention`
 # (SDPA): $(B, H, N, d)$.
 #
 # This notebook trains the same small character-level decoder twice from the same seed — once with SDPA,
@@ -36,7 +36,7 @@ import torch
 
 os.environ["FLASHNB_DEVICE"] = "sim"  # counting traffic needs the simulator; GPU timings run in a process of their own
 import flashnb  # noqa: F401  (selects the simulator first)
-import flashnb.torch as ft
+import flashnb.pytorch as ft
 from flashnb import tiny_transformer as tt
 from flashnb.instruments import bench, traffic
 from flashnb.notebook import savefig
@@ -57,7 +57,7 @@ print("torch", torch.__version__)
 print(inspect.getsource(ft.FlashAttentionFunction))
 
 # %% [markdown]
-# `flashnb.torch.attention(q, k, v, *, causal, scale, impl)` prepares the tensors (float32, contiguous,
+# `flashnb.pytorch.attention(q, k, v, *, causal, scale, impl)` prepares the tensors (float32, contiguous,
 # $(BH, N, d)$) and calls it. One caveat when swapping it for SDPA: **`causal=True` is aligned bottom-right**
 # (FlashAttention's convention, `causal_lower_right`), while SDPA's `is_causal=True` is aligned top-left
 # (`causal_upper_left`). They differ when $N_q \ne N_k$ — e.g. decoding with a KV cache — and agree in a
@@ -285,15 +285,15 @@ print(bench.table(gpu_rows, ["impl", "median_ms", "q1_ms", "q3_ms", "context", "
 # `exercises.hint("09.1")` gives a hint and `exercises.answer("09.1")` the worked answer -- try first.
 #
 # **09.1 · Three kernels, one loss curve** (★★, ~15 min) Train with `impl="fa1"` and `impl="naive"` too
-# (`tt.attention_fn`, `CFG` as above). Which of the three differs most from SDPA's losses (max over the steps),
-# are the three differences within a factor of 10 of each other, and why are they all so small?
+# (`tt.attention_fn`, `CFG` as above). How large is the largest of the three differences from SDPA's losses
+# (each the max over the steps), are the three within a factor of 10 of each other, and why are they all so small?
 
 # %%
 from flashnb import exercises  # noqa: E402
 
-largest = ...      # "fa2", "fa1" or "naive"
-same_order = ...   # True or False
-passed = exercises.check("09.1", largest=largest, same_order=same_order)
+largest_difference = ...   # a number
+same_order = ...           # True or False
+passed = exercises.check("09.1", largest_difference=largest_difference, same_order=same_order)
 
 # %% [markdown]
 # **09.2 · Train in float64** (★★, ~15 min) `tt.train(..., dtype=torch.float64)` with SDPA and with

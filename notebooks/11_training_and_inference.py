@@ -421,8 +421,8 @@ for p_ in (0.1, 0.3, 0.5, 0.9):
     print(f"{p_:>5}  {keep.mean():>8.4f}  {q_:>8.4f}  {zscore:>7.2f}  {rows.min():>10.3f} .. {rows.max():.3f}")
 
 # %% [markdown]
-# And dropout trained through `flashnb.torch` keeps its seed in the autograd context, so `loss.backward()`
-# regenerates the same mask (`flashnb.torch.attention(q, k, v, dropout_p=0.1)`; a seed is drawn from torch's
+# And dropout trained through `flashnb.pytorch` keeps its seed in the autograd context, so `loss.backward()`
+# regenerates the same mask (`flashnb.pytorch.attention(q, k, v, dropout_p=0.1)`; a seed is drawn from torch's
 # generator when none is given). The gradients against the float64 reference with the twin's mask:
 
 # %%

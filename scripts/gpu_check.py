@@ -394,16 +394,16 @@ def measurements(args, deadline: float) -> list[dict]:
 
 
 def torch_interop(N: int = 256, d: int = 64) -> list[dict]:
-    """flashnb.torch on CUDA tensors (issue 15's zero-copy path, on torch's current stream): fa2's forward and
+    """flashnb.pytorch on CUDA tensors (issue 15's zero-copy path, on torch's current stream): fa2's forward and
     backward against SDPA in float64 on the same GPU, and one training-style step timed with torch's CUDA
     events.  Skipped (a row that says why) where torch or its CUDA build is missing."""
     try:
         import torch
     except ImportError:
-        return [dict(measurement="flashnb.torch cuda", error="skipped: torch is not installed here")]
+        return [dict(measurement="flashnb.pytorch cuda", error="skipped: torch is not installed here")]
     if not torch.cuda.is_available():
-        return [dict(measurement="flashnb.torch cuda", error="skipped: this torch build has no CUDA")]
-    import flashnb.torch as ft
+        return [dict(measurement="flashnb.pytorch cuda", error="skipped: this torch build has no CUDA")]
+    import flashnb.pytorch as ft
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, 2, N, d, device="cuda", generator=g, requires_grad=True) for _ in range(3))
@@ -423,7 +423,7 @@ def torch_interop(N: int = 256, d: int = 64) -> list[dict]:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     # float32 kernels against float64 SDPA at N = 256, d = 64: sums of <= 256 float32 terms, so ~1e-5
-    return [dict(measurement="flashnb.torch cuda", N=N, d=d, max_abs_err_vs_sdpa_float64=err, ok=err < 1e-3,
+    return [dict(measurement="flashnb.pytorch cuda", N=N, d=d, max_abs_err_vs_sdpa_float64=err, ok=err < 1e-3,
                  median_ms=sorted(times)[len(times) // 2], torch=torch.__version__)]
 
 
@@ -487,9 +487,9 @@ def main(argv=None) -> int:
     try:
         meas += torch_interop()
     except Exception as exc:   # a failure here must not cost the sweep below
-        meas.append(dict(measurement="flashnb.torch cuda", error=f"{type(exc).__name__}: {exc}"[:300]))
+        meas.append(dict(measurement="flashnb.pytorch cuda", error=f"{type(exc).__name__}: {exc}"[:300]))
         traceback.print_exc()
-    print(f"flashnb.torch on CUDA tensors: {meas[-1]}", flush=True)
+    print(f"flashnb.pytorch on CUDA tensors: {meas[-1]}", flush=True)
     try:
         meas += tensorcore_speed(deadline - 20, repeats=min(args.repeats, 10), N=args.tc_N)
     except Exception as exc:   # a failure here must not cost the sweep below

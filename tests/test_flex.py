@@ -255,10 +255,10 @@ def halving_loop(score, b, h, q_idx, kv_idx):
 
 @pytest.mark.parametrize("impl", FEATURE_IMPLS)
 def test_torch_passes_modifiers_and_gqa(rng, impl):
-    """flashnb.torch.attention takes the same arguments: modifiers (b, h from q's (B, H) although it flattens q)
+    """flashnb.pytorch.attention takes the same arguments: modifiers (b, h from q's (B, H) although it flattens q)
     and K/V with fewer heads; gradients against the reference."""
     torch = pytest.importorskip("torch")
-    import flashnb.torch as ft
+    import flashnb.pytorch as ft
 
     q, k, v, do = qkv(rng, (2, 2, 24, 8), 24, do=True)
     k, v = k[:, :1], v[:, :1]                                   # multi-query: one K/V head per batch
@@ -341,10 +341,10 @@ def test_captured_globals_changed_in_place_are_seen(rng, impl):
 
 
 def test_torch_backward_uses_the_forwards_captured_values(rng):
-    """flashnb.torch snapshots the modifiers at the forward: ids changed between forward and backward (before: the
+    """flashnb.pytorch snapshots the modifiers at the forward: ids changed between forward and backward (before: the
     backward's mask_mod read the new ids) leave the gradients those of the forward's mask."""
     torch = pytest.importorskip("torch")
-    import flashnb.torch as ft
+    import flashnb.pytorch as ft
 
     ids = np.repeat(np.arange(2, dtype=np.int32), [5, 11])
     q, k, v, do = qkv(rng, (1, 1, 16, 8), 16, do=True)

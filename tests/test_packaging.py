@@ -275,7 +275,7 @@ def test_kernels_never_import_a_user_surface():
     cli -- not even inside a function: the surfaces sit above the kernels (a surface registers a callback where a
     kernel needs one, as flex does for block masks and flex_grad for derived score_mod gradients)."""
     graph = import_graph()
-    surfaces = ("flashnb.api", "flashnb.flex", "flashnb.flex_grad", "flashnb.torch", "flashnb.distributed",
+    surfaces = ("flashnb.api", "flashnb.flex", "flashnb.flex_grad", "flashnb.pytorch", "flashnb.distributed",
                 "flashnb.course", "flashnb.exercises", "flashnb.cli")
     below = [m for m in graph if m.startswith(("flashnb.stages", "flashnb.kernels")) or m in (
         "flashnb.common", "flashnb.registry", "flashnb.rng", "flashnb.masks", "flashnb.modifiers")]

@@ -19,7 +19,7 @@ def test_python_examples_run(capsys):
     assert len(blocks) == 7, ("the python examples: the README's first call, modifiers, experimenting, changing a "
                               "library kernel, sanitizer and profiler, torch, transformers")
     for n, block in enumerate(blocks):
-        if "flashnb.torch" in block and importlib.util.find_spec("torch") is None:
+        if "flashnb.pytorch" in block and importlib.util.find_spec("torch") is None:
             continue   # PyTorch is optional (the [torch] extra); its example runs wherever it is installed
         if "transformers" in block and importlib.util.find_spec("transformers") is None:
             continue   # likewise transformers (the [transformers] extra)

@@ -90,8 +90,8 @@ DENIED_ATTRS = DENIED_NAMES - {"input", "help", "compile", "open", "exit", "quit
                                "copyright", "credits", "memoryview"} | frozenset({
     # flashnb's machinery (the kernel modules stay reachable)
     "api", "bench", "cli", "inspect", "notebook", "exercises", "rehearsal", "sass", "sass_model", "sim",
-    "torch", "tiny_transformer", "launch_hooks", "poison_hooks", "register_impl", "kernel_factory", "variant",
-    "using", "KERNELS",
+    "torch", "pytorch", "tiny_transformer", "launch_hooks", "poison_hooks", "register_impl", "kernel_factory",
+    "variant", "using", "KERNELS",
     # frames, code objects, tracebacks: the way from a value back to the grader's variables
     "gi_frame", "gi_code", "gi_yieldfrom", "cr_frame", "cr_code", "cr_await", "ag_frame", "ag_code", "ag_await",
     "tb_frame", "tb_next", "tb_lasti", "f_back", "f_globals", "f_locals", "f_builtins", "f_code", "f_trace",

@@ -120,7 +120,7 @@ class Kernels:
     """flashnb's kernels as the block computation: ``Kernels("flash", Br=16, Bc=16, warps=1)`` runs
     ``impl="flash"`` with those options.  CPU tensors go through :func:`flashnb.attention_forward` /
     :func:`flashnb.attention_backward` (the simulator, or the GPU when flashnb runs on one); CUDA tensors stay on
-    the GPU (:mod:`flashnb.torch`'s zero-copy path).  float32 in, float32 out.
+    the GPU (:mod:`flashnb.pytorch`'s zero-copy path).  float32 in, float32 out.
 
     Dropout (``dropout=(p, seed)``) needs an impl that keys its Philox counter by global positions (the product
     kernel, ``"flash"``, through its ``dropout_at`` option: :func:`dropout_at` of the block's rows and keys), so a
@@ -167,7 +167,7 @@ class Kernels:
                                                                       dropout_at(keys, "keys")))
 
     def forward(self, q, k, v, *, causal, scale, rows=None, keys=None, dropout=None):
-        from .. import torch as ftorch
+        from .. import pytorch as ftorch
 
         options = self._options(rows, keys, dropout)
         B, H = q.shape[:2]
@@ -175,7 +175,7 @@ class Kernels:
         return o.reshape(q.shape), lse.reshape(B, H, q.shape[2])
 
     def backward(self, q, k, v, o, lse, do, *, causal, scale, rows=None, keys=None, dropout=None):
-        from .. import torch as ftorch
+        from .. import pytorch as ftorch
 
         options = self._options(rows, keys, dropout)
         flat = [self._flat(t) for t in (q, k, v, o)] + [lse.reshape(-1, lse.shape[-1]).contiguous(), self._flat(do)]

@@ -4,7 +4,7 @@ each step's compute and wait time, and the peak GPU memory.  ``scripts/ring_gpu_
 GPU of a machine (NCCL).
 
 ``rehearse=True`` runs the same steps on CPU ranks (gloo) with the kernels on the simulator and flashnb's
-CUDA-tensor path rehearsed (:func:`flashnb.torch.rehearse_cuda`): every row says ``mode="rehearsal"`` and
+CUDA-tensor path rehearsed (:func:`flashnb.pytorch.rehearse_cuda`): every row says ``mode="rehearsal"`` and
 carries no time and no memory figure -- nothing there is a measurement.
 """
 
@@ -34,7 +34,7 @@ def _rehearsing(rehearse: bool):
     if not rehearse:
         yield
         return
-    from .. import torch as ftorch
+    from .. import pytorch as ftorch
     from ..instruments.rehearsal import pretend_gpu
 
     with pretend_gpu(), ftorch.rehearse_cuda():

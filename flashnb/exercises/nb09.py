@@ -41,19 +41,21 @@ def _loss_differences(dtype: str = "float32", impls: tuple = IMPLS) -> dict:
 
 @exercise("09.1", "three kernels, one loss curve", level=2, minutes=15,
           hint="""tt.train(tt.attention_fn(impl), data, len(vocab), **CFG) for impl = "fa1" and "naive" (and "fa2" with
-          TILES), each against the SDPA run's losses: max |difference| over the steps.""",
-          explain="""All three agree with SDPA to float32 rounding or better -- a wrong mask or a missing term would
-          differ by 0.1 or more: each kernel computes the same softmax in float32 and only the order of the sums
-          differs (FA2 and FA1 accumulate tile by tile with rescaling, naive attention materialises S and P). Which
-          one lands closest is a matter of those summation orders, compounded over ten AdamW steps, not of a
-          different algorithm; one of them may even reproduce SDPA's losses bit for bit.""")
-def check_09_1(largest, same_order):
-    """largest: the impl (of "fa2", "fa1", "naive") whose losses differ most from SDPA's over the notebook's ten
-    steps; same_order: True if the three largest differences are within a factor of 10 of each other."""
+          TILES), each against the SDPA run's losses: max |difference| over the steps; the largest of the three.""",
+          explain="""All three agree with SDPA to float32 rounding -- a wrong mask or a missing term would differ by 0.1
+          or more: each kernel computes the same softmax in float32 and only the order of the sums differs (FA2 and
+          FA1 accumulate tile by tile with rescaling, naive attention materialises S and P). The differences are a
+          few units in the last place of a loss near 4 (one float32 ulp there is 2^-21, about 4.8e-7), compounded
+          over ten AdamW steps; which kernel lands closest is a matter of summation order, and two or all three may
+          tie, or reproduce SDPA's losses bit for bit.""")
+def check_09_1(largest_difference, same_order):
+    """largest_difference: the largest, over "fa2", "fa1" and "naive", of max |loss with the impl - loss with SDPA|
+    over the notebook's ten steps; same_order: True if the largest of the three is at most 10 times the smallest."""
     d = _loss_differences()
-    require(largest in IMPLS, f"largest must be one of {IMPLS}")
-    require(largest == max(d, key=d.get), f"{largest!r} is not the impl whose losses differ most from SDPA's")
     values = sorted(d.values())
+    # the same ten steps on the same machine give the same losses: a relative tolerance for how the learner
+    # sums (float64 or float32 subtraction of the same float32 losses)
+    close(largest_difference, values[-1], rel=1e-3, abs=1e-12, what="largest_difference")
     require(bool(same_order) == (values[-1] <= 10 * values[0]), "same_order: compare the largest and the smallest "
             "of the three max |differences|")
     return ", ".join(f"{k} {v:.1e}" for k, v in d.items())
@@ -63,13 +65,19 @@ def check_09_1(largest, same_order):
 def _():
     d = _loss_differences()
     values = sorted(d.values())
-    return dict(largest=max(d, key=d.get), same_order=values[-1] <= 10 * values[0])
+    return dict(largest_difference=values[-1], same_order=values[-1] <= 10 * values[0])
+
+
+@check_09_1.fails
+def _():
+    return dict(largest_difference=0.1, same_order=True)          # the size of a wrong mask, not of rounding
 
 
 @check_09_1.fails
 def _():
     d = _loss_differences()
-    return dict(largest=min(d, key=d.get), same_order=True)       # the closest, not the furthest
+    values = sorted(d.values())
+    return dict(largest_difference=values[-1], same_order=not values[-1] <= 10 * values[0])
 
 
 # --------------------------------------------------------------------------- 09.2
@@ -116,7 +124,7 @@ def check_09_3(right, keys_seen_by_other):
     "upper_left"); keys_seen_by_other: how many keys the other alignment lets that query see."""
     import torch
 
-    from .. import torch as ft
+    from .. import pytorch as ft
 
     g = torch.Generator().manual_seed(93)
     q, k, v = torch.randn(1, 1, 1, 8, generator=g), torch.randn(1, 1, 12, 8, generator=g), \

@@ -45,7 +45,7 @@ _DIGESTS: dict[str, str] = {}
 #: kit, the PyTorch and distributed front ends, and host-only tools.  :func:`package_digest` leaves them out, so
 #: editing them keeps the PTX guard's record (``tests/instruments/test_ptx_guard.py`` checks that none of them defines a
 #: ``cuda.jit`` function, an intrinsic, or a registered kernel factory).
-HOST_ONLY = ("sim/", "course/", "torch/", "distributed/", "cli.py", "notebook.py", "regions.py", "_gpu_child.py",
+HOST_ONLY = ("sim/", "course/", "pytorch/", "distributed/", "cli.py", "notebook.py", "regions.py", "_gpu_child.py",
              "tiny_transformer.py",
              *(f"instruments/{m}.py" for m in ("__init__", "sass", "sass_model", "roofline", "traffic", "rehearsal",
                                                 "occupancy", "ptxas", "ptx_cache", "shipping", "jobs", "compiled",

@@ -1,7 +1,7 @@
 """The product kernel: one FA2 forward and backward on stage 6's fast loop, with every feature as a policy.
 
 ``impl="flash"`` (the default of :func:`flashnb.attention`, :func:`flashnb.attention_forward`,
-:func:`flashnb.attention_backward` and :func:`flashnb.torch.attention`).  The loop is stage 6's
+:func:`flashnb.attention_backward` and :func:`flashnb.pytorch.attention`).  The loop is stage 6's
 (:mod:`flashnb.stages.fa2_fast`, built from :mod:`flashnb.kernels.blocks`): register micro-tiles, 128-bit conflict-free
 shared loads, heavy-first causal blocks, dynamic shared memory where the tiles need more than 48 KiB.  The features
 are the policies of :mod:`flashnb.kernels.policies`, called at fixed places of that loop and compiled away when
@@ -484,7 +484,7 @@ def _modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH):
     if mask_mod is not None:
         if block_mask is None:
             raise ValueError("mask_mod reaches the flash kernels through its block mask: pass block_mask="
-                             "flashnb.flex.create_block_mask(mask_mod, ...) (flashnb.attention and flashnb.torch "
+                             "flashnb.flex.create_block_mask(mask_mod, ...) (flashnb.attention and flashnb.pytorch "
                              "build it for you)")
         if bm_mod is None or not _made_from(bm_mod, mask_mod):
             raise ValueError(f"block_mask was not made from mask_mod {getattr(mask_mod, '__name__', mask_mod)!r}: "

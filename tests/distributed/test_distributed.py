@@ -442,8 +442,8 @@ def test_demo_check_runs_and_reports(free_port):
 
 
 def test_gpu_measurement_rehearsed_through_the_cuda_tensor_path(free_port):
-    # scripts/ring_gpu_check.py's worker, rehearsed: the kernels on the simulator through flashnb.torch's CUDA-tensor
-    # path (flashnb.instruments.rehearsal.pretend_gpu + flashnb.torch.rehearse_cuda), gloo instead of NCCL; no time is
+    # scripts/ring_gpu_check.py's worker, rehearsed: the kernels on the simulator through flashnb.pytorch's CUDA-tensor
+    # path (flashnb.instruments.rehearsal.pretend_gpu + flashnb.pytorch.rehearse_cuda), gloo instead of NCCL; no time is
     # reported
     from flashnb.distributed import measure
 

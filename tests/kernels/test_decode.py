@@ -216,7 +216,7 @@ def test_bad_inputs_are_clear_errors(rng):
 
 def test_torch_forward_only():
     torch = pytest.importorskip("torch")
-    import flashnb.torch as ft
+    import flashnb.pytorch as ft
 
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, n, 8, generator=g) for n in (1, 30, 30))

@@ -308,10 +308,10 @@ def test_backward_without_the_forwards_dropout_arguments_says_so(rng):
 
 @pytest.mark.parametrize("impl", FEATURE_IMPLS)
 def test_torch_draws_a_seed_and_the_backward_reuses_it(rng, impl):
-    """flashnb.torch.attention with dropout_p and no seed: the seed comes from torch's generator (so
+    """flashnb.pytorch.attention with dropout_p and no seed: the seed comes from torch's generator (so
     torch.manual_seed repeats it); output and gradients match the reference with that seed's mask."""
     torch = pytest.importorskip("torch")
-    import flashnb.torch as ft
+    import flashnb.pytorch as ft
 
     q, k, v, do = (torch.tensor(a, dtype=torch.float32) for a in qkv(rng, (1, 2, 18, 8), 18, do=True))
     for t in (q, k, v):

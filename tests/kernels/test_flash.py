@@ -254,7 +254,7 @@ def test_too_many_elements_for_the_masks():
 
 
 def test_the_product_kernel_is_the_default_impl(rng):
-    """flashnb.attention, attention_forward, attention_backward and flashnb.torch.attention run impl="flash" when no
+    """flashnb.attention, attention_forward, attention_backward and flashnb.pytorch.attention run impl="flash" when no
     impl is given (counted: its launches' labels)."""
     import inspect
 
@@ -267,7 +267,7 @@ def test_the_product_kernel_is_the_default_impl(rng):
         flashnb.attention(q, k, v)
     assert [lt.label for lt in t.launches] == ["flash forward"]
     torch = pytest.importorskip("torch")
-    import flashnb.torch as ft
+    import flashnb.pytorch as ft
 
     assert inspect.signature(ft.attention).parameters["impl"].default == "flash"
     assert inspect.signature(ft.scaled_dot_product_attention).parameters["impl"].default == "flash"

@@ -354,7 +354,7 @@ def test_uint16_without_bfloat16_storage_is_refused(rng):
                  atol=0.02, rtol=0.02, what="o")   # bfloat16's rounding of o (2^-8 relative) and of the inputs
 
 
-# --------------------------------------------------------------------------- flashnb.torch
+# --------------------------------------------------------------------------- flashnb.pytorch
 
 
 @pytest.mark.parametrize("impl", FEATURE_IMPLS)
@@ -364,7 +364,7 @@ def test_torch_half_tensors(rng, dtype, impl):
     uint16 bit views) and come back in their dtype, o and the gradients within the storage's rounding of the
     float64 reference (the bounds above)."""
     torch = pytest.importorskip("torch")
-    import flashnb.torch as ft
+    import flashnb.pytorch as ft
 
     tdt = getattr(torch, dtype)
     rounding = UBF if dtype == "bfloat16" else U16
@@ -390,7 +390,7 @@ def test_torch_half_cuda_path_rehearsed(rng, impl):
     """The CUDA-tensor path (zero-copy views, torch's stream) with float16 and bfloat16 tensors, rehearsed on
     the simulator: the same results as the host path."""
     torch = pytest.importorskip("torch")
-    import flashnb.torch as ft
+    import flashnb.pytorch as ft
     from flashnb.instruments.rehearsal import pretend_gpu
 
     for dtype in (torch.float16, torch.bfloat16):

@@ -1,4 +1,4 @@
-"""flashnb.torch: autograd interop checked against torch.nn.functional.scaled_dot_product_attention in float64.
+"""flashnb.pytorch: autograd interop checked against torch.nn.functional.scaled_dot_product_attention in float64.
 
 Skipped when PyTorch is not installed (it is an optional extra: ``pip install "flashnb[torch]"``).
 
@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 import flashnb  # noqa: E402
-import flashnb.torch as ft  # noqa: E402
+import flashnb.pytorch as ft  # noqa: E402
 from flashnb import common  # noqa: E402
 from flashnb.instruments.rehearsal import pretend_gpu  # noqa: E402
 
@@ -80,6 +80,25 @@ def _random_cases(n, seed=15):
 
 def test_import_flashnb_does_not_import_torch():
     code = "import sys, flashnb; assert 'torch' not in sys.modules, 'import flashnb imported torch'"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**__import__("os").environ,
+                                                                  "FLASHNB_DEVICE": "sim"})
+
+
+def test_the_old_name_flashnb_torch_is_the_same_module_imported_on_first_use():
+    # flashnb.torch was renamed flashnb.pytorch (no module named after a package users import); old imports keep
+    # working, give the very same module objects (a second copy would register the torch.library ops twice), and
+    # import torch only when used.
+    code = "\n".join([
+        "import sys, flashnb",
+        "assert 'torch' not in sys.modules and 'flashnb.pytorch' not in sys.modules",
+        "import flashnb.torch.ops as old_ops",
+        "import flashnb.pytorch.ops as new_ops",
+        "from flashnb import torch as old",
+        "import flashnb.pytorch as new",
+        "assert old_ops is new_ops and old is new and flashnb.torch is new, 'two module objects'",
+        "assert new.__spec__.name == 'flashnb.pytorch' and old.attention is new.attention",
+        "assert not any(k.startswith('flashnb.torch') and sys.modules[k].__name__ == k for k in sys.modules)",
+    ])
     subprocess.run([sys.executable, "-c", code], check=True, env={**__import__("os").environ,
                                                                   "FLASHNB_DEVICE": "sim"})
 
@@ -215,7 +234,7 @@ def test_dtypes_devices_and_contiguity():
 
 def test_numpy_api_accepts_torch_values_and_refuses_grad():
     q, k, v, _ = _inputs(6, (2, 16, 8), 16)
-    with pytest.raises(TypeError, match="flashnb.torch"):
+    with pytest.raises(TypeError, match="flashnb.pytorch"):
         flashnb.attention(q, k, v, impl="fa2")
     o = flashnb.attention(q.detach().bfloat16(), k.detach().bfloat16(), v.detach().bfloat16(), impl="fa2")
     assert isinstance(o, np.ndarray) and o.dtype == np.float32 and o.shape == (2, 16, 8)

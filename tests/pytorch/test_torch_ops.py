@@ -1,6 +1,6 @@
 """flashnb inside PyTorch's machinery: the custom operators ``torch.ops.flashnb.attention_forward`` /
 ``attention_backward`` (``torch.library.opcheck``), ``torch.compile(fullgraph=True)`` of modules that call
-``flashnb.torch.attention``, the registry that carries Python arguments across the operator boundary, and
+``flashnb.pytorch.attention``, the registry that carries Python arguments across the operator boundary, and
 transformers models run with ``attn_implementation`` set to flashnb's registered name.
 
 Tolerances.  Compiled against eager flashnb: the same kernels on the same inputs, so equal bit for bit
@@ -18,9 +18,9 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-import flashnb.torch as ft  # noqa: E402
+import flashnb.pytorch as ft  # noqa: E402
 from flashnb import flex, rng  # noqa: E402
-from flashnb.torch import ops  # noqa: E402
+from flashnb.pytorch import ops  # noqa: E402
 
 TOL = 2e-5
 SMALL = dict(Br=16, Bc=16, warps=1)
@@ -301,7 +301,7 @@ def test_transformers_models_match_eager(fnb, model, padding):
 
 
 def test_transformers_masks_flashnb_cannot_express_are_refused():
-    from flashnb.torch.transformers import fit_mask
+    from flashnb.pytorch.transformers import fit_mask
 
     doc = torch.zeros(1, 1, 8, 8, dtype=torch.bool)             # two packed documents of 4 tokens
     for a, b in ((0, 4), (4, 8)):

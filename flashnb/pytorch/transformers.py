@@ -1,6 +1,6 @@
 """flashnb in Hugging Face transformers: :func:`register_transformers` adds an attention function (and its mask
 function) to ``transformers.AttentionInterface`` / ``AttentionMaskInterface``, so that a model built with
-``attn_implementation=<name>`` runs its attention on flashnb (:func:`flashnb.torch.attention`).
+``attn_implementation=<name>`` runs its attention on flashnb (:func:`flashnb.pytorch.attention`).
 
 **The name.**  transformers treats every ``attn_implementation`` whose name contains ``"flash"`` as a
 FlashAttention kernel to load (``transformers.utils.is_flash_attention_requested`` tests ``"flash" in name``,
@@ -53,7 +53,7 @@ DEFAULT_NAME = "fnb"
 
 def register_transformers(name: str = DEFAULT_NAME, *, impl: str = "flash", **options) -> str:
     """Register flashnb as transformers' attention implementation ``name`` (and its mask function); returns
-    ``name``.  ``impl`` and ``options`` (tile options, ...) are passed to :func:`flashnb.torch.attention`.  Then
+    ``name``.  ``impl`` and ``options`` (tile options, ...) are passed to :func:`flashnb.pytorch.attention`.  Then
     ``AutoModel.from_config(config, attn_implementation=name)`` (or ``config._attn_implementation = name``, or
     ``model.set_attn_implementation(name)``) runs the model on flashnb."""
     if not isinstance(name, str) or not name:
@@ -165,7 +165,7 @@ def _allowed(attention_mask, B, Hq, Nq, Nk) -> torch.Tensor:
 
 
 def fit_mask(attention_mask, B: int, Hq: int, Nq: int, Nk: int):
-    """``(causal, mask_mod)`` for :func:`flashnb.torch.attention` that give exactly ``attention_mask`` (a 4-D
+    """``(causal, mask_mod)`` for :func:`flashnb.pytorch.attention` that give exactly ``attention_mask`` (a 4-D
     boolean or 0/-inf additive mask): causal(diag) ∧ sliding window ∧ key padding, fitted and then checked
     element by element; a ValueError naming ``attention_mask`` when no such form reproduces it."""
     allowed = _allowed(attention_mask, B, Hq, Nq, Nk)
@@ -192,7 +192,7 @@ def fit_mask(attention_mask, B: int, Hq: int, Nq: int, Nk: int):
     raise ValueError("attention_mask is not causal (any diagonal), a sliding window and key padding: flashnb cannot "
                      "express it (a packed-sequence or document mask, a prefix-LM mask, ...); use "
                      "attn_implementation='sdpa' or 'eager' for this input, or pass a flashnb mask_mod to "
-                     "flashnb.torch.attention directly")
+                     "flashnb.pytorch.attention directly")
 
 
 def _express(keep, padded, diag, window, Nq, Nk):

@@ -1,5 +1,5 @@
-"""flashnb.torch's functions: :func:`attention` (flashnb's arguments), :func:`scaled_dot_product_attention`
-(SDPA's), both calling the custom operators of :mod:`flashnb.torch.ops`; :class:`FlashAttentionFunction`, the
+"""flashnb.pytorch's functions: :func:`attention` (flashnb's arguments), :func:`scaled_dot_product_attention`
+(SDPA's), both calling the custom operators of :mod:`flashnb.pytorch.ops`; :class:`FlashAttentionFunction`, the
 same computation as a ``torch.autograd.Function`` on flattened tensors (not traceable by ``torch.compile``)."""
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def _check_tensors(q, k, v, allow_float64):
 def _options(impl, causal, scale, dropout_p, seed, storage, dtype, needs_grad, score_mod, mask_mod, score_mod_grad,
              block_mask, *idents, **options) -> str:
     """Every check of :func:`attention` that needs no tensor, and the operators' ``options`` string (objects
-    registered: :mod:`flashnb.torch.ops`).  Run at each eager call; under ``torch.compile`` once, when the call is
+    registered: :mod:`flashnb.pytorch.ops`).  Run at each eager call; under ``torch.compile`` once, when the call is
     traced (its result a graph constant): ``idents`` are the ``id()`` of the object arguments, which makes dynamo
     guard on those objects (another modifier object, another trace)."""
     entry = api._check_impl(impl)
@@ -194,7 +194,7 @@ def attention(q, k, v, *, causal=False, scale=None, impl: str = "flash", block_m
 
     Returns ``o`` with q's shape, dtype and device.  Calls ``torch.ops.flashnb.attention_forward`` (its backward
     ``attention_backward``): traceable by ``torch.compile(fullgraph=True)`` and ``torch.export``
-    (:mod:`flashnb.torch.ops` says how the Python arguments cross the operator boundary).
+    (:mod:`flashnb.pytorch.ops` says how the Python arguments cross the operator boundary).
     """
     _check_tensors(q, k, v, allow_float64)
     if isinstance(block_mask, np.ndarray) and torch.compiler.is_compiling():
@@ -239,7 +239,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             raise ValueError("pass either attn_mask or is_causal=True, not both (as SDPA)")
         if not isinstance(attn_mask, CausalBias):
             raise ValueError("flashnb computes no arbitrary attn_mask: pass None, causal_lower_right(Nq, Nk) or "
-                             "causal_upper_left(Nq, Nk) (torch.nn.attention.bias), or use flashnb.torch.attention "
+                             "causal_upper_left(Nq, Nk) (torch.nn.attention.bias), or use flashnb.pytorch.attention "
                              "with block_mask=... for block sparsity")
         if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (query.shape[-2], key.shape[-2]):
             raise ValueError(f"attn_mask is a causal bias for (Nq, Nk) = ({attn_mask.seq_len_q}, "

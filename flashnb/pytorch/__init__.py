@@ -1,7 +1,7 @@
 """flashnb attention inside a PyTorch model: custom operators with SDPA's shapes, ``torch.compile``-able.
 
 Needs PyTorch (``pip install "flashnb[torch]"``); ``import flashnb`` never imports it -- only
-``import flashnb.torch`` does.
+``import flashnb.pytorch`` does.
 
 * :func:`attention` ``(q, k, v, *, causal=False, scale=None, impl="flash", block_mask=None, score_mod=None,
   mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=None)`` (attention modifiers: :mod:`flashnb.flex`;
@@ -12,16 +12,16 @@ Needs PyTorch (``pip install "flashnb[torch]"``); ``import flashnb`` never impor
 * :func:`scaled_dot_product_attention` has SDPA's own signature and semantics (``is_causal`` aligned top-left,
   ``attn_mask`` a ``causal_lower_right``/``causal_upper_left`` bias or None), for a literal drop-in.
 * Both call flashnb's **custom operators** ``torch.ops.flashnb.attention_forward`` / ``attention_backward``
-  (:mod:`flashnb.torch.ops`: ``torch.library.custom_op`` with fake implementations and ``register_autograd``),
+  (:mod:`flashnb.pytorch.ops`: ``torch.library.custom_op`` with fake implementations and ``register_autograd``),
   so ``torch.compile(model, fullgraph=True)``, ``torch.export`` and ``torch.library.opcheck`` see one opaque
   operator per direction.  The forward saves what FlashAttention saves -- q, k, v, O and the log-sum-exp ``L``,
   never P -- and the backward is the impl's recompute backward (P rebuilt tile by tile from ``L``).  That
   backward is not itself differentiable: a second-order use (a gradient penalty, a Hessian-vector product) is a
   RuntimeError saying so (:data:`SECOND_ORDER`), never a gradient missing its terms.  How Python arguments
   (modifiers, block masks, dropout's seed) cross the operator boundary, and what that means for an exported
-  program in another process: :mod:`flashnb.torch.ops`.
+  program in another process: :mod:`flashnb.pytorch.ops`.
 * :func:`register_transformers` plugs flashnb into Hugging Face transformers' ``AttentionInterface``
-  (:mod:`flashnb.torch.transformers`).
+  (:mod:`flashnb.pytorch.transformers`).
 * :class:`FlashAttentionFunction` is the same computation as a ``torch.autograd.Function`` on flattened
   ``(BH, N, d)`` tensors (not traceable by ``torch.compile``); :func:`refuse_second_order` is its refusal.
 

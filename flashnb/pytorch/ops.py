@@ -16,7 +16,7 @@ Schemas (``str(torch.ops.flashnb.attention_forward.default._schema)``)::
   q's shape and dtype, ``lse`` is float32 ``(B, Hq, Nq)``; the backward returns ``dq, dk, dv`` with the shapes
   and dtype of ``q, k, v``.  Any strides (the operator makes its own contiguous copies where needed).
 * ``seed``: attention dropout's seed as an int64 tensor of one element (``dropout_p > 0``; None otherwise), so
-  that the operator stays functional: :func:`flashnb.torch.attention` draws it from torch's generator
+  that the operator stays functional: :func:`flashnb.pytorch.attention` draws it from torch's generator
   (``torch.randint``, part of the traced graph), outside the operator.  Seeds ``>= 2**63`` travel as their
   two's complement (``seed - 2**64``) and are read back as unsigned.
 * ``causal``: ``"none"``, ``"lower_right"`` (flashnb's ``causal=True``) or ``"upper_left"`` (SDPA's
@@ -29,18 +29,18 @@ Schemas (``str(torch.ops.flashnb.attention_forward.default._schema)``)::
   modifier is registered as its :func:`flashnb.flex.snapshot` (code and captured values at that call), a block
   mask with a digest of its arrays.
 
-**The registry's lifetime.**  Handles are made by :func:`flashnb.torch.attention` (at every eager call; under
+**The registry's lifetime.**  Handles are made by :func:`flashnb.pytorch.attention` (at every eager call; under
 ``torch.compile`` once, when the call is traced, and baked into the graph as constants).  The registry keeps the
 :data:`REGISTRY_SIZE` most recently used entries; a handle names its process (a random token), so it never
 resolves to another object.  The operator refuses (ValueError naming the argument), never guesses, when:
 
 * the handle was made in another process (an exported program run elsewhere) or has been evicted: rebuild the
-  call there (call :func:`flashnb.torch.attention` once) -- modifiers and block masks do not travel;
+  call there (call :func:`flashnb.pytorch.attention` once) -- modifiers and block masks do not travel;
 * the modifier a compiled graph was traced with has changed what it captures since (an array changed in place),
   or a block mask's arrays changed: a compiled graph keeps the modifier it was traced with (a new function
   object retraces: ``torch.compile`` guards on its identity), so a change of content is an error at the forward.
 
-What ``torch.compile`` needs beyond this module: :func:`flashnb.torch.attention` turns its Python arguments into
+What ``torch.compile`` needs beyond this module: :func:`flashnb.pytorch.attention` turns its Python arguments into
 the ``options`` string in one function marked ``torch.compiler.assume_constant_result`` (run at tracing, its
 result a graph constant) and passes ``id()`` of every object argument, so that dynamo guards on the objects
 themselves (a closure of the same code with other captured values is another object, hence a retrace).
@@ -112,9 +112,9 @@ class Registry:
             why = (f"it was dropped: the registry keeps the {self.size} most recently used" if here else
                    "modifiers and block masks live in the process that made them")
             raise ValueError(
-                f"flashnb::{op}: options name {role} {handle!r}, registered by flashnb.torch in "
+                f"flashnb::{op}: options name {role} {handle!r}, registered by flashnb.pytorch in "
                 f"{'this' if here else 'another'} process, which this process's registry does not hold ({why}); "
-                "call flashnb.torch.attention with it again in this process (modifiers and block masks do not travel "
+                "call flashnb.pytorch.attention with it again in this process (modifiers and block masks do not travel "
                 "with an exported program)")
         self.entries.move_to_end(handle)
         _, obj, digest, _ = entry
@@ -124,7 +124,7 @@ class Registry:
                     f"flashnb::{op}: {role} {obj.__name__!r} captures arrays that changed in place since this call "
                     "was traced by torch.compile (the compiled graph keeps the modifier it was traced with, a snapshot "
                     "of its values then): pass a new modifier (a new function object is traced again) instead of "
-                    "changing the arrays it captures, or call flashnb.torch.attention outside torch.compile")
+                    "changing the arrays it captures, or call flashnb.pytorch.attention outside torch.compile")
             if digest is not None and _digest(obj) != digest:
                 raise ValueError(f"flashnb::{op}: {role} was changed in place since this call was traced by "
                                  "torch.compile (its arrays differ): pass a new block mask object instead")
@@ -168,7 +168,7 @@ def decode_options(options: str, op: str, direction: str) -> dict:
     try:
         raw = json.loads(options)
     except (TypeError, ValueError):
-        raise ValueError(f"flashnb::{op}: options must be the JSON string flashnb.torch.attention makes, got "
+        raise ValueError(f"flashnb::{op}: options must be the JSON string flashnb.pytorch.attention makes, got "
                          f"{options!r}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"flashnb::{op}: options must be a JSON object, got {options!r}")
@@ -202,7 +202,7 @@ def _check_inputs(op: str, tensors: dict, seed, causal: str, dropout_p: float) -
                             "q, k, v (o, do)")
     if tensors[first].dtype not in _DTYPES:
         raise TypeError(f"flashnb::{op}: {first} has dtype {tensors[first].dtype}; the operator takes float32, "
-                        "float16 or bfloat16 (flashnb.torch.attention converts float64 with allow_float64=True)")
+                        "float16 or bfloat16 (flashnb.pytorch.attention converts float64 with allow_float64=True)")
     q, k, v = tensors["q"], tensors["k"], tensors["v"]
     if q.shape[0] != k.shape[0] or k.shape != v.shape or q.shape[3] != k.shape[3]:
         raise ValueError(f"flashnb::{op}: q must be (B, Hq, Nq, d) and k, v (B, Hkv, Nk, d), got q {tuple(q.shape)}, "
@@ -321,7 +321,7 @@ attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 #: What a second-order use of flashnb's backward raises.
 SECOND_ORDER = ("flashnb's attention backward is not itself differentiable, so a second-order gradient through "
-                "flashnb.torch.attention (a gradient penalty: autograd.grad(..., create_graph=True), then a backward "
+                "flashnb.pytorch.attention (a gradient penalty: autograd.grad(..., create_graph=True), then a backward "
                 "through that gradient; a Hessian-vector product) would miss its terms; it is refused.  Compute "
                 "that term with torch.nn.functional.scaled_dot_product_attention under torch.nn.attention.sdpa_kernel("
                 "SDPBackend.MATH), or plain torch ops; first-order gradients through flashnb are unaffected")

@@ -1,4 +1,4 @@
-"""Where flashnb.torch's kernels run: CPU tensors through the NumPy API (the simulator, or host copies to a GPU),
+"""Where flashnb.pytorch's kernels run: CPU tensors through the NumPy API (the simulator, or host copies to a GPU),
 CUDA tensors zero-copy on torch's current stream (:func:`_forward3`, :func:`_backward3`), and the rehearsal of
 the CUDA path on the simulator (:func:`rehearse_cuda`)."""
 
