@@ -51,7 +51,7 @@ from numba import cuda, float32
 
 from flashnb import instruments as fi
 from flashnb.instruments import bench, roofline, traffic
-from flashnb.notebook import savefig, show_source
+from flashnb.notebook import savefig
 from flashnb.registry import KERNELS
 from flashnb.stages import fa2, naive
 
@@ -229,8 +229,9 @@ print("reads per element:", {a: round(r, 2) for a, r in per.items()}, f"with {ro
 # %% [markdown]
 # ## Appendix · The toolkit
 #
-# The sections below are reference material: the instruments flashnb uses beyond the traffic counter. Later
-# notebooks point back to them; exercises 00.3 to 00.6 use them.
+# The sections below are reference material: the instruments flashnb uses beyond the traffic counter, shown on
+# small kernels of this notebook and on stage 1's matrix product (notebook 01). Later notebooks point back to
+# them and use them on FlashAttention's kernels; exercises 00.3 to 00.5 use them.
 #
 # ### A.1 · Sectors and bank conflicts: the memory profiler
 #
@@ -267,22 +268,11 @@ print({k: v for k, v in prof.metrics()["copy_patterns"].items() if "global_op_ld
 # DRAM bytes can exceed the count wherever a warp's lanes are scattered. Shared memory has its own version of
 # this: 32 *banks* of 4-byte words, word $w$ in bank $w \bmod 32$; a request costs as many *wavefronts* as the
 # most distinct words any one bank must deliver (lanes reading the same word share it). The profiler counts
-# those too, and it finds the two known cases in flashnb's own kernels -- FlashAttention-2's forward stores its
-# $Q_i$ and $K_j$ tiles *transposed* (lane $k$ writes word $k \cdot B_r + r$: one bank for every lane), and
-# FlashAttention-1 gives each lane a row of $Q_i$ to read (stride $d$):
-
-# %%
-rng = np.random.default_rng(1)
-qp, kp, vp = (rng.standard_normal((1, 64, 32)) for _ in range(3))
-for impl in ("fa2", "fa1"):
-    with sim.profile() as prof:
-        flashnb.attention_forward(qp, kp, vp, impl=impl)
-    print(f"{impl}: the lines that waste the most")
-    print(prof.table(prof.worst(2)))
-    assert prof.worst(1)[0].per_request == 32
+# those too: lanes that read down a column of a row-major tile whose width is a multiple of 32 all hit one bank.
+# Notebooks 03 and 05 profile FlashAttention's own tiles this way, once their kernels are taught.
 
 # %% [markdown]
-# `flashnb profile` prints this for every implementation. These are still program-level counts (the compiler
+# `flashnb profile` prints this for every implementation of attention. These are still program-level counts (the compiler
 # may keep a value in a register instead of reloading it) with no cache modelling: `flashnb.sim.memprofile`
 # lists how they differ from what Nsight Compute measures. Read the traffic counter as "how many times does the
 # *algorithm* touch each array" and the profiler as "how well would a GPU's memory system serve those touches".
@@ -293,12 +283,12 @@ for impl in ("fa2", "fa1"):
 # block *costs*. `flashnb.instruments` compiles a kernel to PTX for a real architecture (NVVM) and runs `ptxas -v`
 # on it — no GPU needed; in simulator mode the compile runs in a child process — then derives the
 # **occupancy**: how many blocks (and warps) one SM can hold at once, and which resource limits it. Here,
-# `naive.matmul` and `fa2.forward` (one configuration each) for sm_80 (A100) and sm_90 (H100/H200):
+# stage 1's tiled matrix product `naive.matmul` (notebook 01; one configuration) for sm_80 (A100) and sm_90
+# (H100/H200):
 
 # %%
 t_inspect = time.perf_counter()
-jobs = [(name, KERNELS[name].configs[i], cc) for name, i in (("naive.matmul", 0), ("fa2.forward", 1))
-        for cc in ((8, 0), (9, 0))]
+jobs = [(name, KERNELS[name].configs[i], cc) for name, i in (("naive.matmul", 0),) for cc in ((8, 0), (9, 0))]
 resources = fi.resources_many(jobs)
 t_inspect = time.perf_counter() - t_inspect
 MATMUL_THREADS = naive.TILE * naive.TILE      # naive's launcher: a T x T block per output tile
@@ -320,10 +310,11 @@ for cc, lim in fi.SM_LIMITS.items():
 # printed last). A thread that needs $r$ registers costs a warp $32r$ of them (rounded up to the allocation
 # unit), so the register file holds
 # fewer warps as $r$ grows. `limits` shows how many blocks each resource alone would allow; the smallest wins
-# and is named the limiter. `naive.matmul` is small and cheap; `fa2.forward` keeps a tile of $S$ and of $O$ in
-# registers per thread, so registers — not shared memory — limit how many of its blocks fit. Low occupancy is
-# not automatically bad (FlashAttention-2 runs at low occupancy on purpose, using registers as the fastest
-# memory), but it means fewer warps are available to hide memory latency.
+# and is named the limiter. `naive.matmul` is small and cheap: a few registers per thread, one tile of each
+# operand in shared memory. FlashAttention-2's kernels (notebook 05) keep tiles of $S$ and $O$ in registers, so
+# there registers limit how many blocks fit. Low occupancy is not automatically bad (FlashAttention-2 runs at low
+# occupancy on purpose, using registers as the fastest memory), but it means fewer warps are available to hide
+# memory latency.
 #
 # The same rule over every register count, at 128 threads per block (`flashnb.instruments.occupancy` is pure
 # arithmetic, so this needs no compiler):
@@ -334,9 +325,9 @@ fig, ax = plt.subplots(figsize=(7, 4))
 for cc in ((8, 0), (9, 0)):
     ax.step(regs, [fi.occupancy(int(r), 0, 128, cc).warps_per_sm for r in regs], where="post",
             label=f"sm_{cc[0]}{cc[1]}, 128 threads/block, no shared memory")
-for r in resources:
-    if r.name == "fa2.forward":
-        ax.plot([r.registers], [r.occupancy().warps_per_sm], "o", label=f"fa2.forward on sm_{r.cc[0]}{r.cc[1]}")
+for r in resources:      # naive.matmul at its own block size (the curves are for 128 threads)
+    ax.plot([r.registers], [r.occupancy(MATMUL_THREADS).warps_per_sm], "o",
+            label=f"naive.matmul on sm_{r.cc[0]}{r.cc[1]}, {MATMUL_THREADS} threads/block")
 ax.set_xlabel("registers per thread")
 ax.set_ylabel("resident warps per SM")
 ax.set_title("Occupancy vs registers (from published per-SM limits)")
@@ -414,11 +405,8 @@ print("lane 31 after shfl_down:", down[[31, 63]], "= 32 x", xs[[31, 63]])
 # %% [markdown]
 # The butterfly gives every lane the total, which is what a row-wise softmax wants: every lane then knows the row
 # max or row sum. The simulator also turns a shuffle that a GPU would hang on (a full-mask shuffle that some
-# lane never reaches) into an error instead of a hang. flashnb's kernels use exactly these calls -- here are
-# the lines of FlashAttention-2's forward kernel factory that shuffle (notebook 05 shows the whole kernel):
-
-# %%
-show_source(fa2.make_forward, grep="shfl")
+# lane never reaches) into an error instead of a hang. flashnb's kernels use exactly these calls: the online
+# softmax of notebook 02 reduces its rows with them, and FlashAttention-2 (notebook 05) its row maxima and sums.
 
 # %% [markdown]
 # ### A.4 · The bugs the simulator hides, and the sanitizer that finds them
@@ -532,7 +520,7 @@ print(f"notebook ran in {runtime_s:.1f} s (simulator wall time: says nothing abo
 # Levels: ★ a few lines, ★★ a small kernel or experiment, ★★★ a real change to a kernel.
 
 # %%
-from flashnb import exercises, registry  # noqa: F401  (registry: for exercise 00.6)
+from flashnb import exercises
 
 # %% [markdown]
 # **00.1 · When does FA2's forward become compute-bound?** (★, ~10 min) Using the presets, find the smallest
@@ -568,8 +556,9 @@ passed = exercises.check("00.3", sectors_stride2=sectors_stride2, sectors_stride
 
 # %% [markdown]
 # **00.4 · Registers to spare** (★★, ~15 min) With `flashnb.instruments.occupancy` and the resource report of
-# Appendix A.2, find how many registers per thread `fa2.forward` (the configuration A.2 prints: $d = 64$, causal,
-# 128 threads per block) could use on sm_90 and still keep its current number of resident blocks per SM.
+# Appendix A.2, find how many registers per thread `naive.matmul` (the configuration A.2 prints, at its
+# `MATMUL_THREADS` threads per block) could use on sm_90 and still keep its current number of resident blocks per
+# SM.
 
 # %%
 max_registers = ...
@@ -584,16 +573,3 @@ passed = exercises.check("00.4", max_registers=max_registers)
 warp_scan = ...   # your @cuda.jit kernel (x, out)
 passed = exercises.check("00.5", kernel=warp_scan)
 
-# %% [markdown]
-# **00.6 · The race a missing barrier makes** (★★, ~15 min) Make a variant of `fa2.make_forward` without the
-# `cuda.syncthreads()` marked "every warp is done with K_{j-1}, V_{j-1}", the kernel's region `kv-barrier`
-# (`show_source(fa2.make_forward, region="kv-barrier")`) -- `registry.variant(fa2.make_forward,
-# regions={"kv-barrier": new_lines})` edits a copy of the factory without touching the library -- and run it through
-# the library's launcher (`with registry.using(fa2.make_forward, variant):`) under `sim.sanitize()`, with two
-# warps and several key tiles (`Br=16, Bc=16, warps=2`, $N = 48$). Which shared arrays does racecheck report,
-# and at which lines? Does the output still match the reference on the simulator, and why is that no evidence
-# about a GPU?
-
-# %%
-race_arrays = ...   # a set of shared-array names
-passed = exercises.check("00.6", race_arrays=race_arrays)

@@ -473,6 +473,26 @@ savefig(fig, "05_warp_layout")
 plt.show()
 
 # %% [markdown]
+# ### Bank conflicts of the transposed tiles
+#
+# The memory profiler of notebook 00 (Appendix A.1) groups each warp's accesses into requests and counts the
+# shared-memory wavefronts each needs. Run on FA2's forward and on FA1's (notebook 03), it finds the line of each
+# that wastes the most: FA2 stores its $Q_i$ and $K_j$ tiles *transposed* (the lanes of a warp write words
+# $k \cdot B_r + r$ for consecutive $k$: one bank for every lane), and FA1 gives each lane a row of $Q_i$ to read
+# (stride $d$). The tables name the line of each; stage 6 (notebook 08) lays its tiles out without conflicts.
+
+# %%
+from flashnb import sim  # noqa: E402
+
+qp, kp, vp = (rng.standard_normal((1, 64, 32)) for _ in range(3))
+for impl in ("fa2", "fa1"):
+    with sim.profile() as prof:
+        flashnb.attention_forward(qp, kp, vp, impl=impl)
+    print(f"{impl}: the lines that waste the most")
+    print(prof.table(prof.worst(2)))
+    assert prof.worst(1)[0].per_request == 32
+
+# %% [markdown]
 # ## Causal: skip the blocks above the diagonal
 #
 # Only tiles with at least one allowed (query, key) pair are visited; only those crossing the diagonal
@@ -641,7 +661,7 @@ print(bench.table(gpu_rows, ["impl", "direction", "median_ms", "q1_ms", "q3_ms",
 # Levels: ★ a few lines, ★★ a small model or experiment, ★★★ a real change to a kernel.
 
 # %%
-from flashnb import exercises, registry  # noqa: F401  (registry: for exercise 05.1)
+from flashnb import exercises, registry, sim  # noqa: F401  (registry: exercises 05.1 and 05.5; sim: 05.5)
 
 # %% [markdown]
 # **05.1 · An 8 × 4 lane grid** (★★★, ~30 min) Give the kernel warps of `LR = 8` row lanes × `LC = 4` column
@@ -689,7 +709,21 @@ largest_Br = ...
 passed = exercises.check("05.4", largest_Br=largest_Br)
 
 # %% [markdown]
-# **05.5 · FA2's forward from a blank cell** (★★★, ~90 min) Write the forward yourself, at the ladder's
+# **05.5 · The race a missing barrier makes** (★★, ~15 min) Make a variant of `fa2.make_forward` without the
+# `cuda.syncthreads()` marked "every warp is done with K_{j-1}, V_{j-1}", the kernel's region `kv-barrier`
+# (`show_source(fa2.make_forward, region="kv-barrier")`) -- `registry.variant(fa2.make_forward,
+# regions={"kv-barrier": new_lines})` edits a copy of the factory without touching the library -- and run it through
+# the library's launcher (`with registry.using(fa2.make_forward, variant):`) under `sim.sanitize()`, with two
+# warps and several key tiles (`Br=16, Bc=16, warps=2`, $N = 48$). Which shared arrays does racecheck report,
+# and at which lines? Does the output still match the reference on the simulator, and why is that no evidence
+# about a GPU?
+
+# %%
+race_arrays = ...   # a set of shared-array names
+passed = exercises.check("05.5", race_arrays=race_arrays)
+
+# %% [markdown]
+# **05.6 · FA2's forward from a blank cell** (★★★, ~90 min) Write the forward yourself, at the ladder's
 # one-thread-per-row level: a `@cuda.jit` kernel `(Q, K, V, O, L, scale, diag)` launched as
 # `kernel[(ceil(Nq / 32), BH), 32]`, one thread per query row $i$ of batch·head `blockIdx.y`, K/V tiles of $B_c$
 # rows staged in shared memory, $m_i$, $\ell_i$ and $\tilde O_i$ in registers (Algorithm 1, lines 4-13). Key $j$ is
@@ -697,7 +731,7 @@ passed = exercises.check("05.4", largest_Br=largest_Br)
 # bottom-right causal, `0` for top-left); a row that sees no key writes $O_i = 0$, $L_i = -\infty$; skip the tiles
 # after a block's last visible key; $d \le 32$. The check grades it as the course kit does: float64 on five
 # shapes, counted traffic against FA2's model for your $B_c$, the four sanitizer tools, and a compile for sm_80
-# and sm_90 -- and says what is wrong. `exercises.hint("05.5")` gives the outline.
+# and sm_90 -- and says what is wrong. `exercises.hint("05.6")` gives the outline.
 
 # %%
 import math  # noqa: F401  (for your kernel: math.exp, math.log)
@@ -710,7 +744,7 @@ from numba import cuda, float32  # noqa: F401
 
 my_fa2_forward = ...   # your kernel
 my_Bc = ...            # the K/V rows it loads per tile
-passed = exercises.check("05.5", kernel=my_fa2_forward, Bc=my_Bc)   # prints the verdict
+passed = exercises.check("05.6", kernel=my_fa2_forward, Bc=my_Bc)   # prints the verdict
 
 # %%
 print(f"notebook ran in {time.perf_counter() - T0:.1f} s")

@@ -334,13 +334,13 @@ visits_wide = ...
 passed = exercises.check("06.4", visits_square=visits_square, visits_wide=visits_wide)
 
 # %% [markdown]
-# **06.5 · FA2's backward from a blank cell** (★★★, ~90 min) The twin of exercise 05.5: a `@cuda.jit` kernel
+# **06.5 · FA2's backward from a blank cell** (★★★, ~90 min) The twin of exercise 05.6: a `@cuda.jit` kernel
 # `(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag)` launched as `kernel[(ceil(Nk / 32), BH), 32]`, one thread per key
 # row $j$: $k_j$, $v_j$, $dK_j$, $dV_j$ in registers, query tiles $Q_i$, $dO_i$, $L_i$, $D_i$ of $B_r$ rows staged
 # in shared memory, $P$ rebuilt from $L$ (Algorithm 2, lines 6-18) and $dQ$ summed with `cuda.atomic.add` (it
 # arrives zeroed; $D = \mathrm{rowsum}(dO \circ O)$ is given). Key $j$ is visible to row $i$ iff
 # $j \le i + $ `diag`; skip the query tiles before the first row that sees a block's first key; $d \le 32$. The
-# check grades it like exercise 05.5: float64 on five shapes, counted traffic against FA2's backward model for
+# check grades it like exercise 05.6: float64 on five shapes, counted traffic against FA2's backward model for
 # your $B_r$, the four sanitizer tools, and a compile for sm_80 and sm_90.
 
 # %%

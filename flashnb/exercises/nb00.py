@@ -160,43 +160,52 @@ def _():
     return dict(sectors_stride2=4, sectors_stride8=8, worst_from_stride=32)
 
 
-def _fa2_forward_resources():
+def _matmul_resources():
     from .. import instruments as fi
     from ..registry import KERNELS
 
-    return fi.resources_for("fa2.forward", KERNELS["fa2.forward"].configs[1], (9, 0))   # what A.2 prints
+    return fi.resources_for("naive.matmul", KERNELS["naive.matmul"].configs[0], (9, 0))   # what A.2 prints
+
+
+def _matmul_threads() -> int:
+    from ..stages import naive
+
+    return naive.TILE * naive.TILE     # naive's launcher: a T x T block per output tile
 
 
 @exercise("00.4", "registers to spare before occupancy drops", level=2, minutes=15,
-          hint="""Take fa2.forward's registers and static shared memory on sm_90 from the resource report that
-          Appendix A.2 of notebook 00 prints (d = 64, causal, 128 threads per block).
-          fi.occupancy(R, shared_bytes, 128, (9, 0)).blocks_per_sm is the number of resident blocks with R registers
-          per thread: find the largest R that keeps today's number.""",
+          hint="""Take naive.matmul's registers and static shared memory on sm_90 from the resource report that
+          Appendix A.2 of notebook 00 prints (naive.TILE² threads per block).
+          fi.occupancy(R, shared_bytes, threads, (9, 0)).blocks_per_sm is the number of resident blocks with R
+          registers per thread: find the largest R that keeps today's number.""",
           explain="""Registers are allocated per warp in units of 256 (8 per thread), from four sub-partitions of
           16,384 each; the number of warps per sub-partition only changes when R crosses 16384 / (32 · warps)
-          rounded to the allocation unit. So a kernel can often grow by several registers "for free" -- and
-          adding one more past the step costs a whole block per SM.""")
+          rounded to the allocation unit, and another resource (warps, blocks or shared memory per SM) may limit
+          first. So a kernel can often grow by several registers "for free" -- and adding one more past the step
+          costs whole blocks per SM.""")
 def check_00_4(max_registers):
-    """max_registers: the most registers per thread fa2.forward (the configuration Appendix A.2 prints: d = 64,
-    causal, 128 threads per block) could use on sm_90 and keep its current number of resident blocks per SM."""
+    """max_registers: the most registers per thread naive.matmul (the configuration Appendix A.2 prints) could use
+    on sm_90 and keep its current number of resident blocks per SM."""
     from .. import instruments as fi
 
-    r = _fa2_forward_resources()
-    now = fi.occupancy(r.registers, r.shared_bytes, 128, (9, 0)).blocks_per_sm
-    best = max(R for R in range(1, 256) if fi.occupancy(R, r.shared_bytes, 128, (9, 0)).blocks_per_sm >= now)
+    r, threads = _matmul_resources(), _matmul_threads()
+    now = fi.occupancy(r.registers, r.shared_bytes, threads, (9, 0)).blocks_per_sm
+    best = max(R for R in range(1, 256) if fi.occupancy(R, r.shared_bytes, threads, (9, 0)).blocks_per_sm >= now)
     close(max_registers, best, what="max_registers")
-    return f"fa2.forward uses {r.registers} registers today: {best - r.registers} more would keep {now} blocks/SM"
+    return f"naive.matmul uses {r.registers} registers today: {best - r.registers} more would keep {now} blocks/SM"
 
 
 @check_00_4.solves
 def _():
     from flashnb import instruments as fi
     from flashnb.registry import KERNELS
+    from flashnb.stages import naive
 
-    r = fi.resources_for("fa2.forward", KERNELS["fa2.forward"].configs[1], (9, 0))
-    blocks = fi.occupancy(r.registers, r.shared_bytes, 128, (9, 0)).blocks_per_sm
+    r = fi.resources_for("naive.matmul", KERNELS["naive.matmul"].configs[0], (9, 0))
+    threads = naive.TILE * naive.TILE
+    blocks = fi.occupancy(r.registers, r.shared_bytes, threads, (9, 0)).blocks_per_sm
     return dict(max_registers=max(R for R in range(1, 256)
-                                  if fi.occupancy(R, r.shared_bytes, 128, (9, 0)).blocks_per_sm >= blocks))
+                                  if fi.occupancy(R, r.shared_bytes, threads, (9, 0)).blocks_per_sm >= blocks))
 
 
 @check_00_4.fails
@@ -254,50 +263,3 @@ def _():
         out[i] = x[i]
 
     return dict(kernel=not_a_scan)
-
-
-@exercise("00.6", "the race a missing barrier makes in FA2's forward", level=2, minutes=15,
-          hint="""That barrier is the kernel's region kv-barrier (show_source(fa2.make_forward, region="kv-barrier")):
-          no_barrier = registry.variant(fa2.make_forward, regions={"kv-barrier": "pass"}); then `with
-          registry.using(fa2.make_forward, no_barrier), sim.sanitize(raise_on_error=False) as report:` run
-          flashnb.attention(q, k, v, impl="fa2", Br=16, Bc=16, warps=2) on (1, 48, 8) inputs, and look at
-          report.by_tool("racecheck").""",
-          explain="""Without that barrier a fast warp starts loading K_j, V_j of the next tile while a slow warp still
-          reads the previous tile: racecheck reports read/write races on the shared tiles KsT and Vs, between the
-          tile loads in fa2_forward and the reads in fa2_tile. Whether the simulator's output is still right
-          depends on the order in which it happens to run threads; a GPU runs warps concurrently, so a right
-          answer on the simulator is no evidence.""")
-def check_00_6(race_arrays):
-    """race_arrays: the set of shared arrays racecheck reports for the FA2 forward without that barrier."""
-    require(isinstance(race_arrays, (set, frozenset, list, tuple)), "race_arrays must be a set of array names")
-    from .. import api, registry, sim
-    from ..stages import fa2
-
-    variant = registry.variant(fa2.make_forward, regions={"kv-barrier": "pass"})
-    q, k, v = (np.random.default_rng(s).standard_normal((1, 48, 8)) for s in range(3))
-    with registry.using(fa2.make_forward, variant), sim.sanitize(tools="racecheck", raise_on_error=False) as rep:
-        api.attention(q, k, v, impl="fa2", Br=16, Bc=16, warps=2)
-    truth = {f.message.split(" race on shared ")[1].split("[")[0] for f in rep.findings}
-    missing, extra = truth - set(race_arrays), set(race_arrays) - truth
-    require(not missing and not extra, f"{len(missing)} array(s) missing, {len(extra)} that racecheck does not "
-            "report; run it and read the report")
-
-
-@check_00_6.solves
-def _():
-    import numpy as np
-
-    from flashnb import api, registry, sim
-    from flashnb.stages import fa2
-
-    no_barrier = registry.variant(fa2.make_forward, regions={"kv-barrier": "pass"})
-    q, k, v = (np.random.default_rng(s).standard_normal((1, 48, 8)) for s in range(3))
-    with registry.using(fa2.make_forward, no_barrier), sim.sanitize(raise_on_error=False) as report:
-        api.attention(q, k, v, impl="fa2", Br=16, Bc=16, warps=2)
-    races = report.by_tool("racecheck")
-    return dict(race_arrays={f.message.split(" race on shared ")[1].split("[")[0] for f in races})
-
-
-@check_00_6.fails
-def _():
-    return dict(race_arrays={"QsT"})

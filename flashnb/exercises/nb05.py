@@ -255,15 +255,65 @@ def _():
     return dict(largest_Br=16)      # FA1's own Br: the tiles are not comparable one to one
 
 
-# --------------------------------------------------------------------------- 05.5: FA2's forward from a blank cell
+# --------------------------------------------------------------------------- 05.5
 
-#: The launch signature of a 05.5 kernel: Q, K, V, O (BH, N, d), L (BH, Nq), scale, diag.
-SIG_05_5 = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], "
+
+@exercise("05.5", "the race a missing barrier makes", level=2, minutes=15,
+          hint="""That barrier is the kernel's region kv-barrier (show_source(fa2.make_forward, region="kv-barrier")):
+          no_barrier = registry.variant(fa2.make_forward, regions={"kv-barrier": "pass"}); then `with
+          registry.using(fa2.make_forward, no_barrier), sim.sanitize(raise_on_error=False) as report:` run
+          flashnb.attention(q, k, v, impl="fa2", Br=16, Bc=16, warps=2) on (1, 48, 8) inputs, and look at
+          report.by_tool("racecheck").""",
+          explain="""Without that barrier a fast warp starts loading K_j, V_j of the next tile while a slow warp still
+          reads the previous tile: racecheck reports read/write races on the shared tiles KsT and Vs, between the
+          tile loads (common.load_rows_T, load_rows) and the reads in fa2_tile. Whether the simulator's output is
+          still right depends on the order in which it happens to run threads; a GPU runs warps concurrently, so a
+          right answer on the simulator is no evidence.""")
+def check_05_5(race_arrays):
+    """race_arrays: the set of shared arrays racecheck reports for the FA2 forward without that barrier."""
+    require(isinstance(race_arrays, (set, frozenset, list, tuple)), "race_arrays must be a set of array names")
+    from .. import api, registry, sim
+    from ..stages import fa2
+
+    variant = registry.variant(fa2.make_forward, regions={"kv-barrier": "pass"})
+    q, k, v = (np.random.default_rng(s).standard_normal((1, 48, 8)) for s in range(3))
+    with registry.using(fa2.make_forward, variant), sim.sanitize(tools="racecheck", raise_on_error=False) as rep:
+        api.attention(q, k, v, impl="fa2", Br=16, Bc=16, warps=2)
+    truth = {f.message.split(" race on shared ")[1].split("[")[0] for f in rep.findings}
+    missing, extra = truth - set(race_arrays), set(race_arrays) - truth
+    require(not missing and not extra, f"{len(missing)} array(s) missing, {len(extra)} that racecheck does not "
+            "report; run it and read the report")
+
+
+@check_05_5.solves
+def _():
+    import numpy as np
+
+    from flashnb import api, registry, sim
+    from flashnb.stages import fa2
+
+    no_barrier = registry.variant(fa2.make_forward, regions={"kv-barrier": "pass"})
+    q, k, v = (np.random.default_rng(s).standard_normal((1, 48, 8)) for s in range(3))
+    with registry.using(fa2.make_forward, no_barrier), sim.sanitize(raise_on_error=False) as report:
+        api.attention(q, k, v, impl="fa2", Br=16, Bc=16, warps=2)
+    races = report.by_tool("racecheck")
+    return dict(race_arrays={f.message.split(" race on shared ")[1].split("[")[0] for f in races})
+
+
+@check_05_5.fails
+def _():
+    return dict(race_arrays={"QsT"})
+
+
+# --------------------------------------------------------------------------- 05.6: FA2's forward from a blank cell
+
+#: The launch signature of a 05.6 kernel: Q, K, V, O (BH, N, d), L (BH, Nq), scale, diag.
+SIG_05_6 = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], "
             "float32[:, ::1], float32, int32)")
-BR_05_5 = 32          # query rows per block: one thread each, one warp
+BR_05_6 = 32          # query rows per block: one thread each, one warp
 #: (BH, Nq, Nk, d, diag): dense (diag = Nk: every key visible), causal bottom-right (diag = Nk - Nq) with Nq < Nk
 #: and with Nq > Nk (rows that see no key), top-left (diag = 0), partial tiles everywhere.
-CASES_05_5 = ((2, 40, 56, 16, 56), (1, 64, 40, 32, 40), (2, 40, 56, 16, 16), (1, 48, 20, 16, -28),
+CASES_05_6 = ((2, 40, 56, 16, 56), (1, 64, 40, 32, 40), (2, 40, 56, 16, 16), (1, 48, 20, 16, -28),
               (1, 33, 70, 32, 0))
 
 
@@ -282,20 +332,20 @@ def _attention64(q, k, v, scale, diag):
     return o, lse
 
 
-def _model_05_5(BH, Nq, Nk, d, diag, Bc):
+def _model_05_6(BH, Nq, Nk, d, diag, Bc):
     """Element reads and writes of FA2's forward, one thread per query row: Q once, K_j and V_j once per query
     block for every tile holding a visible key (tiles after the block's last visible key are skipped), O and L
     written once."""
     kv = 0
-    for r0 in range(0, Nq, BR_05_5):
-        last = min(r0 + BR_05_5, Nq) - 1 + diag          # the block's last visible key
+    for r0 in range(0, Nq, BR_05_6):
+        last = min(r0 + BR_05_6, Nq) - 1 + diag          # the block's last visible key
         tiles = 0 if last < 0 else min(-(-Nk // Bc), last // Bc + 1)
         kv += sum(min(Bc, Nk - t * Bc) for t in range(tiles)) * d
     return dict(reads=dict(Q=BH * Nq * d, K=BH * kv, V=BH * kv), writes=dict(O=BH * Nq * d, L=BH * Nq))
 
 
-@exercise("05.5", "FA2's forward from a blank cell, one thread per query row", level=3, minutes=90,
-          signatures={"kernel": SIG_05_5},
+@exercise("05.6", "FA2's forward from a blank cell, one thread per query row", level=3, minutes=90,
+          signatures={"kernel": SIG_05_6},
           hint="""Block (qb, z) owns query rows i = qb·32 + threadIdx.x of batch·head z; keep q_i and the
           unnormalised o_i in cuda.local.array(D, float32) (D a constant >= d, e.g. 32), m_i = -inf, l_i = 0.
           Loop over K/V tiles of Bc rows (Bc = 32: thread t loads row t of K_j and V_j into cuda.shared.array
@@ -313,7 +363,7 @@ def _model_05_5(BH, Nq, Nk, d, diag, Bc):
           to its last visible key; reading a tile more than once, or a K/V tile entirely above the diagonal,
           shows up as extra reads. The barrier before a tile's overwrite is the one most often forgotten: without
           it a fast thread loads tile j+1 while a slow one still reads tile j (racecheck reports it).""")
-def check_05_5(kernel, Bc):
+def check_05_6(kernel, Bc):
     """kernel: a cuda.jit kernel (Q, K, V, O, L, scale, diag) launched as kernel[(ceil(Nq / 32), BH), 32] that
     writes O = softmax(scale·Q Kᵀ, key j visible to row i iff j <= i + diag) V and L = its log-sum-exp (-inf, and
     O = 0, for a row that sees no key), for d <= 32; Bc: the K/V tile rows it loads at a time (its traffic depends
@@ -336,12 +386,12 @@ def check_05_5(kernel, Bc):
         args = (common.to_device(q), common.to_device(k), common.to_device(v), O, L, scale, np.int32(diag))
         return (q, k, v, scale), args, O, L
 
-    for BH, Nq, Nk, d, diag in CASES_05_5:
+    for BH, Nq, Nk, d, diag in CASES_05_6:
         what = f"BH = {BH}, Nq = {Nq}, Nk = {Nk}, d = {d}, diag = {diag}"
         (q, k, v, scale), args, O, L = launch(BH, Nq, Nk, d, diag)
         try:
             with traffic.count() as t:
-                kernel[(-(-Nq // BR_05_5), BH), BR_05_5](*args)
+                kernel[(-(-Nq // BR_05_6), BH), BR_05_6](*args)
         except Exception as e:
             raise Wrong(f"your kernel failed at {what}: {type(e).__name__}: {e}") from None
         o, lse = O.copy_to_host(), L.copy_to_host()
@@ -360,17 +410,17 @@ def check_05_5(kernel, Bc):
                 f"{err_o:.2e}: check the rescaling e^(m_old - m_new) of l_i and o_i, and the mask j <= i + diag")
         require(err_l <= 2e-5 * (1 + np.abs(lse_ref[~empty]).max()), f"at {what}, L is off by {err_l:.2e}: "
                 "L = m_i + log(l_i)")
-        require_traffic(t.launches[-1], _model_05_5(BH, Nq, Nk, d, diag, Bc), what, _why_05_5)
-    BH, Nq, Nk, d, diag = CASES_05_5[2]
+        require_traffic(t.launches[-1], _model_05_6(BH, Nq, Nk, d, diag, Bc), what, _why_05_6)
+    BH, Nq, Nk, d, diag = CASES_05_6[2]
     _, args, _, _ = launch(BH, Nq, Nk, d, diag)
-    require_gpu_ready(kernel, lambda: kernel[(-(-Nq // BR_05_5), BH), BR_05_5](*args), SIG_05_5,
+    require_gpu_ready(kernel, lambda: kernel[(-(-Nq // BR_05_6), BH), BR_05_6](*args), SIG_05_6,
                       "a missing syncthreads? a read past Nk?")
-    return (f"float64 on {len(CASES_05_5)} shapes, traffic equal to FA2's model (K read "
-            f"{_model_05_5(*CASES_05_5[2], Bc)['reads']['K']} times at {CASES_05_5[2][1]} x {CASES_05_5[2][2]}, "
+    return (f"float64 on {len(CASES_05_6)} shapes, traffic equal to FA2's model (K read "
+            f"{_model_05_6(*CASES_05_6[2], Bc)['reads']['K']} times at {CASES_05_6[2][1]} x {CASES_05_6[2][2]}, "
             "causal), race-free, compiles for sm_80 and sm_90")
 
 
-def _why_05_5(kind, name, n, want):
+def _why_05_6(kind, name, n, want):
     if name in ("K", "V"):
         return ("load each K/V tile once per block, and skip the tiles after the block's last visible key" if n > want
                 else "every tile holding a visible key must be loaded (is Bc what your kernel loads?)")
@@ -378,7 +428,7 @@ def _why_05_5(kind, name, n, want):
 
 
 def _fa2_rows_kernel(skip=True, first_barrier=True, rescale=True, f64=False):
-    """The worked solution of 05.5, and (with an argument off, or ``f64``) the wrong answers the tests try."""
+    """The worked solution of 05.6, and (with an argument off, or ``f64``) the wrong answers the tests try."""
     from flashnb.common import NEG_INF, ONE, ZERO
 
     Bc = 32
@@ -444,26 +494,26 @@ def _fa2_rows_kernel(skip=True, first_barrier=True, rescale=True, f64=False):
     return fa2_forward_rows
 
 
-@check_05_5.solves
+@check_05_6.solves
 def _():
     return dict(kernel=_fa2_rows_kernel(), Bc=32)
 
 
-@check_05_5.fails
+@check_05_6.fails
 def _():
     return dict(kernel=_fa2_rows_kernel(skip=False), Bc=32)       # every tile loaded: too many K/V reads
 
 
-@check_05_5.fails
+@check_05_6.fails
 def _():
     return dict(kernel=_fa2_rows_kernel(rescale=False), Bc=32)    # l_i and o_i never rescaled: wrong O and L
 
 
-@check_05_5.fails
+@check_05_6.fails
 def _():
     return dict(kernel=_fa2_rows_kernel(first_barrier=False), Bc=32)   # a tile overwritten while read: a race
 
 
-@check_05_5.fails
+@check_05_6.fails
 def _():
     return dict(kernel=_fa2_rows_kernel(f64=True), Bc=32)            # right numbers, float64 arithmetic

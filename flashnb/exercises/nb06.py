@@ -273,7 +273,7 @@ def _():
 SIG_06_5 = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], "
             "float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32, int32)")
 BC_06_5 = 32          # key rows per block: one thread each, one warp
-#: (BH, Nq, Nk, d, diag), as in exercise 05.5: dense, bottom-right causal both ways round, top-left.
+#: (BH, Nq, Nk, d, diag), as in exercise 05.6: dense, bottom-right causal both ways round, top-left.
 CASES_06_5 = ((2, 40, 56, 16, 56), (1, 64, 40, 32, 40), (2, 40, 56, 16, 16), (1, 48, 20, 16, -28),
               (1, 33, 70, 32, 0))
 
