@@ -181,8 +181,8 @@ def _matmul_threads() -> int:
           explain="""Registers are allocated per warp in units of 256 (8 per thread), from four sub-partitions of
           16,384 each; the number of warps per sub-partition only changes when R crosses 16384 / (32 · warps)
           rounded to the allocation unit, and another resource (warps, blocks or shared memory per SM) may limit
-          first. So a kernel can often grow by several registers "for free" -- and adding one more past the step
-          costs whole blocks per SM.""")
+          first. So a kernel below a step can grow by several registers "for free", one that sits on it has none
+          to spare -- and one register past the step costs whole blocks per SM.""")
 def check_00_4(max_registers):
     """max_registers: the most registers per thread naive.matmul (the configuration Appendix A.2 prints) could use
     on sm_90 and keep its current number of resident blocks per SM."""
@@ -192,7 +192,8 @@ def check_00_4(max_registers):
     now = fi.occupancy(r.registers, r.shared_bytes, threads, (9, 0)).blocks_per_sm
     best = max(R for R in range(1, 256) if fi.occupancy(R, r.shared_bytes, threads, (9, 0)).blocks_per_sm >= now)
     close(max_registers, best, what="max_registers")
-    return f"naive.matmul uses {r.registers} registers today: {best - r.registers} more would keep {now} blocks/SM"
+    return (f"naive.matmul uses {r.registers} registers per thread today and could use up to {best} and keep "
+            f"{now} blocks/SM")
 
 
 @check_00_4.solves
