@@ -212,11 +212,14 @@ assert 3 * 128 * 128 * 16 == ladder["(b)"].summary()[0]["shared_reads"]   # 2 re
 # The thread block has `32·warps` threads. A warp's 32 lanes form a $4 \times 8$ grid (`LR × LC`). Lane
 # $(l_r, l_c)$ of warp $w$ owns query rows $w\,B_r/\text{warps} + l_r + 4a$ ($a < T_M$), key columns
 # $l_c + 8b$ of the score tile ($b < T_N$) and head-dim columns $l_c + 8e$ of $\tilde O$: small register
-# tiles. The 8 lanes of one row group share a row of $S$: the row max is a 3-step `shfl_xor` butterfly and
-# $\tilde P V$ fetches each $\tilde P_{ij}$ from its owner lane with `shfl_sync`.
+# tiles. The 8 lanes of one row group share a row of $S$: the row max is a 3-step `shfl_xor` butterfly
+# (`group_max`, printed after the kernel; `group_sum` is the same with a sum) and $\tilde P V$ fetches each
+# $\tilde P_{ij}$ from its owner lane with `shfl_sync`. The tiles are loaded by `common.load_rows_T` (transposed)
+# and `common.load_rows`: consecutive threads read consecutive addresses, and rows past $N$ are zero.
 
 # %%
 show_source(fa2.make_forward)
+show_source(fa2.group_max)
 
 # %% [markdown]
 # Checked and counted like steps (a) and (b). Each lane now holds a $T_M \times T_N$ tile of $S$ and reads
