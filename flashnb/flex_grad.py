@@ -591,7 +591,7 @@ def score_mod_grad_of(score_mod, score_mod_grad=None):
 def _register() -> None:
     from .kernels import policies
 
-    policies._DERIVE = score_mod_grad_of     # the product kernel derives a missing score_mod_grad through this
+    policies._DERIVE = derivative     # the product kernel derives a score_mod without .grad through this
 
 
 _register()

@@ -101,7 +101,7 @@ def python_modifier(fn):
     return getattr(fn, "py_func", fn)
 
 
-_DERIVE = None   # flashnb.flex_grad.score_mod_grad_of, registered by flex_grad at its import (no import cycle)
+_DERIVE = None   # flashnb.flex_grad.derivative, registered by flex_grad at its import (no import cycle)
 
 
 def score_mod_grad_of(score_mod):
