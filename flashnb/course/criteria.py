@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect as _inspect
+import re
 
 import numpy as np
 
@@ -261,6 +262,9 @@ def compiles(kernels, ccs=((8, 0), (9, 0))) -> None:
 
 def _gpu_verdict(bad: list) -> None:
     if bad:
+        # ptxas names the kernel by its mangled symbol (hundreds of characters of argument types): the problem's
+        # own prefix already names the kernel
+        bad = [re.sub(r"'_Z\w+'", "'<the kernel>'", b) for b in bad]
         raise Fail("would not run well on a GPU: " + "; ".join(bad)
                    + ("\n(a Python float literal such as 0.0 or -math.inf makes float64 code: write "
                       "float32(0) )" if any("f64" in b or "float64" in b for b in bad) else ""))
