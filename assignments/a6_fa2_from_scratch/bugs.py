@@ -68,9 +68,9 @@ BUGS = [
         loses=[IO],
         says="reads of 'K': counted 16,704, model 1,152",
         why="the point of the shared tile: the block's Br threads load K_j once and every row reads it from shared "
-            "memory. A row that reads K[z, j0 + c, :] itself fetches the tile again for each of the Br rows: the "
-            "numbers are right and HBM sees K Br times per query block (here 16 x 48 rows of 8, less what causal "
-            "skips); V, still read from the tile, stays on the model"),
+            "memory. A row that reads K[z, j0 + c, :] itself fetches every key it sees once per row instead of once "
+            "per block of Br = 16 rows: the numbers are right and HBM sees 14.5 times the model's K traffic here "
+            "(V, still read from its tile, stays on the model)"),
     Bug("grid rounded down: Nq // Br query blocks, the last partial block never launched", cell=1,
         region="launch_forward", replace=[("cdiv(Nq, Br)", "Nq // Br")],
         loses=[GRID, NQ_GT_NK, SHAPES],
