@@ -4,7 +4,8 @@ with a message a student can act on (which output, which row and tile, which arr
 * :func:`close` -- output against the float64 reference, every element written (outputs are NaN-poisoned
   before the launch, so an element no thread wrote is found), first bad row and its tile named;
 * :func:`io_budget` -- the counted HBM traffic equals (or stays within) the algorithm's model;
-* :func:`ran_student_kernels` -- every launch ran a kernel the student wrote, none of the library's;
+* :func:`ran_student_kernels` -- every launch ran a kernel the student wrote, none of the library's
+  (:func:`student_launches`: the same on launches already counted);
 * :func:`race_free` -- no data race under :mod:`flashnb.sim.racecheck`;
 * :func:`compiles` -- compiles for sm_80 and sm_90: no float64, shared memory within 48 KiB, no spills;
 * :func:`variant_from` -- the student's factory as a :func:`flashnb.registry.variant` of the library's.
@@ -14,13 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect as _inspect
+import re
 
 import numpy as np
 
 from . import Fail
 
-__all__ = ["close", "forward_close", "io_budget", "ran_student_kernels", "race_free", "compiles", "variant_from",
-           "numeric", "qkv", "launches"]
+__all__ = ["close", "forward_close", "io_budget", "ran_student_kernels", "student_launches", "race_free", "compiles",
+           "variant_from", "numeric", "qkv", "launches"]
 
 #: float32 kernels against the float64 reference.  Attention outputs are convex combinations of v (|v| ~ 1
 #: here) after d-term dot products and N-term sums; float32 rounds each term at 6e-8 relative, so errors stay
@@ -115,11 +117,13 @@ def launches():
         yield t
 
 
-def io_budget(run, model, *, budget: float | None = None, hint: str = "", shared: bool = False) -> None:
+def io_budget(run, model, *, budget: float | None = None, hint: str = "", shared: bool = False,
+              labels: bool = True) -> None:
     """``run()`` launches the student's kernels; their counted HBM traffic must equal ``model`` (``budget=None``)
     or stay within ``budget`` of it, launch by launch and array by array.  Shared-memory accesses are compared
     too only with ``shared=True``: the IO complexity is about HBM, and a correct kernel may read its own shared
-    tiles in another order or number."""
+    tiles in another order or number.  ``labels=False`` compares launches by their order only: for launchers
+    the student wrote, whose launch labels (or kernel names) are theirs to choose."""
     from ..instruments import traffic
 
     with traffic.count() as t:
@@ -135,6 +139,8 @@ def io_budget(run, model, *, budget: float | None = None, hint: str = "", shared
                     m[key] = counted[i].get(key, 0)
             adjusted.append(m)
         model = adjusted
+    if not labels:
+        model = [dict(m, launch=t.launches[i].label) if i < len(t.launches) else m for i, m in enumerate(model)]
     diffs = t.check_model(model, budget=budget, raise_on_mismatch=False)
     if diffs:
         rule = "exactly" if budget is None else f"within {budget:.0%}"
@@ -148,26 +154,32 @@ def ran_student_kernels(run, *, expect: int | None = None, labels=None) -> list:
     """Every launch ``run()`` makes -- or, with ``labels``, every launch with one of those labels (a launcher may
     also run given helper kernels, e.g. FA1's init) -- must run a kernel written by the student (its code comes
     from the submission, not from the installed flashnb); returns the launches."""
-    import os
-
     from ..instruments import traffic
 
     with traffic.count() as t:
         run()
-    if not t.launches:
+    return student_launches(t.launches, expect=expect, labels=labels)
+
+
+def student_launches(launches, *, expect: int | None = None, labels=None) -> list:
+    """:func:`ran_student_kernels` on launches already counted (``traffic.count().launches``): for a test that
+    also needs the outputs of the same run."""
+    import os
+
+    if not launches:
         raise Fail("no kernel was launched")
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    checked = [lt for lt in t.launches if labels is None or lt.label in labels]
+    checked = [lt for lt in launches if labels is None or lt.label in labels]
     if labels is not None and not checked:
-        raise Fail(f"no launch labelled {sorted(labels)}; launched: {[lt.label for lt in t.launches]}")
+        raise Fail(f"no launch labelled {sorted(labels)}; launched: {[lt.label for lt in launches]}")
     theirs = [lt for lt in checked if lt.source and os.path.abspath(lt.source).startswith(package + os.sep)]
     if theirs:
         lt = theirs[0]
         raise Fail(f"launch {lt.label!r} ran flashnb's own kernel {lt.kernel} ({os.path.basename(lt.source)}), not "
                    "yours: build the kernel from your answer cell")
-    if expect is not None and len(t.launches) != expect:
-        raise Fail(f"{len(t.launches)} launches, expected {expect}: {[lt.label for lt in t.launches]}")
-    return t.launches
+    if expect is not None and len(launches) != expect:
+        raise Fail(f"{len(launches)} launches, expected {expect}: {[lt.label for lt in launches]}")
+    return launches
 
 
 def race_free(run) -> None:
@@ -250,6 +262,9 @@ def compiles(kernels, ccs=((8, 0), (9, 0))) -> None:
 
 def _gpu_verdict(bad: list) -> None:
     if bad:
+        # ptxas names the kernel by its mangled symbol (hundreds of characters of argument types): the problem's
+        # own prefix already names the kernel
+        bad = [re.sub(r"'_Z\w+'", "'<the kernel>'", b) for b in bad]
         raise Fail("would not run well on a GPU: " + "; ".join(bad)
                    + ("\n(a Python float literal such as 0.0 or -math.inf makes float64 code: write "
                       "float32(0) )" if any("f64" in b or "float64" in b for b in bad) else ""))

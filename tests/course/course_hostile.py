@@ -1,7 +1,8 @@
 """Hostile submissions: what a student who wants marks without solving anything (or wants to hurt other
 students' grades or the grading machine) might add to an answer cell, with what stops each one.
 
-Each :class:`Hostile` is a few lines appended to an answer cell (the first, unless it says) of a base notebook:
+Each :class:`Hostile` is a few lines appended to an answer cell (the first, unless it says; in a blank cell, before
+its TODO's raise) of a base notebook:
 the untouched release, unless ``base`` names a bug of ``assignments/<name>/bugs.py`` (or the solution) for an
 assignment, so that what the attack gains shows.  ``BUNDLE_PATH`` in the code is replaced by the bundle's path
 (the student who knows where the grader keeps it).  Used by ``tests/course/course_grading.py`` (every entry, every
@@ -226,8 +227,14 @@ def notebook(h: Hostile, name: str, release_dir, bundle) -> nbformat.NotebookNod
         old, new = UNCOUNTED
         assert cells[2]["source"].count(old) == 1
         cells[2]["source"] = cells[2]["source"].replace(old, new)
-    cells[h.cell]["source"] = (cells[h.cell]["source"].rstrip("\n") + "\n\n\n"
-                               + h.code.replace("BUNDLE_PATH", repr(str(bundle))))
+    code = h.code.replace("BUNDLE_PATH", repr(str(bundle)))
+    lines = cells[h.cell]["source"].rstrip("\n").splitlines()
+    if lines and lines[-1].startswith("raise NotImplementedError("):
+        # a blank answer cell (A6): its TODO raises at the top level, so the attack goes before it, as a
+        # student's code would, and runs
+        cells[h.cell]["source"] = "\n".join(lines[:-1]) + "\n\n" + code + "\n\n" + lines[-1] + "\n"
+    else:
+        cells[h.cell]["source"] = cells[h.cell]["source"].rstrip("\n") + "\n\n\n" + code
     return nb
 
 
