@@ -85,15 +85,150 @@ print("max |rowsum(dO∘O) - rowsum(P∘dP)| =", gap)
 assert gap < 1e-12                                # an identity: float64 rounding only
 
 # %% [markdown]
-# ## The main kernel
+# ## The ladder, backward
+#
+# Notebook 05 climbed from Algorithm 1 to the forward kernel one idea at a time. The backward has the same
+# ladder (`flashnb.stages.fa2_steps`), each step a real kernel checked against the float64 reference and counted
+# against its own model. Line 5 puts one thread block on each K/V column block, so the rows a block owns are
+# *key* rows, and every block adds into $dQ$.
+#
+# | step | kernel | what it changes |
+# |---|---|---|
+# | 0 | `fa2_steps.fa2_backward_numpy` | Algorithm 2 in NumPy (above) |
+# | (a) | `fa2_steps.make_rows_backward`, `impl="fa2-rows"` | one CUDA thread per key row; every thread adds its own terms of $dQ$ with atomics |
+# | (b) | `fa2_steps.make_splitq_backward`, `impl="fa2-splitq"` | the key rows split over warps, $dS_{ij}$ through shared memory: one atomic per element of $dQ_i$ and tile |
+# | (c) | `fa2.make_backward`, `impl="fa2"` | register micro-tiles, padded transposed tiles, $P$ and $dS$ passed between lanes by shuffles |
+#
+# ### Step (a) · one thread per key row
+#
+# Grid $(T_c, \text{batch·heads})$, one thread per key row $j$ of the block. The thread's rows of $K_j$ and
+# $V_j$ and its accumulators $dK_j$, $dV_j$ are thread-private arrays, read from and written to HBM once. The query
+# tile $Q_i, dO_i$ and its statistics $L_i, D_i$ are loaded into shared memory by all threads together, and
+# each thread walks the tile's rows: $S$ and $dP$ for its key (lines 10, 13), $P = \exp(S - L)$ (line 11),
+# $dS$ (line 14), its own rows of $dV_j$ and $dK_j$ (lines 12, 16). Line 15 is where this step is naive: every
+# thread adds its own term $\tau\,dS_{rj}\,k_j$ into $dQ_r$ with `cuda.atomic.add`, $d$ atomics per query row it
+# sees.
+
+# %%
+show_source(fa2_steps.make_rows_backward)
+
+# %% [markdown]
+# Checked against the reference ($N_q = 40$, $N_k = 56$, $d = 16$, causal and not, counted traffic against the
+# step's model), then counted on one problem that every step below runs too: one head, $N = 128$, $d = 16$, the
+# same tiles $B_r = 16$, $B_c = 64$ (two warps) for all three steps, no mask, so every step visits the same tiles.
+
+# %%
+BWD_LADDER = dict(BH=1, N=128, d=16, Br=16, Bc=64, warps=2)
+bwd_ladder = {}                                   # step -> the counted main launch on the BWD_LADDER problem
+
+
+def check_bwd_step(step, impl, model, **tiles):
+    """Check `impl`'s backward against the reference (Nq = 40, Nk = 56, d = 16, causal and not) and its
+    model, then count it on the BWD_LADDER problem; print its HBM accesses and shared accesses."""
+    q, k, v, do = (rng.standard_normal((1, n, 16)) for n in (40, 56, 56, 40))
+    err = 0.0
+    for causal in (False, True):
+        o, lse = reference.attention_forward(q, k, v, causal=causal)
+        with traffic.count() as t:
+            grads = flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, impl=impl, **tiles)
+        for g, r in zip(grads, reference.attention_backward(q, k, v, do, causal=causal)):
+            np.testing.assert_allclose(g, r, atol=1e-4)   # float32 kernel vs float64, 56 keys: as tests/stages
+            err = max(err, np.abs(g - r).max())
+        assert t.summary() == model(1, 40, 56, 16, causal=causal, **tiles)
+    BH, N, d = (BWD_LADDER[key] for key in ("BH", "N", "d"))
+    opts = {key: BWD_LADDER[key] for key in tiles}
+    q, k, v, do = (rng.standard_normal((BH, N, d)) for _ in range(4))
+    o, lse = reference.attention_forward(q, k, v)
+    with traffic.count() as t:
+        flashnb.attention_backward(q, k, v, o, lse, do, impl=impl, **opts)
+    assert t.summary() == model(BH, N, N, d, **opts)
+    main = t.summary()[1]                             # [0] is line 4's D launch, the same for every step
+    bwd_ladder[step] = main
+    print(f"step {step} ({impl}, {opts}): max error {err:.1e}, counted traffic == model; on the ladder problem: "
+          f"HBM reads {sum(main['reads'].values()):,}, writes {sum(main['writes'].values()):,}, "
+          f"dQ atomics {main['atomics']['dQ']:,}; shared reads {main['shared_reads']:,}, "
+          f"writes {main['shared_writes']:,}")
+
+
+check_bwd_step("(a)", "fa2-rows", fa2_steps.model_rows_backward, Br=16, Bc=64)
+assert bwd_ladder["(a)"]["atomics"]["dQ"] == 128 * 128 * 16   # N_q · N_k · d: one per (row, key, column)
+
+# %% [markdown]
+# $N_q N_k d$ atomic adds: $B_c$ times the $T_c N_q d$ that line 15 asks for, and the 32 lanes of a warp add into
+# the *same* element of $dQ$ in the same instruction, so the adds to one address are applied one after another.
+# Shared memory is cheap here: the thread's $k_j, v_j$ are private, so $S$ and $dP$ read one shared element per
+# FMA, as the forward's step (a) did.
+#
+# ### Step (b) · key rows split over warps, $dS$ through shared memory
+#
+# The block's $B_c$ key rows are split over `warps` warps (lane $t$ of warp $w$ owns key rows $w\cdot 32R + t +
+# 32a$, $R = B_c / (32 \cdot \text{warps})$), and $K_j$, $V_j$ move to shared memory (transposed: the lanes own
+# consecutive keys, so they read consecutive addresses). Each lane writes its $dS_{rj}$ into a shared tile
+# $dS_{ij}$; after one more barrier the whole block forms $dQ_i \mathrel{+}= \tau\, dS_{ij} K_j$, each thread a few
+# elements, and adds each element once: line 15 as the paper writes it.
+
+# %%
+show_source(fa2_steps.make_splitq_backward)
+check_bwd_step("(b)", "fa2-splitq", fa2_steps.model_splitq_backward, Br=16, Bc=64, warps=2)
+assert bwd_ladder["(a)"]["atomics"]["dQ"] == 64 * bwd_ladder["(b)"]["atomics"]["dQ"]   # B_c times fewer
+
+# %% [markdown]
+# The atomics fall by $B_c = 64$. The price is paid in shared memory: $S$ and $dP$ now read $K_j$ and $V_j$ from
+# shared memory too (two shared reads per FMA), and forming $dS_{ij} K_j$ reads a row of $dS_{ij}$ and a column of
+# $K_j$ per element of $dQ_i$. HBM reads are unchanged: $K_j, V_j$ once, $Q_i, dO_i, L_i, D_i$ once per visited tile.
+#
+# ### Step (c) · register micro-tiles: the kernel of `flashnb.stages.fa2`
 #
 # The warps split the $B_c$ *key* rows of the block (lane $(l_r, l_c)$ owns key rows $l_r + 4a$ of its
 # warp and query columns $l_c + 8b$ of $S^\top$), so $dK_j$ and $dV_j$ stay in registers, each row owned by
 # one row group of 8 lanes. $dQ_i$ needs a sum over *all* keys of the block, so $dS$ goes through shared
-# memory once per tile and every thread forms some elements of $dS\,K_j$ and adds them into HBM.
+# memory once per tile, as in step (b), and every thread forms some elements of $dS\,K_j$ and adds them into HBM.
+# What is new is how a lane computes: a $T_M \times T_N$ micro-tile each of $S^\top$ and $dP^\top$, each from
+# $T_M + T_N$ shared reads per $k$, and $P$, $dS$ passed to the lanes that need them by `shfl_sync`, not through memory.
 
 # %%
 show_source(fa2.make_backward)
+check_bwd_step("(c)", "fa2", fa2.model_backward, Br=16, Bc=64, warps=2)
+
+# %% [markdown]
+# ### The three steps side by side
+#
+# The same problem and the same tiles, counted on the simulator (main launch; line 4's $D$ launch is the same for
+# all three). HBM reads and writes do not move from step to step: what the steps change is where line 15's sum is
+# formed (atomics) and how often a multiply-add goes to shared memory.
+
+# %%
+from flashnb.sim import vector  # noqa: E402
+
+assert not vector.notes(), vector.notes()         # every counted launch ran on the vectorised simulator
+steps = list(bwd_ladder)
+assert len({sum(m["reads"].values()) for m in bwd_ladder.values()}) == 1    # same HBM reads at every step
+assert bwd_ladder["(b)"]["atomics"] == bwd_ladder["(c)"]["atomics"]
+print(f"{'step':6s} {'HBM reads':>10s} {'HBM writes':>10s} {'dQ atomics':>10s} {'shared reads':>13s} {'shared writes':>13s}")
+for step, m in bwd_ladder.items():
+    print(f"{step:6s} {sum(m['reads'].values()):10,d} {sum(m['writes'].values()):10,d} {m['atomics']['dQ']:10,d} "
+          f"{m['shared_reads']:13,d} {m['shared_writes']:13,d}")
+fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(9, 3.2))
+x = np.arange(len(steps))
+for off, (label, values) in zip((-0.27, 0, 0.27), (
+        ("HBM reads", [sum(m["reads"].values()) for m in bwd_ladder.values()]),
+        ("HBM writes", [sum(m["writes"].values()) for m in bwd_ladder.values()]),
+        ("dQ atomics", [m["atomics"]["dQ"] for m in bwd_ladder.values()]))):
+    ax0.bar(x + off, values, width=0.27, label=label)
+for off, (label, key) in zip((-0.2, 0.2), (("shared reads", "shared_reads"), ("shared writes", "shared_writes"))):
+    ax1.bar(x + off, [m[key] for m in bwd_ladder.values()], width=0.4, label=label)
+for ax, title in ((ax0, "global memory (elements)"), (ax1, "shared memory (elements)")):
+    ax.set_xticks(x, [f"step {s}" for s in steps])
+    ax.set_yscale("log")
+    ax.set_ylim(top=ax.get_ylim()[1] * 10)          # room for the legend above the bars
+    ax.set_ylabel("element accesses (log)")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper left", ncol=3 if ax is ax0 else 2)
+fig.suptitle(f"backward ladder, counted: one head, N = {BWD_LADDER['N']}, d = {BWD_LADDER['d']}, "
+             f"Br = {BWD_LADDER['Br']}, Bc = {BWD_LADDER['Bc']}")
+fig.tight_layout()
+savefig(fig, "06_backward_ladder")
+plt.show()
 
 # %% [markdown]
 # ## The K/V-block grid keeps the SMs busy
@@ -224,8 +359,6 @@ for impl, opts in (("fa1", dict(Br=16, Bc=16)), ("fa2", dict(Br=16, Bc=16, warps
     print(f"{impl}: counted {total(t.summary())}, equals model: {t.summary() == model}")
     assert t.summary() == model
 
-from flashnb.sim import vector  # noqa: E402
-
 N, d = 1024, 64
 specs = {"naive": ("naive", naive.model_backward, {}, False), "FA1": ("fa1", fa1.model_backward, dict(Br=16, Bc=16), False),
          "FA2": ("fa2", fa2.model_backward, dict(Br=16, Bc=16), False),
@@ -334,7 +467,8 @@ visits_wide = ...
 passed = exercises.check("06.4", visits_square=visits_square, visits_wide=visits_wide)
 
 # %% [markdown]
-# **06.5 · FA2's backward from a blank cell** (★★★, ~90 min) The twin of exercise 05.6: a `@cuda.jit` kernel
+# **06.5 · FA2's backward from a blank cell** (★★★, ~90 min) The twin of exercise 05.6, and the ladder's step (a)
+# written from memory (try it without scrolling up): a `@cuda.jit` kernel
 # `(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag)` launched as `kernel[(ceil(Nk / 32), BH), 32]`, one thread per key
 # row $j$: $k_j$, $v_j$, $dK_j$, $dV_j$ in registers, query tiles $Q_i$, $dO_i$, $L_i$, $D_i$ of $B_r$ rows staged
 # in shared memory, $P$ rebuilt from $L$ (Algorithm 2, lines 6-18) and $dQ$ summed with `cuda.atomic.add` (it

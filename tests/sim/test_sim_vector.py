@@ -69,13 +69,22 @@ def _same(a, b, path="out"):
                                  f"{x.reshape(-1)[e]!r}, threads {y.reshape(-1)[e]!r}")
 
 
-def differential(fn, *, launches=1):
+def differential(fn, *, launches=1, unordered=()):
     """Run ``fn`` on both simulators: the vectorised run must have run at least ``launches`` launches itself
-    and none on the threads simulator; outputs byte for byte and traffic summaries must be equal."""
+    and none on the threads simulator; outputs byte for byte and traffic summaries must be equal.
+
+    ``unordered``: indices of outputs that threads of one block sum into the same element with float atomics
+    between two barriers.  The vectorised simulator applies those in thread order; the threads simulator in
+    the order its Python threads happen to interleave, which changes from run to run (as on a GPU), so
+    those outputs are compared to float32 rounding of a reordered sum instead of bytes."""
     out_v, sum_v, n_v = _run("vector", fn)
     out_t, sum_t, _ = _run("threads", fn)
     assert n_v["threads"] == 0, f"the vectorised run handed a launch to the threads simulator: {vector.notes()[-3:]}"
     assert n_v["vector"] >= launches
+    for i in unordered:
+        # at most Nk = 20 float32 terms of O(1) per element in another order: a few ulp of the largest
+        np.testing.assert_allclose(out_v[i], out_t[i], rtol=0, atol=1e-6 * (1 + np.abs(out_t[i]).max()))
+    out_v, out_t = ([x for i, x in enumerate(out) if i not in unordered] for out in (out_v, out_t))
     _same(out_v, out_t)
     assert sum_v == sum_t
     return out_v
@@ -91,9 +100,14 @@ def _inputs(seed=0, BH=2, Nq=24, Nk=20, d=8, kv_heads=None):
 
 # small tiles so loops iterate with several warps (as the sanitizer's every-impl test)
 OPTIONS = {"fa1": dict(Br=8, Bc=16, warps=2), "fa2": dict(Br=16, Bc=16, warps=2),
-           "fa2-rows": dict(Br=64, Bc=16), "fa2-splitq": dict(Br=64, Bc=16, warps=2),
+           "fa2-rows": dict(Br=64, Bc=16), "fa2-splitq": dict(Br=64, Bc=64, warps=2),
            "fa2-fast": dict(Br=8, Bc=8, warps=2), "naive": dict(tile=8), "onepass": dict(tile=4),
            "fa2-tc": dict(Br=32, Bc=32, warps=2)}
+
+
+# outputs (o, lse, dq, dk, dv) that threads of one block add into the same element: fa2-rows' backward adds every
+# key row's term of dQ itself (its lesson: step (b) sums the block's terms first, one atomic per element)
+UNORDERED = {"fa2-rows": (2,)}
 
 
 def _fwd_bwd(name, causal, **opts):
@@ -111,7 +125,7 @@ def _fwd_bwd(name, causal, **opts):
 @pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", list(IMPLS))
 def test_every_impl_forward_and_backward(name, causal):
-    differential(_fwd_bwd(name, causal, **OPTIONS.get(name, {})))
+    differential(_fwd_bwd(name, causal, **OPTIONS.get(name, {})), unordered=UNORDERED.get(name, ()))
 
 
 # fa2-tc in each storage (float64 inputs above take the float32 path, TF32): (storage, (BH, Nq, d), Nk, causal)
