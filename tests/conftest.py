@@ -1,6 +1,14 @@
 """Shared test helpers. Importing flashnb first selects the simulator (no GPU in CI)."""
 
-import importlib.util
+import os
+
+# `pytest -n 2` runs two workers on two cores. PyTorch and OpenMP start one thread per core in each of them by
+# default, which oversubscribes the machine: their spinning threads made the tiny tensors of the notebooks' and
+# tests' training loops about three times slower. One thread per worker, set before anything imports torch; the
+# notebooks' kernels (`--nbmake`, in the same run) inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import importlib.util  # noqa: E402
 import zlib
 from pathlib import Path
 
