@@ -40,9 +40,10 @@ plain loads and stores into one buffer.
 of ~1e-3 where float32 gives ~1e-6; d <= 64 forward, d <= 32 backward, where the fragments fit the registers);
 causal masks in both alignments (``diag``; tiles entirely above the diagonal are never visited, the mask runs
 only on tiles that cross it or the end of the keys); ``Nq != Nk``; any ``d <= 128`` in half precision (padded
-with zero columns to the MMA's k: 16 halves, 8 floats); partial tiles.  Not (yet): dropout, attention modifiers,
-block masks, grouped K/V heads -- ``impl="fa2"`` has them.  Architectures: sm_80 and sm_90 (``mma.m16n8k16``,
-``cp.async``); a float16 forward also for sm_75 (T4: two ``m16n8k8`` per k-step, plain copies).
+with zero columns to the MMA's k: 16 halves, 8 floats); partial tiles; grouped K/V heads (GQA/MQA, the product
+kernel's policy: the backward's blocks loop over a K/V head's query heads, dK_j, dV_j summed on chip).  Not (yet):
+dropout, attention modifiers, block masks -- ``impl="flash"`` has them.  Architectures: sm_80 and sm_90
+(``mma.m16n8k16``, ``cp.async``); a float16 forward also for sm_75 (T4: two ``m16n8k8`` per k-step, plain copies).
 
 Kernel ``"fa2_tc.forward"`` (:func:`make_forward`); impl ``"fa2-tc"``, stage 7.
 """
@@ -69,7 +70,7 @@ from ..common import (
     storage_of,
 )
 from ..registry import kernel_factory, register_impl
-from . import mma
+from . import mma, policies
 from .mma import SHARED_ALIGN
 
 __all__ = ["make_forward", "forward", "geometry", "shared_bytes", "default_tiles", "model_forward", "hbm_bytes",
@@ -181,7 +182,8 @@ def _configs():
         out.append(dict(**default_tiles(d, st), d=d, causal=causal, storage=st, arch=80))
     out += [dict(Br=64, Bc=32, warps=2, d=20, causal=True, storage="float16", arch=80),
             dict(Br=32, Bc=32, warps=2, d=72, causal=False, storage="bfloat16", arch=80),
-            dict(Br=64, Bc=32, warps=4, d=64, causal=True, storage="float16", arch=75)]
+            dict(Br=64, Bc=32, warps=4, d=64, causal=True, storage="float16", arch=75),
+            dict(**default_tiles(64), d=64, causal=True, storage="float16", arch=80, gqa=True)]
     return out
 
 
@@ -302,9 +304,10 @@ def _make_policies(storage, g, arch, swizzle=True):
 
 @kernel_factory("fa2_tc.forward", stage="7", signature=_fwd_sig, configs=_configs(), archs=_archs,
                 threads=lambda warps, **_: 32 * warps)
-def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80):
+def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False):
     """FA2 Alg. 1 on tensor cores for one configuration; grid ``(Tr, BH)``, ``32·warps`` threads.  ``storage``:
-    the dtype of Q, K, V, O in HBM; ``arch``: 80 (sm_80, sm_90) or 75 (sm_75, float16)."""
+    the dtype of Q, K, V, O in HBM; ``arch``: 80 (sm_80, sm_90) or 75 (sm_75, float16); ``gqa``: K, V have fewer
+    heads than Q (query head ``z`` reads K/V head ``z // G``, the product kernel's policy)."""
     g = geometry(storage, d, Br, Bc, warps, arch)
     MT, NB, ND, KD, KV, LD, E = g["MT"], g["NB"], g["ND"], g["KD"], g["KV"], g["LD"], g["E"]
     ASYNC, TF32, KN, TOTAL, QO = g["copy"] == "async", storage == "float32", g["KN"], g["total"], g["q_offset"]
@@ -316,6 +319,7 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80):
         P["p_fragment"], P["from_f32"]
     SDT = _SHARED_TYPE[storage]
     SIGN = _SIGN[storage]
+    kv_head = policies.gqa(gqa)[0]
 
     @cuda.jit(device=True, inline="always")
     def kv_tile(j, masked, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag, sl2):
@@ -433,8 +437,8 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80):
         wr = (tid // 32) * 16 * MT                     # the warp's first row in the block
         Nq = Q.shape[1]
         Nk = K.shape[1]
-        Kz = K[z]
-        Vz = V[z]
+        Kz = K[kv_head(z, Q, K)]                       # GQA: the K/V head of query head z
+        Vz = V[kv_head(z, Q, K)]
         flip = SIGN if scale < ZERO else uint32(0)     # a negative scale: Q negated, scores scaled by |scale|
         sl2 = abs(scale) * LOG2E                       # exp(scale·s) = exp2(s·|scale|·log2 e)
         n_tiles = (Nk + Bc - 1) // Bc                  # line 5 (causal: no tile entirely above the diagonal)
@@ -550,12 +554,16 @@ def bwd_shared_bytes(storage, d, Br, Bc, warps) -> int:
 _BWD_DEFAULTS = {"float16": {64: dict(Br=32, Bc=128, warps=8), 128: dict(Br=16, Bc=32, warps=2)},
                  "bfloat16": {64: dict(Br=16, Bc=128, warps=8), 128: dict(Br=16, Bc=32, warps=2)},
                  "float32": {32: dict(Br=16, Bc=32, warps=2)}}
+# GQA's loop over a K/V head's query heads takes registers: float16 at d = 64 with Br = 32 then spills.
+_BWD_GQA = {"float16": {64: dict(Br=16, Bc=128, warps=8)}}
 
 
-def bwd_default_tiles(d: int, storage: str = "float16") -> dict:
+def bwd_default_tiles(d: int, storage: str = "float16", gqa: bool = False) -> dict:
     """The backward's default ``Br, Bc, warps`` at head dim ``d`` for ``storage`` (within 48 KiB of static shared
-    memory, no spills)."""
+    memory, no spills); ``gqa``: for K/V with fewer heads than Q."""
     table = _BWD_DEFAULTS[storage if storage in _BWD_DEFAULTS else "float16"]
+    if gqa:
+        table = {**table, **_BWD_GQA.get(storage, {})}
     for dmax in sorted(table):
         if d <= dmax:
             return dict(table[dmax])
@@ -573,6 +581,8 @@ def _bwd_configs():
                           (32, "float32", True), (32, "float32", False)):
         out.append(dict(**bwd_default_tiles(d, st), d=d, causal=causal, storage=st))
     out.append(dict(Br=32, Bc=32, warps=2, d=20, causal=True, storage="float16"))
+    for d, causal in ((64, True), (64, False), (128, True)):   # GQA: a block loops over its K/V head's query heads
+        out.append(dict(**bwd_default_tiles(d, gqa=True), d=d, causal=causal, storage="float16", gqa=True))
     return out
 
 
@@ -581,12 +591,14 @@ BWD_LABEL = "FA2 tensor-core backward"
 
 @kernel_factory("fa2_tc.backward", stage="7", signature=_bwd_sig, configs=_bwd_configs(), archs=ARCHS[80],
                 threads=lambda warps, **_: 32 * warps)
-def make_backward(Br, Bc, d, warps, causal, storage="float16"):
-    """FA2 Alg. 2 on tensor cores; grid ``(Tc, BH)``, ``32·warps`` threads, one block per K/V tile.  Warp ``w``
+def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False):
+    """FA2 Alg. 2 on tensor cores; grid ``(Tc, BH_kv)``, ``32·warps`` threads, one block per K/V tile.  Warp ``w``
     owns keys ``16w .. 16w + 15`` of ``K_j``: it computes ``Sᵀ = K_j Q_iᵀ`` and ``dPᵀ = V_j dO_iᵀ`` (keys × queries,
     so that ``Pᵀ`` and ``dSᵀ`` are, in registers, the A fragments of ``dV_j += Pᵀ dO_i`` and ``dK_j += dSᵀ Q_i``);
     ``dSᵀ`` goes to shared memory once per tile, where every warp reads it back as the A fragment of ``dQ_i = dS
-    K_j`` for its 16·QM query rows, added into HBM with float32 atomics.  sm_80 and sm_90."""
+    K_j`` for its 16·QM query rows, added into HBM with float32 atomics.  ``gqa``: K, V have fewer heads than Q; a
+    block visits the Q tiles of each of its K/V head's ``G`` query heads in turn, so dK_j, dV_j are summed on chip
+    (the product kernel's policy).  sm_80 and sm_90."""
     g = bwd_geometry(storage, d, Br, Bc, warps)
     NQ, ND, KD, KQ, KK, LD, LDS, E = g["NQ"], g["ND"], g["KD"], g["KQ"], g["KK"], g["LD"], g["LDS"], g["E"]
     OFF, TOTAL, KV_REGS, NDQ, CPT, IPW, PARTS = (g["offsets"], g["total"], g["kv_regs"], g["NDQ"], g["CPT"],
@@ -602,6 +614,7 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16"):
     KA = KD if KV_REGS else 1               # K_j / V_j A fragments kept in registers (else reloaded per tile)
     LDN = 2 * Br                            # L_i and D_i (a compile-time size)
     ONE_LOOP = g["Dp"] > 64                 # d > 64: dK_j, dV_j fill half the registers; one copy of the tile loop
+    group = policies.gqa(gqa)[1]
 
     @cuda.jit(device=True, inline="always")
     def b_cols(sm, base, k8, n8, lane):
@@ -662,8 +675,9 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16"):
 
     @cuda.jit(device=True, inline="always")
     def q_tile(i, masked, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, lane, tid, Nq, diag, sl2,
-               flip, scale, dQ):
-        """One Q tile (FA2 Alg. 2 lines 7-16); ``masked``: it crosses the causal diagonal."""
+               flip, scale, dQ, i_first, z_end):
+        """One Q tile (FA2 Alg. 2 lines 7-16) of query head ``z``; ``masked``: it crosses the causal diagonal.  The
+        next tile is ``i + 1`` of the same head, or (GQA) the first of the next query head before ``z_end``."""
         i0 = i * Br
         w16 = (tid // 32) * 16                 # the warp's keys in K_j
         g8 = lane // 4
@@ -756,14 +770,21 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16"):
                 dk[dn + 1, 0], dk[dn + 1, 1], dk[dn + 1, 2], dk[dn + 1, 3] = mma_k(
                     sa0, sa1, sa2, sa3, q2, q3, dk[dn + 1, 0], dk[dn + 1, 1], dk[dn + 1, 2], dk[dn + 1, 3])
         cuda.syncthreads()                     # dSᵀ complete; Q_i, dO_i, L_i, D_i no longer read
-        if i + 1 < n_i:                        # the next Q tile flies during line 15
+        zn = z                                 # the next Q tile: this head's ...
+        n0 = i0 + Br
+        nxt = i + 1 < n_i
+        if gqa and not nxt:                    # ... or (GQA) the next query head's first
+            zn = z + 1
+            n0 = i_first * Br
+            nxt = zn < z_end
+        if nxt:                                # it flies during line 15
             if ASYNC:
-                load_tile(Q[z], sm, QO, i0 + Br, Nq, Br, tid)
-                load_tile(dO[z], sm, DOO, i0 + Br, Nq, Br, tid)
+                load_tile(Q[zn], sm, QO, n0, Nq, Br, tid)
+                load_tile(dO[zn], sm, DOO, n0, Nq, Br, tid)
                 mma.cp_async_commit()
             if ASYNC and tid < Br:
-                LDs[tid] = L[z, i0 + Br + tid] * LOG2E if i0 + Br + tid < Nq else POS_INF
-                LDs[Br + tid] = D[z, i0 + Br + tid] if i0 + Br + tid < Nq else ZERO
+                LDs[tid] = L[zn, n0 + tid] * LOG2E if n0 + tid < Nq else POS_INF
+                LDs[Br + tid] = D[zn, n0 + tid] if n0 + tid < Nq else ZERO
         for it in range(IPW):                  # line 15: dQ_i += dS K_j, this warp's parts (16 rows × NDQ·8 columns)
             part = (tid // 32) * IPW + it
             if PARTS % warps != 0 and part >= PARTS:
@@ -790,6 +811,22 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16"):
                             if col < d:
                                 cuda.atomic.add(dQ, (z, row, col), scale * dq[dn, 2 * h + e])
 
+    @cuda.jit(device=True, inline="always")
+    def q_tiles(z, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, lane, tid, Nq, diag,
+                sl2, flip, scale, dQ, z_end):
+        """Line 6: the Q tiles of query head ``z`` this block sees."""
+        if ONE_LOOP:                                   # one loop: the mask tested on every causal tile
+            for i in range(i_first, n_i):
+                q_tile(i, causal, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, lane, tid, Nq, diag,
+                       sl2, flip, scale, dQ, i_first, z_end)
+        else:
+            for i in range(i_first, i_full):           # the Q tiles the causal diagonal crosses ...
+                q_tile(i, True, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, lane, tid, Nq, diag,
+                       sl2, flip, scale, dQ, i_first, z_end)
+            for i in range(max(i_first, i_full), n_i):     # ... then those no mask touches
+                q_tile(i, False, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, lane, tid, Nq, diag,
+                       sl2, flip, scale, dQ, i_first, z_end)
+
     @cuda.jit
     def fa2_tc_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag):
         sm = cuda.shared.array(TOTAL, SDT, alignment=SHARED_ALIGN)   # K_j, V_j, Q_i, dO_i, dSᵀ (swizzled)
@@ -801,7 +838,9 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16"):
         s = cuda.local.array((NQ, 4), float32)         # Sᵀ, then Pᵀ (keys × queries)
         dp = cuda.local.array((NQ, 4), float32)        # dPᵀ, then dSᵀ
         dq = cuda.local.array((NDQ, 4), float32)       # one part of dQ_i (C layout)
-        z = cuda.blockIdx.y
+        kz = cuda.blockIdx.y                           # the K/V head (without GQA also the query head)
+        G = group(Q, K)                                # GQA: its query heads kz·G .. kz·G + G - 1
+        z_end = kz * G + G
         j0 = cuda.blockIdx.x * Bc                      # (causal: block 0, the heaviest, is launched first already)
         tid = cuda.threadIdx.x
         lane = tid % 32
@@ -818,8 +857,9 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16"):
             i_first = first // Br if first > 0 else 0
             i_full = max(i_first, (j0 + Bc - 1 - diag + Br - 1) // Br)
             i_full = min(i_full, n_i)
-        load_tile(K[z], sm, KO, j0, Nk, Bc, tid)        # line 5: K_j, V_j (with the first Q_i, dO_i)
-        load_tile(V[z], sm, VO, j0, Nk, Bc, tid)
+        z = kz * G                                     # the first query head
+        load_tile(K[kz], sm, KO, j0, Nk, Bc, tid)      # line 5: K_j, V_j (with the first Q_i, dO_i)
+        load_tile(V[kz], sm, VO, j0, Nk, Bc, tid)
         if ASYNC:
             if i_first < n_i:
                 load_tile(Q[z], sm, QO, i_first * Br, Nq, Br, tid)
@@ -841,17 +881,13 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16"):
             for c in range(4):
                 dk[dn, c] = ZERO
                 dv[dn, c] = ZERO
-        if ONE_LOOP:                                   # line 6, one loop: the mask tested on every causal tile
-            for i in range(i_first, n_i):
-                q_tile(i, causal, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, lane, tid, Nq, diag,
-                       sl2, flip, scale, dQ)
+        if gqa:                                        # each query head of the group in turn
+            for z in range(kz * G, z_end):
+                q_tiles(z, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, lane, tid, Nq,
+                        diag, sl2, flip, scale, dQ, z_end)
         else:
-            for i in range(i_first, i_full):           # line 6: the Q tiles the causal diagonal crosses ...
-                q_tile(i, True, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, lane, tid, Nq, diag,
-                       sl2, flip, scale, dQ)
-            for i in range(max(i_first, i_full), n_i):     # ... then those no mask touches
-                q_tile(i, False, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, lane, tid, Nq, diag,
-                       sl2, flip, scale, dQ)
+            q_tiles(kz, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, lane, tid, Nq,
+                    diag, sl2, flip, scale, dQ, z_end)
         g8 = lane // 4
         t4 = lane % 4
         for h in range(2):                             # line 18: dK_j (times scale, once), dV_j to HBM
@@ -861,8 +897,8 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16"):
                     for e in range(2):
                         col = dn * 8 + 2 * t4 + e
                         if col < d:
-                            dK[z, row, col] = from_f32(scale * dk[dn, 2 * h + e])
-                            dV[z, row, col] = from_f32(dv[dn, 2 * h + e])
+                            dK[kz, row, col] = from_f32(scale * dk[dn, 2 * h + e])
+                            dV[kz, row, col] = from_f32(dv[dn, 2 * h + e])
 
     return fa2_tc_backward
 
@@ -912,17 +948,21 @@ def device_arch() -> int:
 def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, storage=None):
     """FA2 Alg. 1 on tensor cores: device arrays in (float16, bfloat16 bits with ``storage="bfloat16"``, or float32
     through TF32), ``(O, L)`` out (O in q's storage, L float32).  ``Br, Bc, warps`` default to
-    :func:`default_tiles`; on sm_75 only float16 (ValueError naming the architecture otherwise)."""
+    :func:`default_tiles`; on sm_75 only float16 (ValueError naming the architecture otherwise).  ``k``, ``v``
+    may have fewer batch·heads than ``q`` (GQA/MQA: query head ``z`` reads K/V head ``z // G``)."""
+    from .flash import _group
+
     storage = check_inputs(storage, q=q, k=k, v=v)
     arch = device_arch()
     if arch == 75 and storage != "float16":
         raise ValueError(f"fa2-tc on sm_75 takes float16 only (it has no bf16 or tf32 tensor cores), got {storage}")
     BH, Nq, d = q.shape
     Nk = k.shape[1]
+    G = _group(BH, k, v)
     t = _tiles(storage, d, Br, Bc, warps, arch)
     O = empty((BH, Nq, d), storage=storage)
     Lse = empty((BH, Nq))
-    kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal), storage, arch)
+    kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal), storage, arch, G > 1)
     launch(kernel, (cdiv(Nq, t["Br"]), BH), 32 * t["warps"], q, k, v, O, Lse, scale, causal_diag(causal, Nq, Nk),
            label="FA2 tensor-core forward")
     return O, Lse
@@ -933,22 +973,23 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     accumulator zeroed), the main launch (one block per K/V tile), and for half storage dQ narrowed (the product
     kernel's convert launch).
     Device arrays in q's storage (``lse`` float32); gradients out in it.  sm_80 and newer (ValueError naming the
-    architecture on sm_75)."""
+    architecture on sm_75).  ``k``, ``v`` may have fewer batch·heads than ``q`` (GQA/MQA): dK, dV have theirs."""
     from . import flash
 
     storage = check_inputs(storage, q=q, k=k, v=v, o=o, do=do)
     mma.check_arch("fa2-tc backward", ARCHS[80])
     BH, Nq, d = q.shape
     Nk = k.shape[1]
-    t = _bwd_tiles(storage, d, Br, Bc, warps)
+    G = flash._group(BH, k, v)
+    t = _bwd_tiles(storage, d, Br, Bc, warps, gqa=G > 1)
     D = empty((BH, Nq))
     dQ = empty((BH, Nq, d))                          # float32: the atomics' accumulator
     launch(flash.make_preprocess(storage), (cdiv(Nq, flash.PRE_WARPS), BH), 32 * flash.PRE_WARPS, o, do, D, dQ,
            label="D = rowsum(dO∘O)")
-    dK = empty((BH, Nk, d), storage=storage)
-    dV = empty((BH, Nk, d), storage=storage)
-    kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], bool(causal), storage)
-    launch(kernel, (cdiv(Nk, t["Bc"]), BH), 32 * t["warps"], q, k, v, do, lse, D, dQ, dK, dV, scale,
+    dK = empty((BH // G, Nk, d), storage=storage)
+    dV = empty((BH // G, Nk, d), storage=storage)
+    kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], bool(causal), storage, G > 1)
+    launch(kernel, (cdiv(Nk, t["Bc"]), BH // G), 32 * t["warps"], q, k, v, do, lse, D, dQ, dK, dV, scale,
            causal_diag(causal, Nq, Nk), label=BWD_LABEL)
     if storage != "float32":
         dQh = empty((BH, Nq, d), storage=storage)
@@ -958,8 +999,8 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     return dQ, dK, dV
 
 
-def _bwd_tiles(storage, d, Br, Bc, warps):
-    t = bwd_default_tiles(d, storage)
+def _bwd_tiles(storage, d, Br, Bc, warps, gqa=False):
+    t = bwd_default_tiles(d, storage, gqa)
     for name, value in (("Br", Br), ("Bc", Bc), ("warps", warps)):
         if value is not None:
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -978,18 +1019,21 @@ def _bwd_tiles(storage, d, Br, Bc, warps):
 register_impl("fa2-tc", stage="7",
               description="FA2 forward and backward on tensor cores: mma.sync fed by ldmatrix and cp.async, swizzled "
                           "shared memory; float16/bfloat16, float32 through TF32",
-              forward=forward, backward=backward, options=("Br", "Bc", "warps", "storage"), precision="tf32")
+              forward=forward, backward=backward, options=("Br", "Bc", "warps", "storage"), precision="tf32",
+              gqa=True)
 
 
 # --------------------------------------------------------------------------- analytic model
 
 
-def model_forward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, Bc=None, warps=None, arch=80):
+def model_forward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, Bc=None, warps=None, arch=80,
+                  group=1):
     """Element accesses of :func:`forward` (one launch).  Global: Q, O, L once; K_j, V_j once per visited tile
     (the copies read only elements inside the arrays; zero fill is not a read).  Shared, per block: ``Br·Dp``
     written (Q_i, zero-padded to Dp) and read once (its fragments); per visited tile ``2·Bc·Dp`` written
     (K_j, V_j) and, by each warp, ``2·Bc·Dp`` read (its B fragments of both matmuls, each element once: the
-    fragments serve all the warp's m-tiles)."""
+    fragments serve all the warp's m-tiles).  ``group`` (GQA's query heads per K/V head) changes nothing: every
+    query head's blocks read its K/V head's tiles."""
     from ..stages.fa2 import tiles_visited
 
     t = _tiles(storage, d, Br, Bc, warps, arch)
@@ -1060,7 +1104,7 @@ def edge_tile(v, config, Nq, Nk) -> bool:
 # --------------------------------------------------------------------------- the backward's model
 
 
-def model_backward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, Bc=None, warps=None):
+def model_backward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, Bc=None, warps=None, group=1):
     """Element accesses of :func:`backward`: stage 4's preprocessing launch (O, dO read; D, dQ = 0 written), the
     main launch, and (half storage) dQ's narrowing.  Main: K_j, V_j once per block; Q_i, dO_i, L_i, D_i once per
     visited tile (valid rows); dQ's atomics once per valid element of each visited tile; dK, dV written once.
@@ -1068,25 +1112,29 @@ def model_backward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, B
     visited tile: Q_i, dO_i (``2·Br·Dp``), L_i, D_i (``2·Br``) and dSᵀ (``Bc·Br``) written; each warp reads Q_i and
     dO_i twice (``4·Br·Dp``: the B fragments of Sᵀ, dPᵀ and of dK_j, dV_j), L_i and D_i once per score (``32·Br``),
     K_j and V_j's fragments (``2·16·Dp``) when they do not stay in registers; each part of dQ_i reads dSᵀ
-    (``16·Bc``) and K_j (``Bc·NDQ·8``)."""
+    (``16·Bc``) and K_j (``Bc·NDQ·8``).  ``BH`` counts query heads; with ``group`` of them per K/V head (GQA) a
+    block is one K/V head's tile and visits the Q tiles of its ``group`` query heads."""
     from ..stages.fa2 import tiles_visited
 
-    t = _bwd_tiles(storage, d, Br, Bc, warps)
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1 or BH % group:
+        raise ValueError(f"group must be a positive int dividing BH={BH}, got {group!r}")
+    t = _bwd_tiles(storage, d, Br, Bc, warps, gqa=group > 1)
     Br_, Bc_, W = t["Br"], t["Bc"], t["warps"]
     g = bwd_geometry(storage, d, Br_, Bc_, W)
     Dp = g["Dp"]
     visited = tiles_visited(Nq, Nk, Br_, Bc_, causal, "backward")
     n = BH * len(visited)
     q_rows = BH * sum(rows for _, _, rows, _ in visited)
-    blocks = BH * cdiv(Nk, Bc_)
+    BHk = BH // group                                  # K/V heads
+    blocks = BHk * cdiv(Nk, Bc_)
     pre = dict(launch="D = rowsum(dO∘O)", reads={"O": BH * Nq * d, "dO": BH * Nq * d},
                writes={"D": BH * Nq, "dQ": BH * Nq * d}, atomics={}, shared_reads=0, shared_writes=0)
     per_tile = (W * (4 * Br_ * Dp + 32 * Br_ + (0 if g["kv_regs"] else 2 * 16 * Dp))
                 + g["PARTS"] * (16 * Bc_ + Bc_ * g["NDQ"] * 8))
     main = dict(launch=BWD_LABEL,
-                reads={a: x for a, x in (("Q", q_rows * d), ("K", BH * Nk * d), ("V", BH * Nk * d),
+                reads={a: x for a, x in (("Q", q_rows * d), ("K", BHk * Nk * d), ("V", BHk * Nk * d),
                                          ("dO", q_rows * d), ("L", q_rows), ("D", q_rows)) if x},
-                writes={"dK": BH * Nk * d, "dV": BH * Nk * d}, atomics={"dQ": q_rows * d} if q_rows else {},
+                writes={"dK": BHk * Nk * d, "dV": BHk * Nk * d}, atomics={"dQ": q_rows * d} if q_rows else {},
                 shared_reads=blocks * (2 * Bc_ * Dp if g["kv_regs"] else 0) + n * per_tile,
                 shared_writes=blocks * 2 * Bc_ * Dp + n * (2 * Br_ * Dp + 2 * Br_ + Bc_ * Br_))
     if storage == "float32":

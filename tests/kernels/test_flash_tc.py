@@ -46,9 +46,11 @@ def values(a, storage):
     return (common.from_bfloat16(a) if storage == "bfloat16" else np.asarray(a)).astype(np.float64)
 
 
-def torch_half(q, k, v, do, causal, scale):
-    """Attention computed by PyTorch in the half dtype of its inputs (matmuls, softmax and all), with autograd."""
-    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+def torch_half(q, k, v, do, causal, scale, group=1):
+    """Attention computed by PyTorch in the half dtype of its inputs (matmuls, softmax and all), with autograd;
+    ``group``: query heads per K/V head (GQA: K, V repeated in the graph, so their gradients sum over each group)."""
+    q, k0, v0 = (t.clone().requires_grad_(True) for t in (q, k, v))
+    k, v = k0.repeat_interleave(group, dim=0), v0.repeat_interleave(group, dim=0)
     s = (q @ k.transpose(-1, -2)) * scale
     if causal:
         Nq, Nk = s.shape[-2:]
@@ -57,7 +59,7 @@ def torch_half(q, k, v, do, causal, scale):
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)     # a row with no key: o = 0 (flashnb's and FlashAttention's rule)
     o = p @ v
     o.backward(do)
-    return [x.detach().double().numpy() for x in (o, q.grad, k.grad, v.grad)]
+    return [x.detach().double().numpy() for x in (o, q.grad, k0.grad, v0.grad)]
 
 
 def maxerr(a, b):
@@ -93,6 +95,40 @@ def test_half_precision_within_flashattentions_rule(rng, storage, shape_q, Nk, c
         got = values(g, storage)
         assert not np.isnan(got).any(), name
         # gradients: at most 3x PyTorch's half-precision error
+        assert maxerr(got, r) <= 3 * maxerr(p, r), (name, maxerr(got, r), maxerr(p, r))
+
+
+@pytest.mark.parametrize("storage, d, causal, Hkv", [("float16", 64, True, 2), ("bfloat16", 128, False, 1),
+                                                   ("float16", 24, "upper_left", 1)])
+def test_grouped_query_heads_within_flashattentions_rule(rng, storage, d, causal, Hkv):
+    """GQA (two K/V heads for four query heads) and MQA (one): the forward reads K/V head ``z // G``, the backward's
+    blocks loop over their K/V head's query heads (d = 64: two tile loops; d = 128: one) and sum dK_j, dV_j on chip.
+    Against float64 with K/V repeated, by FlashAttention's rule; dK, dV have K/V's heads; the counted traffic equals
+    the model, whose backward reads K, V once per K/V head."""
+    BH, Nq, Nk = 4, 40, 48
+    G = BH // Hkv
+    (q, k, v, do), exact, tensors = half_inputs(rng, storage, (BH, Nq, d), Nk)
+    k, v, exact[1], exact[2], tensors[1], tensors[2] = (a[:Hkv] for a in (k, v, exact[1], exact[2], tensors[1],
+                                                                          tensors[2]))
+    k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
+    scale = 1 / np.sqrt(d)
+    with traffic.count() as t:
+        o, lse = flashnb.attention_forward(q, k, v, causal=causal, impl="fa2-tc", storage=storage, **TILES)
+    assert t.summary() == flash_tc.model_forward(BH, Nq, Nk, d, causal=causal, storage=storage, group=G, **TILES)
+    o_ref, _ = reference.attention_forward(*exact[:3], causal=causal)
+    pt = torch_half(*tensors, causal, scale, group=G)
+    assert maxerr(values(o, storage), o_ref) <= 2 * maxerr(pt[0], o_ref)
+    with traffic.count() as t:
+        grads = flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, impl="fa2-tc", storage=storage,
+                                           **TILES)
+    model = flash_tc.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, group=G, **TILES)
+    assert t.summary() == model
+    assert model[1]["reads"]["K"] == Hkv * Nk * d                # K, V once per K/V head
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    refs = reference.attention_backward(*exact, causal=causal)
+    for name, g, r, p in zip(("dq", "dk", "dv"), grads, refs, pt[1:]):
+        got = values(g, storage)
+        assert not np.isnan(got).any(), name                   # every element written
         assert maxerr(got, r) <= 3 * maxerr(p, r), (name, maxerr(got, r), maxerr(p, r))
 
 
@@ -162,6 +198,17 @@ def test_all_four_sanitizer_tools_on_the_async_path(rng):
         o, lse = flashnb.attention_forward(q, k, v, causal=True, impl="fa2-tc", **TILES)
         flashnb.attention_backward(q, k, v, o, lse, do, causal=True, impl="fa2-tc", **TILES)
     assert report.launches == 4 and not report.findings          # forward; D, backward, dQ -> float16
+
+
+def test_all_four_sanitizer_tools_across_a_gqa_group(rng):
+    # two query heads per K/V head: the backward's block prefetches the next query head's first Q tile while it
+    # finishes the last of the current one (cp.async, d = 16), and sums dK_j, dV_j over both heads
+    (q, k, v, do), _, _ = half_inputs(rng, "float16", (2, 40, 16), 36)
+    k, v = k[:1], v[:1]
+    with sim.sanitize() as report:
+        o, lse = flashnb.attention_forward(q, k, v, causal=True, impl="fa2-tc", **TILES)
+        flashnb.attention_backward(q, k, v, o, lse, do, causal=True, impl="fa2-tc", **TILES)
+    assert report.launches == 4 and not report.findings
 
 
 def test_no_bank_conflicts_on_full_tiles(rng):

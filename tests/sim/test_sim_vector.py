@@ -128,11 +128,13 @@ def test_every_impl_forward_and_backward(name, causal):
     differential(_fwd_bwd(name, causal, **OPTIONS.get(name, {})), unordered=UNORDERED.get(name, ()))
 
 
-# fa2-tc in each storage (float64 inputs above take the float32 path, TF32): (storage, (BH, Nq, d), Nk, causal)
+# fa2-tc in each storage (float64 inputs above take the float32 path, TF32): (storage, (BH, Nq, d), Nk, causal[,
+# K/V heads])
 TC_CASES = {
     "float16-async": ("float16", (1, 40, 16), 36, True),          # cp.async double buffering, partial tiles
     "bfloat16-odd-d": ("bfloat16", (1, 24, 20), 40, "upper_left"),  # d = 20: plain copies, padded to 32; top-left
     "tf32-no-key-rows": ("float32", (1, 33, 8), 20, True),        # Nq > Nk bottom-right: rows that see no key
+    "float16-gqa": ("float16", (2, 40, 16), 36, True, 1),         # two query heads on one K/V head (MQA)
     "float16-full": pytest.param(("float16", (2, 20, 64), 70, False), marks=pytest.mark.slow),  # default tiles
 }
 
@@ -142,9 +144,10 @@ def test_tensor_core_kernels_run_vectorised(case):
     """fa2-tc's forward and backward call the tensor-core twins (mma.sync, ldmatrix, cp.async, the conversions):
     the vectorised simulator runs them itself -- no launch handed to the threads simulator, no note -- with the
     threads simulator's bytes and counts."""
-    storage, (BH, Nq, d), Nk, causal = case
+    storage, (BH, Nq, d), Nk, causal, *kv_heads = case
+    Hkv = kv_heads[0] if kv_heads else BH                             # (fewer: grouped K/V heads)
     r = np.random.default_rng(Nq * 131 + d)
-    arrays = [r.standard_normal(s) for s in ((BH, Nq, d), (BH, Nk, d), (BH, Nk, d), (BH, Nq, d))]
+    arrays = [r.standard_normal(s) for s in ((BH, Nq, d), (Hkv, Nk, d), (Hkv, Nk, d), (BH, Nq, d))]
     if storage == "bfloat16":
         q, k, v, do = (common.to_bfloat16(a) for a in arrays)
     else:
