@@ -119,7 +119,7 @@ class LaunchTools:
         self.active = self.count or self.initcheck or self.race or self.profile
         self.findings = []                       # buffered (tool, kind, message, where, key_extra)
         self.pending_atomics = False
-        self.atomics = []                        # deferred atomics, see flush_atomics
+        self.atomics = {}                        # deferred atomics by array (id of its root), see flush_atomics
         self.geo = None
         self.race_log = []
         self.prof_log = defaultdict(list)
@@ -336,19 +336,20 @@ class LaunchTools:
         self.tc = None
 
     # -- atomics deferred to the threads simulator's order
+    def defer_atomic(self, entry):
+        """Keep a float atomic (``entry[0]``: its array's root) to apply later, in the threads simulator's order."""
+        self.atomics.setdefault(id(entry[0]), []).append(entry)
+        self.pending_atomics = True
+
     def flush_atomics(self, arr=None):
-        if not self.atomics:
-            self.pending_atomics = False
-            return
-        keep = []
-        todo = []
-        for entry in self.atomics:
-            if arr is None or entry[0] is arr.root or entry[0] is getattr(arr, "root", None):
-                todo.append(entry)
-            else:
-                keep.append(entry)
-        self.atomics = keep
-        self.pending_atomics = bool(keep)
+        """Apply the deferred atomics on ``arr`` (every array's when None) before it is read or written plainly.
+        They are kept per array, so a read of another array costs one dictionary look-up."""
+        if arr is None:
+            todo = [e for group in self.atomics.values() for e in group]
+            self.atomics = {}
+        else:
+            todo = self.atomics.pop(id(getattr(arr, "root", None)), None)
+        self.pending_atomics = bool(self.atomics)
         if todo:
             self.apply_deferred(todo)
 

@@ -338,8 +338,6 @@ class _Atomic:
             raise Unsupported("an atomic on a sub-array")
         if array.memory == "global":
             T.before_write(array.root)
-        if T.pending_atomics:
-            pass
         if T.active:
             T.access(array, "a", r, m, site, index if type(index) is tuple else (index,))
         lanes = lanes_in_order(m)
@@ -357,8 +355,7 @@ class _Atomic:
                 keys = np.stack([g.block_lin[lanes], g.phase[g.blk[lanes]], g.rank_of[lanes],
                                  np.full(len(lanes), T.seq, np.int64)])
                 T.seq += 1
-                T.atomics.append((array.root, base, op, flat, va, keys))
-                T.pending_atomics = True
+                T.defer_atomic((array.root, base, op, flat, va, keys))
                 return None
         if T.pending_atomics:
             T.flush_atomics(array)
@@ -587,8 +584,6 @@ class VectorCuda:
     def syncthreads(self, m, site):
         g = self.geo
         T = tools.cur
-        if T.pending_atomics:
-            pass
         active = np.ones(g.L, bool) if m is None else m
         act = active.reshape(g.B, g.T)
         live = ~g.exited.reshape(g.B, g.T)
