@@ -5,9 +5,11 @@ ptxas need no driver and no GPU).
 
 NVVM (numba's front end, then libNVVM) costs far more per kernel than ptxas, so a batch is arranged around it:
 
-* one NVVM pass per (kernel, config), for the lowest cc asked for; ptxas assembles that PTX for every cc, with the
-  ``.target`` line rewritten (:func:`flashnb.instruments.ptxas.retarget_ptx`).  NVVM's PTX for cc 8.0 and 9.0 is
-  the same but for ``.target`` and symbol names (:func:`~flashnb.instruments.ptxas.normalized_ptx`);
+* one NVVM pass per (kernel, config), for the lowest cc asked for -- cc 8.0 when only 8.0 and 9.0 are asked for,
+  so a request for 9.0 alone shares its PTX (and the disk cache's entry) with one for 8.0; ptxas assembles that PTX
+  for every cc, with the ``.target`` line rewritten (:func:`flashnb.instruments.ptxas.retarget_ptx`).  NVVM's PTX
+  for cc 8.0 and 9.0 is the same but for ``.target`` and symbol names
+  (:func:`~flashnb.instruments.ptxas.normalized_ptx`);
   ``tests/instruments/test_ptx_guard.py`` re-checks that on a sample, and ``resources_many(..., reuse_ptx=False)`` runs
   NVVM per cc.  Were NVVM's cc 9.0 output ever to differ for a kernel outside that sample, its sm_90 row would describe
   the sm_80 PTX assembled for sm_90 -- what the driver's JIT runs from an sm_80 build.
@@ -87,6 +89,17 @@ def _groups(jobs: list[dict], reuse_ptx: bool) -> list[list[int]]:
     return [sorted(g, key=lambda i: tuple(jobs[i]["cc"])) for g in groups.values()]
 
 
+_SAME_PTX = {(8, 0), (9, 0)}   # ccs whose NVVM output differs only in .target (checked by the guard's test)
+
+
+def _nvvm_cc(jobs: list[dict], group: list[int], reuse_ptx: bool) -> tuple:
+    """The cc of a group's NVVM pass: its lowest, or 8.0 when every cc asked for is 8.0 or 9.0."""
+    ccs = {tuple(jobs[i]["cc"]) for i in group}
+    if reuse_ptx and ccs <= _SAME_PTX:
+        return (8, 0)
+    return min(ccs)
+
+
 def _job_signature(job: dict) -> str | None:
     if "signature" in job:
         return job["signature"]
@@ -114,11 +127,18 @@ def _compile_jobs(jobs: list[dict], *, reuse_ptx: bool = True, ptxas_threads: in
                     out[i] = Resources(first.get("name", first.get("attr", "?")), first.get("config", {}),
                                        tuple(jobs[i]["cc"]), error=error)
                 continue
-            key = _ptx_key(first, sig, first["cc"]) if reuse_ptx else None
+            cc_nvvm = _nvvm_cc(jobs, group, reuse_ptx)
+            key = _ptx_key(first, sig, cc_nvvm) if reuse_ptx else None
             ptx = _cached_ptx(key)
             if ptx is None:
                 try:
-                    ptx = _nvvm(kernel, sig, tuple(first["cc"]))
+                    try:
+                        ptx = _nvvm(kernel, sig, cc_nvvm)
+                    except Exception:
+                        if cc_nvvm == tuple(first["cc"]):
+                            raise
+                        key = None                     # not for 8.0: compile for the cc asked for, uncached
+                        ptx = _nvvm(kernel, sig, tuple(first["cc"]))
                 except Exception as exc:
                     for i in group:
                         out[i] = _compile_error(exc, name, config, tuple(jobs[i]["cc"]))
@@ -179,7 +199,7 @@ def _in_subprocess(jobs: list[dict], keep_ptx: bool = False, timeout: float = 18
     groups, cached = [], []
     for g in _groups(jobs, reuse_ptx):
         first = jobs[g[0]]
-        ptx = _cached_ptx(_ptx_key(first, _job_signature(first), first["cc"])) if reuse_ptx else None
+        ptx = _cached_ptx(_ptx_key(first, _job_signature(first), _nvvm_cc(jobs, g, True))) if reuse_ptx else None
         if ptx is None:
             groups.append(g)
         else:
