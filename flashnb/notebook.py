@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import textwrap
 from pathlib import Path
 
@@ -10,7 +11,14 @@ __all__ = ["figures_dir", "savefig", "show_source"]
 
 
 def figures_dir() -> Path:
-    """The repository's ``figures/`` folder (notebooks run from ``notebooks/``), else ``./figures``."""
+    """Where :func:`savefig` writes: ``$FLASHNB_FIGURES_DIR`` when set (the test suite sets a temporary folder, so a
+    test run leaves the committed figures as they are), else the repository's ``figures/`` folder (notebooks run
+    from ``notebooks/``), else ``./figures``."""
+    env = os.environ.get("FLASHNB_FIGURES_DIR")
+    if env:
+        out = Path(env)
+        out.mkdir(parents=True, exist_ok=True)
+        return out
     here = Path.cwd()
     for base in (here, here.parent):
         if (base / "figures").is_dir() and (base / "flashnb").is_dir():

@@ -7,6 +7,11 @@ import os
 # tests' training loops about three times slower. One thread per worker, set before anything imports torch; the
 # notebooks' kernels (`--nbmake`, in the same run) inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The notebooks the run executes save their figures into a temporary folder, not the committed figures/.
+if not os.environ.get("FLASHNB_FIGURES_DIR"):
+    import tempfile
+
+    os.environ["FLASHNB_FIGURES_DIR"] = tempfile.mkdtemp(prefix="flashnb-figures-")
 
 import importlib.util  # noqa: E402
 import zlib
