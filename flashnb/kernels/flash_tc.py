@@ -41,8 +41,10 @@ of ~1e-3 where float32 gives ~1e-6; d <= 64 forward, d <= 32 backward, where the
 causal masks in both alignments (``diag``; tiles entirely above the diagonal are never visited, the mask runs
 only on tiles that cross it or the end of the keys); ``Nq != Nk``; any ``d <= 128`` in half precision (padded
 with zero columns to the MMA's k: 16 halves, 8 floats); partial tiles; grouped K/V heads (GQA/MQA, the product
-kernel's policy: the backward's blocks loop over a K/V head's query heads, dK_j, dV_j summed on chip).  Not (yet):
-dropout, attention modifiers, block masks -- ``impl="flash"`` has them.  Architectures: sm_80 and sm_90
+kernel's policy: the backward's blocks loop over a K/V head's query heads, dK_j, dV_j summed on chip); attention
+dropout (``dropout_p``, ``seed``, ``dropout_at``: the product kernel's Philox policy applied to the P fragments,
+so both impls draw the same mask).  Not (yet): attention modifiers, block masks -- ``impl="flash"`` has them.
+Architectures: sm_80 and sm_90
 (``mma.m16n8k16``, ``cp.async``); a float16 forward also for sm_75 (T4: two ``m16n8k8`` per k-step, plain copies).
 
 Kernel ``"fa2_tc.forward"`` (:func:`make_forward`); impl ``"fa2-tc"``, stage 7.
@@ -97,7 +99,7 @@ _A2 = "float32[:, ::1]"
 
 def _fwd_sig(storage="float16", **_):
     h = storage_array_type(storage)
-    return f"void({h}, {h}, {h}, {h}, {_A2}, float32, int32)"
+    return f"void({h}, {h}, {h}, {h}, {_A2}, float32, int32, {policies.DROPOUT_SIG})"
 
 
 def geometry(storage: str, d: int, Br: int, Bc: int, warps: int, arch: int = 80) -> dict:
@@ -174,7 +176,7 @@ def default_tiles(d: int, storage: str = "float16") -> dict:
 def _configs():
     """What the PTX guard compiles: the default tiles at d = 64 and 128 for each storage (causal off and on for
     float16), odd head dims (d = 20: plain copies and padding; d = 72: Dp = 80, a row of 10 chunks in 16), one
-    m-tile per warp, and the sm_75 forward."""
+    m-tile per warp, the sm_75 forward, GQA and dropout."""
     out = []
     for d, st, causal in ((64, "float16", False), (64, "float16", True), (128, "float16", False),
                           (128, "float16", True), (64, "bfloat16", True), (128, "bfloat16", False),
@@ -183,7 +185,9 @@ def _configs():
     out += [dict(Br=64, Bc=32, warps=2, d=20, causal=True, storage="float16", arch=80),
             dict(Br=32, Bc=32, warps=2, d=72, causal=False, storage="bfloat16", arch=80),
             dict(Br=64, Bc=32, warps=4, d=64, causal=True, storage="float16", arch=75),
-            dict(**default_tiles(64), d=64, causal=True, storage="float16", arch=80, gqa=True)]
+            dict(**default_tiles(64), d=64, causal=True, storage="float16", arch=80, gqa=True),
+            dict(**default_tiles(64), d=64, causal=True, storage="float16", arch=80, dropout=True),
+            dict(**default_tiles(128, "bfloat16"), d=128, causal=False, storage="bfloat16", arch=80, dropout=True)]
     return out
 
 
@@ -304,10 +308,11 @@ def _make_policies(storage, g, arch, swizzle=True):
 
 @kernel_factory("fa2_tc.forward", stage="7", signature=_fwd_sig, configs=_configs(), archs=_archs,
                 threads=lambda warps, **_: 32 * warps)
-def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False):
+def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False, dropout=False):
     """FA2 Alg. 1 on tensor cores for one configuration; grid ``(Tr, BH)``, ``32·warps`` threads.  ``storage``:
     the dtype of Q, K, V, O in HBM; ``arch``: 80 (sm_80, sm_90) or 75 (sm_75, float16); ``gqa``: K, V have fewer
-    heads than Q (query head ``z`` reads K/V head ``z // G``, the product kernel's policy)."""
+    heads than Q (query head ``z`` reads K/V head ``z // G``, the product kernel's policy); ``dropout``: the
+    product kernel's Philox policy on the P fragments (the kernel's last twelve arguments, never read without)."""
     g = geometry(storage, d, Br, Bc, warps, arch)
     MT, NB, ND, KD, KV, LD, E = g["MT"], g["NB"], g["ND"], g["KD"], g["KV"], g["LD"], g["E"]
     ASYNC, TF32, KN, TOTAL, QO = g["copy"] == "async", storage == "float32", g["KN"], g["total"], g["q_offset"]
@@ -320,9 +325,10 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
     SDT = _SHARED_TYPE[storage]
     SIGN = _SIGN[storage]
     kv_head = policies.gqa(gqa)[0]
+    drop_state, keep_bits, factor = policies.dropout(dropout)
 
     @cuda.jit(device=True, inline="always")
-    def kv_tile(j, masked, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag, sl2):
+    def kv_tile(j, masked, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag, sl2, z, Nq, dst):
         """One K/V tile (FA2 Alg. 1 lines 6-11); ``masked`` (a constant at each call): the tile crosses the causal
         diagonal or the end of the keys."""
         j0 = j * Bc
@@ -393,6 +399,12 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
                 for dn in range(ND):
                     o[mt, dn, 2 * h] *= alpha
                     o[mt, dn, 2 * h + 1] *= alpha
+            if dropout:                                # after l took the undropped P~: P~ ∘ Z / (1-p)
+                for e in range(2):                     # this lane's rows g, g+8 and columns 8nb + 2t + e
+                    keep = keep_bits(dst, z, i0 + wr + 16 * mt + g8, 8, j0 + 2 * t4 + e, 8, 2, NB, Nq, Nk)
+                    for h in range(2):
+                        for nb in range(NB):
+                            s[mt, nb, 2 * h + e] *= factor(keep, h * NB + nb, dst)
         for kv in range(KV):                           # line 10: O~_i += P~_ij V_j, k-steps over the keys
             nb = kv * 2 if not TF32 else kv
             nb2 = nb + 1 if not TF32 else nb
@@ -420,7 +432,8 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
         cuda.syncthreads()                             # every warp is done with this buffer
 
     @cuda.jit
-    def fa2_tc_forward(Q, K, V, O, L, scale, diag):
+    def fa2_tc_forward(Q, K, V, O, L, scale, diag, threshold, inv_keep, seed_lo, seed_hi, rb, rstep, rsplit, rjump,
+                       cb, cstep, csplit, cjump):
         sm = cuda.shared.array(TOTAL, SDT, alignment=SHARED_ALIGN)  # Q_i, then K_j and V_j per stage (swizzled)
         qa = cuda.local.array((MT, KD, 4), uint32)     # Q_i's A fragments (registers: constant indices only)
         s = cuda.local.array((MT, NB, 4), float32)     # S_ij, then P~_ij (C layout)
@@ -441,6 +454,7 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
         Vz = V[kv_head(z, Q, K)]
         flip = SIGN if scale < ZERO else uint32(0)     # a negative scale: Q negated, scores scaled by |scale|
         sl2 = abs(scale) * LOG2E                       # exp(scale·s) = exp2(s·|scale|·log2 e)
+        dst = drop_state(threshold, inv_keep, seed_lo, seed_hi, rb, rstep, rsplit, rjump, cb, cstep, csplit, cjump)
         n_tiles = (Nk + Bc - 1) // Bc                  # line 5 (causal: no tile entirely above the diagonal)
         n_full = Nk // Bc                              # the leading tiles that need no mask
         if causal:
@@ -473,9 +487,9 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
                     o[mt, dn, c] = ZERO
         cuda.syncthreads()                             # Q_i's space may now hold a K/V stage
         for j in range(n_full):                        # line 6: the tiles no mask touches ...
-            kv_tile(j, False, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag, sl2)
+            kv_tile(j, False, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag, sl2, z, Nq, dst)
         for j in range(n_full, n_tiles):               # ... then those crossing the diagonal or the end of the keys
-            kv_tile(j, True, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag, sl2)
+            kv_tile(j, True, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag, sl2, z, Nq, dst)
         g8 = lane // 4
         t4 = lane % 4
         for mt in range(MT):                           # lines 12-15
@@ -503,7 +517,7 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
 def _bwd_sig(storage="float16", **_):
     h = storage_array_type(storage)
     a3 = "float32[:, :, ::1]"
-    return f"void({h}, {h}, {h}, {h}, {_A2}, {_A2}, {a3}, {h}, {h}, float32, int32)"
+    return f"void({h}, {h}, {h}, {h}, {_A2}, {_A2}, {a3}, {h}, {h}, float32, int32, {policies.DROPOUT_SIG})"
 
 
 def bwd_geometry(storage: str, d: int, Br: int, Bc: int, warps: int) -> dict:
@@ -574,7 +588,8 @@ def bwd_default_tiles(d: int, storage: str = "float16", gqa: bool = False) -> di
 
 def _bwd_configs():
     """The backward configs the PTX guard compiles: default tiles at d = 64 and 128 (K_j, V_j fragments in
-    registers, and reloaded; dQ in one and in two passes) for each storage, causal on and off, and an odd d."""
+    registers, and reloaded; dQ in one and in two passes) for each storage, causal on and off, an odd d, GQA and
+    dropout."""
     out = []
     for d, st, causal in ((64, "float16", False), (64, "float16", True), (128, "float16", False),
                           (128, "float16", True), (64, "bfloat16", True), (128, "bfloat16", False),
@@ -583,6 +598,8 @@ def _bwd_configs():
     out.append(dict(Br=32, Bc=32, warps=2, d=20, causal=True, storage="float16"))
     for d, causal in ((64, True), (64, False), (128, True)):   # GQA: a block loops over its K/V head's query heads
         out.append(dict(**bwd_default_tiles(d, gqa=True), d=d, causal=causal, storage="float16", gqa=True))
+    for d, st, causal in ((64, "float16", True), (128, "float16", False)):   # dropout: Z regenerated per tile
+        out.append(dict(**bwd_default_tiles(d, st), d=d, causal=causal, storage=st, dropout=True))
     return out
 
 
@@ -591,14 +608,15 @@ BWD_LABEL = "FA2 tensor-core backward"
 
 @kernel_factory("fa2_tc.backward", stage="7", signature=_bwd_sig, configs=_bwd_configs(), archs=ARCHS[80],
                 threads=lambda warps, **_: 32 * warps)
-def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False):
+def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropout=False):
     """FA2 Alg. 2 on tensor cores; grid ``(Tc, BH_kv)``, ``32·warps`` threads, one block per K/V tile.  Warp ``w``
     owns keys ``16w .. 16w + 15`` of ``K_j``: it computes ``Sᵀ = K_j Q_iᵀ`` and ``dPᵀ = V_j dO_iᵀ`` (keys × queries,
     so that ``Pᵀ`` and ``dSᵀ`` are, in registers, the A fragments of ``dV_j += Pᵀ dO_i`` and ``dK_j += dSᵀ Q_i``);
     ``dSᵀ`` goes to shared memory once per tile, where every warp reads it back as the A fragment of ``dQ_i = dS
     K_j`` for its 16·QM query rows, added into HBM with float32 atomics.  ``gqa``: K, V have fewer heads than Q; a
     block visits the Q tiles of each of its K/V head's ``G`` query heads in turn, so dK_j, dV_j are summed on chip
-    (the product kernel's policy).  sm_80 and sm_90."""
+    (the product kernel's policy).  ``dropout``: the forward's ``Z`` regenerated (Philox, the product kernel's
+    policy): ``dV_j += (P ∘ W)ᵀ dO_i`` and ``dS = P ∘ (dP ∘ W - D)`` with ``W = Z / (1-p)``.  sm_80 and sm_90."""
     g = bwd_geometry(storage, d, Br, Bc, warps)
     NQ, ND, KD, KQ, KK, LD, LDS, E = g["NQ"], g["ND"], g["KD"], g["KQ"], g["KK"], g["LD"], g["LDS"], g["E"]
     OFF, TOTAL, KV_REGS, NDQ, CPT, IPW, PARTS = (g["offsets"], g["total"], g["kv_regs"], g["NDQ"], g["CPT"],
@@ -615,6 +633,7 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False):
     LDN = 2 * Br                            # L_i and D_i (a compile-time size)
     ONE_LOOP = g["Dp"] > 64                 # d > 64: dK_j, dV_j fill half the registers; one copy of the tile loop
     group = policies.gqa(gqa)[1]
+    drop_state, keep_bits, factor = policies.dropout(dropout)
 
     @cuda.jit(device=True, inline="always")
     def b_cols(sm, base, k8, n8, lane):
@@ -675,7 +694,7 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False):
 
     @cuda.jit(device=True, inline="always")
     def q_tile(i, masked, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, lane, tid, Nq, diag, sl2,
-               flip, scale, dQ, i_first, z_end):
+               flip, scale, dQ, i_first, z_end, dst, Nk):
         """One Q tile (FA2 Alg. 2 lines 7-16) of query head ``z``; ``masked``: it crosses the causal diagonal.  The
         next tile is ``i + 1`` of the same head, or (GQA) the first of the next query head before ``z_end``."""
         i0 = i * Br
@@ -741,14 +760,21 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False):
                         va[kk, 0], va[kk, 1], va[kk, 2], va[kk, 3], o2, o3, dp[nq + 1, 0], dp[nq + 1, 1],
                         dp[nq + 1, 2], dp[nq + 1, 3])
         first = j0 + w16 + g8 - i0 - diag - 2 * t4     # masked: key > query + diag, as offsets of this lane's
+        keep0 = keep_bits(dst, z, i0 + 2 * t4, 8, j0 + w16 + g8, 8, NQ, 2, Nq, Nk)   # dropout's Z of this lane's
+        keep1 = keep_bits(dst, z, i0 + 2 * t4 + 1, 8, j0 + w16 + g8, 8, NQ, 2, Nq, Nk)   # even, odd queries
         for nq in range(NQ):                   # line 11: P = exp(scale·S - L); line 14: dS = P ∘ (dP - D)
             for e in range(4):
                 col = nq * 8 + 2 * t4 + e % 2
                 p = mma.exp2(s[nq, e] * sl2 - LDs[col])   # (L_i read for every score: the model counts it so)
                 if masked and first + 8 * (e // 2) > nq * 8 + e % 2:      # first key and query in the tile
                     p = ZERO
-                s[nq, e] = p
-                dp[nq, e] = p * (dp[nq, e] - LDs[Br + col])
+                if dropout:                    # W = Z / (1-p): dV takes P ∘ W, dS = P ∘ (dP ∘ W - D)
+                    w = factor(keep0 if e % 2 == 0 else keep1, nq * 2 + e // 2, dst)
+                    s[nq, e] = p * w
+                    dp[nq, e] = p * (dp[nq, e] * w - LDs[Br + col])
+                else:
+                    s[nq, e] = p
+                    dp[nq, e] = p * (dp[nq, e] - LDs[Br + col])
                 idx = DSO + ds_at_chunk(w16 + g8 + 8 * (e // 2), col // E) + uint32(col % E)
                 sm[idx] = to_shared(from_f32(dp[nq, e]))       # dSᵀ for line 15 (rounded as P is)
         for kq in range(KQ):                   # line 12: dV_j += Pᵀ dO_i; line 16: dK_j += dSᵀ Q_i
@@ -813,22 +839,23 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False):
 
     @cuda.jit(device=True, inline="always")
     def q_tiles(z, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, lane, tid, Nq, diag,
-                sl2, flip, scale, dQ, z_end):
+                sl2, flip, scale, dQ, z_end, dst, Nk):
         """Line 6: the Q tiles of query head ``z`` this block sees."""
         if ONE_LOOP:                                   # one loop: the mask tested on every causal tile
             for i in range(i_first, n_i):
                 q_tile(i, causal, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, lane, tid, Nq, diag,
-                       sl2, flip, scale, dQ, i_first, z_end)
+                       sl2, flip, scale, dQ, i_first, z_end, dst, Nk)
         else:
             for i in range(i_first, i_full):           # the Q tiles the causal diagonal crosses ...
                 q_tile(i, True, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, lane, tid, Nq, diag,
-                       sl2, flip, scale, dQ, i_first, z_end)
+                       sl2, flip, scale, dQ, i_first, z_end, dst, Nk)
             for i in range(max(i_first, i_full), n_i):     # ... then those no mask touches
                 q_tile(i, False, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, lane, tid, Nq, diag,
-                       sl2, flip, scale, dQ, i_first, z_end)
+                       sl2, flip, scale, dQ, i_first, z_end, dst, Nk)
 
     @cuda.jit
-    def fa2_tc_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag):
+    def fa2_tc_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, threshold, inv_keep, seed_lo, seed_hi, rb, rstep,
+                        rsplit, rjump, cb, cstep, csplit, cjump):
         sm = cuda.shared.array(TOTAL, SDT, alignment=SHARED_ALIGN)   # K_j, V_j, Q_i, dO_i, dSᵀ (swizzled)
         LDs = cuda.shared.array(LDN, float32)          # L_i·log2 e, D_i
         ka = cuda.local.array((KA, 4), uint32)         # K_j's A fragments (this warp's 16 keys; sign of scale)
@@ -849,6 +876,7 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False):
         Nk = K.shape[1]
         flip = SIGN if scale < ZERO else uint32(0)     # a negative scale: K negated in Sᵀ, |scale| in the exponent
         sl2 = abs(scale) * LOG2E
+        dst = drop_state(threshold, inv_keep, seed_lo, seed_hi, rb, rstep, rsplit, rjump, cb, cstep, csplit, cjump)
         n_i = (Nq + Br - 1) // Br                      # line 6: the Q tiles this block sees
         i_first = 0
         i_full = 0                                     # the first Q tile no causal mask touches
@@ -884,10 +912,10 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False):
         if gqa:                                        # each query head of the group in turn
             for z in range(kz * G, z_end):
                 q_tiles(z, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, lane, tid, Nq,
-                        diag, sl2, flip, scale, dQ, z_end)
+                        diag, sl2, flip, scale, dQ, z_end, dst, Nk)
         else:
             q_tiles(kz, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, lane, tid, Nq,
-                    diag, sl2, flip, scale, dQ, z_end)
+                    diag, sl2, flip, scale, dQ, z_end, dst, Nk)
         g8 = lane // 4
         t4 = lane % 4
         for h in range(2):                             # line 18: dK_j (times scale, once), dV_j to HBM
@@ -945,14 +973,18 @@ def device_arch() -> int:
     return 80 if cc is None or cc >= (8, 0) else 75
 
 
-def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, storage=None):
+def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, storage=None, dropout_p=0.0, seed=None,
+            dropout_at=None):
     """FA2 Alg. 1 on tensor cores: device arrays in (float16, bfloat16 bits with ``storage="bfloat16"``, or float32
     through TF32), ``(O, L)`` out (O in q's storage, L float32).  ``Br, Bc, warps`` default to
     :func:`default_tiles`; on sm_75 only float16 (ValueError naming the architecture otherwise).  ``k``, ``v``
-    may have fewer batch·heads than ``q`` (GQA/MQA: query head ``z`` reads K/V head ``z // G``)."""
+    may have fewer batch·heads than ``q`` (GQA/MQA: query head ``z`` reads K/V head ``z // G``).  ``dropout_p``,
+    ``seed``, ``dropout_at``: attention dropout, the same mask as ``impl="flash"`` draws
+    (:func:`flashnb.kernels.policies.dropout_args`); ``L`` is the undropped softmax's."""
     from .flash import _group
 
     storage = check_inputs(storage, q=q, k=k, v=v)
+    drop = policies.dropout_args(dropout_p, seed, dropout_at)
     arch = device_arch()
     if arch == 75 and storage != "float16":
         raise ValueError(f"fa2-tc on sm_75 takes float16 only (it has no bf16 or tf32 tensor cores), got {storage}")
@@ -962,21 +994,25 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, stora
     t = _tiles(storage, d, Br, Bc, warps, arch)
     O = empty((BH, Nq, d), storage=storage)
     Lse = empty((BH, Nq))
-    kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal), storage, arch, G > 1)
+    kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal), storage, arch, G > 1,
+                          drop is not policies.NO_DROPOUT)
     launch(kernel, (cdiv(Nq, t["Br"]), BH), 32 * t["warps"], q, k, v, O, Lse, scale, causal_diag(causal, Nq, Nk),
-           label="FA2 tensor-core forward")
+           *drop, label="FA2 tensor-core forward")
     return O, Lse
 
 
-def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warps=None, storage=None):
+def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warps=None, storage=None, dropout_p=0.0,
+             seed=None, dropout_at=None):
     """FA2 Alg. 2 on tensor cores: the product kernel's preprocessing launch (``D = rowsum(dO∘O)``, the float32 dQ
     accumulator zeroed), the main launch (one block per K/V tile), and for half storage dQ narrowed (the product
     kernel's convert launch).
     Device arrays in q's storage (``lse`` float32); gradients out in it.  sm_80 and newer (ValueError naming the
-    architecture on sm_75).  ``k``, ``v`` may have fewer batch·heads than ``q`` (GQA/MQA): dK, dV have theirs."""
+    architecture on sm_75).  ``k``, ``v`` may have fewer batch·heads than ``q`` (GQA/MQA): dK, dV have theirs.
+    ``dropout_p``, ``seed``, ``dropout_at``: the forward's (its mask is regenerated, never stored)."""
     from . import flash
 
     storage = check_inputs(storage, q=q, k=k, v=v, o=o, do=do)
+    drop = policies.dropout_args(dropout_p, seed, dropout_at)
     mma.check_arch("fa2-tc backward", ARCHS[80])
     BH, Nq, d = q.shape
     Nk = k.shape[1]
@@ -988,9 +1024,10 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
            label="D = rowsum(dO∘O)")
     dK = empty((BH // G, Nk, d), storage=storage)
     dV = empty((BH // G, Nk, d), storage=storage)
-    kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], bool(causal), storage, G > 1)
+    kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], bool(causal), storage, G > 1,
+                           drop is not policies.NO_DROPOUT)
     launch(kernel, (cdiv(Nk, t["Bc"]), BH // G), 32 * t["warps"], q, k, v, do, lse, D, dQ, dK, dV, scale,
-           causal_diag(causal, Nq, Nk), label=BWD_LABEL)
+           causal_diag(causal, Nq, Nk), *drop, label=BWD_LABEL)
     if storage != "float32":
         dQh = empty((BH, Nq, d), storage=storage)
         launch(flash.make_convert(storage), (cdiv(Nq * d, flash.CONVERT_THREADS), BH), flash.CONVERT_THREADS, dQ, dQh,
@@ -1019,7 +1056,8 @@ def _bwd_tiles(storage, d, Br, Bc, warps, gqa=False):
 register_impl("fa2-tc", stage="7",
               description="FA2 forward and backward on tensor cores: mma.sync fed by ldmatrix and cp.async, swizzled "
                           "shared memory; float16/bfloat16, float32 through TF32",
-              forward=forward, backward=backward, options=("Br", "Bc", "warps", "storage"), precision="tf32",
+              forward=forward, backward=backward,
+              options=("Br", "Bc", "warps", "storage", "dropout_p", "seed", "dropout_at"), precision="tf32",
               gqa=True)
 
 

@@ -16,7 +16,7 @@ from conftest import assert_close
 import flashnb
 from flashnb import common, reference, sim
 from flashnb.instruments import traffic
-from flashnb.kernels import flash_tc, mma
+from flashnb.kernels import flash_tc, mma, policies
 
 torch = pytest.importorskip("torch")
 
@@ -46,9 +46,10 @@ def values(a, storage):
     return (common.from_bfloat16(a) if storage == "bfloat16" else np.asarray(a)).astype(np.float64)
 
 
-def torch_half(q, k, v, do, causal, scale, group=1):
+def torch_half(q, k, v, do, causal, scale, group=1, W=None):
     """Attention computed by PyTorch in the half dtype of its inputs (matmuls, softmax and all), with autograd;
-    ``group``: query heads per K/V head (GQA: K, V repeated in the graph, so their gradients sum over each group)."""
+    ``group``: query heads per K/V head (GQA: K, V repeated in the graph, so their gradients sum over each group);
+    ``W``: dropout factors ``Z / (1-p)`` multiplying the softmax (as FA1 Alg. 2 applies them)."""
     q, k0, v0 = (t.clone().requires_grad_(True) for t in (q, k, v))
     k, v = k0.repeat_interleave(group, dim=0), v0.repeat_interleave(group, dim=0)
     s = (q @ k.transpose(-1, -2)) * scale
@@ -57,6 +58,8 @@ def torch_half(q, k, v, do, causal, scale, group=1):
         allowed = torch.tensor(reference._allowed((Nq, Nk), causal, None))
         s = s.masked_fill(~allowed, float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)     # a row with no key: o = 0 (flashnb's and FlashAttention's rule)
+    if W is not None:
+        p = p * torch.tensor(W, dtype=p.dtype)
     o = p @ v
     o.backward(do)
     return [x.detach().double().numpy() for x in (o, q.grad, k0.grad, v0.grad)]
@@ -130,6 +133,57 @@ def test_grouped_query_heads_within_flashattentions_rule(rng, storage, d, causal
         got = values(g, storage)
         assert not np.isnan(got).any(), name                   # every element written
         assert maxerr(got, r) <= 3 * maxerr(p, r), (name, maxerr(got, r), maxerr(p, r))
+
+
+@pytest.mark.parametrize("storage, shape_q, Nk, causal, Hkv, p", [
+    ("float16", (2, 40, 16), 36, True, 2, 0.3),            # partial tiles, cp.async, several tiles of each loop
+    ("bfloat16", (2, 33, 24), 40, "upper_left", 1, 0.5),   # MQA, odd Nq, the top-left alignment
+    ("float16", (1, 40, 32), 24, True, 1, 0.1)])           # Nq > Nk: rows that see no key
+def test_dropout_draws_the_product_kernels_mask(rng, storage, shape_q, Nk, causal, Hkv, p):
+    """Attention dropout: the forward multiplies the P fragments by W = Z / (1-p) after l_i took the undropped P~,
+    the backward regenerates Z (dV_j += (P ∘ W)ᵀ dO_i, dS = P ∘ (dP ∘ W - D)).  Against float64 with the mask of
+    flashnb.rng's NumPy twin -- the mask impl="flash" draws -- by FlashAttention's rule, PyTorch's half attention
+    given the same W; L is the undropped softmax's (float32 accumulation only); dropout adds no HBM traffic.  A
+    wrong mask element moves an output by O(0.1 - 1), far above the half-precision errors (~1e-3 - 1e-2)."""
+    from flashnb import rng as frng
+
+    BH, Nq, d = shape_q
+    G = BH // Hkv
+    (q, k, v, do), exact, tensors = half_inputs(rng, storage, shape_q, Nk)
+    k, v, exact[1], exact[2], tensors[1], tensors[2] = (a[:Hkv] for a in (k, v, exact[1], exact[2], tensors[1],
+                                                                          tensors[2]))
+    k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
+    seed = int(rng.integers(0, 2**63))
+    W = frng.dropout_scale_np(seed, p, BH, Nq, Nk).reshape(BH, Nq, Nk).astype(np.float64)
+    scale = 1 / np.sqrt(d)
+    opts = dict(causal=causal, impl="fa2-tc", storage=storage, dropout_p=p, seed=seed, **TILES)
+    with traffic.count() as t:
+        o, lse = flashnb.attention_forward(q, k, v, **opts)
+    assert t.summary() == flash_tc.model_forward(BH, Nq, Nk, d, causal=causal, storage=storage, group=G, **TILES)
+    krep, vrep = (np.repeat(a, G, axis=0) for a in exact[1:3])
+    o_ref, lse_ref = reference.attention_forward(exact[0], krep, vrep, causal=causal, dropout_mask=W)
+    pt = torch_half(*tensors, causal, scale, group=G, W=W)
+    assert not np.isnan(values(o, storage)).any()
+    assert maxerr(values(o, storage), o_ref) <= 2 * maxerr(pt[0], o_ref), (maxerr(values(o, storage), o_ref),
+                                                                             maxerr(pt[0], o_ref))
+    assert_close(lse, lse_ref, atol=2e-5, rtol=2e-5, what=f"{storage} lse")        # as without dropout
+    with traffic.count() as t:
+        grads = flashnb.attention_backward(q, k, v, o, lse, do, **opts)
+    assert t.summary() == flash_tc.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, group=G, **TILES)
+    refs = reference.attention_backward(exact[0], krep, vrep, exact[3], causal=causal, dropout_mask=W)
+    refs = (refs[0], *(r.reshape(Hkv, G, Nk, d).sum(axis=1) for r in refs[1:]))   # K/V gradients sum per group
+    for name, g, r, pg in zip(("dq", "dk", "dv"), grads, refs, pt[1:]):
+        got = values(g, storage)
+        assert not np.isnan(got).any(), name
+        assert maxerr(got, r) <= 3 * maxerr(pg, r), (name, maxerr(got, r), maxerr(pg, r))
+
+
+def test_all_four_sanitizer_tools_with_dropout(rng):
+    (q, k, v, do), _, _ = half_inputs(rng, "float16", (1, 40, 16), 36)
+    with sim.sanitize() as report:
+        o, lse = flashnb.attention_forward(q, k, v, causal=True, impl="fa2-tc", dropout_p=0.2, seed=3, **TILES)
+        flashnb.attention_backward(q, k, v, o, lse, do, causal=True, impl="fa2-tc", dropout_p=0.2, seed=3, **TILES)
+    assert report.launches == 4 and not report.findings
 
 
 # TF32 keeps 10 of float32's 23 mantissa bits: Q, K, V (rounded when copied to shared memory) and P (when formed)
@@ -253,7 +307,8 @@ def test_sm75_forward_on_the_simulator(rng):
     O = common.empty((1, 40, 32), storage="float16")
     L = common.empty((1, 40))
     dev = [common.to_device(a, "float16") for a in (q, k, v)]
-    common.launch(kernel, (2, 1), 64, *dev, O, L, 1 / np.sqrt(32), common.causal_diag(True, 40, 48))
+    common.launch(kernel, (2, 1), 64, *dev, O, L, 1 / np.sqrt(32), common.causal_diag(True, 40, 48),
+                  *policies.NO_DROPOUT)
     o_ref, lse_ref = reference.attention_forward(*exact, causal=True)
     # half output (one rounding of |o| <= 1: 2^-11) plus P's rounding: 2e-3 is ~4x the measured 5e-4
     assert_close(O.copy_to_host(), o_ref, atol=2e-3, rtol=2e-3, what="sm_75 o")
