@@ -178,6 +178,27 @@ def test_dropout_draws_the_product_kernels_mask(rng, storage, shape_q, Nk, causa
         assert maxerr(got, r) <= 3 * maxerr(pg, r), (name, maxerr(got, r), maxerr(pg, r))
 
 
+def test_dropout_through_flashnb_pytorch_draws_torchs_seed_and_the_product_kernels_mask():
+    """flashnb.pytorch.attention draws the dropout seed from torch's generator and keeps it for the backward: with
+    the generator reset, fa2-tc and impl="flash" drop the same weights.  Their outputs then differ only by fa2-tc's
+    rounding of P to float16 (measured 2e-3 on these O(1) values); a weight dropped by one and kept by the other
+    moves an output by O(0.1 - 1), so 1e-2 tells them apart."""
+    from flashnb import pytorch as fp
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g).half().requires_grad_(True) for n in (24, 20, 20))
+    outs = []
+    for impl in ("fa2-tc", "flash"):
+        torch.manual_seed(0)
+        outs.append(fp.attention(q, k, v, causal=True, impl=impl, dropout_p=0.3))
+    assert (outs[0].float() - outs[1].float()).abs().max().item() < 1e-2
+    torch.manual_seed(1)
+    other = fp.attention(q, k, v, causal=True, impl="fa2-tc", dropout_p=0.3)
+    assert (other.float() - outs[0].float()).abs().max().item() > 0.1          # another seed, another mask
+    outs[0].float().sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
 def test_all_four_sanitizer_tools_with_dropout(rng):
     (q, k, v, do), _, _ = half_inputs(rng, "float16", (1, 40, 16), 36)
     with sim.sanitize() as report:
