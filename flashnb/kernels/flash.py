@@ -443,17 +443,6 @@ def _storage(storage, **arrays) -> str:
     return storage
 
 
-def _group(BH, k, v):
-    """GQA's ``G = BH_q / BH_kv`` (1: every query head has its own K/V head)."""
-    if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if k.shape[0] < 1 or BH % k.shape[0]:
-        raise ValueError(f"grouped-query attention: q's batch·heads ({BH}) must be a multiple of k's and v's "
-                         f"({k.shape[0]})")
-    return BH // k.shape[0]
-
-
-
 def _origin(fn):
     """The user's function behind a modifier: a snapshot's ``origin`` (the user surfaces pass snapshots of the
     modifiers as they were at the call), else the Python function itself."""
@@ -513,7 +502,7 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block
     storage = _storage(storage, q=q, k=k, v=v)
     BH, Nq, d = q.shape
     Nk = k.shape[1]
-    G = _group(BH, k, v)
+    G = policies.gqa_group(BH, k, v)
     drop = policies.dropout_args(dropout_p, seed, dropout_at)
     given = not (Br is None and Bc is None and warps is None)
     optin = shared_optin_limit()
@@ -573,7 +562,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     storage = _storage(storage, q=q, k=k, v=v, o=o, do=do)
     BH, Nq, d = q.shape
     Nk = k.shape[1]
-    G = _group(BH, k, v)
+    G = policies.gqa_group(BH, k, v)
     drop = policies.dropout_args(dropout_p, seed, dropout_at)
     t, M, bm_mod, partial = _launch_mask("backward", d, Br, Bc, warps, block_mask, BH, Nq, Nk)
     mask_mod, H = _modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH)

@@ -981,8 +981,6 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, stora
     may have fewer batch·heads than ``q`` (GQA/MQA: query head ``z`` reads K/V head ``z // G``).  ``dropout_p``,
     ``seed``, ``dropout_at``: attention dropout, the same mask as ``impl="flash"`` draws
     (:func:`flashnb.kernels.policies.dropout_args`); ``L`` is the undropped softmax's."""
-    from .flash import _group
-
     storage = check_inputs(storage, q=q, k=k, v=v)
     drop = policies.dropout_args(dropout_p, seed, dropout_at)
     arch = device_arch()
@@ -990,7 +988,7 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, stora
         raise ValueError(f"fa2-tc on sm_75 takes float16 only (it has no bf16 or tf32 tensor cores), got {storage}")
     BH, Nq, d = q.shape
     Nk = k.shape[1]
-    G = _group(BH, k, v)
+    G = policies.gqa_group(BH, k, v)
     t = _tiles(storage, d, Br, Bc, warps, arch)
     O = empty((BH, Nq, d), storage=storage)
     Lse = empty((BH, Nq))
@@ -1016,7 +1014,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     mma.check_arch("fa2-tc backward", ARCHS[80])
     BH, Nq, d = q.shape
     Nk = k.shape[1]
-    G = flash._group(BH, k, v)
+    G = policies.gqa_group(BH, k, v)
     t = _bwd_tiles(storage, d, Br, Bc, warps, gqa=G > 1)
     D = empty((BH, Nq))
     dQ = empty((BH, Nq, d))                          # float32: the atomics' accumulator

@@ -52,7 +52,7 @@ from ..masks import EMPTY, FULL, PARTIAL  # noqa: F401  (block-mask tile states,
 from ..rng import check_dropout, dropout_keep, dropout_kernel_args
 
 __all__ = ["EMPTY", "FULL", "PARTIAL", "ALL", "MAX_ELEMENTS", "storage", "tile_state", "modifiers", "is_set",
-           "dropout", "dropout_args", "gqa",
+           "dropout", "dropout_args", "gqa", "gqa_group",
            "python_modifier", "device_modifier", "DROPOUT_SIG", "NO_DROPOUT", "SAME_POSITIONS",
            "check_dropout_at", "GUARD_ALIBI", "GUARD_WINDOW",
            "GUARD_SOFTCAP", "GUARD_DOCUMENT"]
@@ -327,6 +327,17 @@ def gqa(on: bool):
         return z // (Q.shape[0] // K.shape[0]) if on else z
 
     return kv_head, group
+
+
+def gqa_group(BH, k, v) -> int:
+    """The host side of :func:`gqa`: ``G = BH_q / BH_kv`` for ``BH`` query heads and K, V (1: every query head has
+    its own K/V head); ValueError naming k, v when their shapes differ or ``BH`` is not a multiple of theirs."""
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[0] < 1 or BH % k.shape[0]:
+        raise ValueError(f"grouped-query attention: q's batch·heads ({BH}) must be a multiple of k's and v's "
+                         f"({k.shape[0]})")
+    return BH // k.shape[0]
 
 
 # --------------------------------------------------------------------------- modifiers the PTX guard compiles in
