@@ -1,19 +1,22 @@
 """The public API: NumPy in, NumPy out, float32 compute on the device (GPU or simulator).
 
 Every implementation (``impl="naive"``, ``"fa1"``, ``"fa2"``, ...) is reached through these three
-functions; each stage registers itself in :data:`flashnb.registry.IMPLS`.  The default is the product kernel,
-``impl="flash"`` (:mod:`flashnb.kernels.flash`): stage 6's fast loop with every feature below.
+functions; each stage registers itself in :data:`flashnb.registry.IMPLS`.  The default, ``impl="auto"``
+(:mod:`flashnb.kernels.auto`), runs the product kernel, ``impl="flash"`` (:mod:`flashnb.kernels.flash`: stage 6's
+fast loop with every feature below), except for float16 and bfloat16 inputs on an sm_80+ GPU whose tensor cores
+passed flashnb's check, which go to ``impl="fa2-tc"`` (stage 7) when the call asks for nothing it lacks.
 
 **dtypes and storage**.  Arithmetic is float32 everywhere.  What differs is what the kernels keep in
 HBM, the ``storage`` argument:
 
 * ``"float32"``: inputs of any real dtype are converted to float32 copies; every result is float32.  This is
-  the only path of impls without half storage (all but ``"flash"``), whatever the inputs' dtype.
-* ``"float16"`` (``impl="flash"``): q, k, v (and o, do) must be float16; the kernels read them as they are
-  (half the bytes), widen each element to float32 on chip, and round o (dq, dk, dv) to float16 once, at the
+  the only path of impls without half storage (all but ``"flash"`` and ``"fa2-tc"``), whatever the inputs' dtype.
+* ``"float16"`` (``impl="flash"``, ``"fa2-tc"``): q, k, v (and o, do) must be float16; the kernels read them as
+  they are (half the bytes), widen each element to float32 on chip (fa2-tc: its tensor cores multiply the halves,
+  accumulating in float32), and round o (dq, dk, dv) to float16 once, at the
   store.  lse stays float32.  This is what ``storage=None`` (the default) picks for an impl with half storage
   when q, k, v are float16.
-* ``"bfloat16"`` (``impl="flash"``): NumPy has no bfloat16, so q, k, v (o, do) are uint16 arrays of
+* ``"bfloat16"`` (``impl="flash"``, ``"fa2-tc"``): NumPy has no bfloat16, so q, k, v (o, do) are uint16 arrays of
   bfloat16 bit patterns (:func:`flashnb.common.to_bfloat16`; :func:`flashnb.common.from_bfloat16` reads results
   back); explicit only, never picked by ``storage=None``.
 """
@@ -30,7 +33,7 @@ from . import common
 from .reference import F32_MAX, causal_diag
 from .reference import check_causal as _check_causal  # one rule for the API and the reference
 from .reference import check_scale as _check_scale
-from .registry import IMPLS
+from .registry import AUTO, IMPLS, impl_entry, impl_names
 from .rng import check_dropout, dropout_word_np, keep_threshold
 
 __all__ = ["attention", "attention_forward", "attention_backward", "MAX_HEAD_DIM", "SCORE_LIMIT"]
@@ -141,9 +144,9 @@ def _check_sum_range(v3: np.ndarray, do3: np.ndarray | None = None) -> None:
 
 
 def _check_impl(impl: str, need_backward: bool = False):
-    if not isinstance(impl, str) or impl not in IMPLS:
-        raise ValueError(f"impl must be one of {sorted(IMPLS)}, got {impl!r}")
-    entry = IMPLS[impl]
+    entry = impl_entry(impl) if isinstance(impl, str) else None
+    if entry is None:
+        raise ValueError(f"impl must be one of {impl_names()}, got {impl!r}")
     if need_backward and entry.backward is None:
         with_bwd = sorted(n for n, e in IMPLS.items() if e.backward is not None)
         raise ValueError(f"impl {impl!r} has no backward; use one of {with_bwd}")
@@ -315,7 +318,7 @@ def _check_finite(name: str, a: np.ndarray):
                          "the kernels compute in float32")
 
 
-def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = "flash", storage=None, **options):
+def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = AUTO, storage=None, **options):
     """Attention forward pass; returns ``(o, lse)``.
 
     Args:
@@ -329,9 +332,11 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
         scale: softmax scale, default ``1/sqrt(d)``; any finite real number (0: uniform weights over the
             allowed keys; negative: the smallest score weighs most).  ``|scale · q·k|`` must stay within
             :data:`SCORE_LIMIT` (half the float32 range), else ValueError.
-        impl: a registered implementation (``flashnb.registry.IMPLS``); default ``"flash"``, the product kernel
-            (every feature below); a stage's impl (``"naive"``, ``"fa1"``, ``"fa2"``, ``"fa2-fast"``, ...) runs that
-            lesson's kernels.
+        impl: a registered implementation (``flashnb.registry.IMPLS``) or ``"auto"`` (the default): ``"flash"``,
+            the product kernel (every feature below), or ``"fa2-tc"`` for half inputs on a checked sm_80+ GPU
+            when no option needs the product kernel (:mod:`flashnb.kernels.auto`; tile options ``Br``, ``Bc``,
+            ``warps`` name the product kernel's tiles); a stage's impl (``"naive"``, ``"fa1"``, ``"fa2"``,
+            ``"fa2-fast"``, ...) runs that lesson's kernels.
         storage: ``None`` (default), ``"float32"``, ``"float16"`` or ``"bfloat16"``: the dtype the kernels keep
             q, k, v and o in (see the module docstring).  ``None``: float16 when q, k, v are float16 and the impl
             has half storage (``"flash"``; then all three must be float16, else TypeError), float32
@@ -387,12 +392,12 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
     return o.copy_to_host().reshape(q.shape), lse.copy_to_host().reshape(q.shape[:-1])
 
 
-def attention(q, k, v, *, causal: bool = False, scale=None, impl: str = "flash", storage=None, **options):
+def attention(q, k, v, *, causal: bool = False, scale=None, impl: str = AUTO, storage=None, **options):
     """Attention output ``softmax(scale · q kᵀ [+ causal mask]) v``; see :func:`attention_forward`."""
     return attention_forward(q, k, v, causal=causal, scale=scale, impl=impl, storage=storage, **options)[0]
 
 
-def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale=None, impl: str = "flash",
+def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale=None, impl: str = AUTO,
                        check_forward: bool = True, storage=None, **options):
     """Gradients ``(dq, dk, dv)`` of ``sum(o * do)`` with respect to q, k, v.
 

@@ -18,8 +18,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["KernelSpec", "Impl", "KERNELS", "IMPLS", "kernel_factory", "register_impl", "variant", "using",
-           "KERNEL_CACHE_SIZE"]
+__all__ = ["KernelSpec", "Impl", "KERNELS", "IMPLS", "AUTO", "impl_entry", "impl_names", "kernel_factory",
+           "register_impl", "register_auto", "variant", "using", "KERNEL_CACHE_SIZE"]
 
 
 @dataclass
@@ -174,6 +174,28 @@ class Impl:
 
 
 IMPLS: dict[str, Impl] = {}
+
+#: The default impl's name: not an implementation of its own but a choice among them, made at each launch
+#: (:mod:`flashnb.kernels.auto`), so it is kept out of :data:`IMPLS` (which the tour, tests and benchmarks walk).
+AUTO = "auto"
+_AUTO: list = []
+
+
+def register_auto(entry: Impl) -> None:
+    """Install the entry ``impl="auto"`` resolves to (:mod:`flashnb.kernels.auto`)."""
+    _AUTO[:] = [entry]
+
+
+def impl_entry(name: str) -> Impl | None:
+    """The :class:`Impl` of ``name``: a registered impl, or ``"auto"``; None for an unknown name."""
+    if name == AUTO and _AUTO:
+        return _AUTO[0]
+    return IMPLS.get(name)
+
+
+def impl_names() -> list[str]:
+    """Every name ``impl=`` takes: ``"auto"`` (the default), then the registered impls."""
+    return [AUTO] + sorted(IMPLS)
 
 
 def _per_head_chunks(fn):

@@ -4,7 +4,8 @@
 0. The tensor-core intrinsics (``flashnb.kernels.mma``: mma.sync, ldmatrix, cp.async, the conversions) against
    their simulator twins' NumPy core on the same random fragments (``flashnb.kernels.mma_check``): whether the
    fragment layouts the twins (and so every simulator test of ``impl="fa2-tc"``) assume are the hardware's.
-   Rows ``impl=intrinsics`` of ``correctness.csv``.
+   Rows ``impl=intrinsics`` of ``correctness.csv``; what the default (``impl="auto"``) then runs for half inputs:
+   rows ``default impl for ...`` of ``measurements.csv``.
 1. Correctness of every registered implementation (``flashnb.registry.IMPLS``) at realistic sizes
    (default B=2, H=4, N=1024, d=64, causal and not) against the float64 ``flashnb.reference``; an impl whose
    float32 path runs through TF32 tensor cores (``Impl.precision``) at TF32's tolerance.
@@ -476,6 +477,12 @@ def main(argv=None) -> int:
     if dram:
         write_rows(args.out / "dram.csv", dram, prov)
     meas = measurements(args, deadline - 30)
+    from flashnb.kernels import auto
+
+    for storage in auto.HALF:                # what impl="auto" (the default) runs for half inputs on this GPU
+        impl, reason = auto.choose(dict(storage=storage))
+        meas.append(dict(measurement=f"default impl for {storage} inputs", impl=impl, reason=reason))
+        print(f"default impl for {storage} inputs: {impl} ({reason})", flush=True)
     # what the driver loaded (nvJitLink build) for every kernel the correctness step launched; flashnb inspect
     # shows the compile_ptx + ptxas build of the same kernels
     for name, kernel in seen_kernels.values():

@@ -10,6 +10,8 @@
 * Stage 7, the tensor cores: the intrinsics (:mod:`flashnb.kernels.mma`, with simulator twins), their GPU check
   (:mod:`flashnb.kernels.mma_check`) and FlashAttention-2 on them (:mod:`flashnb.kernels.flash_tc`,
   ``impl="fa2-tc"``).
+* The default, ``impl="auto"`` (:mod:`flashnb.kernels.auto`): fa2-tc for half inputs on a checked sm_80+ GPU,
+  else the product kernel.
 """
 
-from . import blocks, flash, flash_tc, mma, mma_check, models, policies, tiles  # noqa: F401  (registers the impls)
+from . import auto, blocks, flash, flash_tc, mma, mma_check, models, policies, tiles  # noqa: F401  (registers the impls)

@@ -3,7 +3,7 @@
 Needs PyTorch (``pip install "flashnb[torch]"``); ``import flashnb`` never imports it -- only
 ``import flashnb.pytorch`` does.
 
-* :func:`attention` ``(q, k, v, *, causal=False, scale=None, impl="flash", block_mask=None, score_mod=None,
+* :func:`attention` ``(q, k, v, *, causal=False, scale=None, impl="auto", block_mask=None, score_mod=None,
   mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=None)`` (attention modifiers: :mod:`flashnb.flex`;
   dropout: :mod:`flashnb.rng`, the seed drawn from torch's generator when not given) takes tensors of
   shape ``(B, H, N, d)`` (or ``(H, N, d)``, ``(N, d)``) like ``torch.nn.functional.scaled_dot_product_attention``
@@ -39,8 +39,9 @@ through ``__cuda_array_interface__`` (``numba.cuda.as_cuda_array``) and launch o
 simulator this path is rehearsed (:func:`rehearse_cuda`): CPU tensors take it, wrapped zero-copy.
 
 **dtypes.** flashnb's kernels compute in float32.  float32 tensors are used as they are.  float16 and bfloat16
-tensors given to an impl with half-precision storage (``impl="flash"``) stay in their dtype: the
-kernels read them as they are (half the bytes), widen every element to float32 on chip, and write ``o`` and the
+tensors given to an impl with half-precision storage (``impl="flash"``, ``"fa2-tc"``, and so ``"auto"``) stay in
+their dtype: the kernels read them as they are (half the bytes), widen every element to float32 on chip (fa2-tc:
+its tensor cores multiply the halves, accumulating in float32), and write ``o`` and the
 gradients in the input dtype, rounded once (dq is summed in float32 and rounded at the end), as
 FlashAttention does; ``lse`` is float32.  dq and dk also inherit the rounding of the stored ``o`` through
 ``D = rowsum(dO ∘ O)``, an error of order ``|v|·|dO|·2^-11`` (float16; 2^-8 bfloat16) rather than of the

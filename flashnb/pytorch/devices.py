@@ -10,7 +10,7 @@ import torch
 
 from .. import api, common, runtime
 from ..instruments import rehearsal
-from ..registry import IMPLS
+from ..registry import IMPLS, impl_entry
 
 _HALF = (torch.float16, torch.bfloat16)
 _STORAGE_OF = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -142,7 +142,7 @@ def _forward3(q, k, v, causal, scale, impl, options):
     if _on_device_path(q):
         b = _bridge
         with b.context(q.device), common.on_stream(b.stream(q.device)), common.poisoning(False):
-            o, lse = IMPLS[impl].forward(*(b.view(_bits(t)) for t in (q, k, v)), causal=causal, scale=scale,
+            o, lse = impl_entry(impl).forward(*(b.view(_bits(t)) for t in (q, k, v)), causal=causal, scale=scale,
                                          **options)
             return _unbits(b.tensor(o, q.device), q.dtype), b.tensor(lse, q.device)
     o, lse = api.attention_forward(*(_bits(t).detach().numpy() for t in (q, k, v)), causal=causal, scale=scale,
@@ -154,7 +154,7 @@ def _backward3(q, k, v, o, lse, do, causal, scale, impl, options):
     if _on_device_path(q):
         b = _bridge
         with b.context(q.device), common.on_stream(b.stream(q.device)), common.poisoning(False):
-            grads = IMPLS[impl].backward(*(b.view(_bits(t)) for t in (q, k, v, o, lse, do)), causal=causal,
+            grads = impl_entry(impl).backward(*(b.view(_bits(t)) for t in (q, k, v, o, lse, do)), causal=causal,
                                          scale=scale, **options)
             return tuple(_unbits(b.tensor(g, q.device), q.dtype) for g in grads)
     grads = api.attention_backward(*(_bits(t).detach().numpy() for t in (q, k, v, o, lse, do)), causal=causal,

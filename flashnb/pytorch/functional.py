@@ -160,7 +160,7 @@ def _as_int64(seed) -> int:
 _CAUSAL_NAME = {False: "none", True: "lower_right", "lower_right": "lower_right", "upper_left": "upper_left"}
 
 
-def attention(q, k, v, *, causal=False, scale=None, impl: str = "flash", block_mask=None, score_mod=None,
+def attention(q, k, v, *, causal=False, scale=None, impl: str = "auto", block_mask=None, score_mod=None,
               mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=None, allow_float64=False, storage=None,
               **options):
     """flashnb attention on torch tensors, differentiable: ``softmax(scale · q kᵀ [masked]) v``.
@@ -171,7 +171,9 @@ def attention(q, k, v, *, causal=False, scale=None, impl: str = "flash", block_m
             ``"upper_left"`` (top-left, SDPA's ``is_causal=True``).  Same mask when Nq == Nk.
         scale: softmax scale, default ``1/sqrt(d)``.
         impl: any impl with a backward (:func:`impls_with_backward`); a forward-only impl when no gradient is
-            needed.  Default ``"flash"``, the product kernel (:mod:`flashnb.kernels.flash`).
+            needed.  Default ``"auto"`` (:mod:`flashnb.kernels.auto`): the product kernel ``"flash"``
+            (:mod:`flashnb.kernels.flash`), or ``"fa2-tc"`` (tensor cores) for float16 and bfloat16 tensors on a
+            checked sm_80+ GPU when nothing asked needs the product kernel.
         block_mask: the block-sparse mask of ``impl="flash"`` (``flashnb.kernels.flash.forward``), or a
             ``flashnb.flex.create_block_mask`` of a ``mask_mod``.
         score_mod, mask_mod, score_mod_grad: attention modifiers (``impl="flash"``), as in
@@ -223,7 +225,7 @@ def _as4(t: torch.Tensor) -> torch.Tensor:
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False, *, impl: str = "flash", **options):
+                                 enable_gqa=False, *, impl: str = "auto", **options):
     """``torch.nn.functional.scaled_dot_product_attention``'s signature and semantics on flashnb's kernels:
     ``is_causal=True`` is top-left aligned (``"upper_left"``), ``attn_mask`` may be None or a
     ``torch.nn.attention.bias.causal_lower_right``/``causal_upper_left`` bias.  Anything flashnb does not

@@ -29,7 +29,8 @@ eager softmaxes such a row over the dtype's minimum (uniform weights): those pos
 outputs are garbage in every implementation; compare and train on the real positions.
 
 ``softcap`` (Gemma 2's ``attn_logit_softcapping``) becomes ``flashnb.flex.softcap(cap)``. Dropout is flashnb's
-(``impl="flash"``, the default, takes it together with a padding ``mask_mod``). Each distinct padding pattern is a
+(``impl="flash"`` takes it together with a padding ``mask_mod``; the default, ``impl="auto"``, runs ``"flash"``
+whenever a mask or modifier is given). Each distinct padding pattern is a
 distinct ``mask_mod`` content (a digest picks its block mask; on a GPU a kernel compile per pattern -- the
 captured-array limitation of :mod:`flashnb.flex`). The fit runs per attention call, on the host; it needs the mask's
 values, so it does not run under ``torch.compile``: there, only masks that are ``None`` are taken (a ValueError says
@@ -44,14 +45,14 @@ import numpy as np
 import torch
 
 from .. import flex
-from ..registry import IMPLS
+from ..registry import impl_entry
 
 __all__ = ["register_transformers", "attention_forward", "fit_mask", "DEFAULT_NAME"]
 
 DEFAULT_NAME = "fnb"
 
 
-def register_transformers(name: str = DEFAULT_NAME, *, impl: str = "flash", **options) -> str:
+def register_transformers(name: str = DEFAULT_NAME, *, impl: str = "auto", **options) -> str:
     """Register flashnb as transformers' attention implementation ``name`` (and its mask function); returns
     ``name``.  ``impl`` and ``options`` (tile options, ...) are passed to :func:`flashnb.pytorch.attention`.  Then
     ``AutoModel.from_config(config, attn_implementation=name)`` (or ``config._attn_implementation = name``, or
@@ -76,7 +77,7 @@ def register_transformers(name: str = DEFAULT_NAME, *, impl: str = "flash", **op
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                      is_causal=None, *, impl: str = "flash", options=None, **kwargs):
+                      is_causal=None, *, impl: str = "auto", options=None, **kwargs):
     """transformers' attention-function signature: ``query (B, Hq, Nq, d)``, ``key, value (B, Hkv, Nk, d)``;
     returns ``(attn_output (B, Nq, Hq, d), None)`` (no attention weights: flashnb never forms P)."""
     from . import functional
@@ -101,7 +102,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         causal, mask_mod = fit_mask(attention_mask, B, Hq, Nq, Nk)
         if mask_mod is not None:
             opts["mask_mod"] = mask_mod
-    if key.shape[1] != Hq and not IMPLS[impl].gqa:                 # impls without grouped-query attention
+    if key.shape[1] != Hq and not impl_entry(impl).gqa:                 # impls without grouped-query attention
         key, value = (t.repeat_interleave(Hq // t.shape[1], dim=1) for t in (key, value))
     o = functional.attention(query, key, value, causal=causal, scale=scaling, impl=impl,
                              dropout_p=float(dropout or 0.0), **opts)
