@@ -342,8 +342,8 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
             has half storage (``"flash"``; then all three must be float16, else TypeError), float32
             otherwise.
             A half storage for an impl without one is a ValueError.
-        **options: implementation-specific options (tile sizes, ``block_mask``, ...).  ``impl="flash"`` also
-            takes attention modifiers (:mod:`flashnb.flex`): ``score_mod(score, b, h, q_idx,
+        **options: implementation-specific options (tile sizes, ``block_mask``, ...).  ``impl="flash"`` (and
+            ``"fa2-tc"``) also take attention modifiers (:mod:`flashnb.flex`): ``score_mod(score, b, h, q_idx,
             kv_idx)`` (float32), ``mask_mod(b, h, q_idx, kv_idx)`` (bool; becomes a block mask whose empty tiles
             are skipped),
             ``block_mask=flashnb.flex.create_block_mask(mask_mod, ...)``, and for the backward

@@ -43,8 +43,11 @@ only on tiles that cross it or the end of the keys); ``Nq != Nk``; any ``d <= 12
 with zero columns to the MMA's k: 16 halves, 8 floats); partial tiles; grouped K/V heads (GQA/MQA, the product
 kernel's policy: the backward's blocks loop over a K/V head's query heads, dK_j, dV_j summed on chip); attention
 dropout (``dropout_p``, ``seed``, ``dropout_at``: the product kernel's Philox policy applied to the P fragments,
-so both impls draw the same mask).  Not (yet): attention modifiers, block masks -- ``impl="flash"`` has them.
-Architectures: sm_80 and sm_90
+so both impls draw the same mask); attention modifiers and block masks (``score_mod`` on the S fragments,
+forward and the backward's recomputation, with its derivative on dS; ``mask_mod`` through its block mask:
+``EMPTY`` tiles never loaded, ``PARTIAL`` ones masked by the 64-bit element masks of the product kernel's
+policies; the default tiles shrink to divide the mask's blocks, and each visited tile is copied alone, as the next
+visited one is not known while it computes).  Architectures: sm_80 and sm_90
 (``mma.m16n8k16``, ``cp.async``); a float16 forward also for sm_75 (T4: two ``m16n8k8`` per k-step, plain copies).
 
 Kernel ``"fa2_tc.forward"`` (:func:`make_forward`); impl ``"fa2-tc"``, stage 7.
@@ -67,6 +70,7 @@ from ..common import (
     check_shared_fit,
     empty,
     launch,
+    positive_int,
     storage_array_type,
     storage_conversions,
     storage_of,
@@ -74,6 +78,7 @@ from ..common import (
 from ..registry import kernel_factory, register_impl
 from . import mma, policies
 from .mma import SHARED_ALIGN
+from .policies import EMPTY, FULL, PARTIAL
 
 __all__ = ["make_forward", "forward", "geometry", "shared_bytes", "default_tiles", "model_forward", "hbm_bytes",
            "sass_config", "sass_shape", "launch_order", "model_options", "check_inputs", "ARCHS", "LOG2E", "LN2",
@@ -95,11 +100,12 @@ ARCHS = {80: ((8, 0), (9, 0)), 75: ((7, 5),)}
 _SHARED_TYPE = {"float16": float16, "bfloat16": uint16, "float32": uint32}   # what a shared tile holds
 _SIGN = {"float16": uint32(0x80008000), "bfloat16": uint32(0x80008000), "float32": uint32(0x80000000)}  # sign bits
 _A2 = "float32[:, ::1]"
+_M = "uint8[:, :, ::1]"                  # the block mask's tile states (a 1x1x1 placeholder without one)
 
 
 def _fwd_sig(storage="float16", **_):
     h = storage_array_type(storage)
-    return f"void({h}, {h}, {h}, {h}, {_A2}, float32, int32, {policies.DROPOUT_SIG})"
+    return f"void({h}, {h}, {h}, {h}, {_A2}, float32, int32, {_M}, {policies.DROPOUT_SIG})"
 
 
 def geometry(storage: str, d: int, Br: int, Bc: int, warps: int, arch: int = 80) -> dict:
@@ -173,10 +179,18 @@ def default_tiles(d: int, storage: str = "float16") -> dict:
     raise ValueError(f"head dim d must be in 1..128 for fa2-tc, got {d}")
 
 
+_MODS = dict(score_mod="flashnb.kernels.policies:GUARD_ALIBI", mask_mod="flashnb.kernels.policies:GUARD_WINDOW")
+_MODS_2 = dict(score_mod="flashnb.kernels.policies:GUARD_SOFTCAP",
+               mask_mod="flashnb.kernels.policies:GUARD_DOCUMENT")
+_GRADS = dict(score_mod_grad="flashnb.kernels.policies:_alibi_grad")
+_GRADS_2 = dict(score_mod_grad="flashnb.kernels.policies:_softcap_grad")
+
+
 def _configs():
     """What the PTX guard compiles: the default tiles at d = 64 and 128 for each storage (causal off and on for
     float16), odd head dims (d = 20: plain copies and padding; d = 72: Dp = 80, a row of 10 chunks in 16), one
-    m-tile per warp, the sm_75 forward, GQA and dropout."""
+    m-tile per warp, the sm_75 forward, GQA, dropout, and both pairs of modifiers with a block mask at the tiles a
+    mask's default blocks give (:func:`_fit_mask`)."""
     out = []
     for d, st, causal in ((64, "float16", False), (64, "float16", True), (128, "float16", False),
                           (128, "float16", True), (64, "bfloat16", True), (128, "bfloat16", False),
@@ -187,8 +201,22 @@ def _configs():
             dict(Br=64, Bc=32, warps=4, d=64, causal=True, storage="float16", arch=75),
             dict(**default_tiles(64), d=64, causal=True, storage="float16", arch=80, gqa=True),
             dict(**default_tiles(64), d=64, causal=True, storage="float16", arch=80, dropout=True),
-            dict(**default_tiles(128, "bfloat16"), d=128, causal=False, storage="bfloat16", arch=80, dropout=True)]
+            dict(**default_tiles(128, "bfloat16"), d=128, causal=False, storage="bfloat16", arch=80, dropout=True),
+            dict(Br=64, Bc=32, warps=4, d=64, causal=False, storage="float16", arch=80, sparse=True, H=4, gqa=True,
+                 **_MODS),
+            dict(Br=32, Bc=32, warps=2, d=128, causal=True, storage="bfloat16", arch=80, sparse=True, H=4, **_MODS_2)]
     return out
+
+
+def _check_features(sparse, mask_mod, H, elements):
+    """The modifier policies' constraints: ``mask_mod`` reaches a kernel through its block mask (which says which
+    tiles are partial), and a lane's mask bits of one call fit the policy's 64-bit mask."""
+    if mask_mod is not None and not sparse:
+        raise ValueError("mask_mod needs sparse=True: the kernel reads which tiles are partial from the block mask")
+    if mask_mod is not None and elements > policies.MAX_ELEMENTS:
+        raise ValueError(f"{elements} mask bits per call: more than the policy's {policies.MAX_ELEMENTS}; choose "
+                         "smaller tiles")
+    return positive_int("H", H)
 
 
 def _archs(arch=80, **_):
@@ -308,11 +336,15 @@ def _make_policies(storage, g, arch, swizzle=True):
 
 @kernel_factory("fa2_tc.forward", stage="7", signature=_fwd_sig, configs=_configs(), archs=_archs,
                 threads=lambda warps, **_: 32 * warps)
-def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False, dropout=False):
+def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False, dropout=False, sparse=False,
+                 score_mod=None, mask_mod=None, H=1):
     """FA2 Alg. 1 on tensor cores for one configuration; grid ``(Tr, BH)``, ``32·warps`` threads.  ``storage``:
     the dtype of Q, K, V, O in HBM; ``arch``: 80 (sm_80, sm_90) or 75 (sm_75, float16); ``gqa``: K, V have fewer
     heads than Q (query head ``z`` reads K/V head ``z // G``, the product kernel's policy); ``dropout``: the
-    product kernel's Philox policy on the P fragments (the kernel's last twelve arguments, never read without)."""
+    product kernel's Philox policy on the P fragments (the kernel's last twelve arguments, never read without);
+    ``sparse``: the block mask ``M`` at these tiles (``EMPTY`` tiles skipped, ``PARTIAL`` ones ask ``mask_mod``;
+    each visited tile is copied alone, as the next visited one is not known while it computes); ``score_mod``,
+    ``mask_mod``, ``H``: the product kernel's modifier policies on the S fragments (``b = z // H``, ``h = z % H``)."""
     g = geometry(storage, d, Br, Bc, warps, arch)
     MT, NB, ND, KD, KV, LD, E = g["MT"], g["NB"], g["ND"], g["KD"], g["KV"], g["LD"], g["E"]
     ASYNC, TF32, KN, TOTAL, QO = g["copy"] == "async", storage == "float32", g["KN"], g["total"], g["q_offset"]
@@ -326,15 +358,22 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
     SIGN = _SIGN[storage]
     kv_head = policies.gqa(gqa)[0]
     drop_state, keep_bits, factor = policies.dropout(dropout)
+    H = _check_features(sparse, mask_mod, H, 2 * NB)
+    tile_state, is_set = policies.tile_state(sparse), policies.is_set
+    score, allowed_bits, _ = policies.modifiers(score_mod, mask_mod, H)
+    SCORED, MASK_MOD = score_mod is not None, mask_mod is not None
+    PIPE = ASYNC and not sparse                        # prefetch tile j + 1 while tile j computes
 
     @cuda.jit(device=True, inline="always")
-    def kv_tile(j, masked, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag, sl2, z, Nq, dst):
+    def kv_tile(j, masked, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag, sl2, z, Nq, dst, st,
+                asc):
         """One K/V tile (FA2 Alg. 1 lines 6-11); ``masked`` (a constant at each call): the tile crosses the causal
-        diagonal or the end of the keys."""
+        diagonal or the end of the keys, or is ``PARTIAL`` in the block mask ``st``.  ``asc``: ``|scale|`` (with a
+        score_mod: its scores, then ``sl2 = 1``, base 2 already)."""
         j0 = j * Bc
         kb = S0 if j % 2 == 0 else S1                  # K_j at kb, V_j at kb + KN
         # region kv-load
-        if ASYNC:                                      # lines 7-8, pipelined: tile j + 1 flies while j computes
+        if PIPE:                                       # lines 7-8, pipelined: tile j + 1 flies while j computes
             if j + 1 < n_tiles:
                 nb_ = S1 if j % 2 == 0 else S0
                 load_tile(Kz, sm, nb_, j0 + Bc, Nk, Bc, tid)
@@ -343,9 +382,12 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
                 mma.cp_async_wait_group(1)             # all but the newest group: tile j has landed
             else:
                 mma.cp_async_wait_group(0)
-        else:
+        else:                                          # plain copies, or (block mask) cp.async of tile j alone
             load_tile(Kz, sm, kb, j0, Nk, Bc, tid)
             load_tile(Vz, sm, kb + KN, j0, Nk, Bc, tid)
+            if ASYNC:
+                mma.cp_async_commit()
+                mma.cp_async_wait_group(0)
         cuda.syncthreads()                             # tile j visible to every warp
         # endregion kv-load
         for mt in range(MT):                           # line 8: S_ij = Q_i K_jᵀ
@@ -366,18 +408,24 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
         g8 = lane // 4
         t4 = lane % 4
         for mt in range(MT):                           # lines 9-10: the online softmax, base 2
+            r0 = i0 + wr + 16 * mt + g8                # this lane's rows r0, r0 + 8; columns j0 + 8nb + 2t + e
+            allow0 = allowed_bits(z, r0, 8, j0 + 2 * t4, 8, 2, NB, Nq, Nk, st)       # mask_mod (PARTIAL tiles):
+            allow1 = allowed_bits(z, r0, 8, j0 + 2 * t4 + 1, 8, 2, NB, Nq, Nk, st)   # bit h·NB + nb, per e
             for h in range(2):
                 mx = NEG_INF
                 lim = Nk - 1                           # masked: the row's last key (the end of the keys, the causal
                 if causal:                             # diagonal) as an offset from this lane's first column
-                    lim = min(lim, i0 + wr + 16 * mt + g8 + 8 * h + diag)
+                    lim = min(lim, r0 + 8 * h + diag)
                 lim -= j0 + 2 * t4
                 for nb in range(NB):
                     for e in range(2):
                         x = s[mt, nb, 2 * h + e]
-                        if masked and nb * 8 + e > lim:
+                        if SCORED:                     # score_mod of the scaled score, in base 2 from here on
+                            x = score(x * asc, z, r0 + 8 * h, j0 + 8 * nb + 2 * t4 + e, Nq, Nk) * LOG2E
+                        if masked and (nb * 8 + e > lim or
+                                       (MASK_MOD and not is_set(allow0 if e == 0 else allow1, h * NB + nb))):
                             x = NEG_INF
-                            s[mt, nb, 2 * h + e] = x
+                        s[mt, nb, 2 * h + e] = x
                         mx = max(mx, x)
                 mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, 1))    # a row lives in a quad of lanes
                 mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, 2))
@@ -432,7 +480,7 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
         cuda.syncthreads()                             # every warp is done with this buffer
 
     @cuda.jit
-    def fa2_tc_forward(Q, K, V, O, L, scale, diag, threshold, inv_keep, seed_lo, seed_hi, rb, rstep, rsplit, rjump,
+    def fa2_tc_forward(Q, K, V, O, L, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi, rb, rstep, rsplit, rjump,
                        cb, cstep, csplit, cjump):
         sm = cuda.shared.array(TOTAL, SDT, alignment=SHARED_ALIGN)  # Q_i, then K_j and V_j per stage (swizzled)
         qa = cuda.local.array((MT, KD, 4), uint32)     # Q_i's A fragments (registers: constant indices only)
@@ -454,6 +502,9 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
         Vz = V[kv_head(z, Q, K)]
         flip = SIGN if scale < ZERO else uint32(0)     # a negative scale: Q negated, scores scaled by |scale|
         sl2 = abs(scale) * LOG2E                       # exp(scale·s) = exp2(s·|scale|·log2 e)
+        asc = abs(scale)
+        if SCORED:
+            sl2 = ONE                                  # the modified scores are base 2 already
         dst = drop_state(threshold, inv_keep, seed_lo, seed_hi, rb, rstep, rsplit, rjump, cb, cstep, csplit, cjump)
         n_tiles = (Nk + Bc - 1) // Bc                  # line 5 (causal: no tile entirely above the diagonal)
         n_full = Nk // Bc                              # the leading tiles that need no mask
@@ -465,7 +516,7 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
         load_tile(Q[z], sm, QO, i0, Nq, Br, tid)        # line 4: Q_i (and K_0, V_0 in flight with it)
         if ASYNC:
             mma.cp_async_commit()
-            if n_tiles > 0:
+            if PIPE and n_tiles > 0:
                 load_tile(Kz, sm, S0, 0, Nk, Bc, tid)
                 load_tile(Vz, sm, S0 + KN, 0, Nk, Bc, tid)
             mma.cp_async_commit()
@@ -486,10 +537,24 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
                 for c in range(4):
                     o[mt, dn, c] = ZERO
         cuda.syncthreads()                             # Q_i's space may now hold a K/V stage
-        for j in range(n_full):                        # line 6: the tiles no mask touches ...
-            kv_tile(j, False, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag, sl2, z, Nq, dst)
-        for j in range(n_full, n_tiles):               # ... then those crossing the diagonal or the end of the keys
-            kv_tile(j, True, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag, sl2, z, Nq, dst)
+        if sparse:                                     # line 6 over the block mask's tiles: EMPTY ones skipped
+            for j in range(n_tiles):
+                st = tile_state(M, z, bi, j, lane)     # (block-uniform)
+                if st == EMPTY:
+                    continue
+                if j < n_full and st != PARTIAL:
+                    kv_tile(j, False, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag, sl2, z,
+                            Nq, dst, st, asc)
+                else:
+                    kv_tile(j, True, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag, sl2, z,
+                            Nq, dst, st, asc)
+        else:
+            for j in range(n_full):                    # line 6: the tiles no mask touches ...
+                kv_tile(j, False, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag, sl2, z, Nq,
+                        dst, FULL, asc)
+            for j in range(n_full, n_tiles):           # ... then those crossing the diagonal or the end of the keys
+                kv_tile(j, True, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag, sl2, z, Nq,
+                        dst, FULL, asc)
         g8 = lane // 4
         t4 = lane % 4
         for mt in range(MT):                           # lines 12-15
@@ -517,7 +582,7 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
 def _bwd_sig(storage="float16", **_):
     h = storage_array_type(storage)
     a3 = "float32[:, :, ::1]"
-    return f"void({h}, {h}, {h}, {h}, {_A2}, {_A2}, {a3}, {h}, {h}, float32, int32, {policies.DROPOUT_SIG})"
+    return f"void({h}, {h}, {h}, {h}, {_A2}, {_A2}, {a3}, {h}, {h}, float32, int32, {_M}, {policies.DROPOUT_SIG})"
 
 
 def bwd_geometry(storage: str, d: int, Br: int, Bc: int, warps: int) -> dict:
@@ -600,6 +665,10 @@ def _bwd_configs():
         out.append(dict(**bwd_default_tiles(d, gqa=True), d=d, causal=causal, storage="float16", gqa=True))
     for d, st, causal in ((64, "float16", True), (128, "float16", False)):   # dropout: Z regenerated per tile
         out.append(dict(**bwd_default_tiles(d, st), d=d, causal=causal, storage=st, dropout=True))
+    mods = dict(storage="float16", sparse=True, H=4)             # modifiers and block masks (at 64 x 32 blocks)
+    out += [dict(Br=32, Bc=32, warps=2, d=64, causal=False, **mods, **_MODS, **_GRADS),
+            dict(Br=32, Bc=32, warps=2, d=64, causal=True, gqa=True, **mods, **_MODS_2, **_GRADS_2),
+            dict(**bwd_default_tiles(128), d=128, causal=True, **mods, mask_mod=_MODS_2["mask_mod"])]
     return out
 
 
@@ -608,7 +677,8 @@ BWD_LABEL = "FA2 tensor-core backward"
 
 @kernel_factory("fa2_tc.backward", stage="7", signature=_bwd_sig, configs=_bwd_configs(), archs=ARCHS[80],
                 threads=lambda warps, **_: 32 * warps)
-def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropout=False):
+def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropout=False, sparse=False, score_mod=None,
+                  mask_mod=None, H=1, score_mod_grad=None):
     """FA2 Alg. 2 on tensor cores; grid ``(Tc, BH_kv)``, ``32·warps`` threads, one block per K/V tile.  Warp ``w``
     owns keys ``16w .. 16w + 15`` of ``K_j``: it computes ``Sᵀ = K_j Q_iᵀ`` and ``dPᵀ = V_j dO_iᵀ`` (keys × queries,
     so that ``Pᵀ`` and ``dSᵀ`` are, in registers, the A fragments of ``dV_j += Pᵀ dO_i`` and ``dK_j += dSᵀ Q_i``);
@@ -616,7 +686,9 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
     K_j`` for its 16·QM query rows, added into HBM with float32 atomics.  ``gqa``: K, V have fewer heads than Q; a
     block visits the Q tiles of each of its K/V head's ``G`` query heads in turn, so dK_j, dV_j are summed on chip
     (the product kernel's policy).  ``dropout``: the forward's ``Z`` regenerated (Philox, the product kernel's
-    policy): ``dV_j += (P ∘ W)ᵀ dO_i`` and ``dS = P ∘ (dP ∘ W - D)`` with ``W = Z / (1-p)``.  sm_80 and sm_90."""
+    policy): ``dV_j += (P ∘ W)ᵀ dO_i`` and ``dS = P ∘ (dP ∘ W - D)`` with ``W = Z / (1-p)``.  ``sparse``,
+    ``score_mod``, ``mask_mod``, ``H``: as in :func:`make_forward` (a visited Q tile is copied alone), and
+    ``score_mod_grad`` (``d score_mod / d score``) multiplies dS.  sm_80 and sm_90."""
     g = bwd_geometry(storage, d, Br, Bc, warps)
     NQ, ND, KD, KQ, KK, LD, LDS, E = g["NQ"], g["ND"], g["KD"], g["KQ"], g["KK"], g["LD"], g["LDS"], g["E"]
     OFF, TOTAL, KV_REGS, NDQ, CPT, IPW, PARTS = (g["offsets"], g["total"], g["kv_regs"], g["NDQ"], g["CPT"],
@@ -634,6 +706,11 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
     ONE_LOOP = g["Dp"] > 64                 # d > 64: dK_j, dV_j fill half the registers; one copy of the tile loop
     group = policies.gqa(gqa)[1]
     drop_state, keep_bits, factor = policies.dropout(dropout)
+    H = _check_features(sparse, mask_mod, H, 2 * NQ)
+    tile_state, is_set = policies.tile_state(sparse), policies.is_set
+    score, allowed_bits, grad = policies.modifiers(score_mod, mask_mod, H, score_mod_grad)
+    SCORED, MASK_MOD = score_mod is not None, mask_mod is not None
+    PIPE = ASYNC and not sparse                 # prefetch the next Q tile during this one's dQ
 
     @cuda.jit(device=True, inline="always")
     def b_cols(sm, base, k8, n8, lane):
@@ -693,19 +770,26 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
     swz_ds = _layout(LDS, E)[0]
 
     @cuda.jit(device=True, inline="always")
-    def q_tile(i, masked, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, lane, tid, Nq, diag, sl2,
-               flip, scale, dQ, i_first, z_end, dst, Nk):
-        """One Q tile (FA2 Alg. 2 lines 7-16) of query head ``z``; ``masked``: it crosses the causal diagonal.  The
-        next tile is ``i + 1`` of the same head, or (GQA) the first of the next query head before ``z_end``."""
+    def q_tile(i, masked, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag, sl2, flip, scale,
+               dQ, i_first, z_end, dst, Nk, st):
+        """One Q tile (FA2 Alg. 2 lines 7-16) of query head ``z``; ``masked``: it crosses the causal diagonal, or is
+        ``PARTIAL`` in the block mask (``st``).  The next tile is ``i + 1`` of the same head, or (GQA) the first of
+        the next query head before ``z_end``.  (At most 30 arguments: CPython passes more as one tuple, which
+        Numba cannot compile for a GPU.)"""
+        lane = tid % 32
+        Nq = Q.shape[1]
         i0 = i * Br
         w16 = (tid // 32) * 16                 # the warp's keys in K_j
         g8 = lane // 4
         t4 = lane % 4
-        if ASYNC:
+        if PIPE:
             mma.cp_async_wait_group(0)         # Q_i, dO_i (issued during the previous tile's dQ)
-        else:
+        else:                                  # plain copies, or (block mask) cp.async of tile i alone
             load_tile(Q[z], sm, QO, i0, Nq, Br, tid)
             load_tile(dO[z], sm, DOO, i0, Nq, Br, tid)
+            if ASYNC:
+                mma.cp_async_commit()
+                mma.cp_async_wait_group(0)
             if tid < Br:
                 LDs[tid] = L[z, i0 + tid] * LOG2E if i0 + tid < Nq else POS_INF
                 LDs[Br + tid] = D[z, i0 + tid] if i0 + tid < Nq else ZERO
@@ -762,11 +846,21 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
         first = j0 + w16 + g8 - i0 - diag - 2 * t4     # masked: key > query + diag, as offsets of this lane's
         keep0 = keep_bits(dst, z, i0 + 2 * t4, 8, j0 + w16 + g8, 8, NQ, 2, Nq, Nk)   # dropout's Z of this lane's
         keep1 = keep_bits(dst, z, i0 + 2 * t4 + 1, 8, j0 + w16 + g8, 8, NQ, 2, Nq, Nk)   # even, odd queries
+        allow0 = allowed_bits(z, i0 + 2 * t4, 8, j0 + w16 + g8, 8, NQ, 2, Nq, Nk, st)       # mask_mod, the same
+        allow1 = allowed_bits(z, i0 + 2 * t4 + 1, 8, j0 + w16 + g8, 8, NQ, 2, Nq, Nk, st)   # elements (PARTIAL)
         for nq in range(NQ):                   # line 11: P = exp(scale·S - L); line 14: dS = P ∘ (dP - D)
             for e in range(4):
                 col = nq * 8 + 2 * t4 + e % 2
-                p = mma.exp2(s[nq, e] * sl2 - LDs[col])   # (L_i read for every score: the model counts it so)
-                if masked and first + 8 * (e // 2) > nq * 8 + e % 2:      # first key and query in the tile
+                qi = i0 + col                  # this element's query and key
+                kj = j0 + w16 + g8 + 8 * (e // 2)
+                raw = s[nq, e] * abs(scale)    # the scaled score (a negative scale: K was negated)
+                sc = s[nq, e] * sl2            # base 2
+                if SCORED:                     # score_mod of the scaled score, then base 2
+                    sc = score(raw, z, qi, kj, Nq, Nk) * LOG2E
+                p = mma.exp2(sc - LDs[col])    # (L_i read for every score: the model counts it so)
+                if masked and causal and first + 8 * (e // 2) > nq * 8 + e % 2:      # first key and query in the tile
+                    p = ZERO
+                if masked and MASK_MOD and not is_set(allow0 if e % 2 == 0 else allow1, nq * 2 + e // 2):
                     p = ZERO
                 if dropout:                    # W = Z / (1-p): dV takes P ∘ W, dS = P ∘ (dP ∘ W - D)
                     w = factor(keep0 if e % 2 == 0 else keep1, nq * 2 + e // 2, dst)
@@ -775,6 +869,8 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
                 else:
                     s[nq, e] = p
                     dp[nq, e] = p * (dp[nq, e] - LDs[Br + col])
+                if SCORED and qi < Nq and kj < Nk:     # the chain rule through score_mod, inside the problem
+                    dp[nq, e] *= grad(raw, z, qi, kj)
                 idx = DSO + ds_at_chunk(w16 + g8 + 8 * (e // 2), col // E) + uint32(col % E)
                 sm[idx] = to_shared(from_f32(dp[nq, e]))       # dSᵀ for line 15 (rounded as P is)
         for kq in range(KQ):                   # line 12: dV_j += Pᵀ dO_i; line 16: dK_j += dSᵀ Q_i
@@ -804,11 +900,11 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
             n0 = i_first * Br
             nxt = zn < z_end
         if nxt:                                # it flies during line 15
-            if ASYNC:
+            if PIPE:
                 load_tile(Q[zn], sm, QO, n0, Nq, Br, tid)
                 load_tile(dO[zn], sm, DOO, n0, Nq, Br, tid)
                 mma.cp_async_commit()
-            if ASYNC and tid < Br:
+            if PIPE and tid < Br:
                 LDs[tid] = L[zn, n0 + tid] * LOG2E if n0 + tid < Nq else POS_INF
                 LDs[Br + tid] = D[zn, n0 + tid] if n0 + tid < Nq else ZERO
         for it in range(IPW):                  # line 15: dQ_i += dS K_j, this warp's parts (16 rows × NDQ·8 columns)
@@ -838,24 +934,40 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
                                 cuda.atomic.add(dQ, (z, row, col), scale * dq[dn, 2 * h + e])
 
     @cuda.jit(device=True, inline="always")
-    def q_tiles(z, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, lane, tid, Nq, diag,
-                sl2, flip, scale, dQ, z_end, dst, Nk):
-        """Line 6: the Q tiles of query head ``z`` this block sees."""
-        if ONE_LOOP:                                   # one loop: the mask tested on every causal tile
+    def q_tiles(z, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, tid, diag, sl2, flip,
+                scale, dQ, z_end, dst, Nk, M):
+        """Line 6: the Q tiles of query head ``z`` this block sees (with a block mask: its non-EMPTY ones)."""
+        lane = tid % 32
+        jb = cuda.blockIdx.x
+        if sparse:
             for i in range(i_first, n_i):
-                q_tile(i, causal, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, lane, tid, Nq, diag,
-                       sl2, flip, scale, dQ, i_first, z_end, dst, Nk)
+                st = tile_state(M, z, i, jb, lane)     # (block-uniform)
+                if st == EMPTY:
+                    continue
+                if ONE_LOOP:
+                    q_tile(i, causal or MASK_MOD, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0,
+                           tid, diag, sl2, flip, scale, dQ, i_first, z_end, dst, Nk, st)
+                elif (causal and i < i_full) or st == PARTIAL:
+                    q_tile(i, True, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag,
+                           sl2, flip, scale, dQ, i_first, z_end, dst, Nk, st)
+                else:
+                    q_tile(i, False, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag,
+                           sl2, flip, scale, dQ, i_first, z_end, dst, Nk, st)
+        elif ONE_LOOP:                                 # one loop: the mask tested on every causal tile
+            for i in range(i_first, n_i):
+                q_tile(i, causal, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag,
+                       sl2, flip, scale, dQ, i_first, z_end, dst, Nk, FULL)
         else:
             for i in range(i_first, i_full):           # the Q tiles the causal diagonal crosses ...
-                q_tile(i, True, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, lane, tid, Nq, diag,
-                       sl2, flip, scale, dQ, i_first, z_end, dst, Nk)
+                q_tile(i, True, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag,
+                       sl2, flip, scale, dQ, i_first, z_end, dst, Nk, FULL)
             for i in range(max(i_first, i_full), n_i):     # ... then those no mask touches
-                q_tile(i, False, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, lane, tid, Nq, diag,
-                       sl2, flip, scale, dQ, i_first, z_end, dst, Nk)
+                q_tile(i, False, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag,
+                       sl2, flip, scale, dQ, i_first, z_end, dst, Nk, FULL)
 
     @cuda.jit
-    def fa2_tc_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, threshold, inv_keep, seed_lo, seed_hi, rb, rstep,
-                        rsplit, rjump, cb, cstep, csplit, cjump):
+    def fa2_tc_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi, rb,
+                        rstep, rsplit, rjump, cb, cstep, csplit, cjump):
         sm = cuda.shared.array(TOTAL, SDT, alignment=SHARED_ALIGN)   # K_j, V_j, Q_i, dO_i, dSᵀ (swizzled)
         LDs = cuda.shared.array(LDN, float32)          # L_i·log2 e, D_i
         ka = cuda.local.array((KA, 4), uint32)         # K_j's A fragments (this warp's 16 keys; sign of scale)
@@ -889,7 +1001,7 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
         load_tile(K[kz], sm, KO, j0, Nk, Bc, tid)      # line 5: K_j, V_j (with the first Q_i, dO_i)
         load_tile(V[kz], sm, VO, j0, Nk, Bc, tid)
         if ASYNC:
-            if i_first < n_i:
+            if PIPE and i_first < n_i:
                 load_tile(Q[z], sm, QO, i_first * Br, Nq, Br, tid)
                 load_tile(dO[z], sm, DOO, i_first * Br, Nq, Br, tid)
                 if tid < Br:
@@ -911,11 +1023,11 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
                 dv[dn, c] = ZERO
         if gqa:                                        # each query head of the group in turn
             for z in range(kz * G, z_end):
-                q_tiles(z, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, lane, tid, Nq,
-                        diag, sl2, flip, scale, dQ, z_end, dst, Nk)
+                q_tiles(z, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, tid, diag, sl2,
+                        flip, scale, dQ, z_end, dst, Nk, M)
         else:
-            q_tiles(kz, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, lane, tid, Nq,
-                    diag, sl2, flip, scale, dQ, z_end, dst, Nk)
+            q_tiles(kz, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, tid, diag, sl2,
+                    flip, scale, dQ, z_end, dst, Nk, M)
         g8 = lane // 4
         t4 = lane % 4
         for h in range(2):                             # line 18: dK_j (times scale, once), dV_j to HBM
@@ -932,6 +1044,13 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
 
 
 # --------------------------------------------------------------------------- launcher
+
+
+def _device_mask(M):
+    """``M`` on the device; a kernel without a block mask gets a 1x1x1 placeholder (never read)."""
+    from . import tiles
+
+    return tiles._device_mask(M)
 
 
 def check_inputs(storage=None, **arrays):
@@ -967,6 +1086,66 @@ def _tiles(storage, d, Br, Bc, warps, arch):
     return t
 
 
+def _fit_mask(direction, d, t, given, block_mask, BH, Nq, Nk):
+    """``(tiles, M or None)`` of a launch with ``block_mask`` (a
+    :class:`flashnb.masks.BlockMask`, or a boolean array read at the ``Br``, ``Bc`` options or
+    :func:`flashnb.kernels.tiles.mask_tiles`): the tiles made to divide the mask's blocks (a given tile must, a
+    default one shrinks to the largest that does and that the fragment layout allows), and the mask's states at
+    them (:meth:`BlockMask.at_tiles`: uint8 ``(BH, ceil(Nq/Br), ceil(Nk/Bc))``)."""
+    from . import tiles
+
+    if block_mask is None:
+        return t, None
+    if isinstance(block_mask, tiles.PreparedMask):
+        raise TypeError("block_mask: fa2-tc takes a flashnb.masks.BlockMask (flashnb.flex.create_block_mask) or a "
+                        "boolean array; a PreparedMask is mapped onto the product kernel's tiles")
+    bm = tiles._as_block_mask(block_mask, d, given.get("Br"), given.get("Bc"))
+    bm.check(Nq, Nk, BH=BH)
+    t = dict(t)
+
+    def shrink(name, within, step, cap):
+        x = next((x for x in range(cap - cap % step, 0, -step) if within % x == 0), None)
+        if x is None:
+            raise ValueError(f"block_mask was built for tiles Br={bm.Br}, Bc={bm.Bc}: the fa2-tc {direction} needs "
+                             f"{name} a multiple of {step} dividing {within}; build the mask for tiles that are")
+        return x
+
+    def refuse_given(name):
+        if name in given:
+            raise ValueError(f"block_mask was built for tiles Br={bm.Br}, Bc={bm.Bc}; the fa2-tc {direction} tiles "
+                             f"Br={t['Br']}, Bc={t['Bc']} must divide them: build the mask for these tiles or pass "
+                             f"Br, Bc that divide {bm.Br}, {bm.Bc}")
+
+    if direction == "forward":              # Br = 16·MT·warps rows, Bc a multiple of 16 keys
+        if bm.Br % t["Br"]:
+            refuse_given("Br")
+            t["Br"] = shrink("Br", bm.Br, 16 * t["warps"] if "warps" in given else 16, t["Br"])
+            if "warps" not in given:
+                t["warps"] = max(w for w in range(1, t["warps"] + 1) if t["Br"] % (16 * w) == 0)
+        if bm.Bc % t["Bc"]:
+            refuse_given("Bc")
+            t["Bc"] = shrink("Bc", bm.Bc, 16, t["Bc"])
+    else:                                   # Bc = 16·warps keys, Br a multiple of 16·warps queries
+        if bm.Bc % t["Bc"]:
+            refuse_given("Bc")
+            refuse_given("warps")
+            t["Bc"] = shrink("Bc", bm.Bc, 16, t["Bc"])
+            t["warps"] = t["Bc"] // 16
+        step = 16 * t["warps"]
+        if bm.Br % t["Br"] or t["Br"] % step:
+            refuse_given("Br")
+            t["Br"] = shrink("Br", bm.Br, step, max(t["Br"], step))
+    return t, bm.at_tiles(t["Br"], t["Bc"], Nq, Nk, BH)
+
+
+def _modifier_config(score_mod, mask_mod, block_mask, heads, BH, partial):
+    """``(mask_mod, H)`` of a launch: the product kernel's checks (``mask_mod`` through its block mask)."""
+    from . import flash
+
+    bm_mod, H = flash._modifiers(score_mod, mask_mod, None, block_mask, heads, BH)
+    return (bm_mod if partial else None), H
+
+
 def device_arch() -> int:
     """80 on sm_80 and newer, 75 on sm_75 (and on the simulator: 80); ValueError naming the architecture below."""
     cc = mma.check_arch("fa2-tc", ((7, 5),))
@@ -974,13 +1153,16 @@ def device_arch() -> int:
 
 
 def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, storage=None, dropout_p=0.0, seed=None,
-            dropout_at=None):
+            dropout_at=None, block_mask=None, score_mod=None, mask_mod=None, heads=1, score_mod_grad=None):
     """FA2 Alg. 1 on tensor cores: device arrays in (float16, bfloat16 bits with ``storage="bfloat16"``, or float32
     through TF32), ``(O, L)`` out (O in q's storage, L float32).  ``Br, Bc, warps`` default to
     :func:`default_tiles`; on sm_75 only float16 (ValueError naming the architecture otherwise).  ``k``, ``v``
     may have fewer batch·heads than ``q`` (GQA/MQA: query head ``z`` reads K/V head ``z // G``).  ``dropout_p``,
     ``seed``, ``dropout_at``: attention dropout, the same mask as ``impl="flash"`` draws
-    (:func:`flashnb.kernels.policies.dropout_args`); ``L`` is the undropped softmax's."""
+    (:func:`flashnb.kernels.policies.dropout_args`); ``L`` is the undropped softmax's.  ``block_mask``,
+    ``score_mod``, ``mask_mod`` (through its block mask), ``heads``: the product kernel's attention modifiers; with a
+    block mask the default tiles shrink to divide its blocks (:func:`_fit_mask`).  ``score_mod_grad`` is the
+    backward's (accepted so one set of options serves both)."""
     storage = check_inputs(storage, q=q, k=k, v=v)
     drop = policies.dropout_args(dropout_p, seed, dropout_at)
     arch = device_arch()
@@ -989,24 +1171,30 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, stora
     BH, Nq, d = q.shape
     Nk = k.shape[1]
     G = policies.gqa_group(BH, k, v)
-    t = _tiles(storage, d, Br, Bc, warps, arch)
+    given = {n: x for n, x in (("Br", Br), ("Bc", Bc), ("warps", warps)) if x is not None}
+    t, M = _fit_mask("forward", d, _tiles(storage, d, Br, Bc, warps, arch), given, block_mask, BH, Nq, Nk)
+    t = _tiles(storage, d, t["Br"], t["Bc"], t["warps"], arch)
+    mask_mod, H = _modifier_config(score_mod, mask_mod, block_mask, heads, BH, M is not None and (M == PARTIAL).any())
     O = empty((BH, Nq, d), storage=storage)
     Lse = empty((BH, Nq))
     kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal), storage, arch, G > 1,
-                          drop is not policies.NO_DROPOUT)
+                          drop is not policies.NO_DROPOUT, M is not None, score_mod, mask_mod, H)
     launch(kernel, (cdiv(Nq, t["Br"]), BH), 32 * t["warps"], q, k, v, O, Lse, scale, causal_diag(causal, Nq, Nk),
-           *drop, label="FA2 tensor-core forward")
+           _device_mask(M), *drop, label="FA2 tensor-core forward")
     return O, Lse
 
 
 def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warps=None, storage=None, dropout_p=0.0,
-             seed=None, dropout_at=None):
+             seed=None, dropout_at=None, block_mask=None, score_mod=None, mask_mod=None, heads=1,
+             score_mod_grad=None):
     """FA2 Alg. 2 on tensor cores: the product kernel's preprocessing launch (``D = rowsum(dO∘O)``, the float32 dQ
     accumulator zeroed), the main launch (one block per K/V tile), and for half storage dQ narrowed (the product
     kernel's convert launch).
     Device arrays in q's storage (``lse`` float32); gradients out in it.  sm_80 and newer (ValueError naming the
     architecture on sm_75).  ``k``, ``v`` may have fewer batch·heads than ``q`` (GQA/MQA): dK, dV have theirs.
-    ``dropout_p``, ``seed``, ``dropout_at``: the forward's (its mask is regenerated, never stored)."""
+    ``dropout_p``, ``seed``, ``dropout_at``: the forward's (its mask is regenerated, never stored); ``block_mask``,
+    ``score_mod``, ``mask_mod``, ``heads``: the forward's, and ``score_mod_grad`` (default ``score_mod.grad``, else
+    derived from its source: :func:`flashnb.flex_grad.derivative`)."""
     from . import flash
 
     storage = check_inputs(storage, q=q, k=k, v=v, o=o, do=do)
@@ -1015,7 +1203,12 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     BH, Nq, d = q.shape
     Nk = k.shape[1]
     G = policies.gqa_group(BH, k, v)
-    t = _bwd_tiles(storage, d, Br, Bc, warps, gqa=G > 1)
+    given = {n: x for n, x in (("Br", Br), ("Bc", Bc), ("warps", warps)) if x is not None}
+    t, M = _fit_mask("backward", d, _bwd_tiles(storage, d, Br, Bc, warps, gqa=G > 1), given, block_mask, BH, Nq, Nk)
+    t = _bwd_tiles(storage, d, t["Br"], t["Bc"], t["warps"], gqa=G > 1)
+    mask_mod, H = _modifier_config(score_mod, mask_mod, block_mask, heads, BH, M is not None and (M == PARTIAL).any())
+    if score_mod is not None and score_mod_grad is None:
+        score_mod_grad = policies.score_mod_grad_of(score_mod)   # score_mod.grad, else derived from its source
     D = empty((BH, Nq))
     dQ = empty((BH, Nq, d))                          # float32: the atomics' accumulator
     launch(flash.make_preprocess(storage), (cdiv(Nq, flash.PRE_WARPS), BH), 32 * flash.PRE_WARPS, o, do, D, dQ,
@@ -1023,9 +1216,10 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     dK = empty((BH // G, Nk, d), storage=storage)
     dV = empty((BH // G, Nk, d), storage=storage)
     kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], bool(causal), storage, G > 1,
-                           drop is not policies.NO_DROPOUT)
+                           drop is not policies.NO_DROPOUT, M is not None, score_mod, mask_mod, H,
+                           score_mod_grad if score_mod is not None else None)
     launch(kernel, (cdiv(Nk, t["Bc"]), BH // G), 32 * t["warps"], q, k, v, do, lse, D, dQ, dK, dV, scale,
-           causal_diag(causal, Nq, Nk), *drop, label=BWD_LABEL)
+           causal_diag(causal, Nq, Nk), _device_mask(M), *drop, label=BWD_LABEL)
     if storage != "float32":
         dQh = empty((BH, Nq, d), storage=storage)
         launch(flash.make_convert(storage), (cdiv(Nq * d, flash.CONVERT_THREADS), BH), flash.CONVERT_THREADS, dQ, dQh,
@@ -1055,31 +1249,45 @@ register_impl("fa2-tc", stage="7",
               description="FA2 forward and backward on tensor cores: mma.sync fed by ldmatrix and cp.async, swizzled "
                           "shared memory; float16/bfloat16, float32 through TF32",
               forward=forward, backward=backward,
-              options=("Br", "Bc", "warps", "storage", "dropout_p", "seed", "dropout_at"), precision="tf32",
-              gqa=True)
+              options=("Br", "Bc", "warps", "storage", "dropout_p", "seed", "dropout_at", "block_mask", "score_mod",
+                       "mask_mod", "score_mod_grad"), precision="tf32",
+              gqa=True, mask_tiles=lambda d, Br=None, Bc=None: _mask_tiles(d, Br, Bc))
+
+
+def _mask_tiles(d, Br=None, Bc=None) -> dict:
+    """The tiles the user surfaces build a ``mask_mod``'s block mask at: the product kernel's
+    (:func:`flashnb.kernels.tiles.mask_tiles`, so one mask means the same blocks to every impl), or the ``Br``, ``Bc``
+    options; fa2-tc's tiles shrink to divide them."""
+    from .tiles import mask_tiles
+
+    return dict(mask_tiles(d), **{n: x for n, x in (("Br", Br), ("Bc", Bc)) if x is not None})
 
 
 # --------------------------------------------------------------------------- analytic model
 
 
 def model_forward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, Bc=None, warps=None, arch=80,
-                  group=1):
+                  group=1, block_mask=None):
     """Element accesses of :func:`forward` (one launch).  Global: Q, O, L once; K_j, V_j once per visited tile
     (the copies read only elements inside the arrays; zero fill is not a read).  Shared, per block: ``Br·Dp``
     written (Q_i, zero-padded to Dp) and read once (its fragments); per visited tile ``2·Bc·Dp`` written
     (K_j, V_j) and, by each warp, ``2·Bc·Dp`` read (its B fragments of both matmuls, each element once: the
     fragments serve all the warp's m-tiles).  ``group`` (GQA's query heads per K/V head) changes nothing: every
-    query head's blocks read its K/V head's tiles."""
-    from ..stages.fa2 import tiles_visited
-
+    query head's blocks read its K/V head's tiles.  ``block_mask``: as :func:`forward` takes it; its EMPTY tiles
+    are not visited (at the tiles the launch fits to it)."""
     t = _tiles(storage, d, Br, Bc, warps, arch)
+    given = {n: x for n, x in (("Br", Br), ("Bc", Bc), ("warps", warps)) if x is not None}
+    t, M = _fit_mask("forward", d, t, given, block_mask, BH, Nq, Nk)
     g = geometry(storage, d, t["Br"], t["Bc"], t["warps"], arch)
-    visited = tiles_visited(Nq, Nk, t["Br"], t["Bc"], causal)
-    kv = BH * sum(cols for _, _, _, cols in visited) * d
+    visited = _visited(Nq, Nk, t["Br"], t["Bc"], causal, "forward", M, BH)
+    kv = sum(cols for _, _, _, cols in visited) * d
     blocks = BH * cdiv(Nq, t["Br"])
-    tiles = BH * len(visited)
+    tiles = len(visited)
     Dp = g["Dp"]
-    return [dict(launch="FA2 tensor-core forward", reads={"Q": BH * Nq * d, "K": kv, "V": kv},
+    reads = {"Q": BH * Nq * d, "K": kv, "V": kv}
+    if M is not None:                                  # lane 0 of each warp reads each tile state in range
+        reads["M"] = len(_visited(Nq, Nk, t["Br"], t["Bc"], causal, "forward", None, BH)) * t["warps"]
+    return [dict(launch="FA2 tensor-core forward", reads=reads,
                  writes={"O": BH * Nq * d, "L": BH * Nq}, atomics={},
                  shared_reads=blocks * t["Br"] * Dp + tiles * t["warps"] * 2 * t["Bc"] * Dp,
                  shared_writes=blocks * t["Br"] * Dp + tiles * 2 * t["Bc"] * Dp)]
@@ -1140,7 +1348,18 @@ def edge_tile(v, config, Nq, Nk) -> bool:
 # --------------------------------------------------------------------------- the backward's model
 
 
-def model_backward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, Bc=None, warps=None, group=1):
+def _visited(Nq, Nk, Br, Bc, causal, direction, M, BH):
+    """Every head's visited (outer, inner, rows, cols) tiles (:func:`flashnb.stages.fa2.tiles_visited`), all heads
+    together: without a block mask ``M`` every head visits the same ones."""
+    from ..stages.fa2 import tiles_visited
+
+    if M is None:
+        return tiles_visited(Nq, Nk, Br, Bc, causal, direction) * BH
+    return [tile for z in range(BH) for tile in tiles_visited(Nq, Nk, Br, Bc, causal, direction, M[z] != EMPTY)]
+
+
+def model_backward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, Bc=None, warps=None, group=1,
+                   block_mask=None):
     """Element accesses of :func:`backward`: stage 4's preprocessing launch (O, dO read; D, dQ = 0 written), the
     main launch, and (half storage) dQ's narrowing.  Main: K_j, V_j once per block; Q_i, dO_i, L_i, D_i once per
     visited tile (valid rows); dQ's atomics once per valid element of each visited tile; dK, dV written once.
@@ -1149,18 +1368,20 @@ def model_backward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, B
     dO_i twice (``4·Br·Dp``: the B fragments of Sᵀ, dPᵀ and of dK_j, dV_j), L_i and D_i once per score (``32·Br``),
     K_j and V_j's fragments (``2·16·Dp``) when they do not stay in registers; each part of dQ_i reads dSᵀ
     (``16·Bc``) and K_j (``Bc·NDQ·8``).  ``BH`` counts query heads; with ``group`` of them per K/V head (GQA) a
-    block is one K/V head's tile and visits the Q tiles of its ``group`` query heads."""
-    from ..stages.fa2 import tiles_visited
-
+    block is one K/V head's tile and visits the Q tiles of its ``group`` query heads.  ``block_mask``: as
+    :func:`backward` takes it (EMPTY tiles are not visited; K_j, V_j are read and dK_j, dV_j written all the same)."""
     if isinstance(group, bool) or not isinstance(group, int) or group < 1 or BH % group:
         raise ValueError(f"group must be a positive int dividing BH={BH}, got {group!r}")
     t = _bwd_tiles(storage, d, Br, Bc, warps, gqa=group > 1)
+    given = {n: x for n, x in (("Br", Br), ("Bc", Bc), ("warps", warps)) if x is not None}
+    t, M = _fit_mask("backward", d, t, given, block_mask, BH, Nq, Nk)
+    t = _bwd_tiles(storage, d, t["Br"], t["Bc"], t["warps"], gqa=group > 1)
     Br_, Bc_, W = t["Br"], t["Bc"], t["warps"]
     g = bwd_geometry(storage, d, Br_, Bc_, W)
     Dp = g["Dp"]
-    visited = tiles_visited(Nq, Nk, Br_, Bc_, causal, "backward")
-    n = BH * len(visited)
-    q_rows = BH * sum(rows for _, _, rows, _ in visited)
+    visited = _visited(Nq, Nk, Br_, Bc_, causal, "backward", M, BH)
+    n = len(visited)
+    q_rows = sum(rows for _, _, rows, _ in visited)
     BHk = BH // group                                  # K/V heads
     blocks = BHk * cdiv(Nk, Bc_)
     pre = dict(launch="D = rowsum(dO∘O)", reads={"O": BH * Nq * d, "dO": BH * Nq * d},
@@ -1169,7 +1390,9 @@ def model_backward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, B
                 + g["PARTS"] * (16 * Bc_ + Bc_ * g["NDQ"] * 8))
     main = dict(launch=BWD_LABEL,
                 reads={a: x for a, x in (("Q", q_rows * d), ("K", BHk * Nk * d), ("V", BHk * Nk * d),
-                                         ("dO", q_rows * d), ("L", q_rows), ("D", q_rows)) if x},
+                                         ("dO", q_rows * d), ("L", q_rows), ("D", q_rows),
+                                         ("M", 0 if M is None else W * len(
+                                             _visited(Nq, Nk, Br_, Bc_, causal, "backward", None, BH)))) if x},
                 writes={"dK": BHk * Nk * d, "dV": BHk * Nk * d}, atomics={"dQ": q_rows * d} if q_rows else {},
                 shared_reads=blocks * (2 * Bc_ * Dp if g["kv_regs"] else 0) + n * per_tile,
                 shared_writes=blocks * 2 * Bc_ * Dp + n * (2 * Br_ * Dp + 2 * Br_ + Bc_ * Br_))

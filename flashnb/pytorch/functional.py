@@ -174,14 +174,14 @@ def attention(q, k, v, *, causal=False, scale=None, impl: str = "auto", block_ma
             needed.  Default ``"auto"`` (:mod:`flashnb.kernels.auto`): the product kernel ``"flash"``
             (:mod:`flashnb.kernels.flash`), or ``"fa2-tc"`` (tensor cores) for float16 and bfloat16 tensors on a
             checked sm_80+ GPU when nothing asked needs the product kernel.
-        block_mask: the block-sparse mask of ``impl="flash"`` (``flashnb.kernels.flash.forward``), or a
+        block_mask: the block-sparse mask of ``impl="flash"`` and ``"fa2-tc"`` (a boolean block array), or a
             ``flashnb.flex.create_block_mask`` of a ``mask_mod``.
-        score_mod, mask_mod, score_mod_grad: attention modifiers (``impl="flash"``), as in
+        score_mod, mask_mod, score_mod_grad: attention modifiers (``impl="flash"``, ``"fa2-tc"``), as in
             :func:`flashnb.attention_forward` (:mod:`flashnb.flex`); the backward uses ``score_mod_grad``, else
             ``score_mod.grad``, else the derivative flashnb derives from ``score_mod``'s source
             (:func:`flashnb.flex.derivative`; a modifier outside its subset is refused before the forward when a
             gradient is needed).  k and v may have fewer heads than q (grouped-query attention).
-        dropout_p: attention dropout probability in ``[0, 1)`` (``impl="flash"``; 0: none).  Applied
+        dropout_p: attention dropout probability in ``[0, 1)`` (``impl="flash"``, ``"fa2-tc"``; 0: none).  Applied
             whenever it is non-zero, as SDPA does (pass 0 in evaluation).
         seed: the dropout seed, an int in ``[0, 2**64)``; when None and ``dropout_p > 0``, one is drawn from
             torch's default generator (``torch.manual_seed`` makes it repeatable; under ``torch.compile`` the draw

@@ -12,9 +12,10 @@ the sm_75 forward (m16n8k8, plain copies), and bad input.
 import numpy as np
 import pytest
 from conftest import assert_close
+from numba import float32
 
 import flashnb
-from flashnb import common, reference, sim
+from flashnb import common, flex, reference, sim
 from flashnb.instruments import traffic
 from flashnb.kernels import flash_tc, mma, policies
 
@@ -262,6 +263,166 @@ def test_traffic_equals_the_model(rng, storage, d, causal):
         flash_tc.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, **TILES), storage)]
 
 
+# --------------------------------------------------------------------------- attention modifiers and block masks
+
+
+def rel_bias(score, b, h, q_idx, kv_idx):
+    """A user's relative-position bias, different per head (the kind of modifier the gallery does not have)."""
+    return score + float32(0.1) * float32(kv_idx - q_idx) - float32(h) * float32(0.05)
+
+
+def band(b, h, q_idx, kv_idx):
+    """A user's band mask (Python ``and``: the host evaluates it element by element)."""
+    return kv_idx <= q_idx + 3 and q_idx - kv_idx < 20
+
+
+DOCS = np.repeat(np.arange(4), [10, 17, 5, 16])           # 48 positions, 4 packed documents
+SCORE_MODS = {  # name: (flashnb modifier, the same in torch on scaled scores s, with (h, q, k) index tensors)
+    "alibi": lambda H: (flex.alibi(H), lambda s, h, q, k: s + torch.tensor(
+        flex.alibi_slopes(H))[h].to(s.dtype) * (k - q).to(s.dtype)),
+    "softcap": lambda H: (flex.softcap(2.0), lambda s, h, q, k: 2.0 * torch.tanh(s / 2.0)),
+    "rel_bias": lambda H: (rel_bias, lambda s, h, q, k: s + (0.1 * (k - q) - 0.05 * h).to(s.dtype)),
+}
+MASK_MODS = {"window": flex.sliding_window(12), "document": flex.document(DOCS, causal=True), "band": band}
+MOD_CASES = [  # storage, q (B, H, Nq, d), Nk, K/V heads, causal, score_mod, mask_mod
+    ("float16", (1, 2, 48, 16), 48, 2, False, None, "window"),            # EMPTY, PARTIAL and FULL tiles
+    ("bfloat16", (1, 4, 40, 32), 40, 1, True, "alibi", None),             # per-head bias, MQA, causal
+    ("float16", (1, 2, 48, 64), 48, 2, False, "softcap", "document"),     # d = 64, both modifiers
+    ("float16", (2, 1, 24, 16), 40, 1, "upper_left", "rel_bias", "band"),  # Nq != Nk, two batches, a user's own
+]
+
+
+@pytest.fixture(scope="module")
+def checked_modifiers():
+    """The modifiers compiled for a GPU once, in one batch, before any launch (as the user surfaces require)."""
+    pairs = [(MASK_MODS[n], "mask_mod") for n in MASK_MODS]
+    for make in SCORE_MODS.values():
+        sm = make(2)[0]
+        pairs += [(sm, "score_mod")] + ([(sm.grad, "score_mod_grad")] if getattr(sm, "grad", None) else [])
+    pairs += [(flex.alibi(4), "score_mod"), (flex.alibi(4).grad, "score_mod_grad")]
+    flex.check_many(pairs, strict=False)
+
+
+def torch_half_modified(q, k, v, do, causal, scale, G, score_fn=None, mask=None):
+    """:func:`torch_half` with attention modifiers: PyTorch's attention in the half dtype, ``score_fn`` applied to
+    the scaled scores (its derivative by autograd), ``mask`` (B, H, Nq, Nk) and the causal mask applied; K/V heads
+    repeated ``G`` times along the head axis."""
+    q, k0, v0 = (t.clone().requires_grad_(True) for t in (q, k, v))
+    k, v = k0.repeat_interleave(G, dim=1), v0.repeat_interleave(G, dim=1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    Nq, Nk = s.shape[-2:]
+    if score_fn is not None:
+        h = torch.arange(s.shape[1])[:, None, None]
+        s = score_fn(s, h, torch.arange(Nq)[:, None], torch.arange(Nk)[None, :])
+    allowed = torch.tensor(reference._allowed(tuple(s.shape), causal, mask))
+    s = s.masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    o = p @ v
+    o.backward(do)
+    return [x.detach().double().numpy() for x in (o, q.grad, k0.grad, v0.grad)]
+
+
+@pytest.mark.parametrize("storage, shape_q, Nk, Hkv, causal, score_name, mask_name", MOD_CASES)
+def test_modifiers_and_block_masks_within_flashattentions_rule(rng, checked_modifiers, storage, shape_q, Nk, Hkv,
+                                                               causal, score_name, mask_name):
+    """score_mod on the S fragments (forward and the backward's recomputation, its derivative on dS) and mask_mod
+    through its block mask (EMPTY tiles never loaded, PARTIAL ones masked element by element), the product
+    kernel's policies: against float64 with the same modifiers in NumPy, by FlashAttention's rule (PyTorch's half
+    attention with the same modifiers); the counted traffic equals the model with the block mask."""
+    B, H, Nq, d = shape_q
+    G = H // Hkv
+    (q, k, v, do), exact, tensors = half_inputs(rng, storage, shape_q, Nk)
+    k, v, exact[1], exact[2], tensors[1], tensors[2] = (np.ascontiguousarray(a[:, :Hkv]) if isinstance(a, np.ndarray)
+                                                        else a[:, :Hkv] for a in (k, v, exact[1], exact[2],
+                                                                                  tensors[1], tensors[2]))
+    score_mod, score_fn = SCORE_MODS[score_name](H) if score_name else (None, None)
+    mask_mod = MASK_MODS[mask_name] if mask_name else None
+    mask = None if mask_mod is None else flex.mask_array(mask_mod, B, H, Nq, Nk)
+    opts = dict(causal=causal, impl="fa2-tc", storage=storage, score_mod=score_mod, mask_mod=mask_mod, **TILES)
+    with traffic.count() as t:
+        o, lse = flashnb.attention_forward(q, k, v, **opts)
+    bm = None if mask_mod is None else flex.create_block_mask(mask_mod, B, H, Nq, Nk, Br=TILES["Br"], Bc=TILES["Bc"])
+    if bm is not None:
+        assert {0, 2} <= set(np.unique(bm.states)), "the case must have EMPTY and PARTIAL tiles"
+    assert t.summary() == flash_tc.model_forward(B * H, Nq, Nk, d, causal=causal, storage=storage, group=G,
+                                                 block_mask=bm, **TILES)
+    sm = None if score_mod is None else flex.numpy_modifier(score_mod)
+    krep, vrep = (np.repeat(a, G, axis=1) for a in exact[1:3])
+    o_ref, lse_ref = reference.attention_forward(exact[0], krep, vrep, causal=causal, mask=mask, score_mod=sm)
+    pt = torch_half_modified(*tensors, causal, 1 / np.sqrt(d), G, score_fn, mask)
+    got = values(o, storage)
+    assert not np.isnan(got).any() and not np.isnan(lse).any()                  # every element written
+    assert maxerr(got, o_ref) <= 2 * maxerr(pt[0], o_ref), (maxerr(got, o_ref), maxerr(pt[0], o_ref))
+    # L: float32 accumulation of exact half products, plus one float32 rounding per modified score
+    assert_close(lse, lse_ref, atol=5e-5, rtol=5e-5, what=f"{storage} lse")
+    with traffic.count() as t:
+        grads = flashnb.attention_backward(q, k, v, o, lse, do, **opts)
+    assert t.summary() == flash_tc.model_backward(B * H, Nq, Nk, d, causal=causal, storage=storage, group=G,
+                                                  block_mask=bm, **TILES)
+    # the reference's derivative: the gallery's own, or (rel_bias, which the kernel derives from its source) 1
+    g = None if score_mod is None else (flex.numpy_modifier(score_mod.grad) if hasattr(score_mod, "grad") else
+                                        (lambda s, b, h, q, kv: np.ones(np.broadcast_shapes(*map(np.shape,
+                                                                                                (s, b, h, q, kv))))))
+    refs = reference.attention_backward(exact[0], krep, vrep, exact[3], causal=causal, mask=mask, score_mod=sm,
+                                        score_mod_grad=g)
+    refs = (refs[0], *(r.reshape(B, Hkv, G, Nk, d).sum(axis=2) for r in refs[1:]))   # K/V gradients per group
+    for name, gr, r, p in zip(("dq", "dk", "dv"), grads, refs, pt[1:]):
+        got = values(gr, storage)
+        assert not np.isnan(got).any(), name
+        assert maxerr(got, r) <= 3 * maxerr(p, r), (name, maxerr(got, r), maxerr(p, r))
+
+
+def test_block_mask_tiles_and_errors(rng):
+    """A plain boolean block mask is read at the mask tiles (64 × 32 at d <= 64) and the default tiles shrink to
+    divide them; given tiles that do not divide a mask's blocks, or a product kernel's prepared mask, are refused
+    by name; the forward's EMPTY tiles are never loaded."""
+    (q, k, v), exact, _ = half_inputs(rng, "float16", (1, 128, 16), 64, do=False)
+    blocks = np.array([[True, False], [False, True]])            # 2 × 2 blocks of 64 × 32: a block diagonal
+    with traffic.count() as t:
+        o = flashnb.attention(q, k, v, impl="fa2-tc", block_mask=blocks)
+    mask = reference.expand_block_mask(blocks, 128, 64, 64, 32)
+    o_ref = reference.attention(*exact, mask=mask)
+    assert_close(o.astype(np.float64), o_ref, atol=2e-3, rtol=2e-3, what="block-diagonal o")   # half o: 2^-11
+    assert t.summary()[0]["reads"]["K"] == 64 * 16              # each Q block read its one K/V block, once
+    with pytest.raises(ValueError, match=r"block_mask was built for tiles Br=64, Bc=32.*must divide"):
+        flashnb.attention(q, k, v, impl="fa2-tc", block_mask=flex.create_block_mask(flex.causal(), 1, 1, 128, 64),
+                          Br=128, Bc=32, warps=8)
+    from flashnb.kernels import flash
+
+    prepared = flash.prepare_block_mask(blocks, direction="forward", BH=1, Nq=128, Nk=64, d=16)
+    with pytest.raises(TypeError, match="block_mask: fa2-tc takes a flashnb.masks.BlockMask"):
+        flash_tc.forward(*(common.to_device(a, "float16") for a in (q, k, v)), scale=0.25, block_mask=prepared)
+    with pytest.raises(ValueError, match="mask_mod needs sparse=True"):
+        flash_tc.make_forward(32, 32, 16, 2, False, mask_mod=band)
+
+
+def test_modifiers_through_flashnb_pytorch_run_the_same_kernels(rng, checked_modifiers):
+    """flashnb.pytorch passes the modifiers to fa2-tc (as handles through the custom operator): o and the
+    gradients are those of the NumPy API's launches, bit for bit."""
+    from flashnb import pytorch as fnb
+
+    (q, k, v, do), _, _ = half_inputs(rng, "float16", (1, 2, 48, 16), 48)
+    opts = dict(impl="fa2-tc", score_mod=SCORE_MODS["softcap"](2)[0], mask_mod=MASK_MODS["window"], **TILES)
+    o, lse = flashnb.attention_forward(q, k, v, **opts)
+    grads = flashnb.attention_backward(q, k, v, o, lse, do, **opts)
+    qt, kt, vt = (torch.from_numpy(a).requires_grad_() for a in (q, k, v))
+    ot = fnb.attention(qt, kt, vt, **opts)
+    ot.backward(torch.from_numpy(do))
+    assert np.array_equal(ot.detach().numpy(), o)
+    for g, t in zip(grads, (qt, kt, vt)):
+        assert np.array_equal(t.grad.numpy(), g)
+
+
+def test_all_four_sanitizer_tools_with_a_block_mask_and_modifiers(rng, checked_modifiers):
+    # the block mask's path copies each visited tile alone (cp.async, then wait): no race, nothing uninitialised
+    (q, k, v, do), _, _ = half_inputs(rng, "float16", (1, 2, 48, 16), 48)
+    opts = dict(impl="fa2-tc", score_mod=SCORE_MODS["alibi"](2)[0], mask_mod=MASK_MODS["window"], **TILES)
+    with sim.sanitize() as report:
+        o, lse = flashnb.attention_forward(q, k, v, **opts)
+        flashnb.attention_backward(q, k, v, o, lse, do, **opts)
+    assert report.launches == 4 and not report.findings
+
+
 # --------------------------------------------------------------------------- tools
 
 
@@ -329,7 +490,7 @@ def test_sm75_forward_on_the_simulator(rng):
     L = common.empty((1, 40))
     dev = [common.to_device(a, "float16") for a in (q, k, v)]
     common.launch(kernel, (2, 1), 64, *dev, O, L, 1 / np.sqrt(32), common.causal_diag(True, 40, 48),
-                  *policies.NO_DROPOUT)
+                  common.to_device(np.zeros((1, 1, 1), np.uint8)), *policies.NO_DROPOUT)   # M: no block mask
     o_ref, lse_ref = reference.attention_forward(*exact, causal=True)
     # half output (one rounding of |o| <= 1: 2^-11) plus P's rounding: 2e-3 is ~4x the measured 5e-4
     assert_close(O.copy_to_host(), o_ref, atol=2e-3, rtol=2e-3, what="sm_75 o")
