@@ -4,7 +4,7 @@ Every implementation (``impl="naive"``, ``"fa1"``, ``"fa2"``, ...) is reached th
 functions; each stage registers itself in :data:`flashnb.registry.IMPLS`.  The default, ``impl="auto"``
 (:mod:`flashnb.kernels.auto`), runs the product kernel, ``impl="flash"`` (:mod:`flashnb.kernels.flash`: stage 6's
 fast loop with every feature below), except for float16 and bfloat16 inputs on an sm_80+ GPU whose tensor cores
-passed flashnb's check, which go to ``impl="fa2-tc"`` (stage 7) when the call asks for nothing it lacks.
+passed flashnb's check, which go to ``impl="fa2-tc"`` (stage 7) unless tile options name the product kernel's.
 
 **dtypes and storage**.  Arithmetic is float32 everywhere.  What differs is what the kernels keep in
 HBM, the ``storage`` argument:
@@ -334,8 +334,8 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
             :data:`SCORE_LIMIT` (half the float32 range), else ValueError.
         impl: a registered implementation (``flashnb.registry.IMPLS``) or ``"auto"`` (the default): ``"flash"``,
             the product kernel (every feature below), or ``"fa2-tc"`` for half inputs on a checked sm_80+ GPU
-            when no option needs the product kernel (:mod:`flashnb.kernels.auto`; tile options ``Br``, ``Bc``,
-            ``warps`` name the product kernel's tiles); a stage's impl (``"naive"``, ``"fa1"``, ``"fa2"``,
+            unless tile options are given (:mod:`flashnb.kernels.auto`; ``Br``, ``Bc``, ``warps`` name the product
+            kernel's tiles); a stage's impl (``"naive"``, ``"fa1"``, ``"fa2"``,
             ``"fa2-fast"``, ...) runs that lesson's kernels.
         storage: ``None`` (default), ``"float32"``, ``"float16"`` or ``"bfloat16"``: the dtype the kernels keep
             q, k, v and o in (see the module docstring).  ``None``: float16 when q, k, v are float16 and the impl

@@ -3,11 +3,12 @@
 The rule, applied to each launch (forward and backward alike):
 
 * ``"fa2-tc"`` (stage 7, tensor cores) when the inputs are kept in half precision (``storage`` float16 or
-  bfloat16), the call asks for nothing fa2-tc lacks (no block mask or attention modifiers, no tile options: ``Br``,
-  ``Bc``, ``warps`` name the product kernel's tiles), and the device is a GPU of compute capability 8.0 or newer
-  whose tensor cores passed :func:`tensor_cores_checked`;
-* ``"flash"``, the product kernel, otherwise -- float32 inputs (fa2-tc would round them to TF32), every feature
-  fa2-tc does not have, the simulator, sm_75 and older GPUs.
+  bfloat16) and the device is a GPU of compute capability 8.0 or newer whose tensor cores passed
+  :func:`tensor_cores_checked` -- with any of fa2-tc's features: causal masks, GQA/MQA, dropout, attention
+  modifiers and block masks;
+* ``"flash"``, the product kernel, otherwise -- float32 inputs (fa2-tc would round them to TF32), tile options
+  (``Br``, ``Bc``, ``warps`` name the product kernel's tiles) and masks prepared for its tiles
+  (:class:`~flashnb.kernels.tiles.PreparedMask`), the simulator, sm_75 and older GPUs.
 
 :func:`tensor_cores_checked` runs :func:`flashnb.kernels.mma_check.run` once per process and GPU: every tensor-core
 intrinsic against its simulator twin on the same random fragments.  The twins' fragment layouts are what every
@@ -32,7 +33,8 @@ __all__ = ["choose", "tensor_cores_checked", "last_choice", "HALF", "TC_OPTIONS"
 #: the storages fa2-tc is the default for
 HALF = ("float16", "bfloat16")
 #: options a call may carry and still go to fa2-tc (everything else is the product kernel's)
-TC_OPTIONS = frozenset({"storage", "dropout_p", "seed", "dropout_at"})
+TC_OPTIONS = frozenset({"storage", "dropout_p", "seed", "dropout_at", "block_mask", "score_mod", "mask_mod",
+                        "score_mod_grad", "heads"})
 #: the environment variable that turns the tensor-core default off
 ENV = "FLASHNB_TENSOR_CORES"
 _OFF, _ON = ("0", "off", "false", "no"), ("", "auto", "1", "on", "true", "yes")
@@ -103,6 +105,10 @@ def choose(options: dict) -> tuple[str, str]:
     extra = sorted(n for n, v in options.items() if n not in TC_OPTIONS and v is not None)
     if extra:
         return "flash", f"option(s) {extra} are the product kernel's"
+    from .tiles import PreparedMask
+
+    if isinstance(options.get("block_mask"), PreparedMask):
+        return "flash", "the block mask was prepared for the product kernel's tiles"
     if not _enabled():
         return "flash", f"{ENV} is off"
     cc = _device_cc()

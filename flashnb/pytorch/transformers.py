@@ -29,8 +29,7 @@ eager softmaxes such a row over the dtype's minimum (uniform weights): those pos
 outputs are garbage in every implementation; compare and train on the real positions.
 
 ``softcap`` (Gemma 2's ``attn_logit_softcapping``) becomes ``flashnb.flex.softcap(cap)``. Dropout is flashnb's
-(``impl="flash"`` takes it together with a padding ``mask_mod``; the default, ``impl="auto"``, runs ``"flash"``
-whenever a mask or modifier is given). Each distinct padding pattern is a
+(``impl="flash"`` and ``"fa2-tc"`` take it together with a padding ``mask_mod``). Each distinct padding pattern is a
 distinct ``mask_mod`` content (a digest picks its block mask; on a GPU a kernel compile per pattern -- the
 captured-array limitation of :mod:`flashnb.flex`). The fit runs per attention call, on the host; it needs the mask's
 values, so it does not run under ``torch.compile``: there, only masks that are ``None`` are taken (a ValueError says

@@ -64,8 +64,8 @@ def test_on_the_simulator_the_default_runs_the_product_kernel():
     ({}, (8, 0), "flash"),                                           # float32: fa2-tc would round it to TF32
     (dict(storage="float16"), (7, 5), "flash"),                      # fa2-tc's backward needs sm_80
     (dict(storage="float16", Br=32), (8, 0), "flash"),               # tile options name flash's tiles
-    (dict(storage="float16", block_mask=np.ones((1, 1), bool)), (8, 0), "flash"),
-    (dict(storage="float16", score_mod=lambda s, b, h, i, j: s), (8, 0), "flash"),
+    (dict(storage="float16", block_mask=np.ones((1, 1), bool)), (8, 0), "fa2-tc"),
+    (dict(storage="bfloat16", score_mod=lambda s, b, h, i, j: s, heads=2), (8, 0), "fa2-tc"),
 ])
 def test_the_rule(gpu, monkeypatch, options, cc, want):
     monkeypatch.setattr(auto, "_device_cc", lambda: cc)
@@ -152,3 +152,21 @@ def test_pytorch_default_follows_the_same_rule(gpu):
     fnb.attention(q, k, v, causal=True, impl="fa2-tc").float().square().sum().backward()
     for g, t in zip(grads, (q, k, v)):
         assert torch.equal(g, t.grad)
+
+
+def test_a_mask_prepared_for_the_product_kernel_stays_there(gpu):
+    from flashnb.kernels import flash
+
+    prepared = flash.prepare_block_mask(np.ones((1, 1), bool), direction="forward", BH=1, Nq=16, Nk=16, d=16)
+    assert auto.choose(dict(storage="float16", block_mask=prepared))[0] == "flash"
+
+
+def test_on_a_checked_gpu_modifiers_run_fa2tc(gpu):
+    """Attention modifiers with half inputs go to fa2-tc too: the default's results are fa2-tc's, bit for bit."""
+    from flashnb import flex
+
+    q, k, v = _qkv(Nq=40, Nk=40)
+    opts = dict(score_mod=flex.softcap(2.0), mask_mod=flex.sliding_window(12))
+    o = flashnb.attention(q, k, v, **opts)
+    assert auto.last_choice["impl"] == "fa2-tc"
+    assert np.array_equal(o, flashnb.attention(q, k, v, impl="fa2-tc", **opts))
