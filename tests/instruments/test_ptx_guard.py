@@ -267,6 +267,39 @@ def test_every_kernel_is_registered():
                          f"with @kernel_factory so the PTX guard compiles them): {sorted(missing)}")
 
 
+#: CPython 3.11+ compiles a call of more than this many arguments to one tuple (CALL_FUNCTION_EX), which numba's
+#: CUDA target cannot compile; the simulator runs it as Python, so only the GPU compile would find it
+MAX_CALL_ARGS = 30
+
+
+def _long_calls(tree) -> list[tuple[str, int, int]]:
+    """``(function, line, arguments)`` of every call with more than :data:`MAX_CALL_ARGS` arguments inside a
+    ``@cuda.jit`` function (kernel or device function) of ``tree``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                _is_cuda_jit(dec)[0] for dec in node.decorator_list):
+            for call in ast.walk(node):
+                if isinstance(call, ast.Call) and len(call.args) + len(call.keywords) > MAX_CALL_ARGS:
+                    found.append((node.name, call.lineno, len(call.args) + len(call.keywords)))
+    return found
+
+
+def test_no_device_call_has_more_arguments_than_numba_compiles():
+    """Every call inside a kernel or device function of flashnb passes at most 30 arguments (bundle state into
+    fewer, or recompute what can be recomputed)."""
+    long = {str(path.relative_to(PACKAGE)): calls for path in sorted(PACKAGE.rglob("*.py"))
+            if (calls := _long_calls(ast.parse(path.read_text(), str(path))))}
+    assert not long, f"calls over {MAX_CALL_ARGS} arguments in device code (numba cannot compile them): {long}"
+
+
+def test_the_long_call_check_can_fail():
+    args = ", ".join(f"a{i}" for i in range(31))
+    source = f"@cuda.jit(device=True)\ndef f({args}):\n    return g({args})\n"
+    assert _long_calls(ast.parse(source)) == [("f", 3, 31)]
+    assert _long_calls(ast.parse(source.replace("@cuda.jit(device=True)\n", ""))) == []   # host code: fine
+
+
 # --------------------------------------------------------------------------- the guard can fail
 
 
