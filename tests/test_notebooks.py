@@ -23,10 +23,11 @@ def test_there_are_notebooks():
 @pytest.mark.parametrize("py", PAIRS, ids=lambda p: p.stem)
 def test_ipynb_matches_py(py):
     ipynb = py.with_suffix(".ipynb")
-    assert ipynb.exists(), f"{ipynb.name} missing: run `jupytext --to ipynb {py}`"
+    assert ipynb.exists(), f"{ipynb.name} missing: run `python scripts/execute_notebooks.py {py.name[:2]}`"
     from_py = _cells(jupytext.read(py))
     from_nb = _cells(jupytext.read(ipynb))
-    assert from_py == from_nb, f"{ipynb.name} is out of sync with {py.name}: run `jupytext --sync {py}`"
+    assert from_py == from_nb, (f"{ipynb.name} is out of sync with {py.name}: run "
+                                f"`python scripts/execute_notebooks.py {py.name[:2]}`")
 
 
 @pytest.mark.parametrize("py", PAIRS, ids=lambda p: p.stem)
@@ -66,3 +67,15 @@ def test_committed_notebook_is_executed_shows_its_figures_and_no_machine_path(py
         outputs = json.dumps(c.get("outputs", []))
         m = MACHINE_PATH.search(outputs)
         assert m is None, f"{py.stem}.ipynb: an output holds a machine path ({outputs[m.start():m.start() + 60]})"
+
+
+def test_execute_script_names_each_notebook_before_running_any():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("execute_notebooks", NOTEBOOKS.parent / "scripts" /
+                                                  "execute_notebooks.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.source_of("12") == NOTEBOOKS / "12_tensor_cores.py"
+    with pytest.raises(SystemExit, match=r"notebook '99': expected one notebooks/99_\*.py, found 0"):
+        script.main(["12", "99"])                       # refused before notebook 12 runs
