@@ -301,6 +301,28 @@ if rows:
         print(f"{r['impl']:>8} {r['storage']} {r['direction']:<8}: {r['median_ms']:.2f} ms, {r['tflops']:.1f} TFLOP/s")
 
 # %% [markdown]
+# ## In your own code
+#
+# On a GPU of sm_80 or newer, `flashnb.attention` and `flashnb.pytorch.attention` run this kernel by default for
+# float16 and bfloat16 inputs (`impl="auto"`), with its features: causal masks, grouped K/V heads, dropout,
+# attention modifiers and block masks (notebook 10). Before its first launch the default checks, once, that the
+# GPU's instructions use the fragment layouts the twins assume (every intrinsic on random fragments); a GPU that
+# disagrees keeps the product kernel. On the simulator the default is the product kernel, and `impl="fa2-tc"`
+# asks for this one by name. `flashnb.kernels.auto.last_choice` says what ran and why:
+
+# %%
+from flashnb import flex
+from flashnb.kernels import auto
+
+qm, km, vm = (prng.standard_normal((1, 2, 48, 16)).astype(np.float16) for _ in range(3))
+mods = dict(score_mod=flex.alibi(2), mask_mod=flex.sliding_window(16))
+o_default = flashnb.attention(qm, km, vm, **mods)
+print("default:", auto.last_choice["impl"], "--", auto.last_choice["reason"])
+o_tc = flashnb.attention(qm, km, vm, impl="fa2-tc", **mods)
+print(f"fa2-tc with ALiBi and a sliding window: max |fa2-tc - default| = "
+      f"{np.abs(o_tc.astype(np.float32) - o_default.astype(np.float32)).max():.1e} (float16 outputs)")
+
+# %% [markdown]
 # ## Exercises
 #
 # Each exercise has a check: fill in the `...` and run its cell (`...` means "not attempted yet"). Stuck?

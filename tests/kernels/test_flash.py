@@ -255,13 +255,14 @@ def test_too_many_elements_for_the_masks():
 
 def test_the_product_kernel_is_the_default_impl(rng):
     """flashnb.attention, attention_forward, attention_backward and flashnb.pytorch.attention run impl="flash" when no
-    impl is given (counted: its launches' labels)."""
+    impl is given on the simulator (the default, impl="auto", keeps tensor cores for a checked GPU: tests/kernels/
+    test_auto.py); counted: its launches' labels."""
     import inspect
 
     from flashnb import api
 
     for fn in (api.attention, api.attention_forward, api.attention_backward):
-        assert inspect.signature(fn).parameters["impl"].default == "flash", fn.__name__
+        assert inspect.signature(fn).parameters["impl"].default == "auto", fn.__name__
     q, k, v = qkv(rng, (1, 8, 8), 8)
     with traffic.count() as t:
         flashnb.attention(q, k, v)
@@ -269,8 +270,8 @@ def test_the_product_kernel_is_the_default_impl(rng):
     torch = pytest.importorskip("torch")
     import flashnb.pytorch as ft
 
-    assert inspect.signature(ft.attention).parameters["impl"].default == "flash"
-    assert inspect.signature(ft.scaled_dot_product_attention).parameters["impl"].default == "flash"
+    assert inspect.signature(ft.attention).parameters["impl"].default == "auto"
+    assert inspect.signature(ft.scaled_dot_product_attention).parameters["impl"].default == "auto"
     with traffic.count() as t:
         ft.attention(*(torch.tensor(a, dtype=torch.float32) for a in (q, k, v)))
     assert [lt.label for lt in t.launches] == ["flash forward"]

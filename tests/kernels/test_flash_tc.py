@@ -284,11 +284,12 @@ SCORE_MODS = {  # name: (flashnb modifier, the same in torch on scaled scores s,
     "rel_bias": lambda H: (rel_bias, lambda s, h, q, k: s + (0.1 * (k - q) - 0.05 * h).to(s.dtype)),
 }
 MASK_MODS = {"window": flex.sliding_window(12), "document": flex.document(DOCS, causal=True), "band": band}
-MOD_CASES = [  # storage, q (B, H, Nq, d), Nk, K/V heads, causal, score_mod, mask_mod
-    ("float16", (1, 2, 48, 16), 48, 2, False, None, "window"),            # EMPTY, PARTIAL and FULL tiles
-    ("bfloat16", (1, 4, 40, 32), 40, 1, True, "alibi", None),             # per-head bias, MQA, causal
-    ("float16", (1, 2, 48, 64), 48, 2, False, "softcap", "document"),     # d = 64, both modifiers
-    ("float16", (2, 1, 24, 16), 40, 1, "upper_left", "rel_bias", "band"),  # Nq != Nk, two batches, a user's own
+MOD_CASES = [  # storage, q (B, H, Nq, d), Nk, K/V heads, causal, score_mod, mask_mod, dropout p
+    ("float16", (1, 2, 48, 16), 48, 2, False, None, "window", 0),            # EMPTY, PARTIAL and FULL tiles
+    ("bfloat16", (1, 4, 40, 32), 40, 1, True, "alibi", None, 0),             # per-head bias, MQA, causal
+    ("float16", (1, 2, 48, 64), 48, 2, False, "softcap", "document", 0),     # d = 64, both modifiers
+    ("float16", (2, 1, 24, 16), 40, 1, "upper_left", "rel_bias", "band", 0),  # Nq != Nk, two batches, a user's own
+    ("float16", (1, 4, 48, 16), 48, 2, True, "alibi", "window", 0.2),        # a block mask over GQA, with dropout
 ]
 
 
@@ -303,10 +304,10 @@ def checked_modifiers():
     flex.check_many(pairs, strict=False)
 
 
-def torch_half_modified(q, k, v, do, causal, scale, G, score_fn=None, mask=None):
+def torch_half_modified(q, k, v, do, causal, scale, G, score_fn=None, mask=None, W=None):
     """:func:`torch_half` with attention modifiers: PyTorch's attention in the half dtype, ``score_fn`` applied to
-    the scaled scores (its derivative by autograd), ``mask`` (B, H, Nq, Nk) and the causal mask applied; K/V heads
-    repeated ``G`` times along the head axis."""
+    the scaled scores (its derivative by autograd), ``mask`` (B, H, Nq, Nk) and the causal mask applied, ``W`` the
+    dropout factors on the softmax; K/V heads repeated ``G`` times along the head axis."""
     q, k0, v0 = (t.clone().requires_grad_(True) for t in (q, k, v))
     k, v = k0.repeat_interleave(G, dim=1), v0.repeat_interleave(G, dim=1)
     s = (q @ k.transpose(-1, -2)) * scale
@@ -317,14 +318,16 @@ def torch_half_modified(q, k, v, do, causal, scale, G, score_fn=None, mask=None)
     allowed = torch.tensor(reference._allowed(tuple(s.shape), causal, mask))
     s = s.masked_fill(~allowed, float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if W is not None:
+        p = p * torch.tensor(W, dtype=p.dtype)
     o = p @ v
     o.backward(do)
     return [x.detach().double().numpy() for x in (o, q.grad, k0.grad, v0.grad)]
 
 
-@pytest.mark.parametrize("storage, shape_q, Nk, Hkv, causal, score_name, mask_name", MOD_CASES)
+@pytest.mark.parametrize("storage, shape_q, Nk, Hkv, causal, score_name, mask_name, p", MOD_CASES)
 def test_modifiers_and_block_masks_within_flashattentions_rule(rng, checked_modifiers, storage, shape_q, Nk, Hkv,
-                                                               causal, score_name, mask_name):
+                                                               causal, score_name, mask_name, p):
     """score_mod on the S fragments (forward and the backward's recomputation, its derivative on dS) and mask_mod
     through its block mask (EMPTY tiles never loaded, PARTIAL ones masked element by element), the product
     kernel's policies: against float64 with the same modifiers in NumPy, by FlashAttention's rule (PyTorch's half
@@ -339,6 +342,13 @@ def test_modifiers_and_block_masks_within_flashattentions_rule(rng, checked_modi
     mask_mod = MASK_MODS[mask_name] if mask_name else None
     mask = None if mask_mod is None else flex.mask_array(mask_mod, B, H, Nq, Nk)
     opts = dict(causal=causal, impl="fa2-tc", storage=storage, score_mod=score_mod, mask_mod=mask_mod, **TILES)
+    W = None
+    if p:
+        from flashnb import rng as frng
+
+        seed = int(rng.integers(0, 2**63))
+        opts.update(dropout_p=p, seed=seed)
+        W = frng.dropout_scale_np(seed, p, B * H, Nq, Nk).reshape(B, H, Nq, Nk).astype(np.float64)
     with traffic.count() as t:
         o, lse = flashnb.attention_forward(q, k, v, **opts)
     bm = None if mask_mod is None else flex.create_block_mask(mask_mod, B, H, Nq, Nk, Br=TILES["Br"], Bc=TILES["Bc"])
@@ -348,8 +358,9 @@ def test_modifiers_and_block_masks_within_flashattentions_rule(rng, checked_modi
                                                  block_mask=bm, **TILES)
     sm = None if score_mod is None else flex.numpy_modifier(score_mod)
     krep, vrep = (np.repeat(a, G, axis=1) for a in exact[1:3])
-    o_ref, lse_ref = reference.attention_forward(exact[0], krep, vrep, causal=causal, mask=mask, score_mod=sm)
-    pt = torch_half_modified(*tensors, causal, 1 / np.sqrt(d), G, score_fn, mask)
+    o_ref, lse_ref = reference.attention_forward(exact[0], krep, vrep, causal=causal, mask=mask, score_mod=sm,
+                                                 dropout_mask=W)
+    pt = torch_half_modified(*tensors, causal, 1 / np.sqrt(d), G, score_fn, mask, W)
     got = values(o, storage)
     assert not np.isnan(got).any() and not np.isnan(lse).any()                  # every element written
     assert maxerr(got, o_ref) <= 2 * maxerr(pt[0], o_ref), (maxerr(got, o_ref), maxerr(pt[0], o_ref))
@@ -364,12 +375,12 @@ def test_modifiers_and_block_masks_within_flashattentions_rule(rng, checked_modi
                                         (lambda s, b, h, q, kv: np.ones(np.broadcast_shapes(*map(np.shape,
                                                                                                 (s, b, h, q, kv))))))
     refs = reference.attention_backward(exact[0], krep, vrep, exact[3], causal=causal, mask=mask, score_mod=sm,
-                                        score_mod_grad=g)
+                                        score_mod_grad=g, dropout_mask=W)
     refs = (refs[0], *(r.reshape(B, Hkv, G, Nk, d).sum(axis=2) for r in refs[1:]))   # K/V gradients per group
-    for name, gr, r, p in zip(("dq", "dk", "dv"), grads, refs, pt[1:]):
+    for name, gr, r, pg in zip(("dq", "dk", "dv"), grads, refs, pt[1:]):
         got = values(gr, storage)
         assert not np.isnan(got).any(), name
-        assert maxerr(got, r) <= 3 * maxerr(p, r), (name, maxerr(got, r), maxerr(p, r))
+        assert maxerr(got, r) <= 3 * maxerr(pg, r), (name, maxerr(got, r), maxerr(pg, r))
 
 
 def test_block_mask_tiles_and_errors(rng):
