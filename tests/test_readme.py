@@ -64,3 +64,17 @@ def test_the_readme_shows_what_the_tour_prints():
     spec.loader.exec_module(tour)
     assert tour.readme_printout(README) == tour.tour_printout(), \
         "README.md's tour printout is stale: run python scripts/readme_tour.py"
+
+
+def test_the_impl_table_has_a_row_for_every_impl():
+    """"Which impl runs what" names every impl ``impl=`` takes (the registered ones and the default), each once."""
+    import flashnb  # noqa: F401  (registers the impls)
+    from flashnb.registry import impl_names
+
+    table = README.split("**Which impl runs what.**", 1)[1].split("\n\n", 2)[1]
+    named = re.findall(r'^\| ([^|]+) \|', table, flags=re.M)[1:]          # after the header (the rule has no spaces)
+    listed = [n for cell in named for n in re.findall(r'`"([^"]+)"`', cell)]
+    assert sorted(listed) == sorted(set(listed)), f"an impl has two rows: {listed}"
+    missing = set(impl_names()) - {"auto"} - set(listed)                 # the default: in the sentence above
+    assert not missing, f"README's impl table has no row for {sorted(missing)}"
+    assert '`"auto"`' in README.split("**Which impl runs what.**", 1)[1].split("\n", 1)[0]
