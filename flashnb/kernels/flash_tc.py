@@ -46,8 +46,8 @@ dropout (``dropout_p``, ``seed``, ``dropout_at``: the product kernel's Philox po
 so both impls draw the same mask); attention modifiers and block masks (``score_mod`` on the S fragments,
 forward and the backward's recomputation, with its derivative on dS; ``mask_mod`` through its block mask:
 ``EMPTY`` tiles never loaded, ``PARTIAL`` ones masked by the 64-bit element masks of the product kernel's
-policies; the default tiles shrink to divide the mask's blocks, and each visited tile is copied alone, as the next
-visited one is not known while it computes).  Architectures: sm_80 and sm_90
+policies; the default tiles shrink to divide the mask's blocks; the next visited tile is prefetched as in the dense
+loops, except a query head's first in the backward).  Architectures: sm_80 and sm_90
 (``mma.m16n8k16``, ``cp.async``); a float16 forward also for sm_75 (T4: two ``m16n8k8`` per k-step, plain copies).
 
 Kernel ``"fa2_tc.forward"`` (:func:`make_forward`); impl ``"fa2-tc"``, stage 7.
@@ -58,7 +58,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, uint16, uint32
+from numba import cuda, float32, int32, uint16, uint32
 from numba.core.types import float16  # noqa: E402  (numba exports no float16 at the top level)
 
 from ..common import (
@@ -342,8 +342,8 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
     the dtype of Q, K, V, O in HBM; ``arch``: 80 (sm_80, sm_90) or 75 (sm_75, float16); ``gqa``: K, V have fewer
     heads than Q (query head ``z`` reads K/V head ``z // G``, the product kernel's policy); ``dropout``: the
     product kernel's Philox policy on the P fragments (the kernel's last twelve arguments, never read without);
-    ``sparse``: the block mask ``M`` at these tiles (``EMPTY`` tiles skipped, ``PARTIAL`` ones ask ``mask_mod``;
-    each visited tile is copied alone, as the next visited one is not known while it computes); ``score_mod``,
+    ``sparse``: the block mask ``M`` at these tiles (``EMPTY`` tiles skipped, ``PARTIAL`` ones ask ``mask_mod``; the
+    next visited tile is prefetched as in the dense loop); ``score_mod``,
     ``mask_mod``, ``H``: the product kernel's modifier policies on the S fragments (``b = z // H``, ``h = z % H``)."""
     g = geometry(storage, d, Br, Bc, warps, arch)
     MT, NB, ND, KD, KV, LD, E = g["MT"], g["NB"], g["ND"], g["KD"], g["KV"], g["LD"], g["E"]
@@ -362,32 +362,42 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
     tile_state, is_set = policies.tile_state(sparse), policies.is_set
     score, allowed_bits, _ = policies.modifiers(score_mod, mask_mod, H)
     SCORED, MASK_MOD = score_mod is not None, mask_mod is not None
-    PIPE = ASYNC and not sparse                        # prefetch tile j + 1 while tile j computes
 
     @cuda.jit(device=True, inline="always")
-    def kv_tile(j, masked, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag, sl2, z, Nq, dst, st,
-                asc):
-        """One K/V tile (FA2 Alg. 1 lines 6-11); ``masked`` (a constant at each call): the tile crosses the causal
+    def next_tile(M, z, bi, j, n_tiles, lane):
+        """The first K/V tile from ``j`` on that the block mask does not mark ``EMPTY`` (``n_tiles`` if none), and
+        its state: every tile's state is read once, as the loop walks on."""
+        st = int32(EMPTY)
+        while j < n_tiles:
+            st = tile_state(M, z, bi, j, lane)
+            if st != EMPTY:
+                break
+            j += 1
+        return j, st
+
+    @cuda.jit(device=True, inline="always")
+    def kv_tile(j, jn, par, masked, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag, sl2, z, Nq,
+                dst, st, asc):
+        """One K/V tile (FA2 Alg. 1 lines 6-11); ``jn``: the next tile visited (``j + 1`` without a block mask),
+        ``par``: the buffer tile ``j`` is in; ``masked`` (a constant at each call): the tile crosses the causal
         diagonal or the end of the keys, or is ``PARTIAL`` in the block mask ``st``.  ``asc``: ``|scale|`` (with a
         score_mod: its scores, then ``sl2 = 1``, base 2 already)."""
         j0 = j * Bc
-        kb = S0 if j % 2 == 0 else S1                  # K_j at kb, V_j at kb + KN
+        kb = S0 if par == 0 else S1                    # K_j at kb, V_j at kb + KN
         # region kv-load
-        if PIPE:                                       # lines 7-8, pipelined: tile j + 1 flies while j computes
-            if j + 1 < n_tiles:
-                nb_ = S1 if j % 2 == 0 else S0
-                load_tile(Kz, sm, nb_, j0 + Bc, Nk, Bc, tid)
-                load_tile(Vz, sm, nb_ + KN, j0 + Bc, Nk, Bc, tid)
+        if ASYNC:                                      # lines 7-8, pipelined: the next tile flies while j computes
+            if jn < n_tiles:
+                nb_ = S1 if par == 0 else S0
+                n0 = jn * Bc if sparse else j0 + Bc    # (the dense loop's own expression: the same code as ever)
+                load_tile(Kz, sm, nb_, n0, Nk, Bc, tid)
+                load_tile(Vz, sm, nb_ + KN, n0, Nk, Bc, tid)
                 mma.cp_async_commit()
                 mma.cp_async_wait_group(1)             # all but the newest group: tile j has landed
             else:
                 mma.cp_async_wait_group(0)
-        else:                                          # plain copies, or (block mask) cp.async of tile j alone
+        else:
             load_tile(Kz, sm, kb, j0, Nk, Bc, tid)
             load_tile(Vz, sm, kb + KN, j0, Nk, Bc, tid)
-            if ASYNC:
-                mma.cp_async_commit()
-                mma.cp_async_wait_group(0)
         cuda.syncthreads()                             # tile j visible to every warp
         # endregion kv-load
         for mt in range(MT):                           # line 8: S_ij = Q_i K_jᵀ
@@ -513,12 +523,16 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
             n_tiles = min(n_tiles, last // Bc + 1) if last >= 0 else 0
             n_full = min(n_full, max(0, (i0 + diag + 1) // Bc))
         n_full = min(n_full, n_tiles)
-        load_tile(Q[z], sm, QO, i0, Nq, Br, tid)        # line 4: Q_i (and K_0, V_0 in flight with it)
+        j, st = 0, int32(FULL)                         # the first tile visited (with a block mask: not EMPTY)
+        if sparse:
+            j, st = next_tile(M, z, bi, 0, n_tiles, lane)
+        load_tile(Q[z], sm, QO, i0, Nq, Br, tid)        # line 4: Q_i (and the first K_j, V_j in flight with it)
         if ASYNC:
             mma.cp_async_commit()
-            if PIPE and n_tiles > 0:
-                load_tile(Kz, sm, S0, 0, Nk, Bc, tid)
-                load_tile(Vz, sm, S0 + KN, 0, Nk, Bc, tid)
+            if j < n_tiles:
+                first = j * Bc if sparse else 0
+                load_tile(Kz, sm, S0, first, Nk, Bc, tid)
+                load_tile(Vz, sm, S0 + KN, first, Nk, Bc, tid)
             mma.cp_async_commit()
             mma.cp_async_wait_group(1)                 # Q_i has landed (K_0, V_0 may still be in flight)
         cuda.syncthreads()
@@ -538,23 +552,23 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
                     o[mt, dn, c] = ZERO
         cuda.syncthreads()                             # Q_i's space may now hold a K/V stage
         if sparse:                                     # line 6 over the block mask's tiles: EMPTY ones skipped
-            for j in range(n_tiles):
-                st = tile_state(M, z, bi, j, lane)     # (block-uniform)
-                if st == EMPTY:
-                    continue
+            par = 0
+            while j < n_tiles:                         # (block-uniform: every warp reads the same states)
+                jn, stn = next_tile(M, z, bi, j + 1, n_tiles, lane)    # the tile to prefetch
                 if j < n_full and st != PARTIAL:
-                    kv_tile(j, False, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag, sl2, z,
-                            Nq, dst, st, asc)
+                    kv_tile(j, jn, par, False, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag,
+                            sl2, z, Nq, dst, st, asc)
                 else:
-                    kv_tile(j, True, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag, sl2, z,
-                            Nq, dst, st, asc)
+                    kv_tile(j, jn, par, True, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag,
+                            sl2, z, Nq, dst, st, asc)
+                j, st, par = jn, stn, 1 - par
         else:
             for j in range(n_full):                    # line 6: the tiles no mask touches ...
-                kv_tile(j, False, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag, sl2, z, Nq,
-                        dst, FULL, asc)
+                kv_tile(j, j + 1, j % 2, False, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag,
+                        sl2, z, Nq, dst, FULL, asc)
             for j in range(n_full, n_tiles):           # ... then those crossing the diagonal or the end of the keys
-                kv_tile(j, True, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag, sl2, z, Nq,
-                        dst, FULL, asc)
+                kv_tile(j, j + 1, j % 2, True, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag,
+                        sl2, z, Nq, dst, FULL, asc)
         g8 = lane // 4
         t4 = lane % 4
         for mt in range(MT):                           # lines 12-15
@@ -687,7 +701,8 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
     block visits the Q tiles of each of its K/V head's ``G`` query heads in turn, so dK_j, dV_j are summed on chip
     (the product kernel's policy).  ``dropout``: the forward's ``Z`` regenerated (Philox, the product kernel's
     policy): ``dV_j += (P ∘ W)ᵀ dO_i`` and ``dS = P ∘ (dP ∘ W - D)`` with ``W = Z / (1-p)``.  ``sparse``,
-    ``score_mod``, ``mask_mod``, ``H``: as in :func:`make_forward` (a visited Q tile is copied alone), and
+    ``score_mod``, ``mask_mod``, ``H``: as in :func:`make_forward` (a query head's first visited Q tile is copied
+    alone, the next ones prefetched), and
     ``score_mod_grad`` (``d score_mod / d score``) multiplies dS.  sm_80 and sm_90."""
     g = bwd_geometry(storage, d, Br, Bc, warps)
     NQ, ND, KD, KQ, KK, LD, LDS, E = g["NQ"], g["ND"], g["KD"], g["KQ"], g["KK"], g["LD"], g["LDS"], g["E"]
@@ -710,7 +725,6 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
     tile_state, is_set = policies.tile_state(sparse), policies.is_set
     score, allowed_bits, grad = policies.modifiers(score_mod, mask_mod, H, score_mod_grad)
     SCORED, MASK_MOD = score_mod is not None, mask_mod is not None
-    PIPE = ASYNC and not sparse                 # prefetch the next Q tile during this one's dQ
 
     @cuda.jit(device=True, inline="always")
     def b_cols(sm, base, k8, n8, lane):
@@ -770,21 +784,24 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
     swz_ds = _layout(LDS, E)[0]
 
     @cuda.jit(device=True, inline="always")
-    def q_tile(i, masked, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag, sl2, flip, scale,
-               dQ, i_first, z_end, dst, Nk, st):
+    def q_tile(i, masked, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag, flip, scale, dQ,
+               i_first, z_end, dst, Nk, st, inext, ready):
         """One Q tile (FA2 Alg. 2 lines 7-16) of query head ``z``; ``masked``: it crosses the causal diagonal, or is
         ``PARTIAL`` in the block mask (``st``).  The next tile is ``i + 1`` of the same head, or (GQA) the first of
-        the next query head before ``z_end``.  (At most 30 arguments: CPython passes more as one tuple, which
-        Numba cannot compile for a GPU.)"""
+        the next query head before ``z_end``; with a block mask, ``inext`` (the head's next visited tile), and
+        ``ready``: this tile was prefetched (every visited tile but a head's first).  (At most 30 arguments: CPython
+        passes more as one tuple, which Numba cannot compile for a GPU.)"""
         lane = tid % 32
         Nq = Q.shape[1]
+        n_i = (Nq + Br - 1) // Br
+        sl2 = abs(scale) * LOG2E
         i0 = i * Br
         w16 = (tid // 32) * 16                 # the warp's keys in K_j
         g8 = lane // 4
         t4 = lane % 4
-        if PIPE:
+        if ASYNC and (ready or not sparse):
             mma.cp_async_wait_group(0)         # Q_i, dO_i (issued during the previous tile's dQ)
-        else:                                  # plain copies, or (block mask) cp.async of tile i alone
+        else:                                  # plain copies, or (block mask) a head's first visited tile
             load_tile(Q[z], sm, QO, i0, Nq, Br, tid)
             load_tile(dO[z], sm, DOO, i0, Nq, Br, tid)
             if ASYNC:
@@ -895,16 +912,19 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
         zn = z                                 # the next Q tile: this head's ...
         n0 = i0 + Br
         nxt = i + 1 < n_i
-        if gqa and not nxt:                    # ... or (GQA) the next query head's first
+        if sparse:                             # (block mask: its next visited one; a head's first is not prefetched)
+            n0 = inext * Br
+            nxt = inext < n_i
+        elif gqa and not nxt:                  # ... or (GQA) the next query head's first
             zn = z + 1
             n0 = i_first * Br
             nxt = zn < z_end
         if nxt:                                # it flies during line 15
-            if PIPE:
+            if ASYNC:
                 load_tile(Q[zn], sm, QO, n0, Nq, Br, tid)
                 load_tile(dO[zn], sm, DOO, n0, Nq, Br, tid)
                 mma.cp_async_commit()
-            if PIPE and tid < Br:
+            if ASYNC and tid < Br:
                 LDs[tid] = L[zn, n0 + tid] * LOG2E if n0 + tid < Nq else POS_INF
                 LDs[Br + tid] = D[zn, n0 + tid] if n0 + tid < Nq else ZERO
         for it in range(IPW):                  # line 15: dQ_i += dS K_j, this warp's parts (16 rows × NDQ·8 columns)
@@ -934,36 +954,50 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
                                 cuda.atomic.add(dQ, (z, row, col), scale * dq[dn, 2 * h + e])
 
     @cuda.jit(device=True, inline="always")
-    def q_tiles(z, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, tid, diag, sl2, flip,
-                scale, dQ, z_end, dst, Nk, M):
-        """Line 6: the Q tiles of query head ``z`` this block sees (with a block mask: its non-EMPTY ones)."""
+    def next_q(M, z, i, n_i, jb, lane):
+        """The first Q tile from ``i`` on that the block mask does not mark ``EMPTY`` for K/V tile ``jb`` (``n_i``
+        if none), and its state: every tile's state is read once, as the loop walks on."""
+        st = int32(EMPTY)
+        while i < n_i:
+            st = tile_state(M, z, i, jb, lane)
+            if st != EMPTY:
+                break
+            i += 1
+        return i, st
+
+    @cuda.jit(device=True, inline="always")
+    def q_tiles(z, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, tid, diag, flip, scale,
+                dQ, z_end, dst, Nk, M):
+        """Line 6: the Q tiles of query head ``z`` this block sees (with a block mask: its non-EMPTY ones, each
+        prefetched during the previous one's dQ)."""
         lane = tid % 32
         jb = cuda.blockIdx.x
         if sparse:
-            for i in range(i_first, n_i):
-                st = tile_state(M, z, i, jb, lane)     # (block-uniform)
-                if st == EMPTY:
-                    continue
+            i, st = next_q(M, z, i_first, n_i, jb, lane)
+            ready = False
+            while i < n_i:                             # (block-uniform: every warp reads the same states)
+                inext, stn = next_q(M, z, i + 1, n_i, jb, lane)
                 if ONE_LOOP:
-                    q_tile(i, causal or MASK_MOD, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0,
-                           tid, diag, sl2, flip, scale, dQ, i_first, z_end, dst, Nk, st)
+                    q_tile(i, causal or MASK_MOD, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag,
+                           flip, scale, dQ, i_first, z_end, dst, Nk, st, inext, ready)
                 elif (causal and i < i_full) or st == PARTIAL:
-                    q_tile(i, True, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag,
-                           sl2, flip, scale, dQ, i_first, z_end, dst, Nk, st)
+                    q_tile(i, True, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag, flip, scale,
+                           dQ, i_first, z_end, dst, Nk, st, inext, ready)
                 else:
-                    q_tile(i, False, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag,
-                           sl2, flip, scale, dQ, i_first, z_end, dst, Nk, st)
+                    q_tile(i, False, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag, flip, scale,
+                           dQ, i_first, z_end, dst, Nk, st, inext, ready)
+                i, st, ready = inext, stn, True
         elif ONE_LOOP:                                 # one loop: the mask tested on every causal tile
             for i in range(i_first, n_i):
-                q_tile(i, causal, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag,
-                       sl2, flip, scale, dQ, i_first, z_end, dst, Nk, FULL)
+                q_tile(i, causal, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag, flip, scale, dQ,
+                       i_first, z_end, dst, Nk, FULL, 0, True)
         else:
             for i in range(i_first, i_full):           # the Q tiles the causal diagonal crosses ...
-                q_tile(i, True, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag,
-                       sl2, flip, scale, dQ, i_first, z_end, dst, Nk, FULL)
+                q_tile(i, True, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag, flip, scale, dQ,
+                       i_first, z_end, dst, Nk, FULL, 0, True)
             for i in range(max(i_first, i_full), n_i):     # ... then those no mask touches
-                q_tile(i, False, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag,
-                       sl2, flip, scale, dQ, i_first, z_end, dst, Nk, FULL)
+                q_tile(i, False, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag, flip, scale, dQ,
+                       i_first, z_end, dst, Nk, FULL, 0, True)
 
     @cuda.jit
     def fa2_tc_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi, rb,
@@ -987,7 +1021,6 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
         Nq = Q.shape[1]
         Nk = K.shape[1]
         flip = SIGN if scale < ZERO else uint32(0)     # a negative scale: K negated in Sᵀ, |scale| in the exponent
-        sl2 = abs(scale) * LOG2E
         dst = drop_state(threshold, inv_keep, seed_lo, seed_hi, rb, rstep, rsplit, rjump, cb, cstep, csplit, cjump)
         n_i = (Nq + Br - 1) // Br                      # line 6: the Q tiles this block sees
         i_first = 0
@@ -1001,7 +1034,7 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
         load_tile(K[kz], sm, KO, j0, Nk, Bc, tid)      # line 5: K_j, V_j (with the first Q_i, dO_i)
         load_tile(V[kz], sm, VO, j0, Nk, Bc, tid)
         if ASYNC:
-            if PIPE and i_first < n_i:
+            if not sparse and i_first < n_i:           # (block mask: each head's first visited tile is loaded alone)
                 load_tile(Q[z], sm, QO, i_first * Br, Nq, Br, tid)
                 load_tile(dO[z], sm, DOO, i_first * Br, Nq, Br, tid)
                 if tid < Br:
@@ -1023,11 +1056,11 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
                 dv[dn, c] = ZERO
         if gqa:                                        # each query head of the group in turn
             for z in range(kz * G, z_end):
-                q_tiles(z, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, tid, diag, sl2,
-                        flip, scale, dQ, z_end, dst, Nk, M)
+                q_tiles(z, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, tid, diag, flip,
+                        scale, dQ, z_end, dst, Nk, M)
         else:
-            q_tiles(kz, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, tid, diag, sl2,
-                    flip, scale, dQ, z_end, dst, Nk, M)
+            q_tiles(kz, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, tid, diag, flip,
+                    scale, dQ, z_end, dst, Nk, M)
         g8 = lane // 4
         t4 = lane % 4
         for h in range(2):                             # line 18: dK_j (times scale, once), dV_j to HBM
