@@ -46,8 +46,8 @@ dropout (``dropout_p``, ``seed``, ``dropout_at``: the product kernel's Philox po
 so both impls draw the same mask); attention modifiers and block masks (``score_mod`` on the S fragments,
 forward and the backward's recomputation, with its derivative on dS; ``mask_mod`` through its block mask:
 ``EMPTY`` tiles never loaded, ``PARTIAL`` ones masked by the 64-bit element masks of the product kernel's
-policies; the default tiles shrink to divide the mask's blocks; the next visited tile is prefetched as in the dense
-loops, except a query head's first in the backward).  Architectures: sm_80 and sm_90
+policies; the default tiles shrink to divide the mask's blocks; the forward prefetches the next visited tile, the
+backward copies each visited Q tile alone).  Architectures: sm_80 and sm_90
 (``mma.m16n8k16``, ``cp.async``); a float16 forward also for sm_75 (T4: two ``m16n8k8`` per k-step, plain copies).
 
 Kernel ``"fa2_tc.forward"`` (:func:`make_forward`); impl ``"fa2-tc"``, stage 7.
@@ -701,8 +701,7 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
     block visits the Q tiles of each of its K/V head's ``G`` query heads in turn, so dK_j, dV_j are summed on chip
     (the product kernel's policy).  ``dropout``: the forward's ``Z`` regenerated (Philox, the product kernel's
     policy): ``dV_j += (P ∘ W)ᵀ dO_i`` and ``dS = P ∘ (dP ∘ W - D)`` with ``W = Z / (1-p)``.  ``sparse``,
-    ``score_mod``, ``mask_mod``, ``H``: as in :func:`make_forward` (a query head's first visited Q tile is copied
-    alone, the next ones prefetched), and
+    ``score_mod``, ``mask_mod``, ``H``: as in :func:`make_forward` (a visited Q tile is copied alone), and
     ``score_mod_grad`` (``d score_mod / d score``) multiplies dS.  sm_80 and sm_90."""
     g = bwd_geometry(storage, d, Br, Bc, warps)
     NQ, ND, KD, KQ, KK, LD, LDS, E = g["NQ"], g["ND"], g["KD"], g["KQ"], g["KK"], g["LD"], g["LDS"], g["E"]
@@ -725,6 +724,7 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
     tile_state, is_set = policies.tile_state(sparse), policies.is_set
     score, allowed_bits, grad = policies.modifiers(score_mod, mask_mod, H, score_mod_grad)
     SCORED, MASK_MOD = score_mod is not None, mask_mod is not None
+    PIPE = ASYNC and not sparse                 # prefetch the next Q tile during this one's dQ
 
     @cuda.jit(device=True, inline="always")
     def b_cols(sm, base, k8, n8, lane):
@@ -784,24 +784,21 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
     swz_ds = _layout(LDS, E)[0]
 
     @cuda.jit(device=True, inline="always")
-    def q_tile(i, masked, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag, flip, scale, dQ,
-               i_first, z_end, dst, Nk, st, inext, ready):
+    def q_tile(i, masked, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag, sl2, flip, scale,
+               dQ, i_first, z_end, dst, Nk, st):
         """One Q tile (FA2 Alg. 2 lines 7-16) of query head ``z``; ``masked``: it crosses the causal diagonal, or is
         ``PARTIAL`` in the block mask (``st``).  The next tile is ``i + 1`` of the same head, or (GQA) the first of
-        the next query head before ``z_end``; with a block mask, ``inext`` (the head's next visited tile), and
-        ``ready``: this tile was prefetched (every visited tile but a head's first).  (At most 30 arguments: CPython
-        passes more as one tuple, which Numba cannot compile for a GPU.)"""
+        the next query head before ``z_end``.  (At most 30 arguments: CPython passes more as one tuple, which
+        Numba cannot compile for a GPU.)"""
         lane = tid % 32
         Nq = Q.shape[1]
-        n_i = (Nq + Br - 1) // Br
-        sl2 = abs(scale) * LOG2E
         i0 = i * Br
         w16 = (tid // 32) * 16                 # the warp's keys in K_j
         g8 = lane // 4
         t4 = lane % 4
-        if ASYNC and (ready or not sparse):
+        if PIPE:
             mma.cp_async_wait_group(0)         # Q_i, dO_i (issued during the previous tile's dQ)
-        else:                                  # plain copies, or (block mask) a head's first visited tile
+        else:                                  # plain copies, or (block mask) cp.async of tile i alone
             load_tile(Q[z], sm, QO, i0, Nq, Br, tid)
             load_tile(dO[z], sm, DOO, i0, Nq, Br, tid)
             if ASYNC:
@@ -912,19 +909,16 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
         zn = z                                 # the next Q tile: this head's ...
         n0 = i0 + Br
         nxt = i + 1 < n_i
-        if sparse:                             # (block mask: its next visited one; a head's first is not prefetched)
-            n0 = inext * Br
-            nxt = inext < n_i
-        elif gqa and not nxt:                  # ... or (GQA) the next query head's first
+        if gqa and not nxt:                    # ... or (GQA) the next query head's first
             zn = z + 1
             n0 = i_first * Br
             nxt = zn < z_end
         if nxt:                                # it flies during line 15
-            if ASYNC:
+            if PIPE:
                 load_tile(Q[zn], sm, QO, n0, Nq, Br, tid)
                 load_tile(dO[zn], sm, DOO, n0, Nq, Br, tid)
                 mma.cp_async_commit()
-            if ASYNC and tid < Br:
+            if PIPE and tid < Br:
                 LDs[tid] = L[zn, n0 + tid] * LOG2E if n0 + tid < Nq else POS_INF
                 LDs[Br + tid] = D[zn, n0 + tid] if n0 + tid < Nq else ZERO
         for it in range(IPW):                  # line 15: dQ_i += dS K_j, this warp's parts (16 rows × NDQ·8 columns)
@@ -954,50 +948,36 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
                                 cuda.atomic.add(dQ, (z, row, col), scale * dq[dn, 2 * h + e])
 
     @cuda.jit(device=True, inline="always")
-    def next_q(M, z, i, n_i, jb, lane):
-        """The first Q tile from ``i`` on that the block mask does not mark ``EMPTY`` for K/V tile ``jb`` (``n_i``
-        if none), and its state: every tile's state is read once, as the loop walks on."""
-        st = int32(EMPTY)
-        while i < n_i:
-            st = tile_state(M, z, i, jb, lane)
-            if st != EMPTY:
-                break
-            i += 1
-        return i, st
-
-    @cuda.jit(device=True, inline="always")
-    def q_tiles(z, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, tid, diag, flip, scale,
-                dQ, z_end, dst, Nk, M):
-        """Line 6: the Q tiles of query head ``z`` this block sees (with a block mask: its non-EMPTY ones, each
-        prefetched during the previous one's dQ)."""
+    def q_tiles(z, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, tid, diag, sl2, flip,
+                scale, dQ, z_end, dst, Nk, M):
+        """Line 6: the Q tiles of query head ``z`` this block sees (with a block mask: its non-EMPTY ones)."""
         lane = tid % 32
         jb = cuda.blockIdx.x
         if sparse:
-            i, st = next_q(M, z, i_first, n_i, jb, lane)
-            ready = False
-            while i < n_i:                             # (block-uniform: every warp reads the same states)
-                inext, stn = next_q(M, z, i + 1, n_i, jb, lane)
+            for i in range(i_first, n_i):
+                st = tile_state(M, z, i, jb, lane)     # (block-uniform)
+                if st == EMPTY:
+                    continue
                 if ONE_LOOP:
-                    q_tile(i, causal or MASK_MOD, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag,
-                           flip, scale, dQ, i_first, z_end, dst, Nk, st, inext, ready)
+                    q_tile(i, causal or MASK_MOD, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0,
+                           tid, diag, sl2, flip, scale, dQ, i_first, z_end, dst, Nk, st)
                 elif (causal and i < i_full) or st == PARTIAL:
-                    q_tile(i, True, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag, flip, scale,
-                           dQ, i_first, z_end, dst, Nk, st, inext, ready)
+                    q_tile(i, True, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag,
+                           sl2, flip, scale, dQ, i_first, z_end, dst, Nk, st)
                 else:
-                    q_tile(i, False, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag, flip, scale,
-                           dQ, i_first, z_end, dst, Nk, st, inext, ready)
-                i, st, ready = inext, stn, True
+                    q_tile(i, False, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag,
+                           sl2, flip, scale, dQ, i_first, z_end, dst, Nk, st)
         elif ONE_LOOP:                                 # one loop: the mask tested on every causal tile
             for i in range(i_first, n_i):
-                q_tile(i, causal, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag, flip, scale, dQ,
-                       i_first, z_end, dst, Nk, FULL, 0, True)
+                q_tile(i, causal, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag,
+                       sl2, flip, scale, dQ, i_first, z_end, dst, Nk, FULL)
         else:
             for i in range(i_first, i_full):           # the Q tiles the causal diagonal crosses ...
-                q_tile(i, True, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag, flip, scale, dQ,
-                       i_first, z_end, dst, Nk, FULL, 0, True)
+                q_tile(i, True, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag,
+                       sl2, flip, scale, dQ, i_first, z_end, dst, Nk, FULL)
             for i in range(max(i_first, i_full), n_i):     # ... then those no mask touches
-                q_tile(i, False, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag, flip, scale, dQ,
-                       i_first, z_end, dst, Nk, FULL, 0, True)
+                q_tile(i, False, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag,
+                       sl2, flip, scale, dQ, i_first, z_end, dst, Nk, FULL)
 
     @cuda.jit
     def fa2_tc_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi, rb,
@@ -1021,6 +1001,7 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
         Nq = Q.shape[1]
         Nk = K.shape[1]
         flip = SIGN if scale < ZERO else uint32(0)     # a negative scale: K negated in Sᵀ, |scale| in the exponent
+        sl2 = abs(scale) * LOG2E
         dst = drop_state(threshold, inv_keep, seed_lo, seed_hi, rb, rstep, rsplit, rjump, cb, cstep, csplit, cjump)
         n_i = (Nq + Br - 1) // Br                      # line 6: the Q tiles this block sees
         i_first = 0
@@ -1034,7 +1015,7 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
         load_tile(K[kz], sm, KO, j0, Nk, Bc, tid)      # line 5: K_j, V_j (with the first Q_i, dO_i)
         load_tile(V[kz], sm, VO, j0, Nk, Bc, tid)
         if ASYNC:
-            if not sparse and i_first < n_i:           # (block mask: each head's first visited tile is loaded alone)
+            if PIPE and i_first < n_i:
                 load_tile(Q[z], sm, QO, i_first * Br, Nq, Br, tid)
                 load_tile(dO[z], sm, DOO, i_first * Br, Nq, Br, tid)
                 if tid < Br:
@@ -1056,11 +1037,11 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
                 dv[dn, c] = ZERO
         if gqa:                                        # each query head of the group in turn
             for z in range(kz * G, z_end):
-                q_tiles(z, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, tid, diag, flip,
-                        scale, dQ, z_end, dst, Nk, M)
+                q_tiles(z, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, tid, diag, sl2,
+                        flip, scale, dQ, z_end, dst, Nk, M)
         else:
-            q_tiles(kz, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, tid, diag, flip,
-                    scale, dQ, z_end, dst, Nk, M)
+            q_tiles(kz, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, tid, diag, sl2,
+                    flip, scale, dQ, z_end, dst, Nk, M)
         g8 = lane // 4
         t4 = lane % 4
         for h in range(2):                             # line 18: dK_j (times scale, once), dV_j to HBM
