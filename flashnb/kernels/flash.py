@@ -155,15 +155,6 @@ def _bwd_configs():
             dict(**t128, d=128, causal=True, sparse=True, H=4, gqa=True, **_MODS_2)]
 
 
-def _check_features(sparse, mask_mod, dropout, H, elements):
-    if mask_mod is not None and not sparse:
-        raise ValueError("mask_mod needs sparse=True: the kernel reads which tiles are partial from the block mask")
-    if (mask_mod is not None or dropout) and elements > policies.MAX_ELEMENTS:
-        raise ValueError(f"tiles with {elements} scores per lane: mask_mod and dropout hold a lane's elements in one "
-                         f"{policies.MAX_ELEMENTS}-bit mask; choose smaller Br/Bc or more warps")
-    return positive_int("H", H)
-
-
 # --------------------------------------------------------------------------- forward kernel (FA2 Alg. 1)
 
 
@@ -180,7 +171,7 @@ def make_forward(Br, Bc, d, warps, causal, dynamic=False, storage="float32", spa
     undropped ``P~``)."""
     g = geometry(Br, Bc, d, warps)
     TM, TN, DN, Dp, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["threads"]
-    H = _check_features(sparse, mask_mod, dropout, H, TM * TN)
+    H = policies.check_features(sparse, mask_mod, dropout, H, TM * TN)
     LD = Dp + PAD                                       # row length of Q_i, K_j in shared memory
     QN, KN, VN = Br * LD, Bc * LD, Bc * Dp              # shared array sizes (floats)
     KO, VO = (QN, QN + KN) if dynamic else (0, 0)       # where K_j, V_j start in their array
@@ -313,7 +304,7 @@ def make_backward(Br, Bc, d, warps, causal, storage="float32", sparse=False, sco
         score_mod_grad = policies.score_mod_grad_of(score_mod)   # score_mod.grad, else derived from its source
     g = bwd_geometry(Br, Bc, d, warps)
     TM, TN, DN, Dp, TQ, E, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["TQ"], g["E"], g["threads"]
-    H = _check_features(sparse, mask_mod, dropout, H, TM * TN)
+    H = policies.check_features(sparse, mask_mod, dropout, H, TM * TN)
     LD = Dp + PAD                                       # row length of K_j, V_j, Q_i, dO_i in shared memory
     LS = blocks.ds_row(Bc)                              # row length of dS_ij
     KN, QN, SN = Bc * LD, Br * LD, Br * LS              # shared array sizes (floats)

@@ -70,14 +70,14 @@ from ..common import (
     check_shared_fit,
     empty,
     launch,
-    positive_int,
     storage_array_type,
     storage_conversions,
     storage_of,
 )
 from ..registry import kernel_factory, register_impl
-from . import mma, policies
+from . import mma, policies, tiles
 from .mma import SHARED_ALIGN
+from .models import visited_per_head
 from .policies import EMPTY, FULL, PARTIAL
 
 __all__ = ["make_forward", "forward", "geometry", "shared_bytes", "default_tiles", "model_forward", "hbm_bytes",
@@ -206,17 +206,6 @@ def _configs():
                  **_MODS),
             dict(Br=32, Bc=32, warps=2, d=128, causal=True, storage="bfloat16", arch=80, sparse=True, H=4, **_MODS_2)]
     return out
-
-
-def _check_features(sparse, mask_mod, H, elements):
-    """The modifier policies' constraints: ``mask_mod`` reaches a kernel through its block mask (which says which
-    tiles are partial), and a lane's mask bits of one call fit the policy's 64-bit mask."""
-    if mask_mod is not None and not sparse:
-        raise ValueError("mask_mod needs sparse=True: the kernel reads which tiles are partial from the block mask")
-    if mask_mod is not None and elements > policies.MAX_ELEMENTS:
-        raise ValueError(f"{elements} mask bits per call: more than the policy's {policies.MAX_ELEMENTS}; choose "
-                         "smaller tiles")
-    return positive_int("H", H)
 
 
 def _archs(arch=80, **_):
@@ -358,7 +347,7 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
     SIGN = _SIGN[storage]
     kv_head = policies.gqa(gqa)[0]
     drop_state, keep_bits, factor = policies.dropout(dropout)
-    H = _check_features(sparse, mask_mod, H, 2 * NB)
+    H = policies.check_features(sparse, mask_mod, dropout, H, 2 * NB)   # bits: one (mt, e) row pair
     tile_state, is_set = policies.tile_state(sparse), policies.is_set
     score, allowed_bits, _ = policies.modifiers(score_mod, mask_mod, H)
     SCORED, MASK_MOD = score_mod is not None, mask_mod is not None
@@ -720,7 +709,7 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
     ONE_LOOP = g["Dp"] > 64                 # d > 64: dK_j, dV_j fill half the registers; one copy of the tile loop
     group = policies.gqa(gqa)[1]
     drop_state, keep_bits, factor = policies.dropout(dropout)
-    H = _check_features(sparse, mask_mod, H, 2 * NQ)
+    H = policies.check_features(sparse, mask_mod, dropout, H, 2 * NQ)   # bits: one query parity
     tile_state, is_set = policies.tile_state(sparse), policies.is_set
     score, allowed_bits, grad = policies.modifiers(score_mod, mask_mod, H, score_mod_grad)
     SCORED, MASK_MOD = score_mod is not None, mask_mod is not None
@@ -1060,13 +1049,6 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
 # --------------------------------------------------------------------------- launcher
 
 
-def _device_mask(M):
-    """``M`` on the device; a kernel without a block mask gets a 1x1x1 placeholder (never read)."""
-    from . import tiles
-
-    return tiles._device_mask(M)
-
-
 def check_inputs(storage=None, **arrays):
     """The storage of fa2-tc's device arrays (``q=..., k=..., v=...``): float16, bfloat16 (uint16 bits, named by
     ``storage="bfloat16"``) or float32 (run through TF32); TypeError naming the argument otherwise."""
@@ -1106,8 +1088,6 @@ def _fit_mask(direction, d, t, given, block_mask, BH, Nq, Nk):
     :func:`flashnb.kernels.tiles.mask_tiles`): the tiles made to divide the mask's blocks (a given tile must, a
     default one shrinks to the largest that does and that the fragment layout allows), and the mask's states at
     them (:meth:`BlockMask.at_tiles`: uint8 ``(BH, ceil(Nq/Br), ceil(Nk/Bc))``)."""
-    from . import tiles
-
     if block_mask is None:
         return t, None
     if isinstance(block_mask, tiles.PreparedMask):
@@ -1194,7 +1174,7 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, stora
     kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal), storage, arch, G > 1,
                           drop is not policies.NO_DROPOUT, M is not None, score_mod, mask_mod, H)
     launch(kernel, (cdiv(Nq, t["Br"]), BH), 32 * t["warps"], q, k, v, O, Lse, scale, causal_diag(causal, Nq, Nk),
-           _device_mask(M), *drop, label="FA2 tensor-core forward")
+           tiles._device_mask(M), *drop, label="FA2 tensor-core forward")
     return O, Lse
 
 
@@ -1233,7 +1213,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
                            drop is not policies.NO_DROPOUT, M is not None, score_mod, mask_mod, H,
                            score_mod_grad if score_mod is not None else None)
     launch(kernel, (cdiv(Nk, t["Bc"]), BH // G), 32 * t["warps"], q, k, v, do, lse, D, dQ, dK, dV, scale,
-           causal_diag(causal, Nq, Nk), _device_mask(M), *drop, label=BWD_LABEL)
+           causal_diag(causal, Nq, Nk), tiles._device_mask(M), *drop, label=BWD_LABEL)
     if storage != "float32":
         dQh = empty((BH, Nq, d), storage=storage)
         launch(flash.make_convert(storage), (cdiv(Nq * d, flash.CONVERT_THREADS), BH), flash.CONVERT_THREADS, dQ, dQh,
@@ -1272,9 +1252,7 @@ def _mask_tiles(d, Br=None, Bc=None) -> dict:
     """The tiles the user surfaces build a ``mask_mod``'s block mask at: the product kernel's
     (:func:`flashnb.kernels.tiles.mask_tiles`, so one mask means the same blocks to every impl), or the ``Br``, ``Bc``
     options; fa2-tc's tiles shrink to divide them."""
-    from .tiles import mask_tiles
-
-    return dict(mask_tiles(d), **{n: x for n, x in (("Br", Br), ("Bc", Bc)) if x is not None})
+    return dict(tiles.mask_tiles(d), **{n: x for n, x in (("Br", Br), ("Bc", Bc)) if x is not None})
 
 
 # --------------------------------------------------------------------------- analytic model
@@ -1293,18 +1271,19 @@ def model_forward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, Bc
     given = {n: x for n, x in (("Br", Br), ("Bc", Bc), ("warps", warps)) if x is not None}
     t, M = _fit_mask("forward", d, t, given, block_mask, BH, Nq, Nk)
     g = geometry(storage, d, t["Br"], t["Bc"], t["warps"], arch)
-    visited = _visited(Nq, Nk, t["Br"], t["Bc"], causal, "forward", M, BH)
+    per_head, checked = visited_per_head("forward", Nq, Nk, t, causal, M, BH)
+    visited = [tile for head in per_head for tile in head]
     kv = sum(cols for _, _, _, cols in visited) * d
     blocks = BH * cdiv(Nq, t["Br"])
-    tiles = len(visited)
+    n_visited = len(visited)
     Dp = g["Dp"]
     reads = {"Q": BH * Nq * d, "K": kv, "V": kv}
     if M is not None:                                  # lane 0 of each warp reads each tile state in range
-        reads["M"] = len(_visited(Nq, Nk, t["Br"], t["Bc"], causal, "forward", None, BH)) * t["warps"]
+        reads["M"] = BH * checked * t["warps"]
     return [dict(launch="FA2 tensor-core forward", reads=reads,
                  writes={"O": BH * Nq * d, "L": BH * Nq}, atomics={},
-                 shared_reads=blocks * t["Br"] * Dp + tiles * t["warps"] * 2 * t["Bc"] * Dp,
-                 shared_writes=blocks * t["Br"] * Dp + tiles * 2 * t["Bc"] * Dp)]
+                 shared_reads=blocks * t["Br"] * Dp + n_visited * t["warps"] * 2 * t["Bc"] * Dp,
+                 shared_writes=blocks * t["Br"] * Dp + n_visited * 2 * t["Bc"] * Dp)]
 
 
 def hbm_bytes(model, config) -> int:
@@ -1362,16 +1341,6 @@ def edge_tile(v, config, Nq, Nk) -> bool:
 # --------------------------------------------------------------------------- the backward's model
 
 
-def _visited(Nq, Nk, Br, Bc, causal, direction, M, BH):
-    """Every head's visited (outer, inner, rows, cols) tiles (:func:`flashnb.stages.fa2.tiles_visited`), all heads
-    together: without a block mask ``M`` every head visits the same ones."""
-    from ..stages.fa2 import tiles_visited
-
-    if M is None:
-        return tiles_visited(Nq, Nk, Br, Bc, causal, direction) * BH
-    return [tile for z in range(BH) for tile in tiles_visited(Nq, Nk, Br, Bc, causal, direction, M[z] != EMPTY)]
-
-
 def model_backward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, Bc=None, warps=None, group=1,
                    block_mask=None):
     """Element accesses of :func:`backward`: stage 4's preprocessing launch (O, dO read; D, dQ = 0 written), the
@@ -1393,7 +1362,8 @@ def model_backward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, B
     Br_, Bc_, W = t["Br"], t["Bc"], t["warps"]
     g = bwd_geometry(storage, d, Br_, Bc_, W)
     Dp = g["Dp"]
-    visited = _visited(Nq, Nk, Br_, Bc_, causal, "backward", M, BH)
+    per_head, checked = visited_per_head("backward", Nq, Nk, t, causal, M, BH)
+    visited = [tile for head in per_head for tile in head]
     n = len(visited)
     q_rows = sum(rows for _, _, rows, _ in visited)
     BHk = BH // group                                  # K/V heads
@@ -1405,8 +1375,7 @@ def model_backward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, B
     main = dict(launch=BWD_LABEL,
                 reads={a: x for a, x in (("Q", q_rows * d), ("K", BHk * Nk * d), ("V", BHk * Nk * d),
                                          ("dO", q_rows * d), ("L", q_rows), ("D", q_rows),
-                                         ("M", 0 if M is None else W * len(
-                                             _visited(Nq, Nk, Br_, Bc_, causal, "backward", None, BH)))) if x},
+                                         ("M", BH * checked * W)) if x},
                 writes={"dK": BHk * Nk * d, "dV": BHk * Nk * d}, atomics={"dQ": q_rows * d} if q_rows else {},
                 shared_reads=blocks * (2 * Bc_ * Dp if g["kv_regs"] else 0) + n * per_tile,
                 shared_writes=blocks * 2 * Bc_ * Dp + n * (2 * Br_ * Dp + 2 * Br_ + Bc_ * Br_))

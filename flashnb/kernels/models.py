@@ -8,7 +8,7 @@ from .blocks import bwd_geometry, geometry
 from .policies import EMPTY
 from .tiles import _mask_at_tiles
 
-__all__ = ["tiles_visited", "model_forward", "model_backward", "itemsizes", "model_bytes"]
+__all__ = ["tiles_visited", "visited_per_head", "model_forward", "model_backward", "itemsizes", "model_bytes"]
 
 
 def tiles_visited(Nq, Nk, Br, Bc, causal, direction="forward", states=None):
@@ -35,7 +35,7 @@ def tiles_visited(Nq, Nk, Br, Bc, causal, direction="forward", states=None):
     return out
 
 
-def _visited_per_head(direction, Nq, Nk, t, causal, M, BH):
+def visited_per_head(direction, Nq, Nk, t, causal, M, BH):
     """The visited tiles of each of the BH query heads (one list for all when dense) and the pairs whose block-mask
     entry each warp reads (the causal-limited set: lane 0 of every warp reads ``M`` once per pair)."""
     checked = tiles_visited(Nq, Nk, t["Br"], t["Bc"], causal, direction)
@@ -71,7 +71,7 @@ def model_forward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None, 
     positive_int("group", group)
     t, M, _ = _mask_at_tiles("forward", d, Br, Bc, warps, block_mask, BH, Nq, Nk, scored=score_mod is not None)
     g = geometry(t["Br"], t["Bc"], d, t["warps"])
-    per_head, checked = _visited_per_head("forward", Nq, Nk, t, causal, M, BH)
+    per_head, checked = visited_per_head("forward", Nq, Nk, t, causal, M, BH)
     kv = sum(cols for visited in per_head for _, _, _, cols in visited) * d
     n = sum(len(visited) for visited in per_head)
     blocks_ = BH * cdiv(Nq, t["Br"])
@@ -99,7 +99,7 @@ def model_backward(BH, Nq, Nk, d, *, causal=False, Br=None, Bc=None, warps=None,
     t, M, _ = _mask_at_tiles("backward", d, Br, Bc, warps, block_mask, BH, Nq, Nk)
     Br_, Bc_ = t["Br"], t["Bc"]
     g = bwd_geometry(Br_, Bc_, d, t["warps"])
-    per_head, checked = _visited_per_head("backward", Nq, Nk, t, causal, M, BH)
+    per_head, checked = visited_per_head("backward", Nq, Nk, t, causal, M, BH)
     q_rows = sum(rows for visited in per_head for _, _, rows, _ in visited)
     n = sum(len(visited) for visited in per_head)
     blocks_ = BHkv * cdiv(Nk, Bc_)

@@ -47,11 +47,12 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint64
 
-from ..common import ONE, ZERO, storage_conversions
+from ..common import ONE, ZERO, positive_int, storage_conversions
 from ..masks import EMPTY, FULL, PARTIAL  # noqa: F401  (block-mask tile states, as BlockMask.states writes them)
 from ..rng import check_dropout, dropout_keep, dropout_kernel_args
 
 __all__ = ["EMPTY", "FULL", "PARTIAL", "ALL", "MAX_ELEMENTS", "storage", "tile_state", "modifiers", "is_set",
+           "check_features",
            "dropout", "dropout_args", "gqa", "gqa_group",
            "python_modifier", "device_modifier", "DROPOUT_SIG", "NO_DROPOUT", "SAME_POSITIONS",
            "check_dropout_at", "GUARD_ALIBI", "GUARD_WINDOW",
@@ -156,6 +157,18 @@ def is_set(bits, e):
 
 ALL = uint64(0xFFFFFFFFFFFFFFFF)   # every element allowed
 MAX_ELEMENTS = 64                  # elements of a lane's micro-tile one 64-bit mask holds
+
+
+def check_features(sparse, mask_mod, dropout, H, elements):
+    """``H`` checked, and the constraints of the element-mask policies for a kernel whose lanes hold ``elements``
+    scores per mask: ``mask_mod`` reaches a kernel through its block mask (which says which tiles are partial), and
+    ``mask_mod``'s and dropout's bits of those scores fit one 64-bit mask."""
+    if mask_mod is not None and not sparse:
+        raise ValueError("mask_mod needs sparse=True: the kernel reads which tiles are partial from the block mask")
+    if (mask_mod is not None or dropout) and elements > MAX_ELEMENTS:
+        raise ValueError(f"tiles with {elements} scores per lane: mask_mod and dropout hold a lane's elements in one "
+                         f"{MAX_ELEMENTS}-bit mask; choose smaller Br/Bc or more warps")
+    return positive_int("H", H)
 
 
 def modifiers(score_mod=None, mask_mod=None, H=1, score_mod_grad=None):

@@ -47,16 +47,21 @@ def values(a, storage):
     return (common.from_bfloat16(a) if storage == "bfloat16" else np.asarray(a)).astype(np.float64)
 
 
-def torch_half(q, k, v, do, causal, scale, group=1, W=None):
+def torch_half(q, k, v, do, causal, scale, group=1, W=None, score_fn=None, mask=None):
     """Attention computed by PyTorch in the half dtype of its inputs (matmuls, softmax and all), with autograd;
-    ``group``: query heads per K/V head (GQA: K, V repeated in the graph, so their gradients sum over each group);
-    ``W``: dropout factors ``Z / (1-p)`` multiplying the softmax (as FA1 Alg. 2 applies them)."""
+    ``group``: query heads per K/V head (GQA: K, V repeated in the graph along the head axis, so their gradients sum
+    over each group); ``W``: dropout factors ``Z / (1-p)`` multiplying the softmax (as FA1 Alg. 2 applies them);
+    ``score_fn(s, h, q, k)``: a score_mod on the scaled scores (its derivative by autograd), ``mask`` a boolean
+    mask broadcast to the scores, beside the causal one."""
     q, k0, v0 = (t.clone().requires_grad_(True) for t in (q, k, v))
-    k, v = k0.repeat_interleave(group, dim=0), v0.repeat_interleave(group, dim=0)
+    k, v = k0.repeat_interleave(group, dim=-3), v0.repeat_interleave(group, dim=-3)
     s = (q @ k.transpose(-1, -2)) * scale
-    if causal:
-        Nq, Nk = s.shape[-2:]
-        allowed = torch.tensor(reference._allowed((Nq, Nk), causal, None))
+    Nq, Nk = s.shape[-2:]
+    if score_fn is not None:
+        h = torch.arange(s.shape[-3])[:, None, None]
+        s = score_fn(s, h, torch.arange(Nq)[:, None], torch.arange(Nk)[None, :])
+    if causal or mask is not None:
+        allowed = torch.tensor(reference._allowed(tuple(s.shape), causal, mask))
         s = s.masked_fill(~allowed, float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)     # a row with no key: o = 0 (flashnb's and FlashAttention's rule)
     if W is not None:
@@ -304,27 +309,6 @@ def checked_modifiers():
     flex.check_many(pairs, strict=False)
 
 
-def torch_half_modified(q, k, v, do, causal, scale, G, score_fn=None, mask=None, W=None):
-    """:func:`torch_half` with attention modifiers: PyTorch's attention in the half dtype, ``score_fn`` applied to
-    the scaled scores (its derivative by autograd), ``mask`` (B, H, Nq, Nk) and the causal mask applied, ``W`` the
-    dropout factors on the softmax; K/V heads repeated ``G`` times along the head axis."""
-    q, k0, v0 = (t.clone().requires_grad_(True) for t in (q, k, v))
-    k, v = k0.repeat_interleave(G, dim=1), v0.repeat_interleave(G, dim=1)
-    s = (q @ k.transpose(-1, -2)) * scale
-    Nq, Nk = s.shape[-2:]
-    if score_fn is not None:
-        h = torch.arange(s.shape[1])[:, None, None]
-        s = score_fn(s, h, torch.arange(Nq)[:, None], torch.arange(Nk)[None, :])
-    allowed = torch.tensor(reference._allowed(tuple(s.shape), causal, mask))
-    s = s.masked_fill(~allowed, float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    if W is not None:
-        p = p * torch.tensor(W, dtype=p.dtype)
-    o = p @ v
-    o.backward(do)
-    return [x.detach().double().numpy() for x in (o, q.grad, k0.grad, v0.grad)]
-
-
 @pytest.mark.parametrize("storage, shape_q, Nk, Hkv, causal, score_name, mask_name, p", MOD_CASES)
 def test_modifiers_and_block_masks_within_flashattentions_rule(rng, checked_modifiers, storage, shape_q, Nk, Hkv,
                                                                causal, score_name, mask_name, p):
@@ -360,7 +344,7 @@ def test_modifiers_and_block_masks_within_flashattentions_rule(rng, checked_modi
     krep, vrep = (np.repeat(a, G, axis=1) for a in exact[1:3])
     o_ref, lse_ref = reference.attention_forward(exact[0], krep, vrep, causal=causal, mask=mask, score_mod=sm,
                                                  dropout_mask=W)
-    pt = torch_half_modified(*tensors, causal, 1 / np.sqrt(d), G, score_fn, mask, W)
+    pt = torch_half(*tensors, causal, 1 / np.sqrt(d), G, W, score_fn, mask)
     got = values(o, storage)
     assert not np.isnan(got).any() and not np.isnan(lse).any()                  # every element written
     assert maxerr(got, o_ref) <= 2 * maxerr(pt[0], o_ref), (maxerr(got, o_ref), maxerr(pt[0], o_ref))
