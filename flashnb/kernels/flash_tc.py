@@ -36,6 +36,15 @@ while tile ``j`` is computed, ``K_{j+1}, V_{j+1}`` are already in flight into th
 of 4 floats; float32 inputs, which are rounded to TF32 on the way; sm_75, which has no cp.async) the copies are
 plain loads and stores into one buffer.
 
+**The backward's tiles** (FA2 Alg. 2, :func:`make_backward`): a warp owns 16 keys of ``K_j`` and keeps their
+``dK_j, dV_j`` in registers -- at d = 128 half of a lane's 255 -- so a Q tile is ``Br = 16`` queries there, and
+what is left to choose is ``Bc = 16·warps``: every K/V block reads all of ``Q``, ``dO`` and adds into all of
+``dQ`` once, so ``Bc`` sets how often they cross HBM.  At d = 128 the default is ``Bc = 128`` over eight warps (as
+FA2's own d = 128 backward): 77,824 B of tiles, more than the 48 KiB a block may declare statically, so they are
+*dynamic* shared memory, granted after the driver opt-in (``common.allow_dynamic_shared``, as stage 6's d = 128
+forward).  A device that refuses it runs the static tiles (``Bc = 32``, two warps) with a ``RuntimeWarning``;
+:data:`last_backward` says what ran.
+
 **Features**: float16, bfloat16 (``storage=``; O in the same dtype, L float32) and float32 inputs (TF32: errors
 of ~1e-3 where float32 gives ~1e-6; d <= 64 forward, d <= 32 backward, where the fragments fit the registers);
 causal masks in both alignments (``diag``; tiles entirely above the diagonal are never visited, the mask runs
@@ -56,6 +65,7 @@ Kernel ``"fa2_tc.forward"`` (:func:`make_forward`); impl ``"fa2-tc"``, stage 7.
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
@@ -64,12 +74,16 @@ from numba.core.types import float16  # noqa: E402  (numba exports no float16 at
 from ..common import (
     NEG_INF,
     ONE,
+    SHARED_LIMIT_BYTES,
+    SIM_OPTIN_LIMIT_BYTES,
     ZERO,
+    allow_dynamic_shared,
     causal_diag,
     cdiv,
     check_shared_fit,
     empty,
     launch,
+    shared_optin_limit,
     storage_array_type,
     storage_conversions,
     storage_of,
@@ -83,8 +97,9 @@ from .policies import EMPTY, FULL, PARTIAL
 __all__ = ["make_forward", "forward", "geometry", "shared_bytes", "default_tiles", "model_forward", "hbm_bytes",
            "sass_config", "sass_shape", "launch_order", "model_options", "check_inputs", "ARCHS", "LOG2E", "LN2",
            "STORAGES", "make_backward", "backward", "bwd_geometry", "bwd_shared_bytes", "bwd_default_tiles",
-           "model_backward", "bwd_sass_config", "bwd_sass_shape", "bwd_launch_order", "edge_tile", "bwd_edge_tile",
-           "BWD_LABEL", "measure_gpu", "TF32_MAX_D", "TF32_MAX_D_BWD"]
+           "bwd_needs_dynamic", "last_backward", "model_backward", "bwd_sass_config", "bwd_sass_shape",
+           "bwd_launch_order", "edge_tile", "bwd_edge_tile", "BWD_LABEL", "measure_gpu", "TF32_MAX_D", "TF32_MAX_D_BWD",
+           "DESIGN_OPTIN_BYTES"]
 
 LOG2E = float32(1.4426950408889634)
 POS_INF = float32(math.inf)
@@ -629,23 +644,38 @@ def bwd_shared_bytes(storage, d, Br, Bc, warps) -> int:
 
 
 # d = 64: eight warps of 16 keys (Bc = 128 halves the Q_i, dO_i and dQ re-reads of Bc = 64: the model's HBM bytes),
-# dSᵀ in V_j's space; d = 128: dK_j, dV_j of 16 keys x 128 columns hold half a lane's registers, and Bc = 64 spills
-# on sm_90 -- two warps, Bc = 32 (scripts/stage7_goals.py has the model's verdict on both).  TF32: K_j, V_j's
-# fragments take twice the registers per element: d <= 32 (beyond it every tile choice spills).  bfloat16 at d = 64:
-# Br = 16 (its causal kernel spills 76 bytes on sm_80 with Br = 32, where float16's fits in 254 registers).
-_BWD_DEFAULTS = {"float16": {64: dict(Br=32, Bc=128, warps=8), 128: dict(Br=16, Bc=32, warps=2)},
-                 "bfloat16": {64: dict(Br=16, Bc=128, warps=8), 128: dict(Br=16, Bc=32, warps=2)},
+# dSᵀ in V_j's space.  d = 128: dK_j, dV_j of 16 keys x 128 columns hold half a lane's registers, so a warp keeps 16
+# keys and Br = 16 queries whatever Bc is; Bc = 128 (eight warps, as FA2's own d = 128 backward) cuts the Q_i, dO_i
+# re-reads and the dQ atomics to a quarter of Bc = 32's, and needs 77,824 B: dynamic shared memory with the driver
+# opt-in.  Where the device (or the opt-in call) refuses it, the launcher falls back to _BWD_STATIC (two warps, Bc =
+# 32, within 48 KiB).  TF32: K_j, V_j's fragments take twice the registers per element: d <= 32 (beyond it every
+# tile choice spills).  bfloat16 at d = 64: Br = 16 (its causal kernel spills 76 bytes on sm_80 with Br = 32, where
+# float16's fits in 254 registers).  (scripts/stage7_goals.py has the model's verdict on each.)
+_BWD_DEFAULTS = {"float16": {64: dict(Br=32, Bc=128, warps=8), 128: dict(Br=16, Bc=128, warps=8)},
+                 "bfloat16": {64: dict(Br=16, Bc=128, warps=8), 128: dict(Br=16, Bc=128, warps=8)},
                  "float32": {32: dict(Br=16, Bc=32, warps=2)}}
+# The largest default tiles within 48 KiB of static shared memory (the fallback when dynamic shared memory is refused).
+_BWD_STATIC = {"float16": {128: dict(Br=16, Bc=32, warps=2)}, "bfloat16": {128: dict(Br=16, Bc=32, warps=2)}}
 # GQA's loop over a K/V head's query heads takes registers: float16 at d = 64 with Br = 32 then spills.
 _BWD_GQA = {"float16": {64: dict(Br=16, Bc=128, warps=8)}}
+#: Opt-in limit the dynamic defaults are chosen (and the model's tiles checked) against: the A100's 163 KiB, the
+#: smaller of sm_80's and sm_90's (227 KiB).  A launch checks the device's own (``common.shared_optin_limit``).
+DESIGN_OPTIN_BYTES = SIM_OPTIN_LIMIT_BYTES
+#: What the last :func:`backward` launch ran with: ``dict(d=, Br=, Bc=, warps=, dynamic=, shared_bytes=, fallback=None
+#: or the reason it fell back to the static tiles)``.
+last_backward: dict = {}
 
 
-def bwd_default_tiles(d: int, storage: str = "float16", gqa: bool = False) -> dict:
-    """The backward's default ``Br, Bc, warps`` at head dim ``d`` for ``storage`` (within 48 KiB of static shared
-    memory, no spills); ``gqa``: for K/V with fewer heads than Q."""
-    table = _BWD_DEFAULTS[storage if storage in _BWD_DEFAULTS else "float16"]
+def bwd_default_tiles(d: int, storage: str = "float16", gqa: bool = False, static: bool = False) -> dict:
+    """The backward's default ``Br, Bc, warps`` at head dim ``d`` for ``storage`` (no spills; within the A100's
+    opt-in shared memory, :data:`DESIGN_OPTIN_BYTES`); ``gqa``: for K/V with fewer heads than Q; ``static``: the
+    largest within 48 KiB of static shared memory (the fallback when dynamic shared memory is refused)."""
+    key = storage if storage in _BWD_DEFAULTS else "float16"
+    table = _BWD_DEFAULTS[key]
     if gqa:
         table = {**table, **_BWD_GQA.get(storage, {})}
+    if static:
+        table = {**table, **_BWD_STATIC.get(key, {})}
     for dmax in sorted(table):
         if d <= dmax:
             return dict(table[dmax])
@@ -654,15 +684,22 @@ def bwd_default_tiles(d: int, storage: str = "float16", gqa: bool = False) -> di
     raise ValueError(f"head dim d must be in 1..128 for fa2-tc, got {d}")
 
 
+def bwd_needs_dynamic(storage, d, Br, Bc, warps) -> bool:
+    """Whether these backward tiles need more than 48 KiB of shared memory (then: the dynamic build, after the
+    driver opt-in)."""
+    return bwd_shared_bytes(storage, d, Br, Bc, warps) > SHARED_LIMIT_BYTES
+
+
 def _bwd_configs():
     """The backward configs the PTX guard compiles: default tiles at d = 64 and 128 (K_j, V_j fragments in
-    registers, and reloaded; dQ in one and in two passes) for each storage, causal on and off, an odd d, GQA and
-    dropout."""
+    registers, and reloaded; dQ in one and in two passes; d = 128's in dynamic shared memory, and the static tiles
+    it falls back to) for each storage, causal on and off, an odd d, GQA and dropout."""
     out = []
     for d, st, causal in ((64, "float16", False), (64, "float16", True), (128, "float16", False),
                           (128, "float16", True), (64, "bfloat16", True), (128, "bfloat16", False),
                           (32, "float32", True), (32, "float32", False)):
         out.append(dict(**bwd_default_tiles(d, st), d=d, causal=causal, storage=st))
+    out += [dict(**bwd_default_tiles(128, static=True), d=128, causal=c, storage="float16") for c in (False, True)]
     out.append(dict(Br=32, Bc=32, warps=2, d=20, causal=True, storage="float16"))
     for d, causal in ((64, True), (64, False), (128, True)):   # GQA: a block loops over its K/V head's query heads
         out.append(dict(**bwd_default_tiles(d, gqa=True), d=d, causal=causal, storage="float16", gqa=True))
@@ -671,17 +708,28 @@ def _bwd_configs():
     mods = dict(storage="float16", sparse=True, H=4)             # modifiers and block masks (at 64 x 32 blocks)
     out += [dict(Br=32, Bc=32, warps=2, d=64, causal=False, **mods, **_MODS, **_GRADS),
             dict(Br=32, Bc=32, warps=2, d=64, causal=True, gqa=True, **mods, **_MODS_2, **_GRADS_2),
-            dict(**bwd_default_tiles(128), d=128, causal=True, **mods, mask_mod=_MODS_2["mask_mod"])]
+            dict(**bwd_default_tiles(128, static=True), d=128, causal=True, **mods, mask_mod=_MODS_2["mask_mod"])]
+    for c in out:                                                # over 48 KiB: the dynamic build
+        c["dynamic"] = bwd_needs_dynamic(c["storage"], c["d"], c["Br"], c["Bc"], c["warps"])
     return out
 
 
 BWD_LABEL = "FA2 tensor-core backward"
 
 
+def _bwd_dynamic_bytes(Br, Bc, d, warps, storage="float16", dynamic=False, **_):
+    """Dynamic shared memory a backward launch of this configuration asks for: its tiles (0 for a static kernel;
+    L_i and D_i stay a static array)."""
+    if not dynamic:
+        return 0
+    g = bwd_geometry(storage, d, Br, Bc, warps)
+    return g["itemsize"] * g["total"]
+
+
 @kernel_factory("fa2_tc.backward", stage="7", signature=_bwd_sig, configs=_bwd_configs(), archs=ARCHS[80],
-                threads=lambda warps, **_: 32 * warps)
+                threads=lambda warps, **_: 32 * warps, dynamic_shared=_bwd_dynamic_bytes)
 def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropout=False, sparse=False, score_mod=None,
-                  mask_mod=None, H=1, score_mod_grad=None):
+                  mask_mod=None, H=1, score_mod_grad=None, dynamic=False):
     """FA2 Alg. 2 on tensor cores; grid ``(Tc, BH_kv)``, ``32·warps`` threads, one block per K/V tile.  Warp ``w``
     owns keys ``16w .. 16w + 15`` of ``K_j``: it computes ``Sᵀ = K_j Q_iᵀ`` and ``dPᵀ = V_j dO_iᵀ`` (keys × queries,
     so that ``Pᵀ`` and ``dSᵀ`` are, in registers, the A fragments of ``dV_j += Pᵀ dO_i`` and ``dK_j += dSᵀ Q_i``);
@@ -691,7 +739,8 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
     (the product kernel's policy).  ``dropout``: the forward's ``Z`` regenerated (Philox, the product kernel's
     policy): ``dV_j += (P ∘ W)ᵀ dO_i`` and ``dS = P ∘ (dP ∘ W - D)`` with ``W = Z / (1-p)``.  ``sparse``,
     ``score_mod``, ``mask_mod``, ``H``: as in :func:`make_forward` (a visited Q tile is copied alone), and
-    ``score_mod_grad`` (``d score_mod / d score``) multiplies dS.  sm_80 and sm_90."""
+    ``score_mod_grad`` (``d score_mod / d score``) multiplies dS.  ``dynamic``: the tiles live in one *dynamic* shared
+    array (launched with :func:`_bwd_dynamic_bytes` bytes), what lets them exceed 48 KiB.  sm_80 and sm_90."""
     g = bwd_geometry(storage, d, Br, Bc, warps)
     NQ, ND, KD, KQ, KK, LD, LDS, E = g["NQ"], g["ND"], g["KD"], g["KQ"], g["KK"], g["LD"], g["LDS"], g["E"]
     OFF, TOTAL, KV_REGS, NDQ, CPT, IPW, PARTS = (g["offsets"], g["total"], g["kv_regs"], g["NDQ"], g["CPT"],
@@ -971,7 +1020,10 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
     @cuda.jit
     def fa2_tc_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi, rb,
                         rstep, rsplit, rjump, cb, cstep, csplit, cjump):
-        sm = cuda.shared.array(TOTAL, SDT, alignment=SHARED_ALIGN)   # K_j, V_j, Q_i, dO_i, dSᵀ (swizzled)
+        if dynamic:                                    # (a compile-time constant: one branch is compiled)
+            sm = cuda.shared.array(0, SDT, alignment=SHARED_ALIGN)       # TOTAL elements, given at launch
+        else:
+            sm = cuda.shared.array(TOTAL, SDT, alignment=SHARED_ALIGN)   # K_j, V_j, Q_i, dO_i, dSᵀ (swizzled)
         LDs = cuda.shared.array(LDN, float32)          # L_i·log2 e, D_i
         ka = cuda.local.array((KA, 4), uint32)         # K_j's A fragments (this warp's 16 keys; sign of scale)
         va = cuda.local.array((KA, 4), uint32)         # V_j's
@@ -1031,10 +1083,17 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
         else:
             q_tiles(kz, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, tid, diag, sl2,
                     flip, scale, dQ, z_end, dst, Nk, M)
-        g8 = lane // 4
-        t4 = lane % 4
+        if ONE_LOOP:                                   # 32-bit, from the thread index (d > 64: the 64-bit lane
+            u = uint32(cuda.threadIdx.x)               # and w16, kept alive across the tile loop for this, were
+            g8 = u % uint32(32) // uint32(4)           # what spilled at Bc = 128; d = 64 compiles as it did)
+            t4 = u % uint32(4)
+            k0 = uint32(j0) + u // uint32(32) * uint32(16) + g8
+        else:
+            g8 = lane // 4
+            t4 = lane % 4
+            k0 = j0 + w16 + g8
         for h in range(2):                             # line 18: dK_j (times scale, once), dV_j to HBM
-            row = j0 + w16 + g8 + 8 * h
+            row = k0 + 8 * h
             if row < Nk:
                 for dn in range(ND):
                     for e in range(2):
@@ -1194,12 +1253,26 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     storage = check_inputs(storage, q=q, k=k, v=v, o=o, do=do)
     drop = policies.dropout_args(dropout_p, seed, dropout_at)
     mma.check_arch("fa2-tc backward", ARCHS[80])
+    global last_backward
     BH, Nq, d = q.shape
     Nk = k.shape[1]
     G = policies.gqa_group(BH, k, v)
     given = {n: x for n, x in (("Br", Br), ("Bc", Bc), ("warps", warps)) if x is not None}
-    t, M = _fit_mask("backward", d, _bwd_tiles(storage, d, Br, Bc, warps, gqa=G > 1), given, block_mask, BH, Nq, Nk)
-    t = _bwd_tiles(storage, d, t["Br"], t["Bc"], t["warps"], gqa=G > 1)
+    optin = shared_optin_limit()
+
+    def plan(static=False):                          # (tiles, M): validated, fitted to the block mask
+        t0 = _bwd_tiles(storage, d, Br, Bc, warps, G > 1, optin, static)
+        t1, M1 = _fit_mask("backward", d, t0, given, block_mask, BH, Nq, Nk)
+        return _bwd_tiles(storage, d, t1["Br"], t1["Bc"], t1["warps"], G > 1, optin), M1
+
+    fallback = None
+    try:
+        t, M = plan()
+    except ValueError as exc:                        # default tiles over this device's opt-in limit
+        if given or not bwd_needs_dynamic(storage, d, **bwd_default_tiles(d, storage, G > 1)) \
+                or "opt-in limit" not in str(exc):
+            raise
+        (t, M), fallback = plan(static=True), str(exc)
     mask_mod, H = _modifier_config(score_mod, mask_mod, block_mask, heads, BH, M is not None and (M == PARTIAL).any())
     if score_mod is not None and score_mod_grad is None:
         score_mod_grad = policies.score_mod_grad_of(score_mod)   # score_mod.grad, else derived from its source
@@ -1209,11 +1282,29 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
            label="D = rowsum(dO∘O)")
     dK = empty((BH // G, Nk, d), storage=storage)
     dV = empty((BH // G, Nk, d), storage=storage)
-    kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], bool(causal), storage, G > 1,
-                           drop is not policies.NO_DROPOUT, M is not None, score_mod, mask_mod, H,
-                           score_mod_grad if score_mod is not None else None)
+    features = (bool(causal), storage, G > 1, drop is not policies.NO_DROPOUT, M is not None, score_mod, mask_mod, H,
+                score_mod_grad if score_mod is not None else None)
+    kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], *features, dynamic=t["dynamic"])
+    nbytes = _bwd_dynamic_bytes(d=d, storage=storage, **t)
+    if t["dynamic"]:
+        try:
+            allow_dynamic_shared(kernel, _bwd_sig(storage), nbytes)
+        except Exception as exc:  # the driver's error type depends on the binding; the fallback is the same
+            if given:
+                raise RuntimeError(f"fa2-tc backward: the driver refused {nbytes:,} B of dynamic shared memory for "
+                                   f"tiles Br={t['Br']}, Bc={t['Bc']} at d={d}: {exc}") from exc
+            fallback = f"the opt-in call for {nbytes:,} B failed: {exc}"
+            t, M = plan(static=True)
+            nbytes = 0
+            kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], *features[:4], M is not None, *features[5:])
+    if fallback:
+        warnings.warn(f"fa2-tc backward at d={d}: default tiles need dynamic shared memory this device refuses "
+                      f"({fallback}); falling back to the static tiles Br={t['Br']}, Bc={t['Bc']}, "
+                      f"warps={t['warps']}", RuntimeWarning, stacklevel=2)
+    last_backward = dict(d=d, Br=t["Br"], Bc=t["Bc"], warps=t["warps"], dynamic=t["dynamic"],
+                         shared_bytes=bwd_shared_bytes(storage, d, t["Br"], t["Bc"], t["warps"]), fallback=fallback)
     launch(kernel, (cdiv(Nk, t["Bc"]), BH // G), 32 * t["warps"], q, k, v, do, lse, D, dQ, dK, dV, scale,
-           causal_diag(causal, Nq, Nk), tiles._device_mask(M), *drop, label=BWD_LABEL)
+           causal_diag(causal, Nq, Nk), tiles._device_mask(M), *drop, label=BWD_LABEL, shared=nbytes)
     if storage != "float32":
         dQh = empty((BH, Nq, d), storage=storage)
         launch(flash.make_convert(storage), (cdiv(Nq * d, flash.CONVERT_THREADS), BH), flash.CONVERT_THREADS, dQ, dQh,
@@ -1222,8 +1313,10 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     return dQ, dK, dV
 
 
-def _bwd_tiles(storage, d, Br, Bc, warps, gqa=False):
-    t = bwd_default_tiles(d, storage, gqa)
+def _bwd_tiles(storage, d, Br, Bc, warps, gqa=False, optin=DESIGN_OPTIN_BYTES, static=False):
+    """Validated backward tiles (``static``: the static defaults) with ``dynamic`` (over 48 KiB: dynamic shared
+    memory, up to ``optin`` bytes; more is a ValueError naming the tiles and the limit)."""
+    t = bwd_default_tiles(d, storage, gqa, static)
     for name, value in (("Br", Br), ("Bc", Bc), ("warps", warps)):
         if value is not None:
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -1235,7 +1328,8 @@ def _bwd_tiles(storage, d, Br, Bc, warps, gqa=False):
         t["Br"] = max(t["Br"], 16 * t["warps"]) // (16 * t["warps"]) * 16 * t["warps"]
     bwd_geometry(storage, d, t["Br"], t["Bc"], t["warps"])
     check_shared_fit("fa2-tc backward", f"Br={t['Br']}, Bc={t['Bc']} at d={d} ({storage})",
-                     bwd_shared_bytes(storage, d, t["Br"], t["Bc"], t["warps"]), "choose smaller Br/Bc")
+                     bwd_shared_bytes(storage, d, t["Br"], t["Bc"], t["warps"]), "choose smaller Br/Bc", optin=optin)
+    t["dynamic"] = bwd_needs_dynamic(storage, d, t["Br"], t["Bc"], t["warps"])
     return t
 
 
@@ -1388,7 +1482,8 @@ def model_backward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, B
 def bwd_sass_config(d, causal, storage="float16", Br=None, Bc=None, warps=None) -> dict:
     """The backward kernel's configuration at head dim ``d`` (default tiles unless given)."""
     t = _bwd_tiles(storage, d, Br, Bc, warps)
-    return dict(Br=t["Br"], Bc=t["Bc"], d=d, warps=t["warps"], causal=bool(causal), storage=storage)
+    return dict(Br=t["Br"], Bc=t["Bc"], d=d, warps=t["warps"], causal=bool(causal), storage=storage,
+                dynamic=t["dynamic"])
 
 
 def bwd_model_options(config) -> dict:

@@ -518,6 +518,89 @@ def test_sm75_forward_on_the_simulator(rng):
     assert_close(L.copy_to_host(), lse_ref, atol=2e-5, rtol=2e-5, what="sm_75 lse")
 
 
+# --------------------------------------------------------------------------- dynamic shared memory (d = 128 backward)
+
+
+@pytest.mark.parametrize("storage, shape_q, Nk, causal", [("float16", (1, 40, 128), 100, True),
+                                                          ("bfloat16", (1, 24, 128), 72, "upper_left"),
+                                                          ("float16", (2, 33, 128), 20, False)])
+def test_backward_default_tiles_at_d128(rng, storage, shape_q, Nk, causal):
+    """d = 128's default backward tiles: Bc = 128 keys over eight warps, 77,824 B of tiles in dynamic shared memory
+    (the launch's opt-in passes on the simulator).  Partial K/V and Q tiles, both alignments, one block seeing fewer
+    keys than a warp owns (Nk = 20): FlashAttention's rule, every element written, traffic equal to the model."""
+    (q, k, v, do), exact, tensors = half_inputs(rng, storage, shape_q, Nk)
+    d = shape_q[-1]
+    o, lse = flashnb.attention_forward(q, k, v, causal=causal, impl="fa2-tc", storage=storage)
+    with traffic.count() as t:
+        grads = flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, impl="fa2-tc", storage=storage)
+    assert flash_tc.last_backward == dict(d=128, Br=16, Bc=128, warps=8, dynamic=True, shared_bytes=77_952,
+                                          fallback=None)
+    assert t.summary() == flash_tc.model_backward(shape_q[0], shape_q[1], Nk, d, causal=causal, storage=storage)
+    refs = reference.attention_backward(*exact, causal=causal)
+    pt = torch_half(*tensors, causal, 1 / np.sqrt(d))
+    for name, g, r, p in zip(("dq", "dk", "dv"), grads, refs, pt[1:]):
+        got = values(g, storage)
+        assert not np.isnan(got).any(), name                   # every element written
+        assert maxerr(got, r) <= 3 * maxerr(p, r), (name, maxerr(got, r), maxerr(p, r))
+
+
+def test_all_four_sanitizer_tools_on_the_dynamic_backward(rng):
+    """The dynamic build at d = 128 under memcheck, racecheck, initcheck and synccheck: eight warps' dSᵀ exchange,
+    the next Q tile's cp.async during dQ, a partial K/V tile, two query heads of one K/V head (GQA)."""
+    (q, k, v, do), _, _ = half_inputs(rng, "float16", (2, 40, 128), 50)
+    k, v = k[:1], v[:1]
+    o, lse = flashnb.attention_forward(q, k, v, causal=True, impl="fa2-tc")
+    with sim.sanitize() as report:
+        flashnb.attention_backward(q, k, v, o, lse, do, causal=True, impl="fa2-tc")
+    assert flash_tc.last_backward["dynamic"]
+    assert report.launches == 3 and not report.findings          # D, the backward, dQ -> float16
+
+
+def test_backward_falls_back_to_static_tiles_when_the_device_refuses(rng, monkeypatch):
+    """A device whose opt-in limit is below the d = 128 defaults' bytes (a faked limit here), or whose opt-in call
+    fails: the launch falls back to the static tiles (Bc = 32, two warps), warns, says so in last_backward, and the
+    gradients are the same as those tiles give when asked for.  Tiles given explicitly are never changed behind the
+    caller's back: there the refusal is an error."""
+    (q, k, v, do), _, _ = half_inputs(rng, "float16", (1, 24, 128), 40)
+    o, lse = flashnb.attention_forward(q, k, v, impl="fa2-tc")
+    static = flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2-tc", Br=16, Bc=32, warps=2)
+    monkeypatch.setattr(flash_tc, "shared_optin_limit", lambda: 48 * 1024 + 512)
+    with pytest.warns(RuntimeWarning, match="falling back to the static tiles Br=16, Bc=32, warps=2"):
+        grads = flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2-tc")
+    assert flash_tc.last_backward["dynamic"] is False and flash_tc.last_backward["Bc"] == 32
+    assert "opt-in limit of 49,664 B" in flash_tc.last_backward["fallback"]
+    for g, s in zip(grads, static):
+        np.testing.assert_array_equal(g, s)
+    monkeypatch.undo()
+
+    def refuse(kernel, signature, nbytes):
+        raise RuntimeError("CUDA_ERROR_INVALID_VALUE (faked)")
+
+    monkeypatch.setattr(flash_tc, "allow_dynamic_shared", refuse)
+    with pytest.warns(RuntimeWarning, match="opt-in call for 77,824 B failed"):
+        grads = flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2-tc")
+    assert flash_tc.last_backward["Bc"] == 32 and "faked" in flash_tc.last_backward["fallback"]
+    for g, s in zip(grads, static):
+        np.testing.assert_array_equal(g, s)
+    with pytest.raises(RuntimeError, match="refused 77,824 B of dynamic shared memory for tiles Br=16, Bc=128"):
+        flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2-tc", Br=16, Bc=128, warps=8)
+
+
+def test_rehearsed_gpu_backward_asks_the_driver_for_the_dynamic_bytes(rng):
+    """Under pretend_gpu (GPU branches taken, kernels on the simulator): the opt-in request is made for exactly
+    the dynamic bytes the launch gives (the tiles; L_i and D_i stay a static array)."""
+    from flashnb.instruments import rehearsal
+
+    (q, k, v, do), _, _ = half_inputs(rng, "float16", (1, 8, 128), 8)
+    before = len(rehearsal.dynamic_shared_requests)
+    with rehearsal.pretend_gpu():
+        dq, dk, dv = (common.to_device(a, "float16") for a in (q, k, v))
+        o, lse = flash_tc.forward(dq, dk, dv, scale=0.1)
+        flash_tc.backward(dq, dk, dv, o, lse, common.to_device(do, "float16"), scale=0.1)
+    assert rehearsal.dynamic_shared_requests[before:] == [("fa2_tc_backward", flash_tc._bwd_sig("float16"), 77_824)]
+    assert flash_tc.last_backward["dynamic"] and flash_tc.last_backward["fallback"] is None
+
+
 # --------------------------------------------------------------------------- bad input
 
 
