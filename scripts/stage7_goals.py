@@ -57,9 +57,11 @@ def rows():
              for c in (False, True)]
     for (name, cfg, cc), r in zip(jobs, fi.resources_many(jobs)):
         spill = r.spill_store_bytes + r.spill_load_bytes + r.stack_bytes
+        shared = f"{r.shared_bytes:,} B shared" + (f" + {r.dynamic_shared_bytes:,} B dynamic"
+                                                   if r.dynamic_shared_bytes else "")
         out.append((f"registers / spills, {name.split('.')[1]}, d={cfg['d']}, causal={cfg['causal']}, "
                     f"sm_{cc[0]}{cc[1]}", name, "0 spills", f"{r.registers} registers, {spill} B spilled/stack, "
-                    f"{r.shared_bytes:,} B shared", mark(spill == 0), "ptxas -v (flashnb inspect)"))
+                    f"{shared}", mark(spill == 0), "ptxas -v (flashnb inspect)"))
     for r in cli.profile_rows(["fa2-tc"], BH=1, Nq=64, Nk=64, d=64, storage="float16"):
         out.append((f"shared bank conflicts, {r['pass']}", "fa2-tc", "0", f"{r['bank_conflicts']:,}",
                     mark(r["bank_conflicts"] == 0), "simulator profile, float16, N=64, d=64 (full tiles)"))
