@@ -45,7 +45,6 @@ import warnings
 import numpy as np
 from numba import cuda, float32, uint32
 
-from .. import modifiers
 from ..common import (
     NEG_INF,
     ONE,
@@ -56,7 +55,6 @@ from ..common import (
     check_storage,
     empty,
     launch,
-    positive_int,
     shared_optin_limit,
     storage_array_type,
     storage_dtype,
@@ -66,7 +64,7 @@ from ..registry import kernel_factory, register_impl
 from . import blocks, policies
 from .blocks import LC, LR, PAD, VEC, bwd_geometry, geometry, needs_dynamic, shared_bytes
 from .models import itemsizes, model_backward, model_bytes, model_forward, tiles_visited  # noqa: F401  (the impl's)
-from .policies import EMPTY, FULL, PARTIAL, python_modifier
+from .policies import EMPTY, FULL, PARTIAL
 from .tiles import (  # noqa: F401  (the impl's tiles and block masks)
     DESIGN_OPTIN_BYTES,
     PreparedMask,
@@ -434,44 +432,6 @@ def _storage(storage, **arrays) -> str:
     return storage
 
 
-def _origin(fn):
-    """The user's function behind a modifier: a snapshot's ``origin`` (the user surfaces pass snapshots of the
-    modifiers as they were at the call), else the Python function itself."""
-    return getattr(fn, "origin", None) or python_modifier(fn)
-
-
-def _made_from(bm_mod, mask_mod) -> bool:
-    """Is ``bm_mod`` (the snapshot a block mask carries) what ``mask_mod`` is now: the same function, or one with the
-    same code and captured values (each call of ``flex.causal()`` makes a new, equal function, and equal snapshots
-    are shared, so the mask may carry the first one's)."""
-    if bm_mod == mask_mod or _origin(bm_mod) is _origin(mask_mod):
-        return True
-    return bm_mod == (mask_mod if isinstance(mask_mod, modifiers.Snapshot) else modifiers.snapshot(mask_mod))
-
-def _modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH):
-    """``(mask_mod, H)`` of a launch with attention modifiers, checked against the block mask: ``mask_mod`` reaches
-    the kernel through its block mask (:func:`flashnb.flex.create_block_mask`; the user surfaces build it), which
-    carries it.  The modifiers themselves are checked for a GPU by the user surfaces (:func:`flashnb.flex.
-    check_modifiers`), before any launch."""
-    bm_mod = getattr(block_mask, "mask_mod", None)
-    if score_mod is None and mask_mod is None and bm_mod is None:
-        if score_mod_grad is not None:
-            raise ValueError("score_mod_grad is given without a score_mod")
-        return None, 1
-    H = positive_int("heads", heads)
-    if BH % H:
-        raise ValueError(f"heads={H} must divide batch·heads = {BH} (q's leading axes)")
-    if mask_mod is not None:
-        if block_mask is None:
-            raise ValueError("mask_mod reaches the flash kernels through its block mask: pass block_mask="
-                             "flashnb.flex.create_block_mask(mask_mod, ...) (flashnb.attention and flashnb.pytorch "
-                             "build it for you)")
-        if bm_mod is None or not _made_from(bm_mod, mask_mod):
-            raise ValueError(f"block_mask was not made from mask_mod {getattr(mask_mod, '__name__', mask_mod)!r}: "
-                             "pass block_mask=flashnb.flex.create_block_mask(mask_mod, ...) or leave block_mask out")
-    return bm_mod, H
-
-
 def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block_mask=None, score_mod=None,
             mask_mod=None, heads=1, score_mod_grad=None, dropout_p=0.0, seed=None, dropout_at=None, storage=None):
     """Device arrays in, ``(O, L)`` out (FA2 Alg. 1).  ``Br, Bc, warps`` default to :func:`default_tiles` (with a
@@ -508,7 +468,7 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block
             raise
         t, M, bm_mod, partial = _launch_mask("forward", d, None, None, None, block_mask, BH, Nq, Nk, static=True)
         fallback = str(exc)
-    mask_mod, H = _modifiers(score_mod, mask_mod, None, block_mask, heads, BH)
+    mask_mod, H = policies.launch_modifiers(score_mod, mask_mod, None, block_mask, heads, BH)
     config = dict(Br=t["Br"], Bc=t["Bc"], d=d, warps=t["warps"], causal=bool(causal), dynamic=t["dynamic"],
                   storage=storage, sparse=M is not None, score_mod=score_mod, mask_mod=mask_mod if partial else None,
                   H=H, gqa=G > 1, dropout=drop is not policies.NO_DROPOUT)
@@ -556,7 +516,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     G = policies.gqa_group(BH, k, v)
     drop = policies.dropout_args(dropout_p, seed, dropout_at)
     t, M, bm_mod, partial = _launch_mask("backward", d, Br, Bc, warps, block_mask, BH, Nq, Nk)
-    mask_mod, H = _modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH)
+    mask_mod, H = policies.launch_modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH)
     if score_mod is not None and score_mod_grad is None:
         score_mod_grad = policies.score_mod_grad_of(score_mod)   # score_mod.grad, else derived from its source
     D = empty((BH, Nq))

@@ -42,8 +42,8 @@ what is left to choose is ``Bc = 16·warps``: every K/V block reads all of ``Q``
 ``dQ`` once, so ``Bc`` sets how often they cross HBM.  At d = 128 the default is ``Bc = 128`` over eight warps (as
 FA2's own d = 128 backward): 77,824 B of tiles, more than the 48 KiB a block may declare statically, so they are
 *dynamic* shared memory, granted after the driver opt-in (``common.allow_dynamic_shared``, as stage 6's d = 128
-forward).  A device that refuses it runs the static tiles (``Bc = 32``, two warps) with a ``RuntimeWarning``;
-:data:`last_backward` says what ran.
+forward).  A device that refuses it runs static tiles (``Bc = 32``, two warps; bfloat16 ``Bc = 64``, four) with a
+``RuntimeWarning``; :data:`last_backward` says what ran.
 
 **Features**: float16, bfloat16 (``storage=``; O in the same dtype, L float32) and float32 inputs (TF32: errors
 of ~1e-3 where float32 gives ~1e-6; d <= 64 forward, d <= 32 backward, where the fragments fit the registers);
@@ -647,15 +647,16 @@ def bwd_shared_bytes(storage, d, Br, Bc, warps) -> int:
 # dSᵀ in V_j's space.  d = 128: dK_j, dV_j of 16 keys x 128 columns hold half a lane's registers, so a warp keeps 16
 # keys and Br = 16 queries whatever Bc is; Bc = 128 (eight warps, as FA2's own d = 128 backward) cuts the Q_i, dO_i
 # re-reads and the dQ atomics to a quarter of Bc = 32's, and needs 77,824 B: dynamic shared memory with the driver
-# opt-in.  Where the device (or the opt-in call) refuses it, the launcher falls back to _BWD_STATIC (two warps, Bc =
-# 32, within 48 KiB).  TF32: K_j, V_j's fragments take twice the registers per element: d <= 32 (beyond it every
-# tile choice spills).  bfloat16 at d = 64: Br = 16 (its causal kernel spills 76 bytes on sm_80 with Br = 32, where
-# float16's fits in 254 registers).  (scripts/stage7_goals.py has the model's verdict on each.)
+# opt-in.  Where the device (or the opt-in call) refuses it, the launcher falls back to _BWD_STATIC (within 48 KiB).
+# TF32: K_j, V_j's fragments take twice the registers per element: d <= 32 (beyond it every tile choice spills).
+# bfloat16 at d = 64: Br = 16 (its causal kernel spills 76 bytes on sm_80 with Br = 32, where float16's fits in 254
+# registers).  (scripts/stage7_goals.py has the model's verdict on each.)
 _BWD_DEFAULTS = {"float16": {64: dict(Br=32, Bc=128, warps=8), 128: dict(Br=16, Bc=128, warps=8)},
                  "bfloat16": {64: dict(Br=16, Bc=128, warps=8), 128: dict(Br=16, Bc=128, warps=8)},
                  "float32": {32: dict(Br=16, Bc=32, warps=2)}}
-# The largest default tiles within 48 KiB of static shared memory (the fallback when dynamic shared memory is refused).
-_BWD_STATIC = {"float16": {128: dict(Br=16, Bc=32, warps=2)}, "bfloat16": {128: dict(Br=16, Bc=32, warps=2)}}
+# The fallback when dynamic shared memory is refused: the largest tiles within 48 KiB of static shared memory that
+# compile without spills (float16's non-causal kernel spills at Bc = 48 and 64; bfloat16's does not).
+_BWD_STATIC = {"float16": {128: dict(Br=16, Bc=32, warps=2)}, "bfloat16": {128: dict(Br=16, Bc=64, warps=4)}}
 # GQA's loop over a K/V head's query heads takes registers: float16 at d = 64 with Br = 32 then spills.
 _BWD_GQA = {"float16": {64: dict(Br=16, Bc=128, warps=8)}}
 #: Opt-in limit the dynamic defaults are chosen (and the model's tiles checked) against: the A100's 163 KiB, the
@@ -699,7 +700,8 @@ def _bwd_configs():
                           (128, "float16", True), (64, "bfloat16", True), (128, "bfloat16", False),
                           (32, "float32", True), (32, "float32", False)):
         out.append(dict(**bwd_default_tiles(d, st), d=d, causal=causal, storage=st))
-    out += [dict(**bwd_default_tiles(128, static=True), d=128, causal=c, storage="float16") for c in (False, True)]
+    out += [dict(**bwd_default_tiles(128, st, static=True), d=128, causal=c, storage=st)    # the static fallback
+            for st in ("float16", "bfloat16") for c in (False, True)]
     out.append(dict(Br=32, Bc=32, warps=2, d=20, causal=True, storage="float16"))
     for d, causal in ((64, True), (64, False), (128, True)):   # GQA: a block loops over its K/V head's query heads
         out.append(dict(**bwd_default_tiles(d, gqa=True), d=d, causal=causal, storage="float16", gqa=True))
@@ -1193,9 +1195,7 @@ def _fit_mask(direction, d, t, given, block_mask, BH, Nq, Nk):
 
 def _modifier_config(score_mod, mask_mod, block_mask, heads, BH, partial):
     """``(mask_mod, H)`` of a launch: the product kernel's checks (``mask_mod`` through its block mask)."""
-    from . import flash
-
-    bm_mod, H = flash._modifiers(score_mod, mask_mod, None, block_mask, heads, BH)
+    bm_mod, H = policies.launch_modifiers(score_mod, mask_mod, None, block_mask, heads, BH)
     return (bm_mod if partial else None), H
 
 

@@ -556,21 +556,25 @@ def test_all_four_sanitizer_tools_on_the_dynamic_backward(rng):
     assert report.launches == 3 and not report.findings          # D, the backward, dQ -> float16
 
 
-def test_backward_falls_back_to_static_tiles_when_the_device_refuses(rng, monkeypatch):
+@pytest.mark.parametrize("storage, Bc, warps", [("float16", 32, 2), ("bfloat16", 64, 4)])
+def test_backward_falls_back_to_static_tiles_when_the_device_refuses(rng, monkeypatch, storage, Bc, warps):
     """A device whose opt-in limit is below the d = 128 defaults' bytes (a faked limit here), or whose opt-in call
-    fails: the launch falls back to the static tiles (Bc = 32, two warps), warns, says so in last_backward, and the
-    gradients are the same as those tiles give when asked for.  Tiles given explicitly are never changed behind the
-    caller's back: there the refusal is an error."""
-    (q, k, v, do), _, _ = half_inputs(rng, "float16", (1, 24, 128), 40)
-    o, lse = flashnb.attention_forward(q, k, v, impl="fa2-tc")
-    static = flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2-tc", Br=16, Bc=32, warps=2)
+    fails: the launch falls back to the static tiles (float16: Bc = 32, two warps; bfloat16: Bc = 64, four), warns,
+    says so in last_backward, and the gradients are the same as those tiles give when asked for.  Tiles given
+    explicitly are never changed behind the caller's back: there the refusal is an error."""
+    (q, k, v, do), _, _ = half_inputs(rng, storage, (1, 24, 128), 40)
+    opts = dict(impl="fa2-tc", storage=storage)
+    o, lse = flashnb.attention_forward(q, k, v, **opts)
+    static = flashnb.attention_backward(q, k, v, o, lse, do, Br=16, Bc=Bc, warps=warps, **opts)
     monkeypatch.setattr(flash_tc, "shared_optin_limit", lambda: 48 * 1024 + 512)
-    with pytest.warns(RuntimeWarning, match="falling back to the static tiles Br=16, Bc=32, warps=2"):
-        grads = flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2-tc")
-    assert flash_tc.last_backward["dynamic"] is False and flash_tc.last_backward["Bc"] == 32
+    with pytest.warns(RuntimeWarning, match=f"falling back to the static tiles Br=16, Bc={Bc}, warps={warps}"):
+        grads = flashnb.attention_backward(q, k, v, o, lse, do, **opts)
+    assert flash_tc.last_backward["dynamic"] is False and flash_tc.last_backward["Bc"] == Bc
     assert "opt-in limit of 49,664 B" in flash_tc.last_backward["fallback"]
     for g, s in zip(grads, static):
         np.testing.assert_array_equal(g, s)
+    if storage == "bfloat16":
+        return                                                   # the opt-in call's refusal: once is enough
     monkeypatch.undo()
 
     def refuse(kernel, signature, nbytes):
