@@ -1,5 +1,6 @@
 """A modifier as a value: what ``score_mod`` / ``mask_mod`` captured (:class:`Snapshot`), its source as the GPU
-check and the derivative read it (:func:`_describe`), and the error type of both (:class:`ModifierError`).
+check and the derivative read it (:func:`_describe`), the error type of both (:class:`ModifierError`), and the
+check every impl that takes modifiers makes at launch (:func:`launch_modifiers`).
 
 :mod:`flashnb.flex` builds on this module and re-exports its public names; :mod:`flashnb.flex_grad` reads
 modifiers through it.
@@ -12,9 +13,10 @@ import inspect as std_inspect
 import numpy as np
 from numba import cuda
 
+from .common import positive_int
 from .kernels.policies import python_modifier
 
-__all__ = ["ModifierError", "name_of", "Snapshot", "snapshot", "check_current", "ARGS"]
+__all__ = ["ModifierError", "name_of", "Snapshot", "snapshot", "check_current", "launch_modifiers", "ARGS"]
 
 
 class ModifierError(TypeError):
@@ -245,6 +247,48 @@ def check_current(mask_snapshot, what: str = "block_mask") -> None:
 
 ARGS = {"score_mod": ("score", "b", "h", "q_idx", "kv_idx"), "mask_mod": ("b", "h", "q_idx", "kv_idx"),
         "score_mod_grad": ("score", "b", "h", "q_idx", "kv_idx")}
+
+
+# --------------------------------------------------------------------------- modifiers at launch
+
+
+def _origin(fn):
+    """The user's function behind a modifier: a snapshot's ``origin`` (the user surfaces pass snapshots of the
+    modifiers as they were at the call), else the Python function itself."""
+    return getattr(fn, "origin", None) or python_modifier(fn)
+
+
+def _made_from(bm_mod, mask_mod) -> bool:
+    """Is ``bm_mod`` (the snapshot a block mask carries) what ``mask_mod`` is now: the same function, or one with the
+    same code and captured values (each call of ``flex.causal()`` makes a new, equal function, and equal snapshots
+    are shared, so the mask may carry the first one's)."""
+    if bm_mod == mask_mod or _origin(bm_mod) is _origin(mask_mod):
+        return True
+    return bm_mod == (mask_mod if isinstance(mask_mod, Snapshot) else snapshot(mask_mod))
+
+
+def launch_modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH):
+    """``(mask_mod, H)`` of a launch with attention modifiers, checked against the block mask: ``mask_mod`` reaches
+    the kernel through its block mask (:func:`flashnb.flex.create_block_mask`; the user surfaces build it), which
+    carries it.  The modifiers themselves are checked for a GPU by the user surfaces (:func:`flashnb.flex.
+    check_modifiers`), before any launch.  Every impl that takes modifiers (``flash``, ``fa2-tc``) calls this."""
+    bm_mod = getattr(block_mask, "mask_mod", None)
+    if score_mod is None and mask_mod is None and bm_mod is None:
+        if score_mod_grad is not None:
+            raise ValueError("score_mod_grad is given without a score_mod")
+        return None, 1
+    H = positive_int("heads", heads)
+    if BH % H:
+        raise ValueError(f"heads={H} must divide batch·heads = {BH} (q's leading axes)")
+    if mask_mod is not None:
+        if block_mask is None:
+            raise ValueError("mask_mod reaches the flash kernels through its block mask: pass block_mask="
+                             "flashnb.flex.create_block_mask(mask_mod, ...) (flashnb.attention and flashnb.pytorch "
+                             "build it for you)")
+        if bm_mod is None or not _made_from(bm_mod, mask_mod):
+            raise ValueError(f"block_mask was not made from mask_mod {getattr(mask_mod, '__name__', mask_mod)!r}: "
+                             "pass block_mask=flashnb.flex.create_block_mask(mask_mod, ...) or leave block_mask out")
+    return bm_mod, H
 
 
 def _lambda_source(fn, desc: dict) -> dict:

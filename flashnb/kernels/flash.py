@@ -45,6 +45,7 @@ import warnings
 import numpy as np
 from numba import cuda, float32, uint32
 
+from .. import modifiers
 from ..common import (
     NEG_INF,
     ONE,
@@ -468,7 +469,7 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block
             raise
         t, M, bm_mod, partial = _launch_mask("forward", d, None, None, None, block_mask, BH, Nq, Nk, static=True)
         fallback = str(exc)
-    mask_mod, H = policies.launch_modifiers(score_mod, mask_mod, None, block_mask, heads, BH)
+    mask_mod, H = modifiers.launch_modifiers(score_mod, mask_mod, None, block_mask, heads, BH)
     config = dict(Br=t["Br"], Bc=t["Bc"], d=d, warps=t["warps"], causal=bool(causal), dynamic=t["dynamic"],
                   storage=storage, sparse=M is not None, score_mod=score_mod, mask_mod=mask_mod if partial else None,
                   H=H, gqa=G > 1, dropout=drop is not policies.NO_DROPOUT)
@@ -516,7 +517,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     G = policies.gqa_group(BH, k, v)
     drop = policies.dropout_args(dropout_p, seed, dropout_at)
     t, M, bm_mod, partial = _launch_mask("backward", d, Br, Bc, warps, block_mask, BH, Nq, Nk)
-    mask_mod, H = policies.launch_modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH)
+    mask_mod, H = modifiers.launch_modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH)
     if score_mod is not None and score_mod_grad is None:
         score_mod_grad = policies.score_mod_grad_of(score_mod)   # score_mod.grad, else derived from its source
     D = empty((BH, Nq))

@@ -71,6 +71,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 from numba.core.types import float16  # noqa: E402  (numba exports no float16 at the top level)
 
+from .. import modifiers
 from ..common import (
     NEG_INF,
     ONE,
@@ -1195,7 +1196,7 @@ def _fit_mask(direction, d, t, given, block_mask, BH, Nq, Nk):
 
 def _modifier_config(score_mod, mask_mod, block_mask, heads, BH, partial):
     """``(mask_mod, H)`` of a launch: the product kernel's checks (``mask_mod`` through its block mask)."""
-    bm_mod, H = policies.launch_modifiers(score_mod, mask_mod, None, block_mask, heads, BH)
+    bm_mod, H = modifiers.launch_modifiers(score_mod, mask_mod, None, block_mask, heads, BH)
     return (bm_mod if partial else None), H
 
 

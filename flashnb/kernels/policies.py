@@ -55,7 +55,7 @@ __all__ = ["EMPTY", "FULL", "PARTIAL", "ALL", "MAX_ELEMENTS", "storage", "tile_s
            "check_features",
            "dropout", "dropout_args", "gqa", "gqa_group",
            "python_modifier", "device_modifier", "DROPOUT_SIG", "NO_DROPOUT", "SAME_POSITIONS",
-           "check_dropout_at", "launch_modifiers", "GUARD_ALIBI", "GUARD_WINDOW",
+           "check_dropout_at", "GUARD_ALIBI", "GUARD_WINDOW",
            "GUARD_SOFTCAP", "GUARD_DOCUMENT"]
 
 FULL_MASK = 0xFFFFFFFF
@@ -391,47 +391,3 @@ GUARD_SOFTCAP.grad = _softcap_grad
 
 def GUARD_DOCUMENT(b, h, q_idx, kv_idx):
     return _DOCS[q_idx] == _DOCS[kv_idx] and kv_idx <= q_idx
-
-
-# --------------------------------------------------------------------------- modifiers at launch
-
-
-def _origin(fn):
-    """The user's function behind a modifier: a snapshot's ``origin`` (the user surfaces pass snapshots of the
-    modifiers as they were at the call), else the Python function itself."""
-    return getattr(fn, "origin", None) or python_modifier(fn)
-
-
-def _made_from(bm_mod, mask_mod) -> bool:
-    """Is ``bm_mod`` (the snapshot a block mask carries) what ``mask_mod`` is now: the same function, or one with the
-    same code and captured values (each call of ``flex.causal()`` makes a new, equal function, and equal snapshots
-    are shared, so the mask may carry the first one's)."""
-    from .. import modifiers as user_modifiers  # (it imports this module)
-
-    if bm_mod == mask_mod or _origin(bm_mod) is _origin(mask_mod):
-        return True
-    return bm_mod == (mask_mod if isinstance(mask_mod, user_modifiers.Snapshot) else user_modifiers.snapshot(mask_mod))
-
-
-def launch_modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH):
-    """``(mask_mod, H)`` of a launch with attention modifiers, checked against the block mask: ``mask_mod`` reaches
-    the kernel through its block mask (:func:`flashnb.flex.create_block_mask`; the user surfaces build it), which
-    carries it.  The modifiers themselves are checked for a GPU by the user surfaces (:func:`flashnb.flex.
-    check_modifiers`), before any launch.  Every impl that takes modifiers (``flash``, ``fa2-tc``) calls this."""
-    bm_mod = getattr(block_mask, "mask_mod", None)
-    if score_mod is None and mask_mod is None and bm_mod is None:
-        if score_mod_grad is not None:
-            raise ValueError("score_mod_grad is given without a score_mod")
-        return None, 1
-    H = positive_int("heads", heads)
-    if BH % H:
-        raise ValueError(f"heads={H} must divide batch·heads = {BH} (q's leading axes)")
-    if mask_mod is not None:
-        if block_mask is None:
-            raise ValueError("mask_mod reaches the flash kernels through its block mask: pass block_mask="
-                             "flashnb.flex.create_block_mask(mask_mod, ...) (flashnb.attention and flashnb.pytorch "
-                             "build it for you)")
-        if bm_mod is None or not _made_from(bm_mod, mask_mod):
-            raise ValueError(f"block_mask was not made from mask_mod {getattr(mask_mod, '__name__', mask_mod)!r}: "
-                             "pass block_mask=flashnb.flex.create_block_mask(mask_mod, ...) or leave block_mask out")
-    return bm_mod, H
