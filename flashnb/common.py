@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import warnings
 
 import numpy as np
 
@@ -30,7 +31,8 @@ __all__ = [
     "load_vec", "store_vec",
     "empty", "poisoning", "to_device", "launch", "launch_rows", "row_index", "ROWS_PER_BLOCK", "current_label",
     "launch_hooks", "ShapeOnly", "dry_run", "SHARED_LIMIT_BYTES", "check_shared_fit",
-    "SIM_OPTIN_LIMIT_BYTES", "shared_optin_limit", "allow_dynamic_shared", "positive_int",
+    "SIM_OPTIN_LIMIT_BYTES", "shared_optin_limit", "allow_dynamic_shared", "opt_in_or_fall_back",
+    "warn_fallback", "positive_int",
     "CAUSAL_ALIGNMENTS", "causal_diag", "on_stream", "current_stream", "MAX_GRID", "MAX_BLOCK",
     "MAX_THREADS_PER_BLOCK", "check_launch_dims", "OutOfMemory", "available_bytes",
     "STORAGES", "storage_dtype", "storage_array_type", "storage_conversions", "check_storage", "to_bfloat16",
@@ -136,6 +138,31 @@ def allow_dynamic_shared(kernel, signature: str, nbytes: int) -> None:
         rehearsal.dynamic_shared_requests.append((name, signature, int(nbytes)))
         return
     _set_max_dynamic_shared(kernel, signature, nbytes)
+
+
+def opt_in_or_fall_back(impl: str, kernel, signature: str, nbytes: int, t: dict, d: int, given: bool,
+                        ask=None) -> str | None:
+    """Ask the driver for ``nbytes`` of dynamic shared memory for ``kernel`` (``ask``: :func:`allow_dynamic_shared`,
+    or the launcher's module-level name for it, so a test can stand in for the driver).  ``None`` when granted.
+    Refused: tiles the caller gave (``given``) are never changed behind its back, so a ``RuntimeError`` naming
+    ``impl`` and the tiles ``t``; default tiles give the reason to fall back to the static ones (the launcher
+    re-plans, then calls :func:`warn_fallback`)."""
+    try:
+        (ask or allow_dynamic_shared)(kernel, signature, nbytes)
+    except Exception as exc:  # the driver's error type depends on the binding; the fallback is the same
+        if given:
+            raise RuntimeError(f"{impl}: the driver refused {nbytes:,} B of dynamic shared memory for tiles "
+                               f"Br={t['Br']}, Bc={t['Bc']} at d={d}: {exc}") from exc
+        return f"the opt-in call for {nbytes:,} B failed: {exc}"
+    return None
+
+
+def warn_fallback(impl: str, d: int, reason: str, t: dict) -> None:
+    """The ``RuntimeWarning`` of a launch whose default tiles fell back to the static ones ``t`` (``reason``: the
+    device's opt-in limit, or :func:`opt_in_or_fall_back`'s), pointing at the launcher's caller."""
+    warnings.warn(f"{impl} at d={d}: default tiles need dynamic shared memory this device refuses ({reason}); "
+                  f"falling back to the static tiles Br={t['Br']}, Bc={t['Bc']}, warps={t['warps']}",
+                  RuntimeWarning, stacklevel=3)
 
 
 def positive_int(name: str, n) -> int:

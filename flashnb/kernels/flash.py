@@ -40,7 +40,6 @@ masks on them: :mod:`flashnb.kernels.tiles`.  The SASS time model's inputs: :fun
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 from numba import cuda, float32, uint32
@@ -56,10 +55,12 @@ from ..common import (
     check_storage,
     empty,
     launch,
+    opt_in_or_fall_back,
     shared_optin_limit,
     storage_array_type,
     storage_dtype,
     storage_of,
+    warn_fallback,
 )
 from ..registry import kernel_factory, register_impl
 from . import blocks, policies
@@ -476,22 +477,17 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block
     nbytes = shared_bytes(t["Br"], t["Bc"], d, t["warps"])
     kernel = make_forward(**config)
     if t["dynamic"]:
-        try:
-            allow_dynamic_shared(kernel, _fwd_sig(storage), nbytes)
-        except Exception as exc:  # the driver's error type depends on the binding; the fallback is the same
-            if given or isinstance(block_mask, PreparedMask):
-                raise RuntimeError(f"flash forward: the driver refused {nbytes:,} B of dynamic shared memory for "
-                                   f"tiles Br={t['Br']}, Bc={t['Bc']} at d={d}: {exc}") from exc
-            fallback = f"the opt-in call for {nbytes:,} B failed: {exc}"
+        refused = opt_in_or_fall_back("flash forward", kernel, _fwd_sig(storage), nbytes, t, d,
+                                      given or isinstance(block_mask, PreparedMask), allow_dynamic_shared)
+        if refused:
+            fallback = refused
             t, M, _, partial = _launch_mask("forward", d, None, None, None, block_mask, BH, Nq, Nk, static=True)
             nbytes = shared_bytes(t["Br"], t["Bc"], d, t["warps"])
             config.update(Br=t["Br"], Bc=t["Bc"], warps=t["warps"], dynamic=False,
                           mask_mod=mask_mod if partial else None)
             kernel = make_forward(**config)
     if fallback:
-        warnings.warn(f"flash forward at d={d}: default tiles need dynamic shared memory this device refuses "
-                      f"({fallback}); falling back to the static tiles Br={t['Br']}, Bc={t['Bc']}, "
-                      f"warps={t['warps']}", RuntimeWarning, stacklevel=2)
+        warn_fallback("flash forward", d, fallback, t)
     last_forward = dict(d=d, Br=t["Br"], Bc=t["Bc"], warps=t["warps"], dynamic=t["dynamic"], shared_bytes=nbytes,
                         fallback=fallback)
     O = empty((BH, Nq, d), storage=storage)

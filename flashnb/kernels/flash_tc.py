@@ -65,7 +65,6 @@ Kernel ``"fa2_tc.forward"`` (:func:`make_forward`); impl ``"fa2-tc"``, stage 7.
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
@@ -76,7 +75,6 @@ from ..common import (
     NEG_INF,
     ONE,
     SHARED_LIMIT_BYTES,
-    SIM_OPTIN_LIMIT_BYTES,
     ZERO,
     allow_dynamic_shared,
     causal_diag,
@@ -84,10 +82,12 @@ from ..common import (
     check_shared_fit,
     empty,
     launch,
+    opt_in_or_fall_back,
     shared_optin_limit,
     storage_array_type,
     storage_conversions,
     storage_of,
+    warn_fallback,
 )
 from ..registry import kernel_factory, register_impl
 from . import mma, policies, tiles
@@ -99,8 +99,7 @@ __all__ = ["make_forward", "forward", "geometry", "shared_bytes", "default_tiles
            "sass_config", "sass_shape", "launch_order", "model_options", "check_inputs", "ARCHS", "LOG2E", "LN2",
            "STORAGES", "make_backward", "backward", "bwd_geometry", "bwd_shared_bytes", "bwd_default_tiles",
            "bwd_needs_dynamic", "last_backward", "model_backward", "bwd_sass_config", "bwd_sass_shape",
-           "bwd_launch_order", "edge_tile", "bwd_edge_tile", "BWD_LABEL", "measure_gpu", "TF32_MAX_D", "TF32_MAX_D_BWD",
-           "DESIGN_OPTIN_BYTES"]
+           "bwd_launch_order", "edge_tile", "bwd_edge_tile", "BWD_LABEL", "measure_gpu", "TF32_MAX_D", "TF32_MAX_D_BWD"]
 
 LOG2E = float32(1.4426950408889634)
 POS_INF = float32(math.inf)
@@ -640,8 +639,7 @@ def bwd_geometry(storage: str, d: int, Br: int, Bc: int, warps: int) -> dict:
 
 def bwd_shared_bytes(storage, d, Br, Bc, warps) -> int:
     """Static shared memory of one backward block: the tiles (their storage's bytes) and L_i, D_i (float32)."""
-    g = bwd_geometry(storage, d, Br, Bc, warps)
-    return g["itemsize"] * g["total"] + 4 * 2 * Br
+    return _bwd_dynamic_bytes(Br, Bc, d, warps, storage, dynamic=True) + 4 * 2 * Br
 
 
 # d = 64: eight warps of 16 keys (Bc = 128 halves the Q_i, dO_i and dQ re-reads of Bc = 64: the model's HBM bytes),
@@ -660,9 +658,6 @@ _BWD_DEFAULTS = {"float16": {64: dict(Br=32, Bc=128, warps=8), 128: dict(Br=16, 
 _BWD_STATIC = {"float16": {128: dict(Br=16, Bc=32, warps=2)}, "bfloat16": {128: dict(Br=16, Bc=64, warps=4)}}
 # GQA's loop over a K/V head's query heads takes registers: float16 at d = 64 with Br = 32 then spills.
 _BWD_GQA = {"float16": {64: dict(Br=16, Bc=128, warps=8)}}
-#: Opt-in limit the dynamic defaults are chosen (and the model's tiles checked) against: the A100's 163 KiB, the
-#: smaller of sm_80's and sm_90's (227 KiB).  A launch checks the device's own (``common.shared_optin_limit``).
-DESIGN_OPTIN_BYTES = SIM_OPTIN_LIMIT_BYTES
 #: What the last :func:`backward` launch ran with: ``dict(d=, Br=, Bc=, warps=, dynamic=, shared_bytes=, fallback=None
 #: or the reason it fell back to the static tiles)``.
 last_backward: dict = {}
@@ -670,8 +665,9 @@ last_backward: dict = {}
 
 def bwd_default_tiles(d: int, storage: str = "float16", gqa: bool = False, static: bool = False) -> dict:
     """The backward's default ``Br, Bc, warps`` at head dim ``d`` for ``storage`` (no spills; within the A100's
-    opt-in shared memory, :data:`DESIGN_OPTIN_BYTES`); ``gqa``: for K/V with fewer heads than Q; ``static``: the
-    largest within 48 KiB of static shared memory (the fallback when dynamic shared memory is refused)."""
+    opt-in shared memory, :data:`flashnb.kernels.tiles.DESIGN_OPTIN_BYTES`); ``gqa``: for K/V with fewer heads than
+    Q; ``static``: the largest within 48 KiB of static shared memory (the fallback when dynamic shared memory is
+    refused)."""
     key = storage if storage in _BWD_DEFAULTS else "float16"
     table = _BWD_DEFAULTS[key]
     if gqa:
@@ -1274,34 +1270,34 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
                 or "opt-in limit" not in str(exc):
             raise
         (t, M), fallback = plan(static=True), str(exc)
-    mask_mod, H = _modifier_config(score_mod, mask_mod, block_mask, heads, BH, M is not None and (M == PARTIAL).any())
+    bm_mod, H = _modifier_config(score_mod, mask_mod, block_mask, heads, BH, True)
     if score_mod is not None and score_mod_grad is None:
         score_mod_grad = policies.score_mod_grad_of(score_mod)   # score_mod.grad, else derived from its source
+
+    def build(t, M):                                 # the kernel of these tiles (mask_mod: only for PARTIAL tiles)
+        partial = M is not None and (M == PARTIAL).any()
+        return make_backward(t["Br"], t["Bc"], d, t["warps"], bool(causal), storage, G > 1,
+                             drop is not policies.NO_DROPOUT, M is not None, score_mod, bm_mod if partial else None,
+                             H, score_mod_grad if score_mod is not None else None, dynamic=t["dynamic"])
+
     D = empty((BH, Nq))
     dQ = empty((BH, Nq, d))                          # float32: the atomics' accumulator
     launch(flash.make_preprocess(storage), (cdiv(Nq, flash.PRE_WARPS), BH), 32 * flash.PRE_WARPS, o, do, D, dQ,
            label="D = rowsum(dO∘O)")
     dK = empty((BH // G, Nk, d), storage=storage)
     dV = empty((BH // G, Nk, d), storage=storage)
-    features = (bool(causal), storage, G > 1, drop is not policies.NO_DROPOUT, M is not None, score_mod, mask_mod, H,
-                score_mod_grad if score_mod is not None else None)
-    kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], *features, dynamic=t["dynamic"])
+    kernel = build(t, M)
     nbytes = _bwd_dynamic_bytes(d=d, storage=storage, **t)
     if t["dynamic"]:
-        try:
-            allow_dynamic_shared(kernel, _bwd_sig(storage), nbytes)
-        except Exception as exc:  # the driver's error type depends on the binding; the fallback is the same
-            if given:
-                raise RuntimeError(f"fa2-tc backward: the driver refused {nbytes:,} B of dynamic shared memory for "
-                                   f"tiles Br={t['Br']}, Bc={t['Bc']} at d={d}: {exc}") from exc
-            fallback = f"the opt-in call for {nbytes:,} B failed: {exc}"
+        refused = opt_in_or_fall_back("fa2-tc backward", kernel, _bwd_sig(storage), nbytes, t, d, bool(given),
+                                      allow_dynamic_shared)
+        if refused:
+            fallback = refused
             t, M = plan(static=True)
             nbytes = 0
-            kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], *features[:4], M is not None, *features[5:])
+            kernel = build(t, M)
     if fallback:
-        warnings.warn(f"fa2-tc backward at d={d}: default tiles need dynamic shared memory this device refuses "
-                      f"({fallback}); falling back to the static tiles Br={t['Br']}, Bc={t['Bc']}, "
-                      f"warps={t['warps']}", RuntimeWarning, stacklevel=2)
+        warn_fallback("fa2-tc backward", d, fallback, t)
     last_backward = dict(d=d, Br=t["Br"], Bc=t["Bc"], warps=t["warps"], dynamic=t["dynamic"],
                          shared_bytes=bwd_shared_bytes(storage, d, t["Br"], t["Bc"], t["warps"]), fallback=fallback)
     launch(kernel, (cdiv(Nk, t["Bc"]), BH // G), 32 * t["warps"], q, k, v, do, lse, D, dQ, dK, dV, scale,
@@ -1314,7 +1310,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     return dQ, dK, dV
 
 
-def _bwd_tiles(storage, d, Br, Bc, warps, gqa=False, optin=DESIGN_OPTIN_BYTES, static=False):
+def _bwd_tiles(storage, d, Br, Bc, warps, gqa=False, optin=tiles.DESIGN_OPTIN_BYTES, static=False):
     """Validated backward tiles (``static``: the static defaults) with ``dynamic`` (over 48 KiB: dynamic shared
     memory, up to ``optin`` bytes; more is a ValueError naming the tiles and the limit)."""
     t = bwd_default_tiles(d, storage, gqa, static)

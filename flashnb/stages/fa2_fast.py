@@ -137,7 +137,6 @@ tiles that suit the forward but not the backward (``Bc`` a multiple of ``4·warp
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 from numba import cuda, float32, uint32
@@ -151,7 +150,9 @@ from ..common import (
     check_shared_fit,
     empty,
     launch,
+    opt_in_or_fall_back,
     shared_optin_limit,
+    warn_fallback,
 )
 from ..kernels import blocks
 from ..kernels.blocks import (  # noqa: F401  (the geometry is stage 6's public API)
@@ -446,20 +447,14 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None):
     nbytes = shared_bytes(t["Br"], t["Bc"], d, t["warps"])
     kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal), t["dynamic"])
     if t["dynamic"]:
-        try:
-            allow_dynamic_shared(kernel, _FWD_SIG, nbytes)
-        except Exception as exc:  # the driver's error type depends on the binding; the fallback is the same
-            if given:
-                raise RuntimeError(f"fa2-fast forward: the driver refused {nbytes:,} B of dynamic shared memory "
-                                   f"for tiles Br={t['Br']}, Bc={t['Bc']} at d={d}: {exc}") from exc
-            fallback = f"the opt-in call for {nbytes:,} B failed: {exc}"
+        refused = opt_in_or_fall_back("fa2-fast forward", kernel, _FWD_SIG, nbytes, t, d, given, allow_dynamic_shared)
+        if refused:
+            fallback = refused
             t = _tiles(d, None, None, None, optin, static=True)
             nbytes = shared_bytes(t["Br"], t["Bc"], d, t["warps"])
             kernel = make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal), False)
     if fallback:
-        warnings.warn(f"fa2-fast forward at d={d}: default tiles need dynamic shared memory this device refuses "
-                      f"({fallback}); falling back to the static tiles Br={t['Br']}, Bc={t['Bc']}, "
-                      f"warps={t['warps']}", RuntimeWarning, stacklevel=2)
+        warn_fallback("fa2-fast forward", d, fallback, t)
     last_forward = dict(d=d, Br=t["Br"], Bc=t["Bc"], warps=t["warps"], dynamic=t["dynamic"], shared_bytes=nbytes,
                         fallback=fallback)
     O = empty((BH, Nq, d))
