@@ -608,8 +608,9 @@ def bwd_geometry(storage: str, d: int, Br: int, Bc: int, warps: int) -> dict:
     m-tile of 16 per warp, and visits the ``Br``-row Q tiles; ``Br`` a multiple of ``16·warps``, ``QM =
     Br / (16·warps)`` m-tiles of dQ per warp).  Shared: K_j, V_j, Q_i, dO_i in swizzled rows of ``LD``, dSᵀ in rows
     of ``LDS`` (the Br queries), L_i and D_i.  ``kv_regs``: K_j and V_j's A fragments stay in registers (``KD <=
-    4`` k-steps: d <= 64 halves, d <= 32 floats); ``CPT``: dQ_i's columns are computed in that many parts
-    (registers)."""
+    4`` k-steps: d <= 64 halves, d <= 32 floats); ``k_regs``: how many k-steps of K_j's stay in registers (all with
+    ``kv_regs``; halves at d = 128 over eight warps: seven of eight, V_j's and the last of K_j's reloaded per Q
+    tile); ``CPT``: dQ_i's columns are computed in that many parts (registers)."""
     if Bc != 16 * warps:
         raise ValueError(f"Bc={Bc} must be 16·warps = {16 * warps} in the backward (each warp owns 16 keys of K_j)")
     if Br % 16:
@@ -628,13 +629,16 @@ def bwd_geometry(storage: str, d: int, Br: int, Bc: int, warps: int) -> dict:
     LDS = max(LDSC, 1) * E
     KN, QN = Bc * LD, Br * LD
     kv_regs = g["KD"] <= 4                             # (halves: d <= 64; TF32: d <= 32)
+    # d = 128 over eight warps (MIO-bound: every k-step of K_j kept saves an ldmatrix.x4 per Q tile): seven of K_j's
+    # eight k-steps fit beside dK_j, dV_j (all eight spill on sm_90; fewer warps are HBM-bound and keep none)
+    k_regs = g["KD"] if kv_regs else (g["KD"] - 1 if storage != "float32" and g["KD"] == 8 and warps == 8 else 0)
     # dSᵀ after dO_i -- or, when V_j's A fragments stay in registers, in V_j's space (free once they are loaded)
     dso = KN if kv_regs and Bc * LDS <= KN else 2 * KN + 2 * QN
     offsets = dict(K=0, V=KN, Q=2 * KN, dO=2 * KN + QN, dS=dso)
     total = 2 * KN + 2 * QN + (Bc * LDS if dso > KN else 0)
     return dict(g, NQ=Br // 8, KQ=Br // g["KS"], KK=Bc // g["KS"], LDS=LDS, offsets=offsets, total=total,
-                kv_regs=kv_regs, CPT=CPT, PARTS=RT * CPT, IPW=cdiv(RT * CPT, warps), NDQ=g["Dp"] // CPT // 8,
-                copy=g["copy"])
+                kv_regs=kv_regs, k_regs=k_regs, CPT=CPT, PARTS=RT * CPT, IPW=cdiv(RT * CPT, warps),
+                NDQ=g["Dp"] // CPT // 8, copy=g["copy"])
 
 
 def bwd_shared_bytes(storage, d, Br, Bc, warps) -> int:
@@ -752,7 +756,10 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
     _, ds_at_chunk, ds_at = _layout(LDS, E)
     SDT = _SHARED_TYPE[storage]
     SIGN = _SIGN[storage]
-    KA = KD if KV_REGS else 1               # K_j / V_j A fragments kept in registers (else reloaded per tile)
+    KA = KD if KV_REGS else 1               # V_j's A fragments kept in registers (else reloaded per tile)
+    KR = g["k_regs"]                        # K_j's first KR k-steps kept in registers ...
+    KAK = KR + (1 if KR < KD else 0)        # ... and one slot for those reloaded per tile
+    DQ32 = 0 < KR < KD                      # (d = 128: dQ's atomics indexed in 32 bits, for those registers)
     LDN = 2 * Br                            # L_i and D_i (a compile-time size)
     ONE_LOOP = g["Dp"] > 64                 # d > 64: dK_j, dV_j fill half the registers; one copy of the tile loop
     group = policies.gqa(gqa)[1]
@@ -845,10 +852,13 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
                 LDs[tid] = L[z, i0 + tid] * LOG2E if i0 + tid < Nq else POS_INF
                 LDs[Br + tid] = D[z, i0 + tid] if i0 + tid < Nq else ZERO
         cuda.syncthreads()                     # Q_i, dO_i, L_i, D_i visible
-        if not KV_REGS:                        # K_j and V_j's A fragments, reloaded
+        if not KV_REGS:                        # V_j's A fragments (and K_j's beyond the first KR), reloaded
             for kk in range(KD):
-                a0, a1, a2, a3 = mma.ldmatrix_x4(sm, KO + at(w16 + 8 * ((lane // 8) % 2), lane, 2 * kk + lane // 16))
-                ka[0, 0], ka[0, 1], ka[0, 2], ka[0, 3] = a0 ^ flip, a1 ^ flip, a2 ^ flip, a3 ^ flip
+                kr = kk if kk < KR else KR     # (a compile-time index: the registers of ka)
+                if kk >= KR:
+                    a0, a1, a2, a3 = mma.ldmatrix_x4(sm, KO + at(w16 + 8 * ((lane // 8) % 2), lane,
+                                                                 2 * kk + lane // 16))
+                    ka[KR, 0], ka[KR, 1], ka[KR, 2], ka[KR, 3] = a0 ^ flip, a1 ^ flip, a2 ^ flip, a3 ^ flip
                 b0, b1, b2, b3 = mma.ldmatrix_x4(sm, VO + at(w16 + 8 * ((lane // 8) % 2), lane, 2 * kk + lane // 16))
                 va[0, 0], va[0, 1], va[0, 2], va[0, 3] = b0, b1, b2, b3
                 for nq in range(0, NQ, 2):     # line 10 (Sᵀ = K_j Q_iᵀ) and 13 (dPᵀ = V_j dO_iᵀ), this k-step
@@ -862,10 +872,10 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
                             s[nq + 1, c] = ZERO
                             dp[nq, c] = ZERO
                             dp[nq + 1, c] = ZERO
-                    s[nq, 0], s[nq, 1], s[nq, 2], s[nq, 3] = mma_k(ka[0, 0], ka[0, 1], ka[0, 2], ka[0, 3], q0, q1,
-                                                                   s[nq, 0], s[nq, 1], s[nq, 2], s[nq, 3])
+                    s[nq, 0], s[nq, 1], s[nq, 2], s[nq, 3] = mma_k(ka[kr, 0], ka[kr, 1], ka[kr, 2], ka[kr, 3], q0,
+                                                                   q1, s[nq, 0], s[nq, 1], s[nq, 2], s[nq, 3])
                     s[nq + 1, 0], s[nq + 1, 1], s[nq + 1, 2], s[nq + 1, 3] = mma_k(
-                        ka[0, 0], ka[0, 1], ka[0, 2], ka[0, 3], q2, q3, s[nq + 1, 0], s[nq + 1, 1], s[nq + 1, 2],
+                        ka[kr, 0], ka[kr, 1], ka[kr, 2], ka[kr, 3], q2, q3, s[nq + 1, 0], s[nq + 1, 1], s[nq + 1, 2],
                         s[nq + 1, 3])
                     dp[nq, 0], dp[nq, 1], dp[nq, 2], dp[nq, 3] = mma_k(va[0, 0], va[0, 1], va[0, 2], va[0, 3], o0,
                                                                        o1, dp[nq, 0], dp[nq, 1], dp[nq, 2], dp[nq, 3])
@@ -975,12 +985,18 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
                                                                        dq[dn, 2], dq[dn, 3])
                     dq[dn + 1, 0], dq[dn + 1, 1], dq[dn + 1, 2], dq[dn + 1, 3] = mma_k(
                         a0, a1, a2, a3, k2, k3, dq[dn + 1, 0], dq[dn + 1, 1], dq[dn + 1, 2], dq[dn + 1, 3])
+            if DQ32:                           # rows and columns in 32 bits (with seven k-steps of K_j in
+                r0 = uint32(i0 + q16) + uint32(g8)             # registers, the 64-bit ones spilled)
+                cq = uint32(c0) + uint32(2 * t4)
+            else:
+                r0 = i0 + q16 + g8
+                cq = c0 + 2 * t4
             for h in range(2):                 # atomically into HBM (other key blocks add too)
-                row = i0 + q16 + g8 + 8 * h
+                row = r0 + uint32(8 * h) if DQ32 else r0 + 8 * h
                 if row < Nq:
                     for dn in range(NDQ):
                         for e in range(2):
-                            col = c0 + dn * 8 + 2 * t4 + e
+                            col = cq + uint32(dn * 8 + e) if DQ32 else cq + (dn * 8 + e)
                             if col < d:
                                 cuda.atomic.add(dQ, (z, row, col), scale * dq[dn, 2 * h + e])
 
@@ -1024,7 +1040,7 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
         else:
             sm = cuda.shared.array(TOTAL, SDT, alignment=SHARED_ALIGN)   # K_j, V_j, Q_i, dO_i, dSᵀ (swizzled)
         LDs = cuda.shared.array(LDN, float32)          # L_i·log2 e, D_i
-        ka = cuda.local.array((KA, 4), uint32)         # K_j's A fragments (this warp's 16 keys; sign of scale)
+        ka = cuda.local.array((KAK, 4), uint32)        # K_j's A fragments (this warp's 16 keys; sign of scale)
         va = cuda.local.array((KA, 4), uint32)         # V_j's
         dk = cuda.local.array((ND, 4), float32)        # dK_j (C layout: keys g, g+8; columns 2t, 2t+1)
         dv = cuda.local.array((ND, 4), float32)        # dV_j
@@ -1065,10 +1081,11 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
             mma.cp_async_commit()
             mma.cp_async_wait_group(0)
         cuda.syncthreads()
+        for kk in range(KR):                           # this warp's 16 keys of K_j (and V_j) as A fragments, once
+            a0, a1, a2, a3 = mma.ldmatrix_x4(sm, KO + at(w16 + 8 * ((lane // 8) % 2), lane, 2 * kk + lane // 16))
+            ka[kk, 0], ka[kk, 1], ka[kk, 2], ka[kk, 3] = a0 ^ flip, a1 ^ flip, a2 ^ flip, a3 ^ flip
         if KV_REGS:
-            for kk in range(KD):                       # this warp's 16 keys of K_j and V_j as A fragments, once
-                a0, a1, a2, a3 = mma.ldmatrix_x4(sm, KO + at(w16 + 8 * ((lane // 8) % 2), lane, 2 * kk + lane // 16))
-                ka[kk, 0], ka[kk, 1], ka[kk, 2], ka[kk, 3] = a0 ^ flip, a1 ^ flip, a2 ^ flip, a3 ^ flip
+            for kk in range(KD):
                 b0, b1, b2, b3 = mma.ldmatrix_x4(sm, VO + at(w16 + 8 * ((lane // 8) % 2), lane, 2 * kk + lane // 16))
                 va[kk, 0], va[kk, 1], va[kk, 2], va[kk, 3] = b0, b1, b2, b3
         for dn in range(ND):
@@ -1437,10 +1454,12 @@ def model_backward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, B
     """Element accesses of :func:`backward`: stage 4's preprocessing launch (O, dO read; D, dQ = 0 written), the
     main launch, and (half storage) dQ's narrowing.  Main: K_j, V_j once per block; Q_i, dO_i, L_i, D_i once per
     visited tile (valid rows); dQ's atomics once per valid element of each visited tile; dK, dV written once.
-    Shared, per block: K_j, V_j written (``2·Bc·Dp``; read once as A fragments when they stay in registers); per
+    Shared, per block: K_j, V_j written (``2·Bc·Dp``; read once as A fragments where they stay in registers: V_j's
+    with ``kv_regs``, K_j's first ``k_regs`` k-steps of ``KS`` columns); per
     visited tile: Q_i, dO_i (``2·Br·Dp``), L_i, D_i (``2·Br``) and dSᵀ (``Bc·Br``) written; each warp reads Q_i and
     dO_i twice (``4·Br·Dp``: the B fragments of Sᵀ, dPᵀ and of dK_j, dV_j), L_i and D_i once per score (``32·Br``),
-    K_j and V_j's fragments (``2·16·Dp``) when they do not stay in registers; each part of dQ_i reads dSᵀ
+    V_j's fragments (``16·Dp``) and K_j's beyond ``k_regs`` (``16·(Dp - k_regs·KS)``) when they do not stay in
+    registers; each part of dQ_i reads dSᵀ
     (``16·Bc``) and K_j (``Bc·NDQ·8``).  ``BH`` counts query heads; with ``group`` of them per K/V head (GQA) a
     block is one K/V head's tile and visits the Q tiles of its ``group`` query heads.  ``block_mask``: as
     :func:`backward` takes it (EMPTY tiles are not visited; K_j, V_j are read and dK_j, dV_j written all the same)."""
@@ -1461,14 +1480,15 @@ def model_backward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, B
     blocks = BHk * cdiv(Nk, Bc_)
     pre = dict(launch="D = rowsum(dO∘O)", reads={"O": BH * Nq * d, "dO": BH * Nq * d},
                writes={"D": BH * Nq, "dQ": BH * Nq * d}, atomics={}, shared_reads=0, shared_writes=0)
-    per_tile = (W * (4 * Br_ * Dp + 32 * Br_ + (0 if g["kv_regs"] else 2 * 16 * Dp))
+    kept = g["k_regs"] * g["KS"]                       # K_j's columns kept in registers
+    per_tile = (W * (4 * Br_ * Dp + 32 * Br_ + (0 if g["kv_regs"] else 16 * Dp + 16 * (Dp - kept)))
                 + g["PARTS"] * (16 * Bc_ + Bc_ * g["NDQ"] * 8))
     main = dict(launch=BWD_LABEL,
                 reads={a: x for a, x in (("Q", q_rows * d), ("K", BHk * Nk * d), ("V", BHk * Nk * d),
                                          ("dO", q_rows * d), ("L", q_rows), ("D", q_rows),
                                          ("M", BH * checked * W)) if x},
                 writes={"dK": BHk * Nk * d, "dV": BHk * Nk * d}, atomics={"dQ": q_rows * d} if q_rows else {},
-                shared_reads=blocks * (2 * Bc_ * Dp if g["kv_regs"] else 0) + n * per_tile,
+                shared_reads=blocks * ((Bc_ * Dp if g["kv_regs"] else 0) + Bc_ * kept) + n * per_tile,
                 shared_writes=blocks * 2 * Bc_ * Dp + n * (2 * Br_ * Dp + 2 * Br_ + Bc_ * Br_))
     if storage == "float32":
         return [pre, main]
