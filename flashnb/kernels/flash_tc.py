@@ -910,15 +910,24 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
         allow0 = allowed_bits(z, i0 + 2 * t4, 8, j0 + w16 + g8, 8, NQ, 2, Nq, Nk, st)       # mask_mod, the same
         allow1 = allowed_bits(z, i0 + 2 * t4 + 1, 8, j0 + w16 + g8, 8, NQ, 2, Nq, Nk, st)   # elements (PARTIAL)
         for nq in range(NQ):                   # line 11: P = exp(scale·S - L); line 14: dS = P ∘ (dP - D)
+            if ONE_LOOP:                       # d > 64: L_i, D_i of this lane's two queries, read once (keys g and
+                c2 = nq * 8 + 2 * t4           # g + 8 share them)
+                la0, la1, da0, da1 = LDs[c2], LDs[c2 + 1], LDs[Br + c2], LDs[Br + c2 + 1]
             for e in range(4):
                 col = nq * 8 + 2 * t4 + e % 2
+                if ONE_LOOP:
+                    Lc = la0 if e % 2 == 0 else la1
+                    Dc = da0 if e % 2 == 0 else da1
+                else:                          # (d <= 64: read for every score)
+                    Lc = LDs[col]
+                    Dc = LDs[Br + col]
                 qi = i0 + col                  # this element's query and key
                 kj = j0 + w16 + g8 + 8 * (e // 2)
                 raw = s[nq, e] * abs(scale)    # the scaled score (a negative scale: K was negated)
                 sc = s[nq, e] * sl2            # base 2
                 if SCORED:                     # score_mod of the scaled score, then base 2
                     sc = score(raw, z, qi, kj, Nq, Nk) * LOG2E
-                p = mma.exp2(sc - LDs[col])    # (L_i read for every score: the model counts it so)
+                p = mma.exp2(sc - Lc)
                 if masked and causal and first + 8 * (e // 2) > nq * 8 + e % 2:      # first key and query in the tile
                     p = ZERO
                 if masked and MASK_MOD and not is_set(allow0 if e % 2 == 0 else allow1, nq * 2 + e // 2):
@@ -926,10 +935,10 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
                 if dropout:                    # W = Z / (1-p): dV takes P ∘ W, dS = P ∘ (dP ∘ W - D)
                     w = factor(keep0 if e % 2 == 0 else keep1, nq * 2 + e // 2, dst)
                     s[nq, e] = p * w
-                    dp[nq, e] = p * (dp[nq, e] * w - LDs[Br + col])
+                    dp[nq, e] = p * (dp[nq, e] * w - Dc)
                 else:
                     s[nq, e] = p
-                    dp[nq, e] = p * (dp[nq, e] - LDs[Br + col])
+                    dp[nq, e] = p * (dp[nq, e] - Dc)
                 if SCORED and qi < Nq and kj < Nk:     # the chain rule through score_mod, inside the problem
                     dp[nq, e] *= grad(raw, z, qi, kj)
                 idx = DSO + ds_at_chunk(w16 + g8 + 8 * (e // 2), col // E) + uint32(col % E)
@@ -993,11 +1002,11 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
                 cq = c0 + 2 * t4
             for h in range(2):                 # atomically into HBM (other key blocks add too)
                 row = r0 + uint32(8 * h) if DQ32 else r0 + 8 * h
-                if row < Nq:
+                if row < (uint32(Nq) if DQ32 else Nq):     # (unsigned against int64 would compare in float64)
                     for dn in range(NDQ):
                         for e in range(2):
                             col = cq + uint32(dn * 8 + e) if DQ32 else cq + (dn * 8 + e)
-                            if col < d:
+                            if col < (uint32(d) if DQ32 else d):
                                 cuda.atomic.add(dQ, (z, row, col), scale * dq[dn, 2 * h + e])
 
     @cuda.jit(device=True, inline="always")
@@ -1457,7 +1466,8 @@ def model_backward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, B
     Shared, per block: K_j, V_j written (``2·Bc·Dp``; read once as A fragments where they stay in registers: V_j's
     with ``kv_regs``, K_j's first ``k_regs`` k-steps of ``KS`` columns); per
     visited tile: Q_i, dO_i (``2·Br·Dp``), L_i, D_i (``2·Br``) and dSᵀ (``Bc·Br``) written; each warp reads Q_i and
-    dO_i twice (``4·Br·Dp``: the B fragments of Sᵀ, dPᵀ and of dK_j, dV_j), L_i and D_i once per score (``32·Br``),
+    dO_i twice (``4·Br·Dp``: the B fragments of Sᵀ, dPᵀ and of dK_j, dV_j), L_i and D_i once per score (``32·Br``;
+    at ``Dp > 64`` once per lane and query: ``16·Br``),
     V_j's fragments (``16·Dp``) and K_j's beyond ``k_regs`` (``16·(Dp - k_regs·KS)``) when they do not stay in
     registers; each part of dQ_i reads dSᵀ
     (``16·Bc``) and K_j (``Bc·NDQ·8``).  ``BH`` counts query heads; with ``group`` of them per K/V head (GQA) a
@@ -1481,7 +1491,7 @@ def model_backward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, B
     pre = dict(launch="D = rowsum(dO∘O)", reads={"O": BH * Nq * d, "dO": BH * Nq * d},
                writes={"D": BH * Nq, "dQ": BH * Nq * d}, atomics={}, shared_reads=0, shared_writes=0)
     kept = g["k_regs"] * g["KS"]                       # K_j's columns kept in registers
-    per_tile = (W * (4 * Br_ * Dp + 32 * Br_ + (0 if g["kv_regs"] else 16 * Dp + 16 * (Dp - kept)))
+    per_tile = (W * (4 * Br_ * Dp + (16 if Dp > 64 else 32) * Br_ + (0 if g["kv_regs"] else 16 * Dp + 16 * (Dp - kept)))
                 + g["PARTS"] * (16 * Bc_ + Bc_ * g["NDQ"] * 8))
     main = dict(launch=BWD_LABEL,
                 reads={a: x for a, x in (("Q", q_rows * d), ("K", BHk * Nk * d), ("V", BHk * Nk * d),
