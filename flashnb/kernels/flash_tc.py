@@ -915,19 +915,14 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
                 la0, la1, da0, da1 = LDs[c2], LDs[c2 + 1], LDs[Br + c2], LDs[Br + c2 + 1]
             for e in range(4):
                 col = nq * 8 + 2 * t4 + e % 2
-                if ONE_LOOP:
-                    Lc = la0 if e % 2 == 0 else la1
-                    Dc = da0 if e % 2 == 0 else da1
-                else:                          # (d <= 64: read for every score)
-                    Lc = LDs[col]
-                    Dc = LDs[Br + col]
                 qi = i0 + col                  # this element's query and key
                 kj = j0 + w16 + g8 + 8 * (e // 2)
                 raw = s[nq, e] * abs(scale)    # the scaled score (a negative scale: K was negated)
                 sc = s[nq, e] * sl2            # base 2
                 if SCORED:                     # score_mod of the scaled score, then base 2
                     sc = score(raw, z, qi, kj, Nq, Nk) * LOG2E
-                p = mma.exp2(sc - Lc)
+                # (d <= 64: L_i and D_i read for every score, as the traffic model counts them)
+                p = mma.exp2(sc - ((la0 if e % 2 == 0 else la1) if ONE_LOOP else LDs[col]))
                 if masked and causal and first + 8 * (e // 2) > nq * 8 + e % 2:      # first key and query in the tile
                     p = ZERO
                 if masked and MASK_MOD and not is_set(allow0 if e % 2 == 0 else allow1, nq * 2 + e // 2):
@@ -935,10 +930,10 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
                 if dropout:                    # W = Z / (1-p): dV takes P ∘ W, dS = P ∘ (dP ∘ W - D)
                     w = factor(keep0 if e % 2 == 0 else keep1, nq * 2 + e // 2, dst)
                     s[nq, e] = p * w
-                    dp[nq, e] = p * (dp[nq, e] * w - Dc)
+                    dp[nq, e] = p * (dp[nq, e] * w - ((da0 if e % 2 == 0 else da1) if ONE_LOOP else LDs[Br + col]))
                 else:
                     s[nq, e] = p
-                    dp[nq, e] = p * (dp[nq, e] - Dc)
+                    dp[nq, e] = p * (dp[nq, e] - ((da0 if e % 2 == 0 else da1) if ONE_LOOP else LDs[Br + col]))
                 if SCORED and qi < Nq and kj < Nk:     # the chain rule through score_mod, inside the problem
                     dp[nq, e] *= grad(raw, z, qi, kj)
                 idx = DSO + ds_at_chunk(w16 + g8 + 8 * (e // 2), col // E) + uint32(col % E)
@@ -994,18 +989,14 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
                                                                        dq[dn, 2], dq[dn, 3])
                     dq[dn + 1, 0], dq[dn + 1, 1], dq[dn + 1, 2], dq[dn + 1, 3] = mma_k(
                         a0, a1, a2, a3, k2, k3, dq[dn + 1, 0], dq[dn + 1, 1], dq[dn + 1, 2], dq[dn + 1, 3])
-            if DQ32:                           # rows and columns in 32 bits (with seven k-steps of K_j in
-                r0 = uint32(i0 + q16) + uint32(g8)             # registers, the 64-bit ones spilled)
-                cq = uint32(c0) + uint32(2 * t4)
-            else:
-                r0 = i0 + q16 + g8
-                cq = c0 + 2 * t4
+            r0 = uint32(i0 + q16) + uint32(g8) if DQ32 else 0   # rows and columns in 32 bits (with seven
+            cq = uint32(c0) + uint32(2 * t4) if DQ32 else 0     # k-steps of K_j kept, the 64-bit ones spilled)
             for h in range(2):                 # atomically into HBM (other key blocks add too)
-                row = r0 + uint32(8 * h) if DQ32 else r0 + 8 * h
+                row = r0 + uint32(8 * h) if DQ32 else i0 + q16 + g8 + 8 * h
                 if row < (uint32(Nq) if DQ32 else Nq):     # (unsigned against int64 would compare in float64)
                     for dn in range(NDQ):
                         for e in range(2):
-                            col = cq + uint32(dn * 8 + e) if DQ32 else cq + (dn * 8 + e)
+                            col = cq + uint32(dn * 8 + e) if DQ32 else c0 + dn * 8 + 2 * t4 + e
                             if col < (uint32(d) if DQ32 else d):
                                 cuda.atomic.add(dQ, (z, row, col), scale * dq[dn, 2 * h + e])
 
@@ -1090,13 +1081,16 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
             mma.cp_async_commit()
             mma.cp_async_wait_group(0)
         cuda.syncthreads()
-        for kk in range(KR):                           # this warp's 16 keys of K_j (and V_j) as A fragments, once
-            a0, a1, a2, a3 = mma.ldmatrix_x4(sm, KO + at(w16 + 8 * ((lane // 8) % 2), lane, 2 * kk + lane // 16))
-            ka[kk, 0], ka[kk, 1], ka[kk, 2], ka[kk, 3] = a0 ^ flip, a1 ^ flip, a2 ^ flip, a3 ^ flip
         if KV_REGS:
-            for kk in range(KD):
+            for kk in range(KD):                       # this warp's 16 keys of K_j and V_j as A fragments, once
+                a0, a1, a2, a3 = mma.ldmatrix_x4(sm, KO + at(w16 + 8 * ((lane // 8) % 2), lane, 2 * kk + lane // 16))
+                ka[kk, 0], ka[kk, 1], ka[kk, 2], ka[kk, 3] = a0 ^ flip, a1 ^ flip, a2 ^ flip, a3 ^ flip
                 b0, b1, b2, b3 = mma.ldmatrix_x4(sm, VO + at(w16 + 8 * ((lane // 8) % 2), lane, 2 * kk + lane // 16))
                 va[kk, 0], va[kk, 1], va[kk, 2], va[kk, 3] = b0, b1, b2, b3
+        else:
+            for kk in range(KR):                       # K_j's first KR k-steps, once
+                a0, a1, a2, a3 = mma.ldmatrix_x4(sm, KO + at(w16 + 8 * ((lane // 8) % 2), lane, 2 * kk + lane // 16))
+                ka[kk, 0], ka[kk, 1], ka[kk, 2], ka[kk, 3] = a0 ^ flip, a1 ^ flip, a2 ^ flip, a3 ^ flip
         for dn in range(ND):
             for c in range(4):
                 dk[dn, c] = ZERO
