@@ -610,7 +610,8 @@ def bwd_geometry(storage: str, d: int, Br: int, Bc: int, warps: int) -> dict:
     of ``LDS`` (the Br queries), L_i and D_i.  ``kv_regs``: K_j and V_j's A fragments stay in registers (``KD <=
     4`` k-steps: d <= 64 halves, d <= 32 floats); ``k_regs``: how many k-steps of K_j's stay in registers (all with
     ``kv_regs``; halves at d = 128 over eight warps: seven of eight, V_j's and the last of K_j's reloaded per Q
-    tile); ``CPT``: dQ_i's columns are computed in that many parts (registers)."""
+    tile); ``one_loop``: ``Dp > 64``, where dK_j, dV_j fill half the registers (one copy of the tile loop, L_i and
+    D_i read once per lane and query); ``CPT``: dQ_i's columns are computed in that many parts (registers)."""
     if Bc != 16 * warps:
         raise ValueError(f"Bc={Bc} must be 16·warps = {16 * warps} in the backward (each warp owns 16 keys of K_j)")
     if Br % 16:
@@ -637,8 +638,8 @@ def bwd_geometry(storage: str, d: int, Br: int, Bc: int, warps: int) -> dict:
     offsets = dict(K=0, V=KN, Q=2 * KN, dO=2 * KN + QN, dS=dso)
     total = 2 * KN + 2 * QN + (Bc * LDS if dso > KN else 0)
     return dict(g, NQ=Br // 8, KQ=Br // g["KS"], KK=Bc // g["KS"], LDS=LDS, offsets=offsets, total=total,
-                kv_regs=kv_regs, k_regs=k_regs, CPT=CPT, PARTS=RT * CPT, IPW=cdiv(RT * CPT, warps),
-                NDQ=g["Dp"] // CPT // 8, copy=g["copy"])
+                kv_regs=kv_regs, k_regs=k_regs, one_loop=g["Dp"] > 64, CPT=CPT, PARTS=RT * CPT,
+                IPW=cdiv(RT * CPT, warps), NDQ=g["Dp"] // CPT // 8, copy=g["copy"])
 
 
 def bwd_shared_bytes(storage, d, Br, Bc, warps) -> int:
@@ -756,12 +757,12 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
     _, ds_at_chunk, ds_at = _layout(LDS, E)
     SDT = _SHARED_TYPE[storage]
     SIGN = _SIGN[storage]
-    KA = KD if KV_REGS else 1               # V_j's A fragments kept in registers (else reloaded per tile)
+    KAV = KD if KV_REGS else 1              # V_j's A fragments kept in registers (else reloaded per tile)
     KR = g["k_regs"]                        # K_j's first KR k-steps kept in registers ...
     KAK = KR + (1 if KR < KD else 0)        # ... and one slot for those reloaded per tile
     DQ32 = 0 < KR < KD                      # (d = 128: dQ's atomics indexed in 32 bits, for those registers)
     LDN = 2 * Br                            # L_i and D_i (a compile-time size)
-    ONE_LOOP = g["Dp"] > 64                 # d > 64: dK_j, dV_j fill half the registers; one copy of the tile loop
+    ONE_LOOP = g["one_loop"]                # d > 64: dK_j, dV_j fill half the registers; one copy of the tile loop
     group = policies.gqa(gqa)[1]
     drop_state, keep_bits, factor = policies.dropout(dropout)
     H = policies.check_features(sparse, mask_mod, dropout, H, 2 * NQ)   # bits: one query parity
@@ -1041,7 +1042,7 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
             sm = cuda.shared.array(TOTAL, SDT, alignment=SHARED_ALIGN)   # K_j, V_j, Q_i, dO_i, dSᵀ (swizzled)
         LDs = cuda.shared.array(LDN, float32)          # L_i·log2 e, D_i
         ka = cuda.local.array((KAK, 4), uint32)        # K_j's A fragments (this warp's 16 keys; sign of scale)
-        va = cuda.local.array((KA, 4), uint32)         # V_j's
+        va = cuda.local.array((KAV, 4), uint32)        # V_j's
         dk = cuda.local.array((ND, 4), float32)        # dK_j (C layout: keys g, g+8; columns 2t, 2t+1)
         dv = cuda.local.array((ND, 4), float32)        # dV_j
         s = cuda.local.array((NQ, 4), float32)         # Sᵀ, then Pᵀ (keys × queries)
@@ -1485,7 +1486,8 @@ def model_backward(BH, Nq, Nk, d, *, causal=False, storage="float16", Br=None, B
     pre = dict(launch="D = rowsum(dO∘O)", reads={"O": BH * Nq * d, "dO": BH * Nq * d},
                writes={"D": BH * Nq, "dQ": BH * Nq * d}, atomics={}, shared_reads=0, shared_writes=0)
     kept = g["k_regs"] * g["KS"]                       # K_j's columns kept in registers
-    per_tile = (W * (4 * Br_ * Dp + (16 if Dp > 64 else 32) * Br_ + (0 if g["kv_regs"] else 16 * Dp + 16 * (Dp - kept)))
+    ld_reads = (16 if g["one_loop"] else 32) * Br_     # L_i, D_i: per lane and query, or per score
+    per_tile = (W * (4 * Br_ * Dp + ld_reads + (0 if g["kv_regs"] else 16 * Dp + 16 * (Dp - kept)))
                 + g["PARTS"] * (16 * Bc_ + Bc_ * g["NDQ"] * 8))
     main = dict(launch=BWD_LABEL,
                 reads={a: x for a, x in (("Q", q_rows * d), ("K", BHk * Nk * d), ("V", BHk * Nk * d),
