@@ -623,8 +623,13 @@ def bwd_geometry(storage: str, d: int, Br: int, Bc: int, warps: int) -> dict:
     g = geometry(storage, d, 16 * warps, Bc, warps)     # the row layout, copies and MMA (independent of Br)
     RT = Br // 16                                      # dQ_i's 16-row m-tiles, each cut into CPT column parts
     CPT = max(1, g["Dp"] // 32)                        # of at most 32 columns (16 accumulator registers), and more
+    while g["Dp"] % (16 * CPT):                        # each part whole pairs of 8-column n-tiles (one ldmatrix.x4
+        CPT += 1                                       # of K_j gives two): Dp = 80 -> 5 parts, 112 -> 7
     while RT * CPT < warps and g["Dp"] % (32 * CPT) == 0:   # while that leaves warps without a part
         CPT *= 2
+    NDQ = g["Dp"] // CPT // 8
+    if NDQ % 2 or CPT * NDQ * 8 != g["Dp"]:            # (every column of dQ_i in exactly one part)
+        raise AssertionError(f"dQ's parts do not tile Dp={g['Dp']}: CPT={CPT}, NDQ={NDQ}")
     E, LD = g["E"], g["LD"]
     LDSC = 1 << (Br // E - 1).bit_length()
     LDS = max(LDSC, 1) * E
@@ -639,7 +644,7 @@ def bwd_geometry(storage: str, d: int, Br: int, Bc: int, warps: int) -> dict:
     total = 2 * KN + 2 * QN + (Bc * LDS if dso > KN else 0)
     return dict(g, NQ=Br // 8, KQ=Br // g["KS"], KK=Bc // g["KS"], LDS=LDS, offsets=offsets, total=total,
                 kv_regs=kv_regs, k_regs=k_regs, one_loop=g["Dp"] > 64, CPT=CPT, PARTS=RT * CPT,
-                IPW=cdiv(RT * CPT, warps), NDQ=g["Dp"] // CPT // 8, copy=g["copy"])
+                IPW=cdiv(RT * CPT, warps), NDQ=NDQ, copy=g["copy"])
 
 
 def bwd_shared_bytes(storage, d, Br, Bc, warps) -> int:
