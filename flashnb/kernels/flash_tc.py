@@ -1185,7 +1185,8 @@ def _fit_mask(direction, d, t, given, block_mask, BH, Nq, Nk):
         x = next((x for x in range(cap - cap % step, 0, -step) if within % x == 0), None)
         if x is None:
             raise ValueError(f"block_mask was built for tiles Br={bm.Br}, Bc={bm.Bc}: the fa2-tc {direction} needs "
-                             f"{name} a multiple of {step} dividing {within}; build the mask for tiles that are")
+                             f"{name} a multiple of {step} dividing {within}; build the mask for tiles that are "
+                             "multiples of 16, e.g. flashnb.flex.create_block_mask(..., Br=32, Bc=32)")
         return x
 
     def refuse_given(name):
@@ -1204,15 +1205,25 @@ def _fit_mask(direction, d, t, given, block_mask, BH, Nq, Nk):
             refuse_given("Bc")
             t["Bc"] = shrink("Bc", bm.Bc, 16, t["Bc"])
     else:                                   # Bc = 16·warps keys, Br a multiple of 16·warps queries
-        if bm.Bc % t["Bc"]:
-            refuse_given("Bc")
-            refuse_given("warps")
-            t["Bc"] = shrink("Bc", bm.Bc, 16, t["Bc"])
-            t["warps"] = t["Bc"] // 16
-        step = 16 * t["warps"]
-        if bm.Br % t["Br"] or t["Br"] % step:
-            refuse_given("Br")
-            t["Br"] = shrink("Br", bm.Br, step, max(t["Br"], step))
+        if bm.Bc % t["Bc"] or bm.Br % t["Br"] or t["Br"] % t["Bc"]:
+            if bm.Bc % t["Bc"]:
+                refuse_given("Bc")
+                refuse_given("warps")
+            if bm.Br % t["Br"] or t["Br"] % t["Bc"]:
+                refuse_given("Br")
+            # the most keys (warps) for which some Br, a multiple of Bc, divides the mask's rows too
+            keys = [t["Bc"]] if "Bc" in given or "warps" in given else range(t["Bc"], 0, -16)
+            for Bc in keys:
+                Br = t["Br"] if "Br" in given else next(
+                    (x for x in range(max(t["Br"], Bc) // Bc * Bc, 0, -Bc) if bm.Br % x == 0), None)
+                if bm.Bc % Bc == 0 and Br is not None and bm.Br % Br == 0 and Br % Bc == 0:
+                    t.update(Br=Br, Bc=Bc, warps=Bc // 16)
+                    break
+            else:
+                raise ValueError(f"block_mask was built for tiles Br={bm.Br}, Bc={bm.Bc}: the fa2-tc backward needs "
+                                 "Bc a multiple of 16 dividing the mask's Bc and Br a multiple of that Bc dividing "
+                                 "the mask's Br; build the mask for tiles that are multiples of 16, e.g. "
+                                 "flashnb.flex.create_block_mask(..., Br=32, Bc=32)")
     return t, bm.at_tiles(t["Br"], t["Bc"], Nq, Nk, BH)
 
 

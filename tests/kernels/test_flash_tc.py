@@ -340,6 +340,28 @@ def test_block_mask_tiles_and_errors(rng):
         flash_tc.make_forward(32, 32, 16, 2, False, mask_mod=band)
 
 
+@pytest.mark.parametrize("Br, Bc, Nq, Nk", [(16, 80, 32, 100), (64, 48, 70, 96)])
+def test_backward_fits_a_block_mask_with_fewer_warps(rng, Br, Bc, Nq, Nk):
+    """A mask built for tiles whose key blocks only fewer warps divide (80 = 5 · 16 keys; 48 over three warps
+    leaves no Br that is a multiple of 48 and divides 64): both directions find tiles that divide the mask's blocks,
+    and agree with the reference; a mask no tile divides is refused with a whole sentence saying what to build."""
+    (q, k, v, do), exact, _ = half_inputs(rng, "float16", (1, Nq, 16), Nk)
+    bm = flex.create_block_mask(flex.causal(), 1, 1, Nq, Nk, Br=Br, Bc=Bc)
+    o, lse = flashnb.attention_forward(q, k, v, impl="fa2-tc", block_mask=bm)
+    grads = flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2-tc", block_mask=bm)
+    t = flash_tc.last_backward
+    assert Bc % t["Bc"] == 0 and Br % t["Br"] == 0 and t["Br"] % t["Bc"] == 0, t
+    mask = flex.mask_array(flex.causal(), 1, 1, Nq, Nk)[0, 0]
+    o_ref, _ = reference.attention_forward(*exact[:3], mask=mask)
+    assert_close(values(o, "float16"), o_ref, atol=2e-3, rtol=2e-3, what="o")             # half o: 2^-11
+    for name, g, r in zip(("dq", "dk", "dv"), grads, reference.attention_backward(*exact, mask=mask)):
+        assert_close(values(g, "float16"), r, atol=1e-2, rtol=1e-2, what=name)   # as the block-mask test above
+    odd = flex.create_block_mask(flex.causal(), 1, 1, Nq, Nk, Br=Br, Bc=20)
+    with pytest.raises(ValueError, match=r"tiles that are multiples of 16, e\.g\. flashnb\.flex\.create_block_mask"
+                                         r"\(\.\.\., Br=32, Bc=32\)$"):
+        flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2-tc", block_mask=odd, check_forward=False)
+
+
 def test_modifiers_through_flashnb_pytorch_run_the_same_kernels(rng, checked_modifiers):
     """flashnb.pytorch passes the modifiers to fa2-tc (as handles through the custom operator): o and the
     gradients are those of the NumPy API's launches, bit for bit."""
