@@ -701,7 +701,8 @@ def bwd_needs_dynamic(storage, d, Br, Bc, warps) -> bool:
 def _bwd_configs():
     """The backward configs the PTX guard compiles: default tiles at d = 64 and 128 (K_j, V_j fragments in
     registers, and reloaded; dQ in one and in two passes; d = 128's in dynamic shared memory, and the static tiles
-    it falls back to) for each storage, causal on and off, an odd d, GQA and dropout."""
+    it falls back to) for each storage, causal on and off, an odd d, d = 80 and 112 (dQ in odd counts of n-tile
+    pairs), GQA and dropout."""
     out = []
     for d, st, causal in ((64, "float16", False), (64, "float16", True), (128, "float16", False),
                           (128, "float16", True), (64, "bfloat16", True), (128, "bfloat16", False),
@@ -710,6 +711,9 @@ def _bwd_configs():
     out += [dict(**bwd_default_tiles(128, st, static=True), d=128, causal=c, storage=st)    # the static fallback
             for st in ("float16", "bfloat16") for c in (False, True)]
     out.append(dict(Br=32, Bc=32, warps=2, d=20, causal=True, storage="float16"))
+    # dQ_i in parts of 16 columns where Dp's n-tile pairs are odd in number (Dp = 80: five, 112: seven)
+    out += [dict(**bwd_default_tiles(80), d=80, causal=True, storage="float16"),
+            dict(**bwd_default_tiles(112, "bfloat16"), d=112, causal=False, storage="bfloat16")]
     for d, causal in ((64, True), (64, False), (128, True)):   # GQA: a block loops over its K/V head's query heads
         out.append(dict(**bwd_default_tiles(d, gqa=True), d=d, causal=causal, storage="float16", gqa=True))
     for d, st, causal in ((64, "float16", True), (128, "float16", False)):   # dropout: Z regenerated per tile
