@@ -91,8 +91,10 @@ print(f"SRAM is {bw_ratio[0]:.1f}-{bw_ratio[1]:.1f}x faster and {size_ratio[0]:,
 # tiles that fit. That is the whole idea of FlashAttention.
 #
 # flashnb's models use datasheet presets (`flashnb.instruments.roofline.GPUS`; the module docstring cites each source).
-# The compute roof is the **FP32 CUDA-core** peak, because numba has no tensor-core intrinsics; the tensor-core
-# peak is listed only to show how far above it a production kernel's roof sits.
+# The compute roof of stages 1-6 is the **FP32 CUDA-core** peak: their kernels multiply on the FP32 units.
+# numba-cuda has no tensor-core API of its own, but a kernel reaches the tensor cores through inline PTX
+# (`mma.sync`, notebook 12), and such a kernel is modelled against the **tensor-core** peak, an order of magnitude
+# higher.
 
 # %%
 print(f"{'GPU':<14} {'SMs':>4} {'DRAM TB/s':>9} {'FP32 TF/s':>10} {'tensor TF/s':>12} {'smem/SM KiB':>12} "
