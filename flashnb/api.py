@@ -72,10 +72,13 @@ def _as_real_array(name: str, x: Any) -> np.ndarray:
     elif hasattr(x, "copy_to_host"):  # a numba device array
         a = x.copy_to_host()
     else:
-        try:
+        try:                          # nested lists and other array-likes: converted as np.asarray converts them
             a = np.asarray(x)
-        except Exception as exc:  # pragma: no cover - exotic objects
-            raise TypeError(f"{name} must be an array of shape {_SHAPES_DOC}, got {type(x).__name__}") from exc
+        except Exception as exc:      # a ragged list, an exotic object
+            raise TypeError(f"{name} must be an array of shape {_SHAPES_DOC} (a NumPy array, or nested lists of "
+                            f"numbers with equal lengths at each level), got a {type(x).__name__} NumPy cannot "
+                            f"make one array of ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+                            ) from None
     if a.dtype == object or not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)):
         raise TypeError(
             f"{name} must hold real numbers (a float or integer dtype), got dtype {a.dtype}"

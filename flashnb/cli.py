@@ -276,6 +276,48 @@ def _run_script(path: str) -> tuple[int, bool]:
         sys.argv = argv
 
 
+#: The checkers a sanitized script may start itself: (module of flashnb.sim, its function, what the script calls).
+_SCRIPT_CHECKERS = (("racecheck", "check", "flashnb.sim.racecheck.check()"),
+                    ("sanitizer", "sanitize", "flashnb.sim.sanitize()"),
+                    ("memprofile", "profile", "flashnb.sim.profile()"))
+
+
+@contextlib.contextmanager
+def _script_checkers(notes: list):
+    """While ``flashnb sanitize`` runs a script: a checker the script starts itself (``racecheck.check()``,
+    ``sanitize()``, ``profile()`` -- the simulator watches launches with one checker at a time) works as it does
+    under ``python script.py``, with the outer sanitizer set aside for its block
+    (:func:`flashnb.sim.sanitizer.set_aside`); ``notes`` gets ``(what, launches)`` per such block, for the report
+    to say which launches the script's own checker saw instead."""
+    import importlib
+
+    from .instruments import traffic
+    from .sim.sanitizer import set_aside
+
+    def nested(original, what):
+        @contextlib.contextmanager
+        def checker(*args, **kwargs):
+            with set_aside(), traffic.count() as counted:
+                try:
+                    with original(*args, **kwargs) as inner:
+                        yield inner
+                finally:
+                    notes.append((what, len(counted.launches)))
+        checker.__doc__, checker.__wrapped__ = original.__doc__, original
+        return checker
+
+    saved = []
+    for module, name, what in _SCRIPT_CHECKERS:
+        mod = importlib.import_module(f"flashnb.sim.{module}")
+        saved.append((mod, name, getattr(mod, name)))
+        setattr(mod, name, nested(getattr(mod, name), what))
+    try:
+        yield
+    finally:
+        for mod, name, original in saved:
+            setattr(mod, name, original)
+
+
 def _sanitize_target(target: str, impls) -> str | None:
     """``"impl"``, ``"script"``, or None after printing why ``target`` is neither (a missing file, a directory, an
     unknown impl name)."""
@@ -310,7 +352,7 @@ def cmd_sanitize(args) -> int:
         return 2
     found, status = False, 0
     for target, kind in zip(targets, kinds):
-        code, hard = 0, False
+        code, hard, notes = 0, False, []
         with sim.sanitize(tools=tools, raise_on_error=False) as report:
             if kind == "impl":
                 q, k, v, do = _problem(args)
@@ -318,8 +360,12 @@ def cmd_sanitize(args) -> int:
                 if IMPLS[target].backward is not None:
                     api.attention_backward(q, k, v, o, lse, do, causal=args.causal, impl=target)
             else:
-                code, hard = _run_script(target)
+                with _script_checkers(notes):
+                    code, hard = _run_script(target)
         print(f"{target}: {report}")
+        for what, launches in notes:
+            print(f"{target}: {launches} launch(es) ran inside the script's own {what} block: that checker watched "
+                  "them (as under `python script`), this report does not cover them")
         found |= bool(report)
         if kind == "script" and code != 0:
             print(f"{target}: the script exited with status {code}", file=sys.stderr)

@@ -36,7 +36,8 @@ How it works:
   (masked elements have ``P = 0``).
 * Every modifier is checked before any launch (:func:`check_modifiers`): compiled alone for a GPU
   (``numba.cuda.compile_ptx(fn, (float32, int32, int32, int32, int32), device=True, cc=(8, 0))``, in a child
-  process on the simulator, once per function), refusing a compile error (an unsupported call), ``.f64`` in its
+  process on the simulator, once per function; the verdict is kept on disk beside NVVM's PTX cache, so a later
+  process skips it), refusing a compile error (an unsupported call), ``.f64`` in its
   PTX (a Python float literal, or an int32 index times a float32, which numba promotes to float64), a wrong
   number of arguments, or a result that is not float32 (``score_mod``) / a boolean (``mask_mod``).  The error
   names the modifier and says how to fix it.  The simulator would run any of them (as Python); a GPU would
@@ -197,6 +198,79 @@ def _compile_many(items):
     return [tuple(r) if r else None for r in json.loads(proc.stdout.split(marker, 1)[1])]
 
 
+_MISSING = object()
+
+
+def _verdict_dir():
+    """Where the GPU compile check's verdicts are kept across processes: ``verdicts/`` beside NVVM's PTX cache
+    (:func:`flashnb.instruments.ptx_cache_dir`; ``FLASHNB_PTX_CACHE=off`` turns both off)."""
+    from .instruments.ptx_cache import ptx_cache_dir
+
+    folder = ptx_cache_dir()
+    return None if folder is None else folder.parent / "verdicts"
+
+
+def _verdict_key(py, role) -> str | None:
+    """The on-disk key of one check: the modifier's full description as the compile child receives it (its source
+    and every captured value, arrays by content), the role, the sources the check runs (the package digest) and
+    the toolchain's versions.  None (not kept) when it loads a name from a module outside flashnb, numba, numpy and
+    the math modules (the key could not see that module change) or cannot be described."""
+    import hashlib
+
+    from .instruments import ptx_cache
+
+    try:
+        desc = _describe(py, role)
+    except ModifierError:
+        return None
+    if not ptx_cache._portable(desc):
+        return None
+    text = json.dumps([desc, role, ptx_cache.package_digest(), ptx_cache.toolchain_versions()], sort_keys=True,
+                      default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _stored_verdict(py, role):
+    """``(disk key, verdict)``: the verdict a process stored for this modifier (None: fine; a problem pair), or
+    ``_MISSING``."""
+    folder = _verdict_dir()
+    key = None if folder is None else _verdict_key(py, role)
+    if key is not None:
+        try:
+            got = json.loads((folder / f"{key}.json").read_text())
+            return key, (None if got is None else tuple(got))
+        except (OSError, ValueError, TypeError):
+            pass
+    return key, _MISSING
+
+
+def _store_verdict(key, problem) -> None:
+    folder = _verdict_dir()
+    if key is None or folder is None:
+        return
+    try:                                  # a read-only or full disk only costs the next process the check
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f"{key}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(problem))
+        os.replace(tmp, folder / f"{key}.json")
+    except OSError:
+        pass
+
+
+def _say_checking(items) -> None:
+    """One line on stderr before the check compiles anything on the simulator (a child process, several seconds):
+    what runs, and that the verdict is kept.  ``FLASHNB_SIM_QUIET=1`` keeps it quiet."""
+    from . import runtime
+
+    if not runtime.is_simulator() or os.environ.get("FLASHNB_SIM_QUIET", "") not in ("", "0"):
+        return
+    names = ", ".join(f"{role} {name_of(py)!r}" for py, role in items)
+    folder = _verdict_dir()
+    kept = f"the verdict is kept in {folder} for later runs" if folder is not None else "not kept (cache off)"
+    print(f"flashnb: checking that {names} compile{'s' if len(items) == 1 else ''} for a GPU (numba in a child "
+          f"process, a few seconds, once per modifier; {kept})", file=sys.stderr)
+
+
 def _message(role, fn, problem):
     kind, detail = problem
     name = name_of(fn)
@@ -228,8 +302,10 @@ def _check_signature(fn, role):
 
 def check_modifiers(*, score_mod=None, mask_mod=None, score_mod_grad=None) -> None:
     """Raise :class:`ModifierError` unless each given modifier compiles alone for a GPU as float32 code with the
-    right result type (see the module docstring).  Results are cached per function; all the unchecked ones of
-    one call compile in one batch (one child process on the simulator, ~2-3 s)."""
+    right result type (see the module docstring).  Results are cached per function, in this process and on disk
+    (``verdicts/`` beside :func:`flashnb.instruments.ptx_cache_dir`, keyed by the modifier's source and captured
+    values, flashnb's sources and the toolchain); all the unchecked ones of one call compile in one batch (one
+    child process on the simulator, several seconds, announced by a line on stderr)."""
     given = [(fn, role) for fn, role in ((score_mod, "score_mod"), (mask_mod, "mask_mod"),
                                          (score_mod_grad, "score_mod_grad")) if fn is not None]
     if score_mod is not None and score_mod_grad is None:
@@ -256,7 +332,14 @@ def check_many(given, *, strict: bool = True) -> None:
         if key not in _CHECKED:
             todo.setdefault(key, (py, role))
     if todo:
-        for key, problem in zip(todo, _compile_many(list(todo.values()))):
+        stored = {key: _stored_verdict(*item) for key, item in todo.items()}
+        missing = [key for key, (disk_key, found) in stored.items() if found is _MISSING]
+        if missing:
+            _say_checking([todo[key] for key in missing])
+            for key, problem in zip(missing, _compile_many([todo[key] for key in missing])):
+                _store_verdict(stored[key][0], problem)
+                stored[key] = (stored[key][0], problem)
+        for key, (_, problem) in stored.items():
             py, role = todo[key]
             _CHECKED[key] = None if problem is None else _message(role, py, problem)
     for key in keys if strict else ():

@@ -189,3 +189,28 @@ def test_fa1_M_is_a_memory_size(rng):
     with pytest.raises(ValueError, match="M must be at least 4·d = 64 float32 elements, got M=1"):
         flashnb.attention_forward(q, k, v, impl="fa1", M=1)
     assert flashnb.stages.fa1.tiles(16, M=64)["Bc"] == 4   # the smallest budget: one row each, Bc rounded to warps
+
+
+# --------------------------------------------------------------------------- array-likes
+
+
+def test_nested_lists_are_converted_and_ragged_ones_refused_by_name(rng):
+    """Nested lists are converted as np.asarray converts them (docs/kernels.md says so): a (H, N, d) list of Python
+    floats gives the ndarray's output and gradients.  Before, a ragged list was refused as a bare 'got list': the
+    message now names the argument, what the API takes and why NumPy could not make an array of it."""
+    q, k, v, do = qkv(rng, (2, 12, 8), 10, do=True)
+    o, lse = flashnb.attention_forward(q.tolist(), k, v.tolist(), causal=True, impl="flash")
+    o_ref, lse_ref = flashnb.attention_forward(q, k, v, causal=True, impl="flash")
+    assert isinstance(o, np.ndarray) and o.dtype == o_ref.dtype
+    np.testing.assert_array_equal(o, o_ref)              # the same float32 inputs after conversion: the same bits
+    np.testing.assert_array_equal(lse, lse_ref)
+    grads = flashnb.attention_backward(q, k.tolist(), v, o, lse, do.tolist(), causal=True, impl="flash")
+    for got, want in zip(grads, flashnb.attention_backward(q, k, v, o_ref, lse_ref, do, causal=True, impl="flash")):
+        np.testing.assert_array_equal(got, want)
+    ragged = k[0].tolist()
+    ragged[3] = ragged[3][:5]
+    with pytest.raises(TypeError, match=r"^k must be an array of shape .*nested lists of numbers with equal "
+                                        r"lengths.*got a list NumPy cannot make one array of \(.+\)$"):
+        flashnb.attention(q[0], ragged, v[0])
+    with pytest.raises(TypeError, match=r"^v must hold real numbers .*got dtype bool"):
+        flashnb.attention(q[0], k[0], (v[0] > 0).tolist())

@@ -95,6 +95,55 @@ def test_sanitize_keeps_a_clean_scripts_own_status_and_traps_os_exit(tmp_path):
     assert r.returncode == 1 and "hard.py: 32 error(s)" in r.stdout and "never.py" not in r.stdout, r.stdout + r.stderr
 
 
+_OWN_CHECKER = """import numpy as np
+import flashnb
+from flashnb import common
+from numba import cuda
+
+
+@cuda.jit
+def copy(src, dst):
+    i = cuda.grid(1)
+    if i < dst.size:
+        dst[i] = src[i]
+
+
+@cuda.jit
+def shift(x):
+    i = cuda.grid(1)
+    x[i + 1] = x[i]                             # the last thread writes one past the end
+
+
+a = common.to_device(np.random.default_rng(3).standard_normal(64).astype(np.float32))
+mid = common.empty(64)                          # poisoned: the outer initcheck tracks it
+with flashnb.sim.profile() as prof:             # the script's own checker, around the launch that writes mid
+    copy[2, 32](a, mid)
+print("own profile:", len(prof.traffic.launches), "launch(es)")
+out = common.empty(64)
+copy[2, 32](mid, out)                           # reads mid, which the profiled launch wrote
+assert np.array_equal(out.copy_to_host(), a.copy_to_host())
+shift[1, 32](common.to_device(np.zeros(32, np.float32)))
+"""
+
+
+def test_sanitize_a_script_that_starts_its_own_checker(tmp_path):
+    """Before: a script running a checker of its own (docs/simulator.md's example does) died under `flashnb
+    sanitize` with "already active" and exit 1.  Its checker now works as under `python script.py`, the report
+    says the launches in its block were left to it, and the sanitizer keeps watching the rest: the out-of-bounds
+    launch after it is found (exit 1), and reading what the profiled launch wrote is not an initcheck finding."""
+    path = tmp_path / "own.py"
+    path.write_text(_OWN_CHECKER)
+    r = subprocess.run([sys.executable, "-m", "flashnb.cli", "sanitize", str(path)], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "FLASHNB_DEVICE": "sim"})
+    out = r.stdout + r.stderr
+    assert r.returncode == 1 and "already active" not in out, out
+    assert "own profile: 1 launch(es)" in r.stdout, out
+    assert "own.py: 1 error(s) in 1 place(s), 2 launch(es) (memcheck, racecheck, initcheck, synccheck)" in r.stdout, out
+    assert "memcheck" in r.stdout.split("own.py: 1 error(s)")[1] and "initcheck:" not in r.stdout, out
+    assert ("own.py: 1 launch(es) ran inside the script's own flashnb.sim.profile() block: that checker watched them"
+            in r.stdout), out
+
+
 def test_sanitize_a_missing_file_says_so(tmp_path, capsys):
     assert cli.main(["sanitize", str(tmp_path / "missing.py")]) == 2
     assert f"no such file: {str(tmp_path / 'missing.py')!r}" in capsys.readouterr().err

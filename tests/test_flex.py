@@ -388,11 +388,12 @@ def _bias_of(table):
     return captured_bias
 
 
-def test_compile_check_is_cached_by_code_and_captured_types(rng, monkeypatch):
+def test_compile_check_is_cached_by_code_and_captured_types(rng, monkeypatch, tmp_path):
     """Before: every new modifier closure paid a compile check in a child process (~2.5 s), e.g. a new
     flex.document(ids) per training batch.  The check depends on the code and the captured values' types: new
     document ids launch with no check at all, a float32 table is checked once for any values, and a float64
     table -- another type, float64 arithmetic on a GPU -- is checked (and refused) on its own."""
+    monkeypatch.setenv("FLASHNB_PTX_CACHE", str(tmp_path / "ptx"))   # no verdicts kept by an earlier run
     batches = []
     real = flex._compile_many
     monkeypatch.setattr(flex, "_compile_many", lambda items: batches.append(len(items)) or real(items))
@@ -408,6 +409,43 @@ def test_compile_check_is_cached_by_code_and_captured_types(rng, monkeypatch):
     with pytest.raises(ModifierError, match="captured_bias' computes in float64"):
         flex.check_modifiers(score_mod=_bias_of(np.ones(16)))
     assert batches == [2]
+
+
+def _tilted(slope):
+    def tilted(score, b, h, q_idx, kv_idx):
+        return score + slope * float32(kv_idx - q_idx)
+    return tilted
+
+
+def _tilted_f64(score, b, h, q_idx, kv_idx):
+    return score * 0.5                           # a Python float literal: float64 on a GPU
+
+
+def test_compile_check_verdicts_outlive_the_process(monkeypatch, tmp_path, capfd):
+    """Before: every process paid the GPU compile check of each modifier again (a child process, seconds each), and
+    said nothing while it ran.  A check that compiles says so on stderr; its verdicts, fine or refused, are kept on
+    disk, so a process that has forgotten them (an empty in-memory cache) gets them with no compile; a captured
+    value it has not seen (another slope) is compiled, never served from another value's verdict."""
+    monkeypatch.setenv("FLASHNB_PTX_CACHE", str(tmp_path / "ptx"))
+    monkeypatch.delenv("FLASHNB_SIM_QUIET", raising=False)
+    monkeypatch.setattr(flex, "_CHECKED", {})
+    fine, refused = _tilted(float32(0.3)), _tilted_f64
+    flex.check_many([(fine, "score_mod"), (refused, "score_mod")], strict=False)
+    err = capfd.readouterr().err
+    assert "checking that score_mod 'tilted', score_mod '_tilted_f64' compile for a GPU" in err, err
+    assert len(list((tmp_path / "verdicts").glob("*.json"))) == 2
+
+    def no_compile(items):
+        raise AssertionError(f"compiled again: {items}")
+
+    monkeypatch.setattr(flex, "_CHECKED", {})                 # as a new process starts
+    monkeypatch.setattr(flex, "_compile_many", no_compile)
+    flex.check_modifiers(score_mod=_tilted(float32(0.3)))
+    with pytest.raises(ModifierError, match="'_tilted_f64' computes in float64"):
+        flex.check_modifiers(score_mod=refused)
+    assert "checking" not in capfd.readouterr().err
+    with pytest.raises(AssertionError, match="compiled again"):
+        flex.check_modifiers(score_mod=_tilted(float32(0.7)))
 
 
 def test_kernel_cache_is_bounded():

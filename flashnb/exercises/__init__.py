@@ -113,14 +113,24 @@ def _load_all():
                 raise
 
 
-def check(id: str, *, strict: bool = False, **answers) -> bool:
-    """Check the answers to exercise ``id`` (keyword arguments, as the notebook cell names them).
+def check(id: str, *positional, strict: bool = False, **answers) -> bool:
+    """Check the answers to exercise ``id``: keyword arguments, as the notebook cell names them
+    (``check("03.2", answer=answer)``), or positional ones in that order (``check("03.2", answer)``).
 
     An answer left as ``...`` means "not attempted yet": nothing is checked.  Prints the verdict and returns
     True when every answer is right; ``strict=True`` raises :class:`Wrong` instead of printing a failure.
     """
     ex = _load(id)
     head = f"exercise {id} ({ex.title}, {ex.tag})"
+    if positional:
+        names = list(inspect.signature(ex.check).parameters)
+        if len(positional) > len(names):
+            raise TypeError(f"exercise {id} takes {len(names)} answer(s), {names}, got {len(positional)} positional "
+                            f"answers: pass them by name, e.g. exercises.check({id!r}, {names[0]}=...)")
+        twice = sorted(set(names[:len(positional)]) & set(answers))
+        if twice:
+            raise TypeError(f"exercise {id}: answer(s) {twice} given both by position and by name")
+        answers = {**dict(zip(names, positional)), **answers}
     if any(v is ... for v in answers.values()) or not answers:
         missing = [k for k, v in answers.items() if v is ...]
         print(f"{head}: not attempted yet -- fill in {', '.join(missing) or 'your answer'} and run this cell again")

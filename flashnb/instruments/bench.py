@@ -409,31 +409,77 @@ def table(rows: list[dict] | None, columns) -> str:
 # --------------------------------------------------------------------------- sweep
 
 
-def modelled_bytes(impl: str, B: int, H: int, N: int, d: int, causal: bool, direction: str = "fwd") -> float | None:
+#: Queries per row of an impl made for decoding (``stage="decode"``: flash-decoding): a decoding step is a few new
+#: queries against a cache of ``N`` keys, so the sweep runs one query against ``N`` keys, not ``N`` queries.
+DECODE_QUERIES = 1
+
+
+def queries_for(impl: str, N: int) -> int:
+    """The query count the sweep uses for ``impl`` at sequence length ``N``: ``N``, or :data:`DECODE_QUERIES` for a
+    decoding impl (whose ``N`` is the KV cache's length)."""
+    from ..registry import IMPLS
+
+    return DECODE_QUERIES if IMPLS[impl].stage == "decode" else N
+
+
+def _traffic_model(entry, direction: str):
+    """The analytic model of ``entry``'s ``direction``, by the launcher's name in its module: ``forward`` ->
+    ``model_forward``, ``forward_rows`` -> ``model_rows_forward`` (None when the module has none)."""
+    fn = entry.forward if direction == "fwd" else entry.backward
+    mod = importlib.import_module(fn.__module__)
+    base = "forward" if direction == "fwd" else "backward"
+    name = getattr(fn, "__name__", "")
+    step = name[len(base) + 1:] if name.startswith(base + "_") else ""
+    return getattr(mod, f"model_{step}_{base}", None) if step else getattr(mod, f"model_{base}", None)
+
+
+def _modelled_bytes(impl, B, H, N, d, causal, direction, Nq=None):
+    """``(bytes or None, why there is no number)``: :func:`modelled_bytes` with the reason it has none."""
+    from ..registry import IMPLS
+
+    model = _traffic_model(IMPLS[impl], direction)
+    if model is None:
+        return None, f"no traffic model for {impl}'s {'forward' if direction == 'fwd' else 'backward'}"
+    Nq = N if Nq is None else Nq
+    try:
+        try:
+            launches = model(B * H, Nq, N, d, causal=causal)
+        except TypeError:
+            launches = model(B * H, Nq, N, d)
+    except ValueError as exc:  # the model cannot price this configuration (e.g. tiles that do not fit)
+        return None, f"not modelled at this size: {str(exc)[:160]}"
+    elems = sum(sum(ln.get(k, {}).values()) for ln in launches for k in ("reads", "writes", "atomics"))
+    return 4.0 * elems, None
+
+
+def modelled_bytes(impl: str, B: int, H: int, N: int, d: int, causal: bool, direction: str = "fwd",
+                   Nq: int | None = None) -> float | None:
     """HBM bytes of an implementation from its stage module's analytic model (``model_forward`` /
-    ``model_backward``: element counts x 4 bytes); None when the stage has no such model."""
+    ``model_backward``, or ``model_<step>_forward`` for a launcher named ``forward_<step>``: element counts x 4
+    bytes) for ``Nq`` queries (default ``N``) against ``N`` keys; None when the stage has no such model or it
+    cannot price this configuration."""
+    return _modelled_bytes(impl, B, H, N, d, causal, direction, Nq)[0]
+
+
+def _note(impl: str, N: int, d: int, causal: bool, Nq: int) -> str | None:
+    """What sets a row apart from dense attention over ``N`` queries: a decoding impl's query count, a
+    block-sparse impl's share of the (query, key) pairs it computes."""
     from ..registry import IMPLS
 
     entry = IMPLS[impl]
-    fn = entry.forward if direction == "fwd" else entry.backward
-    mod = importlib.import_module(fn.__module__)
-    model = getattr(mod, "model_forward" if direction == "fwd" else "model_backward", None)
-    if model is None:
-        return None
-    try:
-        try:
-            launches = model(B * H, N, N, d, causal=causal)
-        except TypeError:
-            launches = model(B * H, N, N, d)
-    except ValueError:  # the model cannot price this configuration (e.g. tiles that do not fit)
-        return None
-    elems = sum(sum(ln.get(k, {}).values()) for ln in launches for k in ("reads", "writes", "atomics"))
-    return 4.0 * elems
+    if Nq != N:
+        return f"decoding: {Nq} new quer{'y' if Nq == 1 else 'ies'} against {N} cached keys"
+    mask = entry.mask_for(Nq, N, d, causal)
+    if mask is not None:
+        share = 100.0 * entry.flops(1, 1, Nq, N, d, causal) / (4.0 * Nq * N * d)
+        what = "a sliding window" if "window" in entry.options else "a block mask"
+        return f"block-sparse, {what}: computes {share:.3g} % of the (query, key) pairs -- not dense attention"
+    return None
 
 
 CSV_COLUMNS = ["impl", "direction", "B", "H", "N", "d", "causal", "median_ms", "min_ms", "max_ms", "q1_ms", "q3_ms",
                "repeats", "host_ms", "flops", "tflops", "pct_fp32_peak", "modelled_bytes", "modelled_ms",
-               "modelled_bound", "modelled_gpu", "error"] + PROVENANCE_COLUMNS
+               "modelled_bound", "modelled_gpu", "error", "Nq", "note"] + PROVENANCE_COLUMNS
 
 
 def write_csv(rows: Iterable[dict], path) -> Path:
@@ -463,11 +509,13 @@ def _device_gpu(info: dict, fallback: str) -> GPU:
 from ..common import poisoning  # noqa: E402
 
 
-def _inputs(B, H, N, d, seed=0):
+def _inputs(B, H, N, d, seed=0, Nq=None):
+    """Device ``q, k, v, do``: ``Nq`` (default ``N``) queries, ``N`` keys."""
     from ..common import to_device
 
     rng = np.random.default_rng(seed)
-    return [to_device(rng.standard_normal((B * H, N, d), dtype=np.float32)) for _ in range(4)]
+    Nq = N if Nq is None else Nq
+    return [to_device(rng.standard_normal((B * H, n, d), dtype=np.float32)) for n in (Nq, N, N, Nq)]
 
 
 def sweep(impls=None, Ns=(1024, 2048, 4096), ds=(64, 128), causal=(False, True), *, B=2, H=8, repeats=10,
@@ -505,10 +553,16 @@ def sweep(impls=None, Ns=(1024, 2048, 4096), ds=(64, 128), causal=(False, True),
     rows = []
     cached_inputs = {}
     for name, N, d, c, direction in bar:
-        flops = IMPLS[name].flops(B, H, N, N, d, c, direction)   # masked impls: only the pairs they compute
-        nbytes = modelled_bytes(name, B, H, N, d, c, direction)
-        row = dict(impl=name, direction=direction, B=B, H=H, N=N, d=d, causal=c, flops=flops,
+        Nq = queries_for(name, N)
+        flops = IMPLS[name].flops(B, H, Nq, N, d, c and Nq == N, direction)   # masked impls: the pairs they compute
+        if c and Nq != N:     # bottom-right causal, Nq < N: query i sees N - Nq + 1 + i keys (not half of them)
+            flops *= 1 - (Nq - 1) / (2 * N)
+        nbytes, why = _modelled_bytes(name, B, H, N, d, c, direction, Nq)
+        row = dict(impl=name, direction=direction, B=B, H=H, N=N, Nq=Nq, d=d, causal=c, flops=flops,
                    modelled_bytes=nbytes, modelled_gpu=model_gpu.name, **prov)
+        notes = [n for n in (_note(name, N, d, c, Nq), why and f"no modelled time: {why}") if n]
+        if notes:
+            row["note"] = "; ".join(notes)
         if nbytes is not None:
             m = modelled_time(flops, nbytes, model_gpu)
             row.update(modelled_ms=m.seconds * 1e3, modelled_bound=m.bound)
@@ -517,10 +571,10 @@ def sweep(impls=None, Ns=(1024, 2048, 4096), ds=(64, 128), causal=(False, True),
                 row["error"] = "skipped: time budget"
             else:
                 try:
-                    key = (B, H, N, d)
+                    key = (B, H, N, d, Nq)
                     if key not in cached_inputs:
                         cached_inputs.clear()
-                        cached_inputs[key] = _inputs(B, H, N, d)
+                        cached_inputs[key] = _inputs(B, H, N, d, Nq=Nq)
                     q, k, v, do = cached_inputs[key]
                     entry = IMPLS[name]
                     scale = 1.0 / math.sqrt(d)
@@ -570,12 +624,15 @@ def plot_sweep(rows: list[dict]):
         ms = r.get("median_ms") if measured else r.get("modelled_ms")
         if ms in (None, "") or not ms:
             continue
-        key = (r["impl"], r["direction"], r["d"], r["causal"])
+        nq = r.get("Nq")
+        tag = (f" Nq={nq}" if nq not in (None, "") and int(nq) != int(r["N"]) else
+               " block-sparse" if str(r.get("note") or "").startswith("block-sparse") else "")
+        key = (r["impl"], r["direction"], r["d"], r["causal"], tag)
         groups.setdefault(key, []).append((r["N"], r["flops"] / (float(ms) * 1e-3) / 1e12))
-    for (impl, direction, d, c), pts in sorted(groups.items(), key=lambda kv: str(kv[0])):
+    for (impl, direction, d, c, tag), pts in sorted(groups.items(), key=lambda kv: str(kv[0])):
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-",
-                label=f"{impl} {direction} d={d}{' causal' if c else ''}")
+                label=f"{impl}{tag} {direction} d={d}{' causal' if c else ''}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequence length N")
     ax.set_ylabel("TFLOP/s (FP32)" if measured else "modelled TFLOP/s (roofline, not measured)")
@@ -643,8 +700,9 @@ def main_bench(argv=None) -> int:
         shown = f"{val:.3f} ms" if isinstance(val, float) else (r.get("error") or "-")
         if isinstance(val, float) and val < 1:
             shown = f"{val * 1e3:.3f} µs"
+        note = f"  ({r['note']})" if r.get("note") else ""
         print(f"{r['impl']:>10} {r['direction']} N={r['N']:<6} d={r['d']:<4} causal={r['causal']!s:<5} "
-              f"{'modelled ' if key == 'modelled_ms' else ''}{shown}")
+              f"{'modelled ' if key == 'modelled_ms' else ''}{shown}{note}")
     if targets:
         print(f"wrote {' and '.join(targets)}")
     return 0

@@ -17,12 +17,13 @@ from .shipping import _REBUILD_ERROR, _is_flashnb_module, _job_for, _python_func
 
 
 def resources_many(jobs: Iterable[tuple[str, dict, tuple[int, int]]], *, keep_ptx: bool = False,
-                   reuse_ptx: bool = True) -> list[Resources]:
+                   reuse_ptx: bool = True, progress: str | None = None) -> list[Resources]:
     """Compile many registered ``(name, config, cc)`` at once (in child processes in simulator mode).
 
     One NVVM pass per ``(name, config)`` serves all its ccs (:func:`retarget_ptx`); ``reuse_ptx=False``
     runs NVVM once per cc instead and neither reads nor fills the in-process cache (for checking that
-    the two agree)."""
+    the two agree).  ``progress``: a name for the work; when NVVM must run in child processes, a line on stderr
+    says what runs and a progress bar follows it (None: silent)."""
     jobs = [(n, dict(c), tuple(cc)) for n, c, cc in jobs]
     for n, c, cc in jobs:
         if n not in KERNELS:
@@ -41,7 +42,7 @@ def resources_many(jobs: Iterable[tuple[str, dict, tuple[int, int]]], *, keep_pt
                     r.ptx = None
         else:
             raw = [_job_for(originals[k][0], originals[k][1], k[2]) for k in todo]
-            results = _in_subprocess(raw, keep_ptx=keep_ptx, reuse_ptx=reuse_ptx)
+            results = _in_subprocess(raw, keep_ptx=keep_ptx, reuse_ptx=reuse_ptx, progress=progress)
         for k, r in zip(todo, results):
             r.dynamic_shared_bytes = KERNELS[originals[k][0]].dynamic_shared_for(originals[k][1])
             if r.threads is None:  # a user-registered kernel compiled from source: block size known only here
@@ -50,13 +51,16 @@ def resources_many(jobs: Iterable[tuple[str, dict, tuple[int, int]]], *, keep_pt
     return [cache[_key(*j)] for j in jobs]
 
 
-def resources_for(name: str, config: Mapping | None = None, cc=(9, 0), *, keep_ptx: bool = False) -> Resources:
-    """Resources of the registered kernel ``name`` built with ``config`` (default: its first config)."""
+def resources_for(name: str, config: Mapping | None = None, cc=(9, 0), *, keep_ptx: bool = False,
+                  progress: bool = True) -> Resources:
+    """Resources of the registered kernel ``name`` built with ``config`` (default: its first config).  On the
+    simulator a compile that needs NVVM says so on stderr (``progress=False``: silent)."""
     if name not in KERNELS:
         raise ValueError(f"name must be a registered kernel ({sorted(KERNELS)}), got {name!r}")
     if config is None:
         config = KERNELS[name].configs[0]
-    return resources_many([(name, dict(config), cc)], keep_ptx=keep_ptx)[0]
+    return resources_many([(name, dict(config), cc)], keep_ptx=keep_ptx,
+                          progress=f"flashnb.instruments.resources_for({name!r})" if progress else None)[0]
 
 
 def _same_kernel(a, b) -> bool:
@@ -105,7 +109,8 @@ def _signature_from_args(args) -> str:
     return "void(" + ", ".join(_type_string(a) for a in args) + ")"
 
 
-def resources(kernel, signature_or_example_args, cc=(9, 0), *, keep_ptx: bool = True) -> Resources:
+def resources(kernel, signature_or_example_args, cc=(9, 0), *, keep_ptx: bool = True,
+              progress: bool = True) -> Resources:
     """Resources of any ``@cuda.jit`` kernel, given its signature string or example arguments.
 
     Works wherever the kernel was written: in flashnb, in a module, in a script (``__main__``) or in a
@@ -113,15 +118,18 @@ def resources(kernel, signature_or_example_args, cc=(9, 0), *, keep_ptx: bool = 
     is sent there as source text plus the names it uses (modules, device functions, numbers, numpy values,
     numba types) -- the user's script or notebook is never re-run.  Raises TypeError when the kernel cannot
     be sent (source unavailable, a global of another type) and RuntimeError when the child cannot rebuild
-    it; a kernel that does not compile gives a result whose ``error`` says why (a guard finding).
+    it; a kernel that does not compile gives a result whose ``error`` says why (a guard finding).  A compile that
+    needs NVVM (seconds to a minute; its PTX is then cached on disk) says so on stderr with a progress bar
+    (``progress=False``: silent).
     """
-    return resources_of([(kernel, signature_or_example_args, cc)], keep_ptx=keep_ptx)[0]
+    return resources_of([(kernel, signature_or_example_args, cc)], keep_ptx=keep_ptx, progress=progress)[0]
 
 
-def resources_of(items: Iterable[tuple[Any, Any, tuple[int, int]]], *, keep_ptx: bool = True) -> list[Resources]:
+def resources_of(items: Iterable[tuple[Any, Any, tuple[int, int]]], *, keep_ptx: bool = True,
+                 progress: bool = True) -> list[Resources]:
     """:func:`resources` of many ``(kernel, signature or example args, cc)`` at once: in simulator mode the
     kernels that are not registered compile together in child processes, one NVVM pass per kernel and
-    signature serving all its ccs (:func:`retarget_ptx`)."""
+    signature serving all its ccs (:func:`retarget_ptx`); ``progress`` as in :func:`resources`."""
     items = list(items)
     out: list[Resources | None] = [None] * len(items)
     batch: dict[tuple, tuple[list[int], Any, str, tuple, str]] = {}
@@ -132,7 +140,7 @@ def resources_of(items: Iterable[tuple[Any, Any, tuple[int, int]]], *, keep_ptx:
                else _signature_from_args(signature_or_example_args))
         found = _registered(kernel)
         if found is not None and sig == KERNELS[found[0]].signature_for(found[1]):
-            out[i] = resources_for(found[0], found[1], cc, keep_ptx=keep_ptx)
+            out[i] = resources_for(found[0], found[1], cc, keep_ptx=keep_ptx, progress=progress)
             continue
         py_func = _python_function(kernel)
         name = f"{py_func.__module__}.{py_func.__qualname__}"
@@ -156,7 +164,10 @@ def resources_of(items: Iterable[tuple[Any, Any, tuple[int, int]]], *, keep_ptx:
                                      cc=list(cc), name=name))
                 else:                      # a script, a notebook cell, a user module: sent as source
                     jobs.append(_source_job(kernel, sig, cc, name, {}))
-            results = _in_subprocess(jobs, keep_ptx=keep_ptx)
+            names = sorted({name.rsplit(".", 1)[-1] for *_, name in todo})
+            results = _in_subprocess(jobs, keep_ptx=keep_ptx, progress=(
+                f"flashnb.instruments.resources({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+                if progress else None))
             for (_, _, _, _, name), res in zip(todo, results):
                 if res.error and res.error.startswith(_REBUILD_ERROR):
                     raise RuntimeError(f"{name}: {res.error}")

@@ -107,13 +107,15 @@ def _job_signature(job: dict) -> str | None:
     return spec.signature_for(job["config"]) if spec is not None else None
 
 
-def _compile_jobs(jobs: list[dict], *, reuse_ptx: bool = True, ptxas_threads: int = 2) -> list[Resources]:
+def _compile_jobs(jobs: list[dict], *, reuse_ptx: bool = True, ptxas_threads: int = 2,
+                  done=None) -> list[Resources]:
     """Compile ``jobs`` in this (GPU-mode) process.
 
     One NVVM pass per kernel and config, for the lowest cc asked for; with ``reuse_ptx`` its PTX, retargeted
     (:func:`retarget_ptx`), is what ptxas assembles for the higher ccs too (``reuse_ptx=False``: a separate
     NVVM pass per cc).  NVVM runs here, one kernel after another; each ptxas is a process of its own, run by
-    a pool of ``ptxas_threads`` threads while NVVM goes on with the next kernel."""
+    a pool of ``ptxas_threads`` threads while NVVM goes on with the next kernel.  ``done(n, name)``, if given, is
+    told as each NVVM group of ``n`` jobs is through NVVM (or failed)."""
     out: list[Resources | None] = [None] * len(jobs)
     with ThreadPoolExecutor(max_workers=max(1, ptxas_threads)) as pool:
         pending = []
@@ -126,6 +128,8 @@ def _compile_jobs(jobs: list[dict], *, reuse_ptx: bool = True, ptxas_threads: in
                 for i in group:
                     out[i] = Resources(first.get("name", first.get("attr", "?")), first.get("config", {}),
                                        tuple(jobs[i]["cc"]), error=error)
+                if done is not None:
+                    done(len(group), first.get("name", first.get("attr", "?")))
                 continue
             cc_nvvm = _nvvm_cc(jobs, group, reuse_ptx)
             key = _ptx_key(first, sig, cc_nvvm) if reuse_ptx else None
@@ -142,11 +146,15 @@ def _compile_jobs(jobs: list[dict], *, reuse_ptx: bool = True, ptxas_threads: in
                 except Exception as exc:
                     for i in group:
                         out[i] = _compile_error(exc, name, config, tuple(jobs[i]["cc"]))
+                    if done is not None:
+                        done(len(group), name)
                     continue
                 _store_ptx(key, ptx)
             for i in group:
                 cc = tuple(jobs[i]["cc"])
                 pending.append((i, threads, pool.submit(_ptx_resources, retarget_ptx(ptx, cc), name, config, cc)))
+            if done is not None:
+                done(len(group), name)
         for i, threads, fut in pending:
             out[i] = fut.result()
             out[i].threads = threads
@@ -159,8 +167,14 @@ def _worker() -> None:
 
     payload = json.load(sys.stdin)
     keep_ptx = bool(payload.get("keep_ptx"))
+
+    def done(n, name):                   # one line per NVVM group, read by the parent's progress bar
+        sys.stderr.write(f"{_PROGRESS} {n} {name}\n")
+        sys.stderr.flush()
+
     out = []
-    for res in _compile_jobs(payload["jobs"], reuse_ptx=payload.get("reuse_ptx", True)):
+    for res in _compile_jobs(payload["jobs"], reuse_ptx=payload.get("reuse_ptx", True),
+                             done=done if payload.get("progress") else None):
         if not keep_ptx:
             res.ptx = None
         out.append(res.to_json())
@@ -175,26 +189,86 @@ def _processes() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def _one_child(jobs: list[dict], keep_ptx: bool, reuse_ptx: bool, timeout: float) -> list[Resources]:
+_PROGRESS = "@@FLASHNB-DONE@@"
+
+
+def _one_child(jobs: list[dict], keep_ptx: bool, reuse_ptx: bool, timeout: float, tick=None) -> list[Resources]:
+    """``jobs`` compiled in one child process; ``tick(n, name)`` is called (from this thread) as each NVVM group
+    of ``n`` jobs is through NVVM there."""
+    import threading
+
     env = dict(os.environ)
     env["FLASHNB_DEVICE"] = "gpu"
     env.pop("NUMBA_ENABLE_CUDASIM", None)
     root = str(Path(__file__).resolve().parents[2])   # the directory holding the flashnb package
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, "-c", "from flashnb.instruments.jobs import _worker; _worker()"],
-                          input=json.dumps({"jobs": jobs, "keep_ptx": keep_ptx, "reuse_ptx": reuse_ptx}),
-                          capture_output=True, text=True, env=env, timeout=timeout)
+    payload = json.dumps({"jobs": jobs, "keep_ptx": keep_ptx, "reuse_ptx": reuse_ptx, "progress": tick is not None})
+    proc = subprocess.Popen([sys.executable, "-c", "from flashnb.instruments.jobs import _worker; _worker()"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    stdout: list[str] = []
+    reader = threading.Thread(target=lambda: stdout.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    stderr: list[str] = []
+    try:
+        proc.stdin.write(payload)
+        proc.stdin.close()
+        for line in proc.stderr:          # the child's progress lines as they come, the rest kept for errors
+            if line.startswith(_PROGRESS + " ") and tick is not None:
+                n, _, name = line[len(_PROGRESS) + 1:].strip().partition(" ")
+                tick(int(n), name)
+            else:
+                stderr.append(line)
+        proc.wait()
+        reader.join()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+    out, err = "".join(stdout), "".join(stderr)
     marker = "\n@@FLASHNB-JSON@@\n"
-    if proc.returncode != 0 or marker not in proc.stdout:
-        raise RuntimeError(f"PTX compile subprocess failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return [Resources.from_json(d) for d in json.loads(proc.stdout.split(marker, 1)[1])]
+    if proc.returncode != 0 or marker not in out:
+        raise RuntimeError(f"PTX compile subprocess failed (rc {proc.returncode}):\n{err[-3000:]}")
+    return [Resources.from_json(d) for d in json.loads(out.split(marker, 1)[1])]
+
+
+def _progress_bar(groups: list[list[int]], children: int, what: str | None):
+    """``(tick, close)`` for a batch whose ``groups`` need NVVM: a line saying what runs and where its PTX is kept,
+    and a tqdm bar over their jobs on stderr (``what`` None: no output, a no-op tick)."""
+    if what is None or not groups:
+        return None, lambda: None
+    import threading
+
+    from tqdm.auto import tqdm
+
+    from .ptx_cache import ptx_cache_dir
+
+    total = sum(len(g) for g in groups)
+    folder = ptx_cache_dir()
+    kept = (f"NVVM's PTX is kept in {folder}, so the next run only runs ptxas" if folder is not None else
+            "the PTX cache is off (FLASHNB_PTX_CACHE)")
+    print(f"{what}: compiling {total} kernel build(s) for a GPU -- {len(groups)} NVVM pass(es), seconds to a minute "
+          f"each, in {children} child process(es); {kept}", file=sys.stderr)
+    bar = tqdm(total=total, desc=what, unit="build", file=sys.stderr)
+    lock = threading.Lock()
+
+    def tick(n, name):
+        with lock:
+            bar.set_postfix_str(name, refresh=False)
+            bar.update(n)
+
+    return tick, bar.close
 
 
 def _in_subprocess(jobs: list[dict], keep_ptx: bool = False, timeout: float = 1800, *,
-                   reuse_ptx: bool = True) -> list[Resources]:
+                   reuse_ptx: bool = True, progress: str | None = None) -> list[Resources]:
     """Compile ``jobs`` in child processes started with ``FLASHNB_DEVICE=gpu`` (:func:`_processes` of them,
     each given whole NVVM groups, dealt round-robin so the big kernels of one module are spread out).  Groups
-    whose PTX is in the disk cache (:func:`ptx_cache_dir`) need no child: ptxas runs from here."""
+    whose PTX is in the disk cache (:func:`ptx_cache_dir`) need no child: ptxas runs from here.  ``progress``
+    (a name for the work, e.g. ``"flashnb inspect"``): when any group needs NVVM, say so on stderr and show a
+    progress bar over the jobs as the children finish their NVVM passes."""
     out: list[Resources | None] = [None] * len(jobs)
     groups, cached = [], []
     for g in _groups(jobs, reuse_ptx):
@@ -210,10 +284,14 @@ def _in_subprocess(jobs: list[dict], keep_ptx: bool = False, timeout: float = 18
         if groups:
             n = max(1, min(_processes(), len(groups)))
             shares = [[i for g in groups[p::n] for i in g] for p in range(n)]
-            with ThreadPoolExecutor(max_workers=n) as children:
-                futures = [children.submit(_one_child, [jobs[i] for i in share], keep_ptx, reuse_ptx, timeout)
-                           for share in shares]
-                results = [f.result() for f in futures]
+            tick, close = _progress_bar(groups, n, progress)
+            try:
+                with ThreadPoolExecutor(max_workers=n) as children:
+                    futures = [children.submit(_one_child, [jobs[i] for i in share], keep_ptx, reuse_ptx, timeout,
+                                               tick) for share in shares]
+                    results = [f.result() for f in futures]
+            finally:
+                close()
             for share, res in zip(shares, results):
                 for i, r in zip(share, res):
                     out[i] = r

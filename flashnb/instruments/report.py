@@ -26,16 +26,20 @@ def _threads_for(spec: KernelSpec, config: dict, threads) -> int | None:
     return int(threads)
 
 
-def report(ccs=((7, 5), (8, 0), (9, 0)), threads=None, names: Iterable[str] | None = None) -> list[dict]:
+def report(ccs=((7, 5), (8, 0), (9, 0)), threads=None, names: Iterable[str] | None = None, *,
+           progress: bool = True) -> list[dict]:
     """One row per (registered kernel, config, cc): resources, occupancy and its limiter.
 
     ``threads`` overrides the block size used for occupancy: an int for every kernel, or a mapping
     ``{name: int | f(**config)}``; otherwise the spec's ``threads`` is used (occupancy blank if unknown).
+    On the simulator the kernels whose PTX is not cached yet compile in child processes (NVVM: every kernel at
+    once takes many minutes on a few cores); a line on stderr says so and a progress bar follows them
+    (``progress=False``: silent).
     """
     specs = [KERNELS[n] for n in (names if names is not None else KERNELS)]
     # a tensor-core kernel's configs only on the architectures they declare (registry: kernel_factory(archs=))
     jobs = [(s.name, c, tuple(cc)) for s in specs for c in s.configs for cc in ccs if s.supports(c, cc)]
-    results = resources_many(jobs)
+    results = resources_many(jobs, progress="flashnb inspect" if progress else None)
     rows = []
     for (name, config, cc), res in zip(jobs, results):
         t = _threads_for(KERNELS[name], config, threads)

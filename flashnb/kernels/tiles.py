@@ -93,7 +93,9 @@ def _fit(direction, t, within, given):
         x = _largest_divisor(m, t[name], s)
         if x is None:
             raise ValueError(f"block_mask was built for tiles Br={mBr}, Bc={mBc}: the flash {direction} kernel needs "
-                             f"{name} a multiple of {s} dividing {m}; build the mask for tiles that are")
+                             f"{name} a multiple of {s} dividing {m}; build the mask for tiles that are multiples of "
+                             f"{max(LR, LC)} (both directions' tiles then divide them), e.g. "
+                             f"flashnb.flex.create_block_mask(..., {name}={max(8, m - m % 8)})")
         t[name] = x
     if "warps" not in given:             # the most warps (up to the default) the tiles still split into
         split = t["Br"] if direction == "forward" else t["Bc"]

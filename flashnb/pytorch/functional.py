@@ -4,6 +4,8 @@ same computation as a ``torch.autograd.Function`` on flattened tensors (not trac
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 import torch
 
@@ -160,6 +162,19 @@ def _as_int64(seed) -> int:
 _CAUSAL_NAME = {False: "none", True: "lower_right", "lower_right": "lower_right", "upper_left": "upper_left"}
 
 
+def _constant(x):
+    """``x`` unchanged, except that under ``torch.compile(dynamic=True)`` a Python int or float argument (dynamo
+    makes those symbolic, which the options function, run once at tracing, cannot take) becomes a constant of the
+    graph, guarded on its value (another value retraces): ``operator.index`` and ``float.as_integer_ratio`` are
+    what dynamo specialises on (the ratio is exact, so the float is the same bits).  Eager: the same value."""
+    if type(x) is int:
+        return operator.index(x)
+    if type(x) is float and x - x == 0:          # finite (inf and nan go on to the checks that name them)
+        n, d = x.as_integer_ratio()
+        return n / d
+    return x
+
+
 def attention(q, k, v, *, causal=False, scale=None, impl: str = "auto", block_mask=None, score_mod=None,
               mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=None, allow_float64=False, storage=None,
               **options):
@@ -203,6 +218,8 @@ def attention(q, k, v, *, causal=False, scale=None, impl: str = "auto", block_ma
         raise TypeError("block_mask: under torch.compile pass a flashnb.masks.BlockMask (or a "
                         "flashnb.flex.create_block_mask), not a NumPy array, which dynamo would turn into a tensor")
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    scale, dropout_p, seed = _constant(scale), _constant(dropout_p), _constant(seed)
+    options = {name: _constant(value) for name, value in options.items()}
     config = _options(impl, causal, scale, dropout_p, seed, storage, q.dtype, needs_grad, score_mod, mask_mod,
                       score_mod_grad, block_mask, id(score_mod), id(mask_mod), id(score_mod_grad), id(block_mask),
                       *[id(value) for value in options.values()], **options)

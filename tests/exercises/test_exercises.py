@@ -108,3 +108,23 @@ def test_exercise_kernels_pass_the_ptx_guard():
         sig = exercises.EXERCISES[id].signatures["kernel"]
         found = [p for r in fi.resources_of([(kernel, sig, (8, 0))], keep_ptx=False) for p in fi.problems(r)]
         assert any(".f64" in p for p in found), (id, n, found)
+
+
+def test_answers_by_position(capsys):
+    """Before: a positional answer was a bare 'takes 1 positional argument' TypeError.  Positional answers are read
+    in the check's order (two answers here, so the order matters: swapped, they fail), and a clash or a surplus is a
+    TypeError naming the answers."""
+    ex = exercises.EXERCISES["00.1"]
+    sol = ex.solution()
+    names = list(sol)
+    assert len(names) == 2
+    assert exercises.check("00.1", *(sol[n] for n in names), strict=True)
+    assert "✓ exercise 00.1" in capsys.readouterr().out
+    assert not exercises.check("00.1", *(sol[n] for n in reversed(names)))
+    assert "✗ exercise 00.1" in capsys.readouterr().out
+    assert exercises.check("00.1", sol[names[0]], **{names[1]: sol[names[1]]}, strict=True)
+    with pytest.raises(TypeError, match=rf"answer\(s\) \['{names[0]}'\] given both by position and by name"):
+        exercises.check("00.1", sol[names[0]], **sol)
+    with pytest.raises(TypeError, match=r"exercise 00.1 takes 2 answer\(s\).*got 3 positional"):
+        exercises.check("00.1", 1, 2, 3)
+    assert exercises.check("00.1", ..., ...) is False and "not attempted yet" in capsys.readouterr().out

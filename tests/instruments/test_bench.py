@@ -99,3 +99,53 @@ def test_gpu_check_parses_ncu_csv():
 def test_gpu_check_refuses_on_simulator(tmp_path, capsys):
     assert _gpu_check().main(["--out", str(tmp_path)]) == 2
     assert "simulator" in capsys.readouterr().err
+
+
+def _counted_bytes(fn) -> float:
+    from flashnb.instruments import traffic
+
+    with traffic.count() as t:
+        fn()
+    return 4.0 * sum(sum(getattr(ln, k).values()) for ln in t.launches for k in ("reads", "writes", "atomics"))
+
+
+@pytest.mark.parametrize("impl, direction", [("fa2-rows", "fwd"), ("fa2-rows", "bwd"), ("fa2-splitq", "bwd"),
+                                             ("flash-decoding", "fwd")])
+def test_sweep_models_every_step_and_decodes_one_query(impl, direction):
+    """Before: fa2-rows / fa2-splitq rows said 'modelled -' (their models are named after their launchers, and the
+    sweep looked only for model_forward), and flash-decoding ran with as many queries as keys.  Each row's modelled
+    bytes now equal the bytes the traffic counter counts running that impl at the row's shape (N = 48 keys), and a
+    decoding row has one query, its FLOPs those of one query, and a note saying so."""
+    from flashnb.registry import IMPLS
+
+    B, H, N, d = 1, 2, 48, 16
+    (row,) = [r for r in bench.sweep(impl, Ns=(N,), ds=(d,), causal=(True,), B=B, H=H, out_dir=None,
+                                     figures_dir=None, progress=False) if r["direction"] == direction]
+    Nq = 1 if impl == "flash-decoding" else N
+    assert row["Nq"] == Nq and row["modelled_ms"] > 0
+    q, k, v, do = bench._inputs(B, H, N, d, seed=1, Nq=Nq)
+    entry, scale = IMPLS[impl], d ** -0.5
+    if direction == "fwd":
+        counted = _counted_bytes(lambda: entry.forward(q, k, v, causal=True, scale=scale))
+    else:
+        o, lse = entry.forward(q, k, v, causal=True, scale=scale)
+        counted = _counted_bytes(lambda: entry.backward(q, k, v, o, lse, do, causal=True, scale=scale))
+    assert row["modelled_bytes"] == counted
+    if impl == "flash-decoding":
+        assert row["flops"] == 4 * B * H * 1 * N * d            # one query, every key (bottom-right causal)
+        assert row["note"] == f"decoding: 1 new query against {N} cached keys"
+    else:
+        assert not row.get("note")
+
+
+def test_bench_labels_sparse_rows_and_says_why_a_row_has_no_model(monkeypatch, capsys):
+    """fa2-sparse (a window of one 16-key block) is labelled with the share of pairs it computes -- 16 of 128 keys
+    per query, 12.5 % -- and a row without a modelled time says why instead of a bare '-'."""
+    monkeypatch.setattr(bench, "_traffic_model", lambda entry, direction: None)
+    assert bench.main_bench(["--impl", "fa2-sparse", "--impl", "fa2", "--N", "128", "--d", "16", "--causal", "no",
+                             "--no-backward"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    sparse = next(ln for ln in lines if ln.lstrip().startswith("fa2-sparse"))
+    dense = next(ln for ln in lines if ln.lstrip().startswith("fa2 "))
+    assert "block-sparse, a sliding window: computes 12.5 % of the (query, key) pairs" in sparse
+    assert dense.endswith("modelled -  (no modelled time: no traffic model for fa2's forward)"), dense

@@ -10,6 +10,7 @@ import pytest
 
 from flashnb import instruments as fi
 from flashnb.instruments import compiled, jobs, ptx_cache, ptxas
+from flashnb.registry import KERNELS
 
 
 def test_64_regs_256_threads_sm80_is_register_limited():
@@ -163,3 +164,37 @@ def test_ptx_cache_key_covers_toolchain_source_and_imports(monkeypatch):
 def test_ptx_cache_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("FLASHNB_PTX_CACHE", "off")
     assert fi.ptx_cache_dir() is None and ptx_cache._cached_ptx("0" * 64) is None
+
+
+# --------------------------------------------------------------------------- saying what a long compile does
+
+
+def test_inspect_says_what_it_compiles_and_shows_its_progress(tmp_path, monkeypatch, capfd):
+    """Before: `flashnb inspect` compiled for many minutes with no output.  A run that needs NVVM says what it
+    compiles, in how many passes, where the PTX is kept, and a progress bar counts the builds to the end; a second
+    run (the PTX on disk) says nothing of the kind, and gives the same table."""
+    monkeypatch.setenv("FLASHNB_PTX_CACHE", str(tmp_path))
+    jobs._CACHE.clear()
+    n = 2 * len(KERNELS["naive.matmul"].configs)               # every config for sm_80 and sm_90
+    assert fi.main_inspect(["--kernel", "naive.matmul", "--cc", "8.0", "--cc", "9.0"]) == 0
+    first = capfd.readouterr()
+    assert (f"flashnb inspect: compiling {n} kernel build(s) for a GPU -- {n // 2} NVVM pass(es)" in first.err
+            and str(tmp_path) in first.err), first.err
+    assert f"{n}/{n}" in first.err, first.err
+    jobs._CACHE.clear()
+    assert fi.main_inspect(["--kernel", "naive.matmul", "--cc", "8.0", "--cc", "9.0"]) == 0
+    second = capfd.readouterr()
+    assert "compiling" not in second.err and second.out == first.out
+
+
+def test_resources_of_a_user_kernel_says_it_compiles(tmp_path, monkeypatch, capfd):
+    """resources() of a kernel written in a cell: the NVVM pass in a child process is announced (with the
+    kernel's name) and counted; progress=False keeps it silent."""
+    monkeypatch.setenv("FLASHNB_PTX_CACHE", str(tmp_path))
+    res = fi.resources(_cache_kernel("x[i] + float32(3)"), "void(float32[::1])", (8, 0))
+    err = capfd.readouterr().err
+    assert res.error is None and res.registers
+    assert "flashnb.instruments.resources(scale_in_place): compiling 1 kernel build(s) for a GPU" in err, err
+    assert "1/1" in err, err
+    quiet = fi.resources(_cache_kernel("x[i] - float32(3)"), "void(float32[::1])", (8, 0), progress=False)
+    assert quiet.error is None and capfd.readouterr().err == ""

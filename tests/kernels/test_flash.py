@@ -275,3 +275,20 @@ def test_the_product_kernel_is_the_default_impl(rng):
     with traffic.count() as t:
         ft.attention(*(torch.tensor(a, dtype=torch.float32) for a in (q, k, v)))
     assert [lt.label for lt in t.launches] == ["flash forward"]
+
+
+def test_unfit_block_mask_message_says_what_to_build():
+    """A mask whose blocks no tile of the layout divides (Bc = 20 keys: the forward's Bc steps by 8) is refused with
+    a complete sentence naming the tiles to build it at -- and a mask built as it says runs in both directions."""
+    import re
+
+    bm = flex.create_block_mask(flex.causal(), 1, 1, 40, 40, Br=16, Bc=20)
+    with pytest.raises(ValueError, match="Bc a multiple of 8 dividing 20") as err:
+        flash._mask_at_tiles("forward", 32, None, None, None, bm, 1, 40, 40)
+    advice = re.search(r"build the mask for tiles that are (.*)$", str(err.value))
+    assert advice and re.search(r"create_block_mask\(\.\.\., Bc=(\d+)\)$", advice.group(1)), str(err.value)
+    Bc = int(re.search(r"Bc=(\d+)\)$", advice.group(1)).group(1))
+    fixed = flex.create_block_mask(flex.causal(), 1, 1, 40, 40, Br=16, Bc=Bc)
+    for direction in ("forward", "backward"):
+        t, M, _ = flash._mask_at_tiles(direction, 32, None, None, None, fixed, 1, 40, 40)
+        assert 16 % t["Br"] == 0 and Bc % t["Bc"] == 0, (direction, t)

@@ -167,6 +167,27 @@ def test_compiled_fullgraph_equals_eager(case):
         assert torch.equal(a, b)
 
 
+def test_compiled_dynamic_true_takes_python_numbers_as_arguments():
+    """Before: ``torch.compile(dynamic=True)`` failed at the first call ("assume_constant_result argument conversion
+    failed"): dynamo makes Python ints and floats symbolic there, including the defaults of ``attention``.  Here the
+    scale, the dropout probability and seed and a tile size are arguments of the compiled function: forward and
+    gradients equal eager's at two sequence lengths, and another scale or seed gives eager's answer for it (the
+    graph is guarded on their values, never served stale)."""
+    def f(q, k, v, scale, p, seed, Bc):
+        return ft.attention(q, k, v, causal=True, scale=scale, dropout_p=p, seed=seed, Br=16, Bc=Bc, warps=1)
+
+    g = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+    for n, (N, scale, seed) in enumerate([(16, 0.4, 3), (24, 0.4, 3), (24, 0.9, 3), (24, 0.9, 8)]):
+        got, want = [], []
+        for fn, out in ((g, got), (f, want)):
+            q, k, v = _qkv(20 + n, Nq=N, Nk=N, grad=True)
+            y = fn(q, k, v, scale, 0.25, seed, 16)
+            y.square().sum().backward()
+            out += [y.detach(), q.grad, k.grad, v.grad]
+        for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+            assert torch.equal(a, b), (N, scale, seed, name)
+
+
 def test_compiled_through_the_rehearsed_cuda_tensor_path():
     """The operators on CUDA tensors take the zero-copy path (numba views of torch's memory, torch's stream):
     rehearsed here, where CPU tensors take it inside ``pretend_gpu`` + ``rehearse_cuda``.  Compiled there equals
