@@ -145,6 +145,15 @@ def main() -> None:
     payload = json.loads(sys.stdin.read())
     sys.stdin.close()
     set_limits(payload["limits"])
+    if payload.get("sandbox"):
+        # in the sandbox (flashnb.course.sandbox): leave root, then make the working folders in the private /tmp
+        from flashnb.course.sandbox import drop_privileges
+
+        drop_privileges()
+        for var in ("HOME", "TMPDIR", "XDG_CACHE_HOME"):
+            os.makedirs(os.environ[var], exist_ok=True)
+        os.makedirs("/tmp/work", exist_ok=True)
+        os.chdir("/tmp/work")
     memory_gib = payload["limits"]["memory"] / (1 << 30)
     secret = bytes.fromhex(payload["secret"])
     channel = os.fdopen(payload["fd"], "w", buffering=1)

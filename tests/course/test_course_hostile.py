@@ -342,14 +342,24 @@ def _orphans() -> list[int]:
     return out
 
 
-#: one attack per layer behind the screen in the default run; every deep entry with -m slow
-DEEP_IN_CI = ("patch-run-one", "launch-hook", "forge-channel", "rewrite-tests", "orphan-process")
+#: one attack per layer behind the screen in the default run (in the sandbox); every deep entry with -m slow, and
+#: every entry that may run outside the sandbox without it
+DEEP_IN_CI = ("patch-run-one", "forge-channel", "rewrite-tests", "site-packages-pth", "rewrite-submissions",
+              "kill-batch", "feedback-folder", "double-fork", "disk-flood", "proc-cmdline")
 
 
-def _deep(tmp_path, monkeypatch, kinds):
+def _site_pth() -> list[Path]:
+    import site
+
+    return [Path(d) / "zz_flashnb_hostile.pth" for d in site.getsitepackages() if (Path(d) / "zz_flashnb_hostile.pth")
+            .exists()]
+
+
+def _deep(tmp_path, monkeypatch, kinds, *, sandbox=True):
     """Grade the hostile ``kinds`` on TINY with the screen off (two at a time: a change of the bundle is traced
     back to its submission), before a correct submission and the untouched release; every attacker must score 0
-    with its layer's message, the two after it keep 7/7 and 0/7."""
+    with its layer's message, the two after it keep 7/7 and 0/7, and nothing outside its sandbox changed: the
+    bundle, the other submissions, site-packages, the feedback files and the CSV; no process of it is left."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))      # never the machine's caches
     monkeypatch.setenv("GRADER_SECRET_TOKEN", "must-not-reach-the-child")
     rel = _tiny(tmp_path)
@@ -357,35 +367,52 @@ def _deep(tmp_path, monkeypatch, kinds):
     before = {n: (bundle / n).read_bytes() for n in os.listdir(bundle)}
     subs = tmp_path / "subs"
     subs.mkdir()
+    out = tmp_path / "out"
     made = {}
     for k, h in enumerate(course_hostile.HOSTILE, 1):
-        if h.deep is not None and h.kind in kinds:
-            nbformat.write(course_hostile.notebook(h, "tiny", rel, bundle), str(subs / f"h{k:02d}.ipynb"))
-            made[f"h{k:02d}"] = h
+        wanted = h.deep if sandbox else h.bare
+        if wanted is not None and h.kind in kinds:
+            nbformat.write(course_hostile.notebook(h, "tiny", rel, bundle, subs=subs, out=out),
+                           str(subs / f"h{k:02d}.ipynb"))
+            made[f"h{k:02d}"] = (h, wanted)
+    assert made
     _sub(subs / "zz_good.ipynb", "def scale(x):\n    return x * 2\n")
-    solution = nbformat.read(str(bundle / "solution.ipynb"), as_version=4)
     nbformat.write(nbformat.read(str(rel / "student" / "tiny.ipynb"), as_version=4), str(subs / "zz_untouched.ipynb"))
     env_probe = ("import os\ndef scale(x):\n    raise AssertionError('ENV ' + repr([os.environ.get(k) for k in "
                  "('HOME', 'TMPDIR', 'XDG_CACHE_HOME', 'FLASHNB_PTX_CACHE', 'FLASHNB_COURSE_CACHE', "
                  "'GRADER_SECRET_TOKEN')] + [os.getcwd()]))\n")
     _sub(subs / "zz_env.ipynb", env_probe)
-    assert solution is not None
+    victims = {p.name: p.read_bytes() for p in subs.iterdir() if p.name.startswith("zz_")}
     lines = []
-    graded = {g["student"]: g for g in grade.grade(bundle, subs, tmp_path / "out" / "scores.csv", screen=False,
-                                                   work_dir=tmp_path / "work", progress=lines.append, jobs=2)}
-    for stem, h in made.items():
+    graded = {g["student"]: g for g in grade.grade(bundle, subs, out / "scores.csv", screen=False, sandbox=sandbox,
+                                                   work_dir=tmp_path / "work", progress=lines.append, jobs=2,
+                                                   limits=grade.Limits(scratch_mib=16))}
+    leaked = _site_pth()
+    for p in leaked:
+        p.unlink()
+    assert leaked == [], leaked                                            # site-packages untouched
+    for stem, (h, wanted) in made.items():
         g = graded[stem]
         text = "\n".join(g["problems"] + [r["message"] for r in g["results"]])
         assert sum(r["earned"] for r in g["results"]) == 0, (h.kind, text[:600])
-        assert h.deep in text, (h.kind, h.deep, text[:600])
+        assert wanted in text, (h.kind, wanted, text[:600])
     assert sum(r["earned"] for r in graded["zz_good"]["results"]) == 7, graded["zz_good"]["results"]
     assert sum(r["earned"] for r in graded["zz_untouched"]["results"]) == 0
-    assert {n: (bundle / n).read_bytes() for n in os.listdir(bundle)} == before      # restored from memory
+    assert {n: (bundle / n).read_bytes() for n in os.listdir(bundle)} == before      # unchanged (or restored)
+    assert {n: (subs / n).read_bytes() for n in victims} == victims                   # the others' notebooks
     assert _orphans() == []
+    rows = {r["student"]: r for r in csv.DictReader(open(out / "scores.csv"))}
+    assert set(rows) == set(graded) and float(rows["zz_good"]["autograded"]) == 7
+    assert {r["sandboxed"] for r in rows.values()} == {"yes" if sandbox else "no"}
+    for name in graded:                                                    # every feedback file, whole
+        text = (out / "feedback" / f"{name}.txt").read_text()
+        assert text.rstrip().endswith("CPU-seconds)"), (name, text[-200:])
+        assert ("without the operating-system sandbox" in text) is (not sandbox), name
     msg = graded["zz_env"]["results"][0]["message"]
     values = json.loads(msg.split("ENV ", 1)[1].splitlines()[0].replace("'", '"').replace("None", "null"))
     assert values[5] is None, values                                       # the grader's environment stays out
-    assert all(v.startswith(str(tmp_path / "work" / "zz_env" / "sub-")) for v in values[:5] + values[6:]), values
+    scratch = "/tmp/" if sandbox else str(tmp_path / "work" / "zz_env" / "sub-")
+    assert all(v.startswith(scratch) for v in values[:5] + values[6:]), values
     assert [ln.split(":")[0] for ln in lines] == sorted(graded)            # progress in the students' order
     return graded
 
@@ -399,6 +426,13 @@ def test_every_deep_attack_is_stopped_behind_the_screen(tmp_path, monkeypatch):
     _deep(tmp_path, monkeypatch, {h.kind for h in course_hostile.HOSTILE})
 
 
+@pytest.mark.slow
+def test_without_the_sandbox_the_layers_inside_the_grader_still_hold(tmp_path, monkeypatch):
+    """``--no-sandbox``: the integrity check, the channel, the bundle check and the reaping on their own (the
+    entries that would reach the machine itself -- site-packages, other submissions -- are never run so)."""
+    _deep(tmp_path, monkeypatch, {h.kind for h in course_hostile.HOSTILE}, sandbox=False)
+
+
 def test_limits_score_what_they_stop_and_the_batch_goes_on(tmp_path):
     rel = _tiny(tmp_path, LIMITED, "limited")
     subs = tmp_path / "subs"
@@ -408,7 +442,7 @@ def test_limits_score_what_they_stop_and_the_batch_goes_on(tmp_path):
          "    return x + 1\n")
     _sub(subs / "b_burn.ipynb", "def f(x):\n    while x == 2:\n        pass\n    return x + 1\n")
     _sub(subs / "c_good.ipynb", "def f(x):\n    return x + 1\n")
-    limits = grade.Limits(cpu_s=2.5, output_mib=1)
+    limits = grade.Limits(cpu_s=4.0, output_mib=1)   # a child starts in about 1 CPU-s
     res = {g["student"]: {r["id"].split(": ")[1]: r for r in g["results"]}
            for g in grade.grade(rel / "autograder", subs, tmp_path / "scores.csv", limits=limits,
                                 progress=lambda *_: None)}
@@ -444,7 +478,7 @@ def test_jobs_change_nothing_but_the_time(tmp_path, capsys):
                              str(tmp_path / f"j{jobs}" / "scores.csv"), "--jobs", str(jobs)]) == 0
             lines[jobs] = [ln for ln in capsys.readouterr().out.splitlines() if ln.split(":")[0] in
                            ("a_broken", "b_refused", "c_half", "d_good")]
-        rows[jobs] = [{k: v for k, v in r.items() if k != "cpu_seconds"}
+        rows[jobs] = [{k: v for k, v in r.items() if k not in ("cpu_seconds", "wall_seconds")}
                       for r in csv.DictReader(open(tmp_path / f"j{jobs}" / "scores.csv"))]
         feedback = sorted(p.name for p in (tmp_path / f"j{jobs}" / "feedback").iterdir())
         assert feedback == ["a_broken.txt", "b_refused.txt", "c_half.txt", "d_good.txt"]
