@@ -241,6 +241,21 @@ def _kill_all(sid: int, tag: str) -> None:
 _LIVE: set[int] = set()       # this process's grading children, reaped only by their own _Run
 
 
+def _orphans() -> list[int]:
+    """Processes re-parented to this one (its subreaper role) that are not a grading child: what a submission
+    left behind after its parent died (a double fork, ``setsid``, an emptied environment)."""
+    if not _PROC.is_dir():
+        return []
+    me = os.getpid()
+    out = []
+    for d in _PROC.iterdir():
+        if d.name.isdigit() and int(d.name) not in _LIVE:
+            st = _proc_stat(int(d.name))
+            if st is not None and st[0] == me:
+                out.append(int(d.name))
+    return out
+
+
 def _reap_orphans() -> None:
     """Reap what was re-parented here (a submission's processes that outlived their parent), never a grading
     child another thread is still watching."""
@@ -499,7 +514,8 @@ class _Run:
         self.cpu = max(self.cpu, self.tree_cpu)
         end = time.monotonic() + 10.0
         while time.monotonic() < end:
-            doomed = {p for p in doomed | set(_tagged(self.proc.pid, self.tag)) if _alive(p) and p != self.proc.pid}
+            doomed = {p for p in doomed | set(_tagged(self.proc.pid, self.tag)) | set(_orphans())
+                      if _alive(p) and p != self.proc.pid}
             if not doomed:
                 break
             for p in doomed:

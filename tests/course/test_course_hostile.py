@@ -530,3 +530,40 @@ def test_gradescope_autograder_runs_on_a_submission_laid_out_as_gradescope_does(
     assert [t["visibility"] for t in tests.values()] == ["visible", "visible", "after_published"]
     assert "differ from the float64 reference" in tests["q1: an array"]["output"]
     assert tests["q1: a number"]["output"] == "passed" and out["stdout_visibility"] == "hidden"
+    text = (root / "results" / "results.json").read_text()
+    tests_py = (rel / "autograder" / "tests.py").read_text()
+    assert not [ln for ln in tests_py.splitlines() if ln.strip().startswith("criteria.") and ln.strip() in text]
+    assert not list((root / "results").glob(".*.tmp"))                   # written whole, through a temporary file
+
+
+def test_nothing_of_the_tests_reaches_the_feedback(tmp_path):
+    """A test's line never appears in feedback (the tests are not in linecache, and only the student's frames are
+    named), and in a hidden test an exception out of the student's code keeps its text to itself: the student's
+    code cannot carry the hidden inputs out in its message, nor read the tests' lines (graded with the screen off,
+    in the sandbox)."""
+    rel = _tiny(tmp_path)
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    _sub(subs / "a_not_callable.ipynb", "scale = 3\n")
+    _sub(subs / "b_value.ipynb", "def scale(x):\n    raise ValueError('LEAK ' + repr(x))\n")
+    _sub(subs / "c_assert.ipynb", "def scale(x):\n    raise AssertionError('LEAK ' + repr(x))\n")
+    _sub(subs / "d_reader.ipynb", "import linecache, traceback\n"
+         "def scale(x):\n    raise ValueError('LEAK ' + repr(linecache.getlines('<tests>')) + "
+         "''.join(traceback.format_stack()))\n")
+    graded = {g["student"]: g for g in grade.grade(rel / "autograder", subs, tmp_path / "out" / "scores.csv",
+                                                   screen=False, progress=lambda *_: None)}
+    tests_text = (rel / "autograder" / "tests.py").read_text()
+    test_lines = [ln.strip() for ln in tests_text.splitlines() if ln.strip().startswith(("criteria.", "assert "))]
+    assert test_lines
+    for name, g in graded.items():
+        text = (tmp_path / "out" / "feedback" / f"{name}.txt").read_text()
+        assert not any(ln in text for ln in test_lines), (name, text)
+        hidden = next(r for r in g["results"] if r["hidden"])
+        assert hidden["earned"] == 0 and "1., 1., 1." not in hidden["message"], (name, hidden["message"])
+    public = {name: g["results"][0]["message"] for name, g in graded.items()}
+    assert "not callable" in public["a_not_callable"] and "at <" not in public["a_not_callable"]
+    assert "LEAK array([0., 1., 2., 3.])" in public["b_value"]            # public inputs: the message stays
+    assert "at <answer cell 1>, line 2" in public["b_value"]
+    assert "LEAK []" in public["d_reader"]                                  # linecache never held the tests
+    hidden_b = next(r for r in graded["b_value"]["results"] if r["hidden"])["message"]
+    assert hidden_b.startswith("ValueError raised in your code during a hidden test"), hidden_b
