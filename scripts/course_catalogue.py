@@ -51,13 +51,16 @@ def _section(master: Path, tmp: Path) -> list[str]:
     hidden = sum(t["points"] for t in manifest["tests"] if t["hidden"])
     manual = sum(x["points"] for x in manifest["manual"])
     cpu = [g["cpu_s"] for g in graded.values()]
+    wall = [g["wall_s"] for g in graded.values()]
     out = [f"## {manifest['title']} (`{name}`)", "",
            f"{len(manifest['tests'])} autograded tests, {total:g} points ({hidden:g} in hidden tests)"
            + (f", plus {manual:g} points graded by a person" if manual else "") + ". "
            f"Solution: {sum(r['earned'] for r in graded['solution']['results']):g}/{total:g}; untouched "
            f"release: {sum(r['earned'] for r in graded['untouched']['results']):g}/{total:g}. "
            f"CPU time to grade one submission: {min(cpu):g}-{max(cpu):g} s "
-           f"(solution {graded['solution']['cpu_s']:g} s).", "",
+           f"(solution {graded['solution']['cpu_s']:g} s); wall time {min(wall):g}-{max(wall):g} s "
+           f"(solution {graded['solution']['wall_s']:g} s: each of its processes starts Python, NumPy and numba, "
+           "and the compile tests wait on NVVM and ptxas).", "",
            "| test | points | hidden |", "|---|---|---|"]
     out += [f"| {t['id']} | {t['points']:g} | {'yes' if t['hidden'] else ''} |" for t in manifest["tests"]]
     out.append("")

@@ -146,14 +146,16 @@ def _message(exc: BaseException, hidden: bool = False) -> str:
     built-in type and that line only: its text could carry the hidden inputs out (``raise ValueError(x)``)."""
     import builtins
 
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _student_frame(f.filename)]
+    every = traceback.extract_tb(exc.__traceback__)
+    frames = [f for f in every if _student_frame(f.filename)]
     where = f"\n    at {frames[-1].filename}, line {frames[-1].lineno}: {frames[-1].line}" if frames else ""
-    if hidden and frames:
+    verdict = isinstance(exc, Fail) and every and not _student_frame(every[-1].filename)
+    if hidden and frames and not verdict:
         kind = type(exc).__name__
         kind = kind if getattr(builtins, kind, None) is type(exc) else "an exception"
         return f"{kind} raised in your code during a hidden test (its message is not shown){where}"
     if isinstance(exc, AssertionError) and str(exc):
-        return str(exc)
+        return str(exc) + (where if verdict and frames else "")
     return f"{type(exc).__name__}: {exc}{where}"
 
 

@@ -146,6 +146,18 @@ def answer_cells(path) -> list[str]:
     return [c["source"] for c in nb.cells if c["cell_type"] == "code" and "answer" in tags(c)]
 
 
+def _assignment_of(path) -> str | None:
+    """The assignment a released notebook belongs to (its metadata), or None (an older release, a plain file)."""
+    from .build import read_master
+
+    try:
+        meta = read_master(path).metadata.get("flashnb_course") or {}
+    except Exception:   # noqa: BLE001 -- unreadable: reported where the answers are read
+        return None
+    name = meta.get("assignment") if isinstance(meta, dict) else None
+    return name if isinstance(name, str) else None
+
+
 def prose_cells(path) -> list[str]:
     from .build import read_master, tags
 
@@ -560,6 +572,7 @@ def grade_one(bundle, submission, work, *, limits: Limits | None = None, screen:
     ``jobs``: how many submissions are graded at once (the process limit is per account); ``sandbox``: run its
     processes in the operating-system sandbox (:mod:`flashnb.course.sandbox`; ``False``: said in its
     problems), with ``hide`` (folders) out of its sight."""
+    from . import grammar
     from . import screen as screening
 
     limits = limits or Limits()
@@ -582,6 +595,12 @@ def grade_one(bundle, submission, work, *, limits: Limits | None = None, screen:
     except Exception as exc:   # noqa: BLE001 -- an unreadable notebook scores 0, the batch goes on
         problems.append(f"could not read the notebook: {type(exc).__name__}: {exc}")
         return finished({r["id"]: r for r in _zero_all(tests, "error", problems[-1])})
+    other = _assignment_of(submission)
+    if other and other != bundle.manifest.get("name"):
+        problems.append(f"this notebook is assignment {other}'s, and it was graded with "
+                        f"{bundle.manifest.get('name')}'s bundle: grade it with its own (or hand in the notebook of "
+                        "this assignment)")
+        return finished({r["id"]: r for r in _zero_all(tests, "error", problems[-1])})
     if not answers:
         problems.append("no cells tagged 'answer' (keep the answer cells of the release, and their tags)")
         return finished({r["id"]: r for r in _zero_all(tests, "error", problems[-1])})
@@ -589,9 +608,18 @@ def grade_one(bundle, submission, work, *, limits: Limits | None = None, screen:
         problems.append(f"{len(answers)} cells tagged 'answer', the assignment has {bundle.manifest['answer_cells']} "
                         "(keep the answer cells of the release, and their tags)")
     if screen:
-        found = screening.screen(answers)
+        found, runnable, dropped = grammar.check(answers, bundle.setup)
+        if not found:
+            found = screening.screen(runnable)
+        if not found:
+            answers = runnable
+            if dropped:
+                problems.append("not run by the grader (answer cells are definitions: functions, kernels, constants;"
+                                " other top-level lines are yours to try things in the notebook): "
+                                + ", ".join(f"cell {c} line {ln}" for c, ln in dropped[:12])
+                                + (" ..." if len(dropped) > 12 else ""))
         if found:
-            msg = ("the grader refused to run this submission: it uses what answers never need "
+            msg = ("the grader refused to run this submission: it uses what the answer grammar does not allow "
                    "(assignments/README.md, 'Threat model'):\n" + "\n".join(str(f) for f in found[:10])
                    + (f"\n... and {len(found) - 10} more" if len(found) > 10 else ""))
             problems.append(msg)

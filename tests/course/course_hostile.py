@@ -42,21 +42,21 @@ _PATCH = f"course.run_one = {_RUN_ONE}\n"
 
 HOSTILE = [
     Hostile("patch-run-one", "replaces the grader's function that runs one test (course.run_one) by one that "
-            "returns full points", _PATCH, says="course is not available", stops="screen, integrity",
+            "returns full points", _PATCH, says="assign to names", stops="grammar, integrity",
             deep="run_one replaced", bare="run_one replaced", kind_of="grader-state"),
     Hostile("patch-result", "rebinds course.Result so that every result it builds is a pass",
             "_R = course.Result\n"
             "course.Result = lambda id, question, points, earned, message='', hidden=False, seconds=0.0, "
             "status='pass': _R(id, question, points, points, '', hidden, seconds, 'pass')\n",
-            says="course is not available", stops="screen, integrity", deep="Result replaced",
+            says=".Result is not part of the answer grammar", stops="grammar, integrity", deep="Result replaced",
             bare="Result replaced", kind_of="grader-state"),
     Hostile("patch-criteria", "replaces the compile check (criteria.compiles) by a no-op",
-            "criteria.compiles = lambda *a, **k: None\n", says="criteria is not available",
-            stops="screen, integrity", deep="compiles replaced",
+            "criteria.compiles = lambda *a, **k: None\n", says="assign to names",
+            stops="grammar, integrity", deep="compiles replaced",
             base={"a1_online_softmax": "float64 literal in the kernel"}, bare="compiles replaced",
             kind_of="grader-state"),
     Hostile("patch-numpy", "replaces numpy.abs, so every |got - want| is 0", "np.abs = np.zeros_like\n",
-            says="changes np.abs", stops="screen, integrity", deep="abs replaced",
+            says="assign to names", stops="grammar, integrity", deep="abs replaced",
             base={"a1_online_softmax": "merge forgets to rescale d_b"}, bare="abs replaced", kind_of="grader-state"),
     Hostile("patch-reference", "replaces flashnb's float64 reference of the merge (softmax.merge) by the "
             "submission's own wrong formula",
@@ -65,12 +65,12 @@ HOSTILE = [
             "    with np.errstate(invalid='ignore'):\n"
             "        return m, np.where(np.isneginf(m), 0.0, a[1] * np.exp(a[0] - m) + b[1])\n"
             "flashnb.stages.softmax.merge = _wrong\n",
-            says="changes flashnb.stages.softmax.merge", stops="screen, integrity", deep="merge replaced",
+            says="host code indexes only shapes", stops="grammar, integrity", deep="merge replaced",
             base={"a1_online_softmax": "merge forgets to rescale d_b"}, bare="merge replaced", kind_of="grader-state"),
     Hostile("patch-traffic", "makes the traffic counter's model check (Traffic.check_model) report no difference",
             "flashnb.instruments.traffic.Traffic.check_model = "
             "lambda self, model, budget=None, raise_on_mismatch=True: []\n",
-            says=".traffic is not available", stops="screen, integrity", deep="check_model replaced",
+            says="assign to names", stops="grammar, integrity", deep="check_model replaced",
             base={"a1_online_softmax": "three passes"}, bare="check_model replaced", kind_of="grader-state"),
     Hostile("launch-hook", "appends a hook to flashnb.common.launch_hooks that swallows the kernel's error and "
             "writes the reference answer into the outputs of every 'merge' launch",
@@ -87,7 +87,8 @@ HOSTILE = [
             "            self.args[5].copy_to_device(d.astype(np.float32))\n"
             "        return True\n"
             "flashnb.common.launch_hooks.append(lambda label, kernel, grid, block, args: _Fix(label, args))\n",
-            says=".launch_hooks is not available", stops="screen, integrity", deep="launch_hooks changed",
+            says="classdef statements are not part of an answer", stops="grammar, integrity",
+            deep="launch_hooks changed",
             bare="launch_hooks changed", kind_of="grader-state"),
     Hostile("uncounted-reads", "reads a whole row through NumPy inside a kernel (X[row].max(), X[row].sum()): the "
             "simulator runs it, the traffic counter never sees it (A1: a three-pass softmax passes the two-read IO "
@@ -95,7 +96,7 @@ HOSTILE = [
             "@cuda.jit\n"
             "def _row_sums(X, Y):\n"
             "    Y[cuda.blockIdx.x] = X[cuda.blockIdx.x].sum()      # a whole row through NumPy, never counted\n",
-            says="a kernel is CUDA Python", stops="screen", base={"a1_online_softmax": "solution"},
+            says=".sum is not part of the answer grammar", stops="grammar", base={"a1_online_softmax": "solution"},
             kind_of="host-copy"),
     Hostile("forge-channel", "writes result records for every test (full points) to the grader's results channel "
             "-- the log file the old grader named on the child's command line, or any open descriptor -- then exits",
@@ -116,7 +117,7 @@ HOSTILE = [
             "    except OSError:\n"
             "        pass\n"
             "os._exit(0)\n",
-            says="imports sys", stops="screen, channel", deep="forged record", bare="forged record",
+            says="imports sys", stops="grammar, channel", deep="forged record", bare="forged record",
             kind_of="grader-state"),
     Hostile("rewrite-tests", "rewrites the bundle's tests.py so that every test passes (this submission and "
             "every one graded after it)",
@@ -126,7 +127,7 @@ HOSTILE = [
             "timeout=%r)(lambda ns: None)\\n' % (t['question'], t['points'], t['id'].split(': ', 1)[1], "
             "t['hidden'], t['timeout']) for t in _m['tests'])\n"
             "open(os.path.join(BUNDLE_PATH, 'tests.py'), 'w').write(_src)\n",
-            says="imports os", stops="screen, sandbox (no bundle in it); the bundle check without one",
+            says="imports os", stops="grammar, sandbox (no bundle in it); the bundle check without one",
             deep="No such file or directory", victims=True, bare="bundle's files changed", kind_of="others"),
     Hostile("rewrite-setup", "appends to the bundle's setup.py a patch of course.run_one, so that every "
             "submission graded after this one gets full points",
@@ -134,7 +135,7 @@ HOSTILE = [
             "open(os.path.join(BUNDLE_PATH, 'setup.py'), 'a').write('\\nfrom flashnb import course as _c\\n'\n"
             "    '_c.run_one = lambda t, ns, done: '\n"
             "    '_c.Result(t.id, t.question, t.points, t.points, \"\", t.hidden)\\n')\n",
-            says="imports os", stops="screen, sandbox (no bundle in it); the bundle check without one",
+            says="imports os", stops="grammar, sandbox (no bundle in it); the bundle check without one",
             deep="No such file or directory", victims=True, bare="bundle's files changed", kind_of="others"),
     Hostile("rewrite-manifest", "sets every test's time limit in the bundle's manifest.json to 1 ms, so that the "
             "submissions graded after this one time out",
@@ -144,7 +145,7 @@ HOSTILE = [
             "for _t in _m['tests']:\n"
             "    _t['timeout'] = 0.001\n"
             "open(_p, 'w').write(json.dumps(_m))\n",
-            says="imports os", stops="screen, sandbox (no bundle in it); the bundle check without one",
+            says="imports os", stops="grammar, sandbox (no bundle in it); the bundle check without one",
             deep="No such file or directory", victims=True, bare="bundle's files changed", kind_of="others"),
     Hostile("poison-compile-cache", "overwrites every compile verdict in the batch's shared cache "
             "($FLASHNB_COURSE_CACHE) with 'no problems', so that a later submission whose kernel has float64 code "
@@ -154,7 +155,7 @@ HOSTILE = [
             "if _d and os.path.isdir(_d):\n"
             "    for _f in os.listdir(_d):\n"
             "        open(os.path.join(_d, _f), 'w').write('[]')\n",
-            says="imports os", stops="screen, private caches", victims=True, kind_of="others"),
+            says="imports os", stops="grammar, private caches", victims=True, kind_of="others"),
     Hostile("read-solution", "reads the bundle's solution.ipynb and runs its answer cells",
             "import json, os, linecache\n"
             "_nb = json.load(open(os.path.join(BUNDLE_PATH, 'solution.ipynb')))\n"
@@ -164,7 +165,7 @@ HOSTILE = [
             "        _n = f'<solution {_i}>'\n"
             "        linecache.cache[_n] = (len(_s), None, _s.splitlines(True), _n)\n"
             "        exec(compile(_s, _n, 'exec'), globals())\n",
-            says="imports json", stops="screen, sandbox (no bundle in it)", cell=-1,
+            says="imports json", stops="grammar, sandbox (no bundle in it)", cell=-1,
             deep="No such file or directory", kind_of="leak-tests"),
     Hostile("dunder-escape", "climbs from () through __class__ / __subclasses__ to os's globals, then patches "
             "course.run_one through sys.modules",
@@ -172,14 +173,16 @@ HOSTILE = [
             ".__init__.__globals__\n"
             "_c = _g['sys'].modules['flashnb.course']\n"
             "_c.run_one = lambda t, ns, done: _c.Result(t.id, t.question, t.points, t.points, '', t.hidden)\n",
-            says="special attribute .__class__", stops="screen, integrity", deep="run_one replaced",
+            says="private and special attributes", stops="grammar, integrity", deep="run_one replaced",
             bare="run_one replaced", kind_of="grammar"),
     Hostile("computed-attribute", "patches course.run_one with setattr and a name built at run time",
-            f"setattr(course, 'run_' + 'one', {_RUN_ONE})\n", says="setattr", stops="screen, integrity",
+            f"setattr(course, 'run_' + 'one', {_RUN_ONE})\n", says="setattr is not available",
+            stops="grammar, integrity",
             deep="run_one replaced", bare="run_one replaced", kind_of="grammar"),
     Hostile("hidden-exec", "runs the run_one patch from a hex string with exec",
-            f"exec(bytes.fromhex({binascii.hexlify(_PATCH.encode()).decode()!r}).decode())\n", says="exec",
-            stops="screen, integrity", deep="run_one replaced", bare="run_one replaced", kind_of="grammar"),
+            f"exec(bytes.fromhex({binascii.hexlify(_PATCH.encode()).decode()!r}).decode())\n",
+            says="exec is not available",
+            stops="grammar, integrity", deep="run_one replaced", bare="run_one replaced", kind_of="grammar"),
     Hostile("frame-walk", "walks from its own frame to the grader's (inspect.currentframe().f_back) and calls the "
             "old grader's emit() with full points",
             "import inspect, json, os\n"
@@ -192,7 +195,7 @@ HOSTILE = [
             "earned=_t['points'], message='', hidden=_t['hidden'], seconds=0.0, status='pass')\n"
             "    _fl['emit'](event='end')\n"
             "    os._exit(0)\n",
-            says="imports inspect", stops="screen (in-process state: what a separate process would need)",
+            says="imports inspect", stops="grammar (in-process state: what a separate process would need)",
             kind_of="grader-state"),
     Hostile("thread-patcher", "starts a thread that keeps patching course.run_one while the tests run",
             "import threading, time\n"
@@ -201,24 +204,24 @@ HOSTILE = [
             f"        {_PATCH.strip()}\n"
             "        time.sleep(0.001)\n"
             "threading.Thread(target=_loop, daemon=True).start()\n",
-            says="imports threading", stops="screen, integrity", deep="run_one replaced", bare="run_one replaced",
+            says="imports threading", stops="grammar, integrity", deep="run_one replaced", bare="run_one replaced",
             kind_of="grader-state"),
     Hostile("orphan-process", "starts a detached process (setsid) that outlives the grading",
             "import subprocess\n"
             "subprocess.Popen(['sleep', '987.654'], start_new_session=True, stdout=subprocess.DEVNULL, "
             "stderr=subprocess.DEVNULL)\n",
-            says="imports subprocess", stops="screen, sandbox (PID namespace), process reaping", deep="", bare="",
+            says="imports subprocess", stops="grammar, sandbox (PID namespace), process reaping", deep="", bare="",
             kind_of="machine"),
     Hostile("kill-grader", "sends SIGTERM to the grading process (its parent): the batch stops",
             "import os, signal\nos.kill(os.getppid(), signal.SIGTERM)\n", says="imports os",
-            stops="screen, sandbox (its own PID namespace: the grader is not in it)", deep="", kind_of="others"),
+            stops="grammar, sandbox (its own PID namespace: the grader is not in it)", deep="", kind_of="others"),
     Hostile("site-packages-pth", "writes a .pth file into site-packages that patches course.run_one at every "
             "interpreter start: every later submission, in this batch and the next, gets full points",
             "import os, site\n"
             "for _d in site.getsitepackages():\n"
             "    open(os.path.join(_d, 'zz_flashnb_hostile.pth'), 'w').write("
             "'import flashnb.course as c; c.run_one = None\\n')\n",
-            says="imports os", stops="screen, sandbox (read-only filesystem)", deep="Read-only file system",
+            says="imports os", stops="grammar, sandbox (read-only filesystem)", deep="Read-only file system",
             victims=True, kind_of="others"),
     Hostile("rewrite-submissions", "rewrites every other notebook in the submissions folder (a later student's "
             "correct answer then scores 0)",
@@ -226,7 +229,7 @@ HOSTILE = [
             "for _f in os.listdir(SUBS_PATH):\n"
             "    if _f.startswith('zz_'):\n"
             "        open(os.path.join(SUBS_PATH, _f), 'w').write('{}')\n",
-            says="imports os", stops="screen, sandbox (no submissions folder in it)",
+            says="imports os", stops="grammar, sandbox (no submissions folder in it)",
             deep="No such file or directory", victims=True, kind_of="others"),
     Hostile("kill-batch", "SIGKILL to its parent and to every process it can see: the batch ends with no CSV "
             "and no feedback for anyone",
@@ -237,13 +240,13 @@ HOSTILE = [
             "            os.kill(_p, signal.SIGKILL)\n"
             "        except OSError:\n"
             "            pass\n",
-            says="imports os", stops="screen, sandbox (its own PID namespace)", deep="", kind_of="others"),
+            says="imports os", stops="grammar, sandbox (its own PID namespace)", deep="", kind_of="others"),
     Hostile("feedback-folder", "makes a folder where a later student's feedback file goes (the batch crashed "
             "writing it)",
             "import os\n"
             "os.makedirs(os.path.join(OUT_PATH, 'feedback', 'zz_good.txt'), exist_ok=True)\n"
             "os.makedirs(os.path.join(OUT_PATH, 'scores.csv'), exist_ok=True)\n",
-            says="imports os", stops="screen, sandbox (no output folder in it); atomic writes",
+            says="imports os", stops="grammar, sandbox (no output folder in it); atomic writes",
             deep="", kind_of="others"),
     Hostile("double-fork", "double-forks a process that leaves the session (setsid), empties its environment and "
             "outlives the grader, then rewrites the results (Gradescope: results.json after the grader wrote it)",
@@ -253,7 +256,7 @@ HOSTILE = [
             "    if os.fork() == 0:\n"
             "        os.execve('/bin/sleep', ['sleep', '987.654'], {})\n"
             "    os._exit(0)\n",
-            says="imports os", stops="screen, sandbox (PID namespace: it dies with the sandbox)", deep="",
+            says="imports os", stops="grammar, sandbox (PID namespace: it dies with the sandbox)", deep="",
             kind_of="machine"),
     Hostile("disk-flood", "fills the disk with small files (a size limit per file does not stop it)",
             "import os\n"
@@ -261,7 +264,7 @@ HOSTILE = [
             "while True:\n"
             "    open(f'flood{_i}.bin', 'wb').write(b'x' * 65536)\n"
             "    _i += 1\n",
-            says="imports os", stops="screen, sandbox (a scratch of fixed size)", deep="No space left on device",
+            says="imports os", stops="grammar, sandbox (a scratch of fixed size)", deep="No space left on device",
             kind_of="machine"),
     Hostile("proc-cmdline", "finds the bundle's path in the grader's command line (/proc/<pid>/cmdline) and runs "
             "solution.ipynb's answer cells",
@@ -277,11 +280,11 @@ HOSTILE = [
             "            for _c in json.load(open(_s))['cells']:\n"
             "                if 'answer' in _c['metadata'].get('tags', []):\n"
             "                    exec(''.join(_c['source']), globals())\n",
-            says="imports os", stops="screen, sandbox (its own PID namespace, no bundle in it)", deep="",
+            says="imports os", stops="grammar, sandbox (its own PID namespace, no bundle in it)", deep="",
             kind_of="leak-tests"),
     Hostile("memory-hog", "allocates 5 GiB in the answer cell (beyond the grader's 4 GiB of address space, whatever "
             "the process already holds)", "_hog = np.ones((5 << 30) // 8)\n",
-            says="MemoryError", stops="limits (address space)", kind_of="machine"),
+            says="NumPy in an answer", stops="grammar; the address-space limit behind it", kind_of="machine"),
 ]
 
 #: the edit of the solution's third A1 cell that makes "uncounted-reads": a max pass the counter never sees
@@ -341,4 +344,44 @@ def write(name: str, release_dir, out_dir, *, kinds=None, grades=None) -> dict:
         nbformat.write(notebook(h, name, release_dir, Path(release_dir) / "autograder", subs=out_dir, out=grades),
                        str(out_dir / f"{stem}.ipynb"))
         made[stem] = h
+    return made
+
+
+#: Legitimate answers written otherwise than the solution, per assignment: (stem, what, edit of the solution
+#: notebook).  Each must score full marks.
+def _helper_outside_the_factory(nb):
+    """A1: the chunk fold through a device function of the student's, at the top of the cell, outside the kernel
+    factory (the grader used to re-run only the factory's source: NameError)."""
+    cells = _answer_cells(nb)
+    old = "m, d = merge_state(m, d, X[row, j], ONE)"
+    assert cells[1]["source"].count(old) == 1
+    helper = ("@cuda.jit(device=True)\n"
+              "def fold_one(m, d, x):\n"
+              "    \"\"\"My helper: fold one element into [m, d].\"\"\"\n"
+              "    return merge_state(m, d, x, ONE)\n\n\n")
+    cells[1]["source"] = helper + cells[1]["source"].replace(old, "m, d = fold_one(m, d, X[row, j])")
+    return nb
+
+
+def _helper_in_another_cell(nb):
+    """A1: the same helper in the first answer cell, used by the kernel of the second."""
+    cells = _answer_cells(nb)
+    old = "m, d = merge_state(m, d, X[row, j], ONE)"
+    cells[0]["source"] += ("\n\n@cuda.jit(device=True)\ndef fold_one(m, d, x):\n"
+                           "    return merge_state(m, d, x, ONE)\n")
+    cells[1]["source"] = cells[1]["source"].replace(old, "m, d = fold_one(m, d, X[row, j])")
+    return nb
+
+
+LEGIT = {"a1_online_softmax": [("legit_helper_outside", _helper_outside_the_factory),
+                               ("legit_helper_other_cell", _helper_in_another_cell)]}
+
+
+def write_legit(name: str, release_dir, out_dir) -> list[str]:
+    """Write the legitimate variants of ``name``'s solution into ``out_dir``; returns their stems."""
+    solution = Path(release_dir) / "autograder" / "solution.ipynb"
+    made = []
+    for stem, edit in LEGIT.get(name, []):
+        nbformat.write(edit(nbformat.read(str(solution), as_version=4)), str(Path(out_dir) / f"{stem}.ipynb"))
+        made.append(stem)
     return made

@@ -20,7 +20,7 @@ import nbformat
 import pytest
 
 from flashnb.course import bugs as course_bugs
-from flashnb.course import build, grade, screen
+from flashnb.course import build, grade, grammar, screen
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -248,6 +248,108 @@ print(statistics.mean([1, 2, 3]), heapq.nsmallest(2, [3, 1, 2]), bisect.bisect([
 ]
 
 
+TINY_SETUP = TINY.split('# %% tags=["setup"]\n', 1)[1].split("# %%", 1)[0]
+
+# Answers written otherwise than the solutions, all inside the grammar: helpers in other cells and outside the
+# factory, module constants, another kernel structure, a launcher; and self-checks the grader never runs.
+UNUSUAL_ANSWERS = [
+    ["""from numba import cuda, float32, int32
+from flashnb.common import NEG_INF, ZERO, ONE, cdiv, launch
+import math
+
+TPB_DEFAULT = 2 * 16
+
+
+@cuda.jit(device=True, inline="always")
+def my_max(a, b):
+    return a if a > b else b
+""",
+     """def make_kernel(TPB):
+    \"\"\"A factory: a kernel that reads its helper from another cell.\"\"\"
+    half = TPB // 2
+
+    @cuda.jit(device=True)
+    def fold(m, x):
+        return my_max(m, x)
+
+    @cuda.jit
+    def row_max(X, M):
+        s = cuda.shared.array(TPB, float32)
+        loc = cuda.local.array(2, float32)
+        row = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        m = NEG_INF
+        for j in range(tid, X.shape[1], cuda.blockDim.x):
+            m = fold(m, X[row, j])
+        loc[0] = m
+        s[tid] = loc[0]
+        cuda.syncthreads()
+        off = half
+        while off > 0:
+            if tid < off:
+                s[tid] = my_max(s[tid], s[tid + off])
+            cuda.syncthreads()
+            off //= 2
+        if tid == 0:
+            M[row] = s[0] * ONE + ZERO
+            cuda.atomic.add(M, row, float32(0))
+        v = cuda.shfl_down_sync(0xFFFFFFFF, m, 1)
+        if v != v:
+            M[row] = float32(math.exp(ZERO))
+
+    return row_max
+
+
+def launch_rows(X, M, TPB=32):
+    rows, n = X.shape
+    grid = (cdiv(rows, 1), 1)
+    launch(make_kernel(TPB), grid, TPB, X, M, label=f"row max of {n}")
+
+
+print("trying make_kernel(32)", make_kernel(32))
+assert TPB_DEFAULT == 32, "constants"
+"""],
+    ["""N, d, Br, Bc, warps, window = 1024, 64, 64, 32, 4, 4
+Tr, Tc = N // Br, N // Bc
+visited = sum(min(window + 1, 2 * I + 2) for I in range(Tr))
+kv_bytes = 2 * visited * Bc * d * 4
+ratio = round((2 * N * d) / (2 * Tr * Tc * Bc * d), 4)
+"""],
+]
+
+# Ways out of the grammar, by class: each snippet must be refused.
+GRAMMAR_ESCAPES = {
+    "rebinding a builtin": ["exec = print\n", "exec = exec\n", "try:\n    pass\nexcept Exception as exec:\n    pass\n",
+                            "def f():\n    e = eval\n    return e('1')\n", "for open in range(3):\n    pass\n"],
+    "strings through getattr": ["def f(x):\n    return getattr(x, '__cl' + 'ass__')\n",
+                                "def f(x):\n    return vars(x)\n",
+                                "def f(x):\n    return '{0.__class__}'.format(x)\n", "x = f'{().__class__}'\n"],
+    "__builtins__": ["def f():\n    return __builtins__['open']\n", "b = __builtins__\n",
+                     "def f():\n    return __import__('os')\n"],
+    "class hierarchies": ["def f():\n    return ().__class__.__base__.__subclasses__()\n", "class A:\n    pass\n",
+                          "def f(x):\n    return type(x)\n"],
+    "decorators": ["@print\ndef f():\n    pass\n", "def d(f):\n    return f\n@d\ndef g():\n    pass\n",
+                   "@cuda.jit(device=eval('True'))\ndef k():\n    pass\n"],
+    "default arguments": ["def f(x=open('/etc/passwd')):\n    return x\n", "def f(x=[].append):\n    return x\n",
+                          "def f(x=(lambda: 0)):\n    return x\n"],
+    "compile and codecs": ["import codecs\n", "def f():\n    return compile('1', 'x', 'eval')\n", "import importlib\n",
+                           "from numba import njit\n", "def f(s):\n    return s.encode('rot13')\n"],
+    "the grader's state": ["import gc\n", "import sys\n", "def f():\n    return course.TESTS\n",
+                           "def f(g):\n    return g.gi_frame\n", "def f():\n    return criteria\n",
+                           "from flashnb.common import launch_hooks\n", "from flashnb import course\n",
+                           "def f(x):\n    return x.__globals__\n", "def f():\n    return os\n"],
+    "files and processes": ["def f():\n    return open('/proc/1/cmdline')\n", "import os\n", "import subprocess\n",
+                            "with open('x') as f:\n    pass\n"],
+    "computing on the host": ["def launcher(Q, O):\n    O[0, 0] = Q[0, 0]\n",
+                              "def launcher(Q):\n    q = Q\n    return q[0]\n",
+                              "def f(Q):\n    return Q.copy_to_host()\n",
+                              "@cuda.jit\ndef k(X, Y):\n    Y[0] = X[0].sum()\n",
+                              "def f(q):\n    return np.exp(q)\n",
+                              "def f(q, k, v):\n    return reference.attention_forward(q, k, v)\n",
+                              "from flashnb.reference import attention_forward\n"],
+}
+
+
 def _answers(nb) -> list[str]:
     return [grade._code(c["source"]) for c in nb.cells if c["cell_type"] == "code"
             and "answer" in c["metadata"].get("tags", [])]
@@ -264,29 +366,52 @@ def releases(tmp_path_factory):
     return out
 
 
-def test_screen_refuses_no_solution_no_bug_and_no_student_helper(releases):
-    """The legitimate code: every solution, every catalogued bug, every untouched release, realistic helpers."""
+def test_grammar_accepts_every_solution_bug_release_and_unusual_answer(releases):
+    """The legitimate code: every solution, every catalogued bug, every untouched release, and answers written
+    otherwise (helpers in other cells, constants, another kernel structure, self-checks the grader does not run)."""
     checked = 0
     for name, rel in releases.items():
         solution = nbformat.read(str(rel / "autograder" / "solution.ipynb"), as_version=4)
+        setup = (rel / "autograder" / "setup.py").read_text()
         notebooks = [solution, nbformat.read(str(rel / "student" / f"{name}.ipynb"), as_version=4)]
         notebooks += [b.apply(solution) for b in course_bugs.load(ROOT / "assignments" / name)]
         for nb in notebooks:
-            assert screen.screen(_answers(nb)) == [], (name, [str(f) for f in screen.screen(_answers(nb))])
+            found, _, _ = grammar.check(_answers(nb), setup)
+            assert found == [], (name, [str(f) for f in found])
+            assert screen.screen(_answers(nb)) == [], name
             checked += 1
-    for helper in STUDENT_HELPERS:
-        assert screen.screen([helper]) == [], [str(f) for f in screen.screen([helper])]
+    for cells in UNUSUAL_ANSWERS:
+        found, runnable, dropped = grammar.check(cells, TINY_SETUP)
+        assert found == [], [str(f) for f in found]
+        assert screen.screen(runnable) == [], [str(f) for f in screen.screen(runnable)]
+    _, runnable, dropped = grammar.check(UNUSUAL_ANSWERS[0], TINY_SETUP)
+    n = len(UNUSUAL_ANSWERS[0][1].splitlines())
+    assert dropped == [(2, n - 1), (2, n)] and "print" not in runnable[1] and "make_kernel(TPB)" in runnable[1]
+    assert len(runnable[1].splitlines()) == len(UNUSUAL_ANSWERS[0][1].splitlines())     # lines keep their numbers
     assert checked >= 40
 
 
-def test_screen_refuses_every_hostile_submission_and_names_the_line(releases):
+def test_grammar_refuses_what_answers_never_need():
+    """Student code that was fine under a deny-list (NumPy on the host, classes, other modules) is outside the
+    grammar: refused, with the cell, the line and the rule."""
+    for helper in STUDENT_HELPERS:
+        found, _, _ = grammar.check([helper], TINY_SETUP)
+        assert found and all(f.cell == 1 and f.line >= 1 and f.why for f in found), helper[:80]
+
+
+def test_grammar_refuses_every_escape_by_class():
+    for kind, snippets in GRAMMAR_ESCAPES.items():
+        for code in snippets:
+            found, _, _ = grammar.check([code], TINY_SETUP)
+            assert found, (kind, code)
+
+
+def test_grammar_refuses_every_hostile_submission_and_names_the_line(releases):
     rel = releases["a1_online_softmax"]
+    setup = (rel / "autograder" / "setup.py").read_text()
     for h in course_hostile.HOSTILE:
         nb = course_hostile.notebook(h, "a1_online_softmax", rel, rel / "autograder")
-        found = screen.screen(_answers(nb))
-        if h.kind == "memory-hog":           # legitimate syntax: the limits stop it (test_limits_...)
-            assert found == []
-            continue
+        found, _, _ = grammar.check(_answers(nb), setup)
         assert found, h.kind
         text = "\n".join(str(f) for f in found)
         assert h.says in text, (h.kind, text)
@@ -444,8 +569,8 @@ def test_limits_score_what_they_stop_and_the_batch_goes_on(tmp_path):
     _sub(subs / "c_good.ipynb", "def f(x):\n    return x + 1\n")
     limits = grade.Limits(cpu_s=4.0, output_mib=1)   # a child starts in about 1 CPU-s
     res = {g["student"]: {r["id"].split(": ")[1]: r for r in g["results"]}
-           for g in grade.grade(rel / "autograder", subs, tmp_path / "scores.csv", limits=limits,
-                                progress=lambda *_: None)}
+           for g in grade.grade(rel / "autograder", subs, tmp_path / "scores.csv", limits=limits, screen=False,
+                                progress=lambda *_: None)}       # the limits behind the grammar (it refuses np.ones)
     lim = res["a_limits"]
     assert [r["earned"] for r in lim.values()] == [1, 0, 0, 0, 1], {k: r["message"] for k, r in lim.items()}
     assert lim["two"]["status"] == "limit" and "memory limit" in lim["two"]["message"]
@@ -567,3 +692,63 @@ def test_nothing_of_the_tests_reaches_the_feedback(tmp_path):
     assert "LEAK []" in public["d_reader"]                                  # linecache never held the tests
     hidden_b = next(r for r in graded["b_value"]["results"] if r["hidden"])["message"]
     assert hidden_b.startswith("ValueError raised in your code during a hidden test"), hidden_b
+
+
+# A launcher assignment: run(X, Y) launches a kernel that writes Y = 2 X.
+CAPTURE = '''# %% [markdown]
+# # Tiny: a launcher
+# %% tags=["setup"]
+import os
+
+os.environ.setdefault("FLASHNB_DEVICE", "sim")
+import flashnb  # noqa: E402,I001
+import numpy as np
+from numba import cuda, float32  # noqa: F401
+from flashnb import course
+from flashnb.common import launch  # noqa: F401
+from flashnb.course import criteria
+# %% tags=["answer"]
+def make_double():
+    @cuda.jit
+    def double(X, Y):
+        i = cuda.grid(1)
+        ### BEGIN SOLUTION write Y = 2 X
+        if i < Y.shape[0]:
+            Y[i] = 2 * X[i]
+        ### END SOLUTION
+    return double
+
+
+def run(X, Y):
+    launch(make_double(), 1, 32, X, Y, label="double")
+# %% tags=["tests"]
+@course.test("q1", points=1, name="doubles", timeout=60)
+def _(ns):
+    x = np.arange(32, dtype=np.float32)
+    X, Y = flashnb.common.to_device(x), flashnb.common.empty(32)
+    ns["run"](X, Y)
+    criteria.close(Y.copy_to_host(), 2.0 * x, what="y")
+'''
+
+
+def test_a_kernel_that_reads_an_array_it_was_not_given_fails(tmp_path):
+    """The grammar lets host code pass a device array to a factory (it cannot tell an array from a tile size), so
+    the kernel would read it uncounted: the grader's launch hook finds the captured array and fails the test; the
+    kernel given the same array as an argument passes."""
+    rel = _tiny(tmp_path, CAPTURE, "capture")
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    head = "from flashnb.common import launch\nfrom numba import cuda\n\n\n"
+    _sub(subs / "a_captures.ipynb", head + "def make_double(src):\n    @cuda.jit\n    def double(Y):\n"
+         "        i = cuda.grid(1)\n        if i < Y.shape[0]:\n            Y[i] = 2 * src[i]\n    return double\n\n\n"
+         "def run(X, Y):\n    launch(make_double(X), 1, 32, Y, label='double')\n")
+    _sub(subs / "b_argument.ipynb", head + "def make_double():\n    @cuda.jit\n    def double(X, Y):\n"
+         "        i = cuda.grid(1)\n        if i < Y.shape[0]:\n            Y[i] = 2 * X[i]\n    return double\n\n\n"
+         "def run(X, Y):\n    launch(make_double(), 1, 32, X, Y, label='double')\n")
+    graded = {g["student"]: g for g in grade.grade(rel / "autograder", subs, tmp_path / "scores.csv",
+                                                   progress=lambda *_: None)}
+    cap = graded["a_captures"]["results"][0]
+    assert cap["earned"] == 0 and "reads src (in double), an array that is not one of its arguments" in \
+        cap["message"], cap
+    assert graded["a_captures"]["status"] is None                          # the grammar let it through
+    assert graded["b_argument"]["results"][0]["earned"] == 1, graded["b_argument"]["results"]

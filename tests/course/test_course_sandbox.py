@@ -162,3 +162,19 @@ def test_submission_names_never_collide():
     assert len({v.lower() for v in values}) == len(values), values
     assert names[Path("s/jane.ipynb")] == "jane.ipynb" and names[Path("s/jane.py")] == "jane.py"
     assert all(v and not v.startswith(".") and "/" not in v and " " not in v for v in values), values
+
+
+def test_a_notebook_of_another_assignment_says_so(tmp_path):
+    import nbformat
+
+    bundle, subs = _one_submission(tmp_path)
+    nb = nbformat.read(str(subs / "jane.ipynb"), as_version=4)
+    nb.metadata["flashnb_course"] = {"assignment": "a3_fa2_forward"}
+    nbformat.write(nb, str(subs / "joe.ipynb"))
+    graded = {g["student"]: g for g in grade.grade(bundle, subs, tmp_path / "out" / "scores.csv",
+                                                   progress=lambda *_: None)}
+    assert "this notebook is assignment a3_fa2_forward's, and it was graded with tiny's bundle" in \
+        graded["joe"]["problems"][0]
+    assert graded["joe"]["results"][0]["earned"] == 0 and graded["jane"]["results"][0]["earned"] == 1
+    released = nbformat.read(str(bundle.parent / "student" / "tiny.ipynb"), as_version=4)
+    assert released.metadata["flashnb_course"] == {"assignment": "tiny"}
