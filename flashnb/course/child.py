@@ -160,12 +160,46 @@ def captured_arrays(kernel, seen=None) -> list[str]:
     return out
 
 
+def python_calls(kernel, seen=None) -> list[str]:
+    """The Python functions of the submission (not ``@cuda.jit``) a kernel, or a device function it calls, names:
+    the simulator would run them as Python, a GPU cannot (a device function written as plain NumPy)."""
+    import types
+
+    seen = set() if seen is None else seen
+    fn = getattr(kernel, "py_func", kernel)
+    code = getattr(fn, "__code__", None)
+    if code is None or id(fn) in seen:
+        return []
+    seen.add(id(fn))
+    values = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:
+            pass
+    g = getattr(fn, "__globals__", {})
+    values += [g[n] for n in code.co_names if n in g]
+    out = []
+    for v in values:
+        if isinstance(v, types.FunctionType) and v.__code__.co_filename.startswith(("<answer cell", "<your ")):
+            out.append(v.__name__)
+        elif hasattr(v, "py_func"):
+            out.extend(python_calls(v, seen))
+    return out
+
+
 def _arguments_only(fail):
-    """A launch hook: a kernel that reads an array it was not given fails the test that launched it."""
+    """A launch hook: a kernel that reads an array it was not given, or calls a Python function of the answer, fails
+    the test that launched it."""
     import contextlib
 
     @contextlib.contextmanager
     def hook(label, kernel, grid, block, args):
+        py = python_calls(kernel)
+        if py:
+            raise fail(f"launch {label!r}: the kernel calls {', '.join(sorted(set(py))[:3])}, a Python function of "
+                       "your answer that is not @cuda.jit(device=True): the simulator runs it as Python, a GPU cannot "
+                       "(decorate it, and write it in CUDA Python)")
         bad = captured_arrays(kernel)
         if bad:
             raise fail(f"launch {label!r}: the kernel reads {', '.join(bad[:3])}, an array that is not one of its "

@@ -469,8 +469,8 @@ def _orphans() -> list[int]:
 
 #: one attack per layer behind the screen in the default run (in the sandbox); every deep entry with -m slow, and
 #: every entry that may run outside the sandbox without it
-DEEP_IN_CI = ("patch-run-one", "forge-channel", "rewrite-tests", "site-packages-pth", "rewrite-submissions",
-              "kill-batch", "feedback-folder", "double-fork", "disk-flood", "proc-cmdline")
+DEEP_IN_CI = ("patch-run-one", "forge-channel", "rewrite-tests", "site-packages-pth", "kill-batch", "double-fork",
+              "disk-flood")
 
 
 def _site_pth() -> list[Path]:
@@ -721,6 +721,13 @@ def make_double():
 
 def run(X, Y):
     launch(make_double(), 1, 32, X, Y, label="double")
+
+
+@cuda.jit(device=True)
+def twice(x):
+    ### BEGIN SOLUTION return 2 x
+    return 2 * x
+    ### END SOLUTION
 # %% tags=["tests"]
 @course.test("q1", points=1, name="doubles", timeout=60)
 def _(ns):
@@ -728,27 +735,49 @@ def _(ns):
     X, Y = flashnb.common.to_device(x), flashnb.common.empty(32)
     ns["run"](X, Y)
     criteria.close(Y.copy_to_host(), 2.0 * x, what="y")
+
+
+def _apply(f):
+    @cuda.jit
+    def apply(X, Y):
+        i = cuda.grid(1)
+        if i < Y.shape[0]:
+            Y[i] = f(X[i])
+    return apply
+
+
+@course.test("q2", points=1, name="twice, in a kernel of the tests", timeout=60)
+def _(ns):
+    x = np.arange(32, dtype=np.float32)
+    X, Y = flashnb.common.to_device(x), flashnb.common.empty(32)
+    flashnb.common.launch(_apply(ns["twice"]), 1, 32, X, Y, label="twice")
+    criteria.close(Y.copy_to_host(), 2.0 * x, what="y")
 '''
 
 
 def test_a_kernel_that_reads_an_array_it_was_not_given_fails(tmp_path):
     """The grammar lets host code pass a device array to a factory (it cannot tell an array from a tile size), so
     the kernel would read it uncounted: the grader's launch hook finds the captured array and fails the test; the
-    kernel given the same array as an argument passes."""
+    kernel given the same array as an argument passes.  Likewise a "device function" written as plain Python,
+    which the simulator would run and a GPU could not compile."""
     rel = _tiny(tmp_path, CAPTURE, "capture")
     subs = tmp_path / "subs"
     subs.mkdir()
     head = "from flashnb.common import launch\nfrom numba import cuda\n\n\n"
     _sub(subs / "a_captures.ipynb", head + "def make_double(src):\n    @cuda.jit\n    def double(Y):\n"
          "        i = cuda.grid(1)\n        if i < Y.shape[0]:\n            Y[i] = 2 * src[i]\n    return double\n\n\n"
-         "def run(X, Y):\n    launch(make_double(X), 1, 32, Y, label='double')\n")
+         "def run(X, Y):\n    launch(make_double(X), 1, 32, Y, label='double')\n\n\n"
+         "def twice(x):\n    return x + x\n")
     _sub(subs / "b_argument.ipynb", head + "def make_double():\n    @cuda.jit\n    def double(X, Y):\n"
          "        i = cuda.grid(1)\n        if i < Y.shape[0]:\n            Y[i] = 2 * X[i]\n    return double\n\n\n"
-         "def run(X, Y):\n    launch(make_double(), 1, 32, X, Y, label='double')\n")
+         "def run(X, Y):\n    launch(make_double(), 1, 32, X, Y, label='double')\n\n\n"
+         "@cuda.jit(device=True)\ndef twice(x):\n    return x + x\n")
     graded = {g["student"]: g for g in grade.grade(rel / "autograder", subs, tmp_path / "scores.csv",
                                                    progress=lambda *_: None)}
     cap = graded["a_captures"]["results"][0]
     assert cap["earned"] == 0 and "reads src (in double), an array that is not one of its arguments" in \
         cap["message"], cap
     assert graded["a_captures"]["status"] is None                          # the grammar let it through
-    assert graded["b_argument"]["results"][0]["earned"] == 1, graded["b_argument"]["results"]
+    py = graded["a_captures"]["results"][1]                                # a plain Python "device function"
+    assert py["earned"] == 0 and "the kernel calls twice, a Python function of your answer" in py["message"], py
+    assert [r["earned"] for r in graded["b_argument"]["results"]] == [1, 1], graded["b_argument"]["results"]
