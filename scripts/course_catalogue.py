@@ -32,8 +32,9 @@ def _header() -> list[str]:
             f"Graded on {datetime.date.today().isoformat()}, {platform.processor() or platform.machine()}, "
             f"Python {platform.python_version()}, under the grader's default limits ({limits.cpu_s:g} CPU-seconds "
             f"per submission, {limits.memory_gib:g} GiB of address space per process, {limits.output_mib:g} MiB "
-            "of output), each submission in processes of its own with its own caches (nothing shared between "
-            "submissions, so every one compiles its kernels).", ""]
+            f"of output, {limits.scratch_mib:g} MiB of scratch), each submission in processes of its own, each in "
+            "its own bubblewrap sandbox with its own caches (nothing shared between submissions, so every one "
+            "compiles its kernels).", ""]
 
 
 def _section(master: Path, tmp: Path) -> list[str]:

@@ -251,6 +251,16 @@ def _kill_all(sid: int, tag: str) -> None:
 
 
 _LIVE: set[int] = set()       # this process's grading children, reaped only by their own _Run
+_KEEP: set[int] = set()       # children this process had before it graded (never a submission's)
+_SPAWN = threading.Lock()     # a grading child is in _LIVE from the moment it exists
+
+
+def _children() -> list[int]:
+    """This process's child processes now."""
+    if not _PROC.is_dir():
+        return []
+    me = os.getpid()
+    return [int(d.name) for d in _PROC.iterdir() if d.name.isdigit() and (_proc_stat(int(d.name)) or (0,))[0] == me]
 
 
 def _orphans() -> list[int]:
@@ -261,7 +271,7 @@ def _orphans() -> list[int]:
     me = os.getpid()
     out = []
     for d in _PROC.iterdir():
-        if d.name.isdigit() and int(d.name) not in _LIVE:
+        if d.name.isdigit() and int(d.name) not in _LIVE and int(d.name) not in _KEEP:
             st = _proc_stat(int(d.name))
             if st is not None and st[0] == me:
                 out.append(int(d.name))
@@ -377,9 +387,10 @@ class _Run:
                        skip=sorted(skip), done=done, sandbox=sandboxed,
                        limits=dict(cpu=max(1, int(cpu_left + 0.999)), memory=int(limits.memory_gib * GIB),
                                    output=int(limits.output_mib * MIB), nproc=nproc))
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     cwd=str(work), env=env, pass_fds=(w,), start_new_session=True)
-        _LIVE.add(self.proc.pid)
+        with _SPAWN:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         cwd=str(work), env=env, pass_fds=(w,), start_new_session=True)
+            _LIVE.add(self.proc.pid)
         os.close(w)
         self.channel = os.fdopen(r, "rb", buffering=0)
         try:
@@ -526,7 +537,9 @@ class _Run:
         self.cpu = max(self.cpu, self.tree_cpu)
         end = time.monotonic() + 10.0
         while time.monotonic() < end:
-            doomed = {p for p in doomed | set(_tagged(self.proc.pid, self.tag)) | set(_orphans())
+            with _SPAWN:
+                orphans = set(_orphans())
+            doomed = {p for p in doomed | set(_tagged(self.proc.pid, self.tag)) | orphans
                       if _alive(p) and p != self.proc.pid}
             if not doomed:
                 break
@@ -881,6 +894,8 @@ def grade(bundle, submissions, out_csv, *, feedback_dir=None, work_dir=None, pro
     own_root = not work_dir
     hide = [bundle.path, submissions, out_csv.parent, feedback_dir, work_root]
     guard = _Guard(bundle)
+    with _SPAWN:
+        _KEEP.update(p for p in _children() if p not in _LIVE)
     reaping = _subreaper(True)
     done: dict[str, dict] = {}
     shown = [0]

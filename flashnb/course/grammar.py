@@ -295,7 +295,9 @@ class _Checker:
             return True
         if isinstance(node, ast.Raise) and self._todo_raise(node):
             return True
-        # anything else is never run; still, it must not reach beyond the grammar (it says what the code is for)
+        # anything else is never run (unless it only computes constants); still, it must not reach beyond the
+        # grammar (it says what the code is for)
+        before = len(self.findings)
         self.top = True
         saved, self.scope = self.scope, _Scope(node, None, False)
         try:
@@ -310,7 +312,7 @@ class _Checker:
                 self.refuse(node, f"{type(node).__name__.lower()} statements are not part of an answer")
         finally:
             self.scope, self.top = saved, False
-        return False
+        return len(self.findings) == before and self._constant_computation(node)
 
     def _constant_assign(self, node) -> bool:
         targets = node.targets if isinstance(node, ast.Assign) else [node.target]
@@ -320,16 +322,35 @@ class _Checker:
         return node.value is not None and self._is_constant_expr(node.value)
 
     def _is_constant_expr(self, node) -> bool:
-        """Syntax a constant may have (names are checked by :meth:`expr`)."""
+        """Syntax a constant (or a computation of constants at the top level) may have: numbers, names,
+        arithmetic, the pure builtins and ``math.*`` (names are checked by :meth:`expr`)."""
         ok = (ast.Constant, ast.Name, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp, ast.Tuple,
               ast.GeneratorExp, ast.ListComp, ast.comprehension, ast.Load, ast.Store, ast.operator, ast.unaryop,
-              ast.boolop, ast.cmpop, ast.expr_context, ast.Call, ast.keyword, ast.List)
+              ast.boolop, ast.cmpop, ast.expr_context, ast.Call, ast.keyword, ast.List, ast.Attribute)
         for n in ast.walk(node):
             if not isinstance(n, ok):
                 return False
-            if isinstance(n, ast.Call) and not (isinstance(n.func, ast.Name) and n.func.id in BUILTINS):
+            if isinstance(n, ast.Attribute) and not (isinstance(n.value, ast.Name) and n.value.id == "math"
+                                                     and self.kind_of("math") == "math"):
+                return False
+            if isinstance(n, ast.Call) and not ((isinstance(n.func, ast.Name) and n.func.id in BUILTINS)
+                                                or isinstance(n.func, ast.Attribute)):
                 return False
         return True
+
+    def _constant_computation(self, node) -> bool:
+        """A top-level ``for`` over ``range``, ``if``, ``while`` or augmented assignment that only computes
+        constants (assignments to names of constant expressions): run, like the constants it defines."""
+        if isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            return all(isinstance(t, ast.Name) for t in targets) and self._is_constant_expr(node.value)
+        if isinstance(node, ast.For):
+            return (isinstance(node.target, ast.Name) and self._is_constant_expr(node.iter)
+                    and all(self._constant_computation(b) for b in node.body + node.orelse))
+        if isinstance(node, (ast.If, ast.While)):
+            return self._is_constant_expr(node.test) and all(self._constant_computation(b)
+                                                             for b in node.body + node.orelse)
+        return isinstance(node, (ast.Pass, ast.Break, ast.Continue))
 
     def _todo_raise(self, node) -> bool:
         exc = node.exc

@@ -314,6 +314,11 @@ Tr, Tc = N // Br, N // Bc
 visited = sum(min(window + 1, 2 * I + 2) for I in range(Tr))
 kv_bytes = 2 * visited * Bc * d * 4
 ratio = round((2 * N * d) / (2 * Tr * Tc * Bc * d), 4)
+tiles = 0
+for I in range(Tr):
+    if I > 0:
+        tiles += min(window + 1, 2 * I + 2)
+blocks = math.ceil(N / Bc)
 """],
 ]
 
@@ -388,6 +393,11 @@ def test_grammar_accepts_every_solution_bug_release_and_unusual_answer(releases)
     n = len(UNUSUAL_ANSWERS[0][1].splitlines())
     assert dropped == [(2, n - 1), (2, n)] and "print" not in runnable[1] and "make_kernel(TPB)" in runnable[1]
     assert len(runnable[1].splitlines()) == len(UNUSUAL_ANSWERS[0][1].splitlines())     # lines keep their numbers
+    _, runnable, dropped = grammar.check(UNUSUAL_ANSWERS[1], TINY_SETUP)      # constants computed by a loop: run
+    assert dropped == [] and runnable[0] == UNUSUAL_ANSWERS[1][0]
+    ns: dict = {"math": __import__("math")}
+    exec(compile(runnable[0], "<constants>", "exec"), ns)
+    assert ns["tiles"] == sum(min(4 + 1, 2 * i + 2) for i in range(1, 16)) and ns["blocks"] == 32
     assert checked >= 40
 
 

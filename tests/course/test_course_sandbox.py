@@ -178,3 +178,19 @@ def test_a_notebook_of_another_assignment_says_so(tmp_path):
     assert graded["joe"]["results"][0]["earned"] == 0 and graded["jane"]["results"][0]["earned"] == 1
     released = nbformat.read(str(bundle.parent / "student" / "tiny.ipynb"), as_version=4)
     assert released.metadata["flashnb_course"] == {"assignment": "tiny"}
+
+
+def test_a_folder_where_a_feedback_file_goes_costs_only_that_file(tmp_path):
+    import shutil
+
+    bundle, subs = _one_submission(tmp_path)
+    shutil.copy(subs / "jane.ipynb", subs / "joe.ipynb")
+    (tmp_path / "out" / "feedback" / "jane.txt").mkdir(parents=True)      # made by someone, before the batch
+    lines = []
+    graded = grade.grade(bundle, subs, tmp_path / "out" / "scores.csv", progress=lines.append)
+    assert [g["student"] for g in graded] == ["jane", "joe"]
+    rows = (tmp_path / "out" / "scores.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["jane", "joe"] and all(r.split(",")[1] == "1.0" for r in rows[1:])
+    assert "autograded: 1/1" in (tmp_path / "out" / "feedback" / "joe.txt").read_text()
+    assert any("jane: the feedback file" in ln and "could not be written" in ln for ln in lines), lines
+    assert not list((tmp_path / "out").rglob("*.tmp"))
