@@ -3,24 +3,25 @@
 What a submission's code can do to its grade, to other grades and to the grading machine is bounded in layers
 (``assignments/README.md``, "Threat model"):
 
-1. **The screen** (:mod:`flashnb.course.screen`) reads the answer cells before anything runs and refuses what
-   an answer never needs (other imports, changing modules' objects, dunders, exec, files, processes); a refused
-   submission scores 0 with the lines and the rule.
-2. **A child process per submission** (:mod:`flashnb.course.child`) runs the bundle's setup, the answer cells
-   (nothing else of the notebook) and the tests, in a scratch folder of its own (its cwd, ``HOME``, ``TMPDIR``
-   and caches, removed afterwards), with a clean environment and no path to the bundle: the setup and tests
-   reach it on stdin, read from the copy this process verified.
+1. **The answer grammar** (:mod:`flashnb.course.grammar`, an allow-list) reads the answer cells before anything
+   runs: definitions of kernels, device functions, factories, a launcher and constants in the Numba CUDA subset
+   are accepted, other top-level lines are blanked (never run); a refused submission scores 0 with the lines and
+   the rule.  The older deny-list (:mod:`flashnb.course.screen`) runs behind it.
+2. **A child process per submission, in a sandbox** (:mod:`flashnb.course.child`, :mod:`flashnb.course.sandbox`):
+   bubblewrap with an allow-listed read-only filesystem (no bundle, submissions or output), a size-limited
+   private ``/tmp``, no network, its own PID namespace; the setup and tests reach it on stdin.
 3. **Process limits**: CPU seconds for the whole submission (all its processes), address space, the size of
    what it prints and of any file it writes, processes and threads; a test's time limit.  What a limit stops
    scores 0 with the reason; a fresh child goes on with the remaining tests, and the batch with the next
    student.
-4. **An authenticated channel**: the child reports on a pipe, each record tagged with an HMAC under a secret
-   only the child's harness holds; a record that fails the check, or an integrity change the child reports
-   (:func:`flashnb.course.child.changes`), scores the whole submission 0.  Points come from this process's
-   manifest, never from the child.
+4. **Inside the child**: an integrity snapshot, a launch hook (a kernel reads only its arguments and calls only
+   device functions), and an authenticated channel -- each record tagged with an HMAC under a secret only the
+   child's harness holds; a forged record or a change scores the whole submission 0.  Points come from this
+   process's manifest, never from the child.
 5. **The bundle** is hashed against the ``hashes.json`` the release wrote, held in memory, and checked again
-   before and after every submission; a change is undone from memory, and the submission that made it scores 0
-   (with ``--jobs``, the submissions that ran in that window are graded again one at a time to find it).
+   before and after every submission; a change is undone from memory, and the submission that made it scores 0.
+6. **The outputs**: feedback and ``scores.csv`` written whole (temporary file, ``os.replace``) as students finish;
+   names made safe and unique; every process of a child gone before the next step.
 """
 
 from __future__ import annotations
