@@ -85,8 +85,8 @@ HOST_HELPER_NAMES = frozenset({"cdiv", "launch", "geometry", "_red_size", "causa
 #: attributes of any value (arrays, dim3)
 VALUE_ATTRS = frozenset({"shape", "ndim", "size", "dtype", "x", "y", "z"})
 #: the flashnb modules whose values answer names resolve to (what the assignments' setups import from)
-ENV_MODULES = ("flashnb.common", *(f"flashnb.stages.{m}" for m in ("softmax", "fa1", "fa2", "fa2_steps",
-                                                                   "block_sparse")))
+ENV_MODULES = ("flashnb.common", *(f"flashnb.stages.{m}" for m in ("naive", "softmax", "fa1", "fa2", "fa2_steps",
+                                                                   "block_sparse", "fa2_fast", "fa2_fast_steps")))
 
 
 @dataclass
@@ -732,6 +732,11 @@ class _Checker:
             return
         if kind == "type":
             return
+        if kind in ("device", "jit") and not kernel and not self.top:
+            # on the simulator a device function called from the host runs as Python on whole arrays, unseen by
+            # the traffic counter (a launcher could compute the answer with flashnb's own tile functions)
+            self.refuse(node, f"{f.id} is device code: call it from a kernel, never from the host")
+            return
         if kind == "device":
             return
         if kind == "host":
@@ -741,7 +746,11 @@ class _Checker:
         if found is not None and found[0] == "local":
             scope = found[1]
             defs = [v for v in scope.values.get(f.id, []) if isinstance(v, ast.FunctionDef)]
-            if defs and not (kernel and not any(_is_cuda_jit(d) for fn in defs for d in fn.decorator_list)):
+            jitted = any(_is_cuda_jit(d) for fn in defs for d in fn.decorator_list)
+            if defs and jitted and not kernel and not self.top:
+                self.refuse(node, f"{f.id} is device code: call it from a kernel, never from the host")
+                return
+            if defs and not (kernel and not jitted):
                 return
             if defs:
                 self.refuse(node, f"a kernel calls {f.id}, a Python function that is not @cuda.jit(device=True)")

@@ -351,7 +351,11 @@ GRAMMAR_ESCAPES = {
                               "@cuda.jit\ndef k(X, Y):\n    Y[0] = X[0].sum()\n",
                               "def f(q):\n    return np.exp(q)\n",
                               "def f(q, k, v):\n    return reference.attention_forward(q, k, v)\n",
-                              "from flashnb.reference import attention_forward\n"],
+                              "from flashnb.reference import attention_forward\n",
+                              "from flashnb.common import load_rows\ndef launcher(Q, O):\n"
+                              "    load_rows(Q, O, 0, 0)\n",
+                              "@cuda.jit(device=True)\ndef mine(Q, O):\n    O[0] = Q[0]\n"
+                              "def launcher(Q, O):\n    mine(Q, O)\n"],
 }
 
 
