@@ -524,6 +524,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="address space of each of a submission's processes, in GiB (default 4)")
     gr.add_argument("--output-mib", type=float, default=8.0, metavar="M",
                     help="what a submission may print, and the largest file it may write, in MiB (default 8)")
+    gr.add_argument("--scratch-mib", type=float, default=256.0, metavar="M",
+                    help="size of each submission's private scratch in its sandbox: every byte it writes, in all "
+                         "files together, in MiB (default 256)")
+    gr.add_argument("--no-sandbox", action="store_true",
+                    help="grade without the bubblewrap sandbox where it cannot run (only submissions from people you "
+                         "trust: the CSV and each feedback say so)")
     gr.add_argument("--no-screen", action="store_true",
                     help="skip the static screen of the answer cells (only for submissions a person has read: the "
                          "limits and checks still apply, but code the screen would refuse then runs)")
@@ -622,6 +628,7 @@ def cmd_course(args) -> int:
                   f"{Path(args.out) / m['name']}/student, /autograder")
         return 0
     from .course.grade import BundleError, Limits, grade
+    from .course.sandbox import SandboxError
 
     if args.course_command == "gradescope":
         from .course.gradescope import build
@@ -634,11 +641,13 @@ def cmd_course(args) -> int:
         print(f"{out}: upload it as the assignment's autograder (setup.sh installs {args.install})")
         return 0
     try:
-        limits = Limits(cpu_s=args.cpu_seconds, memory_gib=args.memory_gib, output_mib=args.output_mib)
+        limits = Limits(cpu_s=args.cpu_seconds, memory_gib=args.memory_gib, output_mib=args.output_mib,
+                        scratch_mib=args.scratch_mib)
         if args.jobs < 1:
             raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
-        grade(args.bundle, args.submissions, args.out, jobs=args.jobs, limits=limits, screen=not args.no_screen)
-    except (FileNotFoundError, BundleError, ValueError) as exc:
+        grade(args.bundle, args.submissions, args.out, jobs=args.jobs, limits=limits, screen=not args.no_screen,
+              sandbox=not args.no_sandbox)
+    except (FileNotFoundError, BundleError, ValueError, SandboxError) as exc:
         print(f"flashnb course grade: {exc}", file=sys.stderr)
         return 2
     print(f"scores: {args.out}; feedback: {Path(args.out).parent / 'feedback'}")

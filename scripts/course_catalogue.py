@@ -32,8 +32,9 @@ def _header() -> list[str]:
             f"Graded on {datetime.date.today().isoformat()}, {platform.processor() or platform.machine()}, "
             f"Python {platform.python_version()}, under the grader's default limits ({limits.cpu_s:g} CPU-seconds "
             f"per submission, {limits.memory_gib:g} GiB of address space per process, {limits.output_mib:g} MiB "
-            "of output), each submission in processes of its own with its own caches (nothing shared between "
-            "submissions, so every one compiles its kernels).", ""]
+            f"of output, {limits.scratch_mib:g} MiB of scratch), each submission in processes of its own, each in "
+            "its own bubblewrap sandbox with its own caches (nothing shared between submissions, so every one "
+            "compiles its kernels).", ""]
 
 
 def _section(master: Path, tmp: Path) -> list[str]:
@@ -51,13 +52,16 @@ def _section(master: Path, tmp: Path) -> list[str]:
     hidden = sum(t["points"] for t in manifest["tests"] if t["hidden"])
     manual = sum(x["points"] for x in manifest["manual"])
     cpu = [g["cpu_s"] for g in graded.values()]
+    wall = [g["wall_s"] for g in graded.values()]
     out = [f"## {manifest['title']} (`{name}`)", "",
            f"{len(manifest['tests'])} autograded tests, {total:g} points ({hidden:g} in hidden tests)"
            + (f", plus {manual:g} points graded by a person" if manual else "") + ". "
            f"Solution: {sum(r['earned'] for r in graded['solution']['results']):g}/{total:g}; untouched "
            f"release: {sum(r['earned'] for r in graded['untouched']['results']):g}/{total:g}. "
            f"CPU time to grade one submission: {min(cpu):g}-{max(cpu):g} s "
-           f"(solution {graded['solution']['cpu_s']:g} s).", "",
+           f"(solution {graded['solution']['cpu_s']:g} s); wall time {min(wall):g}-{max(wall):g} s "
+           f"(solution {graded['solution']['wall_s']:g} s: each of its processes starts Python, NumPy and numba, "
+           "and the compile tests wait on NVVM and ptxas).", "",
            "| test | points | hidden |", "|---|---|---|"]
     out += [f"| {t['id']} | {t['points']:g} | {'yes' if t['hidden'] else ''} |" for t in manifest["tests"]]
     out.append("")

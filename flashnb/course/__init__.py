@@ -128,13 +128,34 @@ def resolve(requirement: str, question: str) -> str:
                      f"registered: {list(TESTS)}")
 
 
-def _message(exc: BaseException) -> str:
-    if isinstance(exc, AssertionError) and str(exc):
-        return str(exc)
-    # anything else: the exception, and the last line of *the student's* code it passed through (a cell or a
-    # variant, whose file names start with '<'), which is where to look
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.startswith("<")]
+#: source names of the grader's own code (the bundle's setup and tests, its warm-up): never a student's lines
+_GRADER_SOURCES = ("<setup>", "<tests>", "<grader warm-up>")
+
+
+def _student_frame(filename: str) -> bool:
+    """Is this a frame of the student's code (an answer cell, a notebook cell, their variant of a factory)?"""
+    return filename.startswith("<") and filename not in _GRADER_SOURCES and not filename.endswith(
+        (" setup>", " tests>"))
+
+
+def _message(exc: BaseException, hidden: bool = False) -> str:
+    """What a student reads for a test that raised ``exc``.  The test's own verdict (an ``AssertionError`` the
+    test raised) is given whole; anything else is the exception and the last line of *the student's* code it
+    passed through (a cell or a variant, whose file names start with '<'), which is where to look -- never a
+    line of the tests.  For a hidden test, an exception that came through the student's code is named by its
+    built-in type and that line only: its text could carry the hidden inputs out (``raise ValueError(x)``)."""
+    import builtins
+
+    every = traceback.extract_tb(exc.__traceback__)
+    frames = [f for f in every if _student_frame(f.filename)]
     where = f"\n    at {frames[-1].filename}, line {frames[-1].lineno}: {frames[-1].line}" if frames else ""
+    verdict = isinstance(exc, Fail) and every and not _student_frame(every[-1].filename)
+    if hidden and frames and not verdict:
+        kind = type(exc).__name__
+        kind = kind if getattr(builtins, kind, None) is type(exc) else "an exception"
+        return f"{kind} raised in your code during a hidden test (its message is not shown){where}"
+    if isinstance(exc, AssertionError) and str(exc):
+        return str(exc) + (where if verdict and frames else "")
     return f"{type(exc).__name__}: {exc}{where}"
 
 
@@ -149,7 +170,8 @@ def run_one(t: Test, ns: dict, done: dict[str, Result]) -> Result:
         t.fn(ns)
     except Exception as exc:   # noqa: BLE001 -- every failure of a student's code is a verdict, not a crash
         status = "fail" if isinstance(exc, AssertionError) else "error"
-        return Result(t.id, t.question, t.points, 0.0, _message(exc), t.hidden, time.perf_counter() - start, status)
+        return Result(t.id, t.question, t.points, 0.0, _message(exc, t.hidden), t.hidden, time.perf_counter() - start,
+                      status)
     return Result(t.id, t.question, t.points, t.points, "", t.hidden, time.perf_counter() - start)
 
 

@@ -193,6 +193,8 @@ def build(master_path, out_dir, *, install: str | None = None) -> dict:
     nb = read_master(master_path)
     student, solution = copy.deepcopy(nb), copy.deepcopy(nb)
     student.cells, solution.cells = [], []
+    for book in (student, solution):        # the grader tells a notebook of another assignment by this
+        book.metadata["flashnb_course"] = {"assignment": name}
     setup, tests, answers, removed_all = [], [], 0, []
     for cell in nb.cells:
         t = tags(cell)

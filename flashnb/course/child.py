@@ -121,6 +121,95 @@ with traffic.count():
 '''
 
 
+def _is_array(v) -> bool:
+    import numpy as np
+
+    return isinstance(v, np.ndarray) or hasattr(v, "__cuda_array_interface__") or (
+        hasattr(v, "copy_to_host") and hasattr(v, "shape"))
+
+
+def captured_arrays(kernel, seen=None) -> list[str]:
+    """The arrays a kernel (and the device functions it calls) reads that are not its arguments: values it closes
+    over or globals it names.  The traffic counter counts the arguments' traffic only, so a kernel that copied a
+    captured array (an answer computed on the host) into its outputs would move no counted bytes."""
+    seen = set() if seen is None else seen
+    fn = getattr(kernel, "py_func", kernel)
+    code = getattr(fn, "__code__", None)
+    if code is None or id(fn) in seen:
+        return []
+    seen.add(id(fn))
+    values = []
+    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+        try:
+            values.append((name, cell.cell_contents))
+        except ValueError:          # an empty cell
+            pass
+    names, stack = set(), [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if hasattr(k, "co_names"))
+    g = getattr(fn, "__globals__", {})
+    values += [(n, g[n]) for n in sorted(names) if n in g]
+    out = []
+    for name, v in values:
+        if _is_array(v):
+            out.append(f"{name} (in {getattr(fn, '__name__', '?')})")
+        elif hasattr(v, "py_func"):
+            out.extend(captured_arrays(v, seen))
+    return out
+
+
+def python_calls(kernel, seen=None) -> list[str]:
+    """The Python functions of the submission (not ``@cuda.jit``) a kernel, or a device function it calls, names:
+    the simulator would run them as Python, a GPU cannot (a device function written as plain NumPy)."""
+    import types
+
+    seen = set() if seen is None else seen
+    fn = getattr(kernel, "py_func", kernel)
+    code = getattr(fn, "__code__", None)
+    if code is None or id(fn) in seen:
+        return []
+    seen.add(id(fn))
+    values = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:
+            pass
+    g = getattr(fn, "__globals__", {})
+    values += [g[n] for n in code.co_names if n in g]
+    out = []
+    for v in values:
+        if isinstance(v, types.FunctionType) and v.__code__.co_filename.startswith(("<answer cell", "<your ")):
+            out.append(v.__name__)
+        elif hasattr(v, "py_func"):
+            out.extend(python_calls(v, seen))
+    return out
+
+
+def _arguments_only(fail):
+    """A launch hook: a kernel that reads an array it was not given, or calls a Python function of the answer, fails
+    the test that launched it."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def hook(label, kernel, grid, block, args):
+        py = python_calls(kernel)
+        if py:
+            raise fail(f"launch {label!r}: the kernel calls {', '.join(sorted(set(py))[:3])}, a Python function of "
+                       "your answer that is not @cuda.jit(device=True): the simulator runs it as Python, a GPU cannot "
+                       "(decorate it, and write it in CUDA Python)")
+        bad = captured_arrays(kernel)
+        if bad:
+            raise fail(f"launch {label!r}: the kernel reads {', '.join(bad[:3])}, an array that is not one of its "
+                       "arguments (captured from the host or a global): the traffic counter counts only what a kernel "
+                       "is given, so pass every array it reads as an argument")
+        yield
+
+    return hook
+
+
 def set_limits(limits: dict) -> None:
     """This process's resource limits, inherited by what it starts (soft = hard where it may not raise them)."""
     import resource
@@ -145,6 +234,15 @@ def main() -> None:
     payload = json.loads(sys.stdin.read())
     sys.stdin.close()
     set_limits(payload["limits"])
+    if payload.get("sandbox"):
+        # in the sandbox (flashnb.course.sandbox): leave root, then make the working folders in the private /tmp
+        from flashnb.course.sandbox import drop_privileges
+
+        drop_privileges()
+        for var in ("HOME", "TMPDIR", "XDG_CACHE_HOME"):
+            os.makedirs(os.environ[var], exist_ok=True)
+        os.makedirs("/tmp/work", exist_ok=True)
+        os.chdir("/tmp/work")
     memory_gib = payload["limits"]["memory"] / (1 << 30)
     secret = bytes.fromhex(payload["secret"])
     channel = os.fdopen(payload["fd"], "w", buffering=1)
@@ -166,8 +264,8 @@ def main() -> None:
     setup, tests_text = payload["setup"], payload["tests"]
     ns: dict = {"__name__": "__main__"}
     tests_ns: dict = {"__name__": "flashnb_course_tests"}       # the notebook's view: setup names, then tests
-    for fname, text in (("<setup>", setup), ("<tests>", tests_text)):
-        linecache.cache[fname] = (len(text), None, text.splitlines(keepends=True), fname)
+    # the setup and the tests are compiled from text that linecache never holds: no traceback, and no code that
+    # asks linecache, gets a line of the tests
     exec(compile(setup, "<setup>", "exec"), ns)
     course.reset()
     exec(compile(setup, "<setup>", "exec"), tests_ns)
@@ -178,6 +276,9 @@ def main() -> None:
     tests = [replace(t) for t in course.TESTS.values()]          # this function's copies: what is run
     linecache.cache["<grader warm-up>"] = (len(_WARM), None, _WARM.splitlines(keepends=True), "<grader warm-up>")
     exec(compile(_WARM, "<grader warm-up>", "exec"), {"__name__": "flashnb_course_warm_up"})
+    from flashnb import common
+
+    common.launch_hooks.append(_arguments_only(course.Fail))    # before the snapshot: a part of what it keeps
     snap = snapshot()
     emit(event="ready")
 

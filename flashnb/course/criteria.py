@@ -292,7 +292,39 @@ def variant_from(ns: dict, name: str, factory, *, names: dict | None = None):
         source = _inspect.getsource(fn)
     except (OSError, TypeError) as exc:
         raise Fail(f"cannot read the source of {name} ({exc}); define it in an answer cell") from None
+    # the answer's own helpers (device functions and constants defined anywhere in the answer cells, outside the
+    # factory too) resolve as they do in the notebook: the variant is compiled in the library module's namespace
+    # (only names the library's module does not define: where it does, the variant keeps the library's, so that a
+    # mistake in one question's answer does not cost the points of another)
+    import sys
+
+    module = sys.modules.get(getattr(_inspect.unwrap(factory), "__module__", "") or "")
+    library = vars(module) if module is not None else {}
+    helpers = {k: v for k, v in _answer_names(ns, source).items() if k not in library}
     try:
-        return registry.variant(factory, source=source, names=names, filename=f"<your {name}>")
+        made = registry.variant(factory, source=source, names=names, filename=f"<your {name}>")
     except SyntaxError as exc:
         raise Fail(f"{name}: syntax error at line {exc.lineno}: {exc.msg}") from None
+    if helpers:       # the variant's namespace is its own copy of the module's: the helpers join it there
+        _inspect.unwrap(made).__globals__.update(helpers)
+    return made
+
+
+def _answer_names(ns: dict, source: str) -> dict:
+    """The names ``source`` uses that the answer cells bound in ``ns``: their device functions (defined in an answer
+    cell) and plain constants."""
+    import ast
+
+    try:
+        used = {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
+    except SyntaxError:
+        return {}
+    out = {}
+    for k in used & set(ns):
+        v = ns[k]
+        code = getattr(getattr(v, "py_func", None), "__code__", None)
+        if code is not None and code.co_filename.startswith("<answer cell"):
+            out[k] = v
+        elif type(v) in (int, float, bool) or isinstance(v, np.generic):
+            out[k] = v
+    return out

@@ -3,24 +3,25 @@
 What a submission's code can do to its grade, to other grades and to the grading machine is bounded in layers
 (``assignments/README.md``, "Threat model"):
 
-1. **The screen** (:mod:`flashnb.course.screen`) reads the answer cells before anything runs and refuses what
-   an answer never needs (other imports, changing modules' objects, dunders, exec, files, processes); a refused
-   submission scores 0 with the lines and the rule.
-2. **A child process per submission** (:mod:`flashnb.course.child`) runs the bundle's setup, the answer cells
-   (nothing else of the notebook) and the tests, in a scratch folder of its own (its cwd, ``HOME``, ``TMPDIR``
-   and caches, removed afterwards), with a clean environment and no path to the bundle: the setup and tests
-   reach it on stdin, read from the copy this process verified.
+1. **The answer grammar** (:mod:`flashnb.course.grammar`, an allow-list) reads the answer cells before anything
+   runs: definitions of kernels, device functions, factories, a launcher and constants in the Numba CUDA subset
+   are accepted, other top-level lines are blanked (never run); a refused submission scores 0 with the lines and
+   the rule.  The older deny-list (:mod:`flashnb.course.screen`) runs behind it.
+2. **A child process per submission, in a sandbox** (:mod:`flashnb.course.child`, :mod:`flashnb.course.sandbox`):
+   bubblewrap with an allow-listed read-only filesystem (no bundle, submissions or output), a size-limited
+   private ``/tmp``, no network, its own PID namespace; the setup and tests reach it on stdin.
 3. **Process limits**: CPU seconds for the whole submission (all its processes), address space, the size of
    what it prints and of any file it writes, processes and threads; a test's time limit.  What a limit stops
    scores 0 with the reason; a fresh child goes on with the remaining tests, and the batch with the next
    student.
-4. **An authenticated channel**: the child reports on a pipe, each record tagged with an HMAC under a secret
-   only the child's harness holds; a record that fails the check, or an integrity change the child reports
-   (:func:`flashnb.course.child.changes`), scores the whole submission 0.  Points come from this process's
-   manifest, never from the child.
+4. **Inside the child**: an integrity snapshot, a launch hook (a kernel reads only its arguments and calls only
+   device functions), and an authenticated channel -- each record tagged with an HMAC under a secret only the
+   child's harness holds; a forged record or a change scores the whole submission 0.  Points come from this
+   process's manifest, never from the child.
 5. **The bundle** is hashed against the ``hashes.json`` the release wrote, held in memory, and checked again
-   before and after every submission; a change is undone from memory, and the submission that made it scores 0
-   (with ``--jobs``, the submissions that ran in that window are graded again one at a time to find it).
+   before and after every submission; a change is undone from memory, and the submission that made it scores 0.
+6. **The outputs**: feedback and ``scores.csv`` written whole (temporary file, ``os.replace``) as students finish;
+   names made safe and unique; every process of a child gone before the next step.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ from .build import BUNDLE_FILES, bundle_hashes  # noqa: F401  (re-exported: the 
 #: teaching assistants: the grader checks them but never sends them to a child)
 GIB = 1 << 30
 MIB = 1 << 20
+#: what the feedback of a submission graded with ``--no-sandbox`` says
+NO_SANDBOX = ("graded without the operating-system sandbox (--no-sandbox): this submission's code ran with the "
+              "grading account's access to files, processes and the network")
 
 
 @dataclass
@@ -59,16 +63,18 @@ class Limits:
     largest file it may write; ``processes``: processes and threads it may add to what the grading account
     already runs, times the submissions graded at once (the kernel counts them per account, not per process,
     and does not hold root to it: grade as an ordinary account, best one of its own); ``startup_s``: wall
-    seconds for the setup and answer cells, before the first test."""
+    seconds for the setup and answer cells, before the first test; ``scratch_mib``: the size of the sandbox's
+    private scratch (``/tmp``: its working folder, ``HOME``, caches): every byte it writes, in all files together."""
 
     cpu_s: float = 180.0
     memory_gib: float = 4.0
     output_mib: float = 8.0
     processes: int = 4096
     startup_s: float = 120.0
+    scratch_mib: float = 256.0
 
     def __post_init__(self):
-        for name in ("cpu_s", "memory_gib", "output_mib", "startup_s"):
+        for name in ("cpu_s", "memory_gib", "output_mib", "startup_s", "scratch_mib"):
             if not float(getattr(self, name)) > 0:
                 raise ValueError(f"Limits.{name} must be positive, got {getattr(self, name)!r}")
         if int(self.processes) < 16:
@@ -141,6 +147,18 @@ def answer_cells(path) -> list[str]:
     return [c["source"] for c in nb.cells if c["cell_type"] == "code" and "answer" in tags(c)]
 
 
+def _assignment_of(path) -> str | None:
+    """The assignment a released notebook belongs to (its metadata), or None (an older release, a plain file)."""
+    from .build import read_master
+
+    try:
+        meta = read_master(path).metadata.get("flashnb_course") or {}
+    except Exception:   # noqa: BLE001 -- unreadable: reported where the answers are read
+        return None
+    name = meta.get("assignment") if isinstance(meta, dict) else None
+    return name if isinstance(name, str) else None
+
+
 def prose_cells(path) -> list[str]:
     from .build import read_master, tags
 
@@ -172,30 +190,45 @@ def _proc_stat(pid: int):
 
 
 def _tagged(sid: int, tag: str | None) -> list[int]:
-    """The processes of one submission: its child's session (setsid), and (``tag``) any that left it but still
-    carry its tag."""
+    """The processes of one submission: its child's session (setsid), every descendant of its first process
+    (in the sandbox: everything in its PID namespace, however it detached itself), and (``tag``) any that left
+    both but still carry its tag."""
     if not _PROC.is_dir():
         return []
-    out = []
     needle = tag.encode() if tag else b""
+    stats = {}
     for d in _PROC.iterdir():
-        if not d.name.isdigit():
-            continue
-        pid = int(d.name)
-        st = _proc_stat(pid)
-        if st is None or pid == os.getpid():
-            continue
-        if st[1] == sid:
-            out.append(pid)
-            continue
-        if not tag:
-            continue
-        try:
-            if needle in (d / "environ").read_bytes():
-                out.append(pid)
-        except OSError:
-            pass
-    return out
+        if d.name.isdigit():
+            st = _proc_stat(int(d.name))
+            if st is not None and int(d.name) != os.getpid():
+                stats[int(d.name)] = st
+    found = {pid for pid, st in stats.items() if st[1] == sid or pid == sid}
+    grew = True
+    while grew:                 # descendants of what was found
+        grew = False
+        for pid, st in stats.items():
+            if pid not in found and st[0] in found:
+                found.add(pid)
+                grew = True
+    if tag:
+        for pid in stats:
+            if pid in found:
+                continue
+            try:
+                if needle in (_PROC / str(pid) / "environ").read_bytes():
+                    found.add(pid)
+            except OSError:
+                pass
+    return sorted(found)
+
+
+def _alive(pid: int) -> bool:
+    """Is ``pid`` still running (not gone, not a zombie that holds nothing)?"""
+    try:
+        text = (_PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return False
+    return text[text.rindex(")") + 2:].split()[0] not in ("Z", "X")
 
 
 def _tree_cpu(pids) -> float:
@@ -219,6 +252,31 @@ def _kill_all(sid: int, tag: str) -> None:
 
 
 _LIVE: set[int] = set()       # this process's grading children, reaped only by their own _Run
+_KEEP: set[int] = set()       # children this process had before it graded (never a submission's)
+_SPAWN = threading.Lock()     # a grading child is in _LIVE from the moment it exists
+
+
+def _children() -> list[int]:
+    """This process's child processes now."""
+    if not _PROC.is_dir():
+        return []
+    me = os.getpid()
+    return [int(d.name) for d in _PROC.iterdir() if d.name.isdigit() and (_proc_stat(int(d.name)) or (0,))[0] == me]
+
+
+def _orphans() -> list[int]:
+    """Processes re-parented to this one (its subreaper role) that are not a grading child: what a submission
+    left behind after its parent died (a double fork, ``setsid``, an emptied environment)."""
+    if not _PROC.is_dir():
+        return []
+    me = os.getpid()
+    out = []
+    for d in _PROC.iterdir():
+        if d.name.isdigit() and int(d.name) not in _LIVE and int(d.name) not in _KEEP:
+            st = _proc_stat(int(d.name))
+            if st is not None and st[0] == me:
+                out.append(int(d.name))
+    return out
 
 
 def _reap_orphans() -> None:
@@ -251,11 +309,11 @@ def _subreaper(on: bool) -> bool:
         return False
 
 
-def _uid_tasks() -> int:
-    """Processes and threads this account runs now (what RLIMIT_NPROC counts)."""
+def _uid_tasks(uid: int | None = None) -> int:
+    """Processes and threads an account (default: this one) runs now (what RLIMIT_NPROC counts)."""
     if not _PROC.is_dir():
         return 0
-    uid, n = os.getuid(), 0
+    uid, n = (os.getuid() if uid is None else uid), 0
     for d in _PROC.iterdir():
         if d.name.isdigit():
             try:
@@ -270,7 +328,8 @@ def _uid_tasks() -> int:
 
 def _child_env(scratch: Path, tag: str) -> dict:
     """A clean environment: the toolchain's paths and flashnb's own settings pass, nothing else of the grader's
-    (no tokens, no paths to the bundle); every cache and temporary file goes into the scratch folder."""
+    (no tokens, no paths to the bundle); every cache and temporary file goes into the scratch folder (in the
+    sandbox: its private ``/tmp``)."""
     keep = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH", "VIRTUAL_ENV",
             "CONDA_PREFIX", "SYSTEMROOT")
     env = {k: v for k, v in os.environ.items() if k in keep or (k.startswith(("NUMBA_", "FLASHNB_")) and k not in (
@@ -293,7 +352,7 @@ class _Run:
     """One child process: spawned, fed its payload, watched (deadlines, CPU, output), its records checked."""
 
     def __init__(self, bundle: Bundle, answers, skip, done, scratch: Path, limits: Limits, cpu_left: float,
-                 jobs: int = 1):
+                 jobs: int = 1, sandboxed: bool = True, hide=()):
         self.events: list[dict] = []
         self.stop: str | None = None          # why this process was stopped (timeout, cpu, output, forged)
         self.forged = ""
@@ -301,27 +360,38 @@ class _Run:
         self.output = 0
         self.current: str | None = None
         self.cpu = 0.0
+        self.tree_cpu = 0.0        # the most CPU its processes were seen holding (a killed sandbox reports none)
         secret = secrets.token_bytes(32)
         self.secret = secret
         self.tag = secrets.token_hex(16)
+        self.sandboxed = sandboxed
         r, w = os.pipe()
-        env = _child_env(scratch, self.tag)
         root = str(Path(__file__).resolve().parents[2])
         cmd = [sys.executable, "-I", "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
                "from flashnb.course.child import main; main()", root]
         work = scratch / "work"
         for d in (work, scratch / "home", scratch / "tmp", scratch / "cache"):
             d.mkdir(parents=True, exist_ok=True)
+        if sandboxed:
+            from . import sandbox
+
+            env = _child_env(Path(sandbox.SCRATCH), self.tag)
+            cmd = sandbox.command(cmd, scratch_mib=limits.scratch_mib, hide=hide)
+            uid = sandbox.SANDBOX_UID if os.geteuid() == 0 else os.getuid()
+        else:
+            env = _child_env(scratch, self.tag)
+            uid = None if os.geteuid() == 0 else os.getuid()
         nproc = None
-        if os.geteuid() != 0:      # per account: what it runs now, and this much more for each submission at once
-            nproc = _uid_tasks() + int(limits.processes) * max(1, int(jobs))
+        if uid is not None:   # per account: what it runs now, and this much more for each submission at once
+            nproc = _uid_tasks(uid) + int(limits.processes) * max(1, int(jobs))
         payload = dict(secret=secret.hex(), fd=w, setup=bundle.setup, tests=bundle.tests_text, answers=answers,
-                       skip=sorted(skip), done=done,
+                       skip=sorted(skip), done=done, sandbox=sandboxed,
                        limits=dict(cpu=max(1, int(cpu_left + 0.999)), memory=int(limits.memory_gib * GIB),
                                    output=int(limits.output_mib * MIB), nproc=nproc))
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     cwd=str(work), env=env, pass_fds=(w,), start_new_session=True)
-        _LIVE.add(self.proc.pid)
+        with _SPAWN:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         cwd=str(work), env=env, pass_fds=(w,), start_new_session=True)
+            _LIVE.add(self.proc.pid)
         os.close(w)
         self.channel = os.fdopen(r, "rb", buffering=0)
         try:
@@ -384,7 +454,8 @@ class _Run:
                     break
                 if now > next_cpu_check:
                     next_cpu_check = now + 0.5
-                    if _tree_cpu(_tagged(self.proc.pid, None)) > cpu_left + 1.0:
+                    self.tree_cpu = max(self.tree_cpu, _tree_cpu(_tagged(self.proc.pid, None)))
+                    if self.tree_cpu > cpu_left + 1.0:
                         self._kill("cpu")
                         break
                 if self._exited() and open_streams and not sel.select(timeout=0):
@@ -448,6 +519,9 @@ class _Run:
             pass
 
     def _finish(self) -> None:
+        """Kill every process of this child (found before its first process is reaped, while they still
+        descend from it), reap it with its resource usage, and return only once all of them are gone."""
+        doomed = set(_tagged(self.proc.pid, self.tag))
         _kill_all(self.proc.pid, self.tag)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -459,6 +533,24 @@ class _Run:
             self.cpu = usage.ru_utime + usage.ru_stime
         except ChildProcessError:
             self.proc.wait()
+        if self.sandboxed and self.proc.returncode is not None and self.proc.returncode > 128:
+            self.proc.returncode = -(self.proc.returncode - 128)     # bwrap: 128 + the signal that ended it
+        self.cpu = max(self.cpu, self.tree_cpu)
+        end = time.monotonic() + 10.0
+        while time.monotonic() < end:
+            with _SPAWN:
+                orphans = set(_orphans())
+            doomed = {p for p in doomed | set(_tagged(self.proc.pid, self.tag)) | orphans
+                      if _alive(p) and p != self.proc.pid}
+            if not doomed:
+                break
+            for p in doomed:
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except OSError:
+                    pass
+            _reap_orphans()
+            time.sleep(0.02)
         _LIVE.discard(self.proc.pid)
         if hasattr(self, "on_event"):
             self._drain()
@@ -486,12 +578,15 @@ def _zero_all(tests: dict, status: str, message: str) -> list[dict]:
 
 
 def grade_one(bundle, submission, work, *, limits: Limits | None = None, screen: bool = True,
-              jobs: int = 1) -> dict:
+              jobs: int = 1, sandbox: bool = True, hide=()) -> dict:
     """Grade one submission; returns ``dict(student, results=[Result dicts], cpu_s, wall_s, problems, prose)``.
 
     ``bundle``: a :class:`Bundle` (or its folder); ``work``: a folder for the submission's scratch (removed
     afterwards); ``screen=False`` skips the static screen (for a submission a person has read and trusts);
-    ``jobs``: how many submissions are graded at once (the process limit is per account)."""
+    ``jobs``: how many submissions are graded at once (the process limit is per account); ``sandbox``: run its
+    processes in the operating-system sandbox (:mod:`flashnb.course.sandbox`; ``False``: said in its
+    problems), with ``hide`` (folders) out of its sight."""
+    from . import grammar
     from . import screen as screening
 
     limits = limits or Limits()
@@ -501,27 +596,44 @@ def grade_one(bundle, submission, work, *, limits: Limits | None = None, screen:
     student = submission.stem
     start = time.monotonic()
     problems: list[str] = []
+    if not sandbox:
+        problems.append(NO_SANDBOX)
 
     def finished(results, cpu=0.0, status=None) -> dict:
         ordered = [results[tid] for tid in tests]
         return dict(student=student, results=ordered, cpu_s=round(cpu, 1), wall_s=round(time.monotonic() - start, 1),
-                    problems=problems, prose=_prose(submission), status=status)
+                    problems=problems, prose=_prose(submission), status=status, sandboxed=bool(sandbox))
 
     try:
         answers = [_code(a) for a in answer_cells(submission)]
     except Exception as exc:   # noqa: BLE001 -- an unreadable notebook scores 0, the batch goes on
         problems.append(f"could not read the notebook: {type(exc).__name__}: {exc}")
-        return finished({r["id"]: r for r in _zero_all(tests, "error", problems[0])})
+        return finished({r["id"]: r for r in _zero_all(tests, "error", problems[-1])})
+    other = _assignment_of(submission)
+    if other and other != bundle.manifest.get("name"):
+        problems.append(f"this notebook is assignment {other}'s, and it was graded with "
+                        f"{bundle.manifest.get('name')}'s bundle: grade it with its own (or hand in the notebook of "
+                        "this assignment)")
+        return finished({r["id"]: r for r in _zero_all(tests, "error", problems[-1])})
     if not answers:
         problems.append("no cells tagged 'answer' (keep the answer cells of the release, and their tags)")
-        return finished({r["id"]: r for r in _zero_all(tests, "error", problems[0])})
+        return finished({r["id"]: r for r in _zero_all(tests, "error", problems[-1])})
     if len(answers) != bundle.manifest["answer_cells"]:
         problems.append(f"{len(answers)} cells tagged 'answer', the assignment has {bundle.manifest['answer_cells']} "
                         "(keep the answer cells of the release, and their tags)")
     if screen:
-        found = screening.screen(answers)
+        found, runnable, dropped = grammar.check(answers, bundle.setup)
+        if not found:
+            found = screening.screen(runnable)
+        if not found:
+            answers = runnable
+            if dropped:
+                problems.append("not run by the grader (answer cells are definitions: functions, kernels, constants;"
+                                " other top-level lines are yours to try things in the notebook): "
+                                + ", ".join(f"cell {c} line {ln}" for c, ln in dropped[:12])
+                                + (" ..." if len(dropped) > 12 else ""))
         if found:
-            msg = ("the grader refused to run this submission: it uses what answers never need "
+            msg = ("the grader refused to run this submission: it uses what the answer grammar does not allow "
                    "(assignments/README.md, 'Threat model'):\n" + "\n".join(str(f) for f in found[:10])
                    + (f"\n... and {len(found) - 10} more" if len(found) > 10 else ""))
             problems.append(msg)
@@ -557,7 +669,7 @@ def grade_one(bundle, submission, work, *, limits: Limits | None = None, screen:
                 elif ev == "tampered":
                     tampered.append(rec)
 
-            run = _Run(bundle, answers, set(results), results, scratch, limits, cpu_left, jobs)
+            run = _Run(bundle, answers, set(results), results, scratch, limits, cpu_left, jobs, sandbox, hide)
             run.watch(tests, limits, cpu_left, on_event)
             cpu_used += run.cpu
             if run.stop == "forged":
@@ -675,46 +787,153 @@ class _Guard:
             self._check()
 
 
+def _atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``: a reader
+    (or a batch stopped half-way) sees the old file or the new one, never half of one."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent))
+    try:
+        with os.fdopen(fd, "w", newline="") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def student_names(subs: list[Path]) -> dict[Path, str]:
+    """One name per submission, unique and safe as a file name: the file's stem (``jane.ipynb`` -> ``jane``);
+    characters other than letters, digits, ``.``, ``_`` and ``-`` become ``_``; where two files would share a
+    name (``jane.ipynb`` and ``jane.py``, ``a b`` and ``a_b``), each gets its file name's suffix, then a
+    number."""
+    import re
+
+    def clean(text: str) -> str:
+        text = re.sub(r"[^\w.-]", "_", text, flags=re.ASCII)
+        return "_" + text if text.startswith(".") or not text else text
+
+    stems = [clean(p.stem) for p in subs]
+    out, used = {}, set()
+    for p, stem in zip(subs, stems):
+        name = stem if stems.count(stem) == 1 else clean(p.name)
+        base, k = name, 2
+        while name.lower() in used:
+            name, k = f"{base}-{k}", k + 1
+        used.add(name.lower())
+        out[p] = name
+    return out
+
+
+def _check_paths(submissions: Path, out_csv: Path) -> None:
+    """One-line errors for the mistakes an instructor makes on the command line."""
+    if not submissions.exists():
+        raise FileNotFoundError(f"the submissions folder {submissions} does not exist")
+    if not submissions.is_dir():
+        raise ValueError(f"{submissions} is a file, not a folder: put the submitted notebooks in one folder "
+                         "(one <student>.ipynb each) and give that folder")
+    if out_csv.is_dir():
+        raise ValueError(f"--out {out_csv} is a folder; give the CSV file to write, e.g. {out_csv / 'scores.csv'}")
+    for parent in [out_csv.parent, *out_csv.parent.parents]:
+        if parent.exists() and not parent.is_dir():
+            raise ValueError(f"--out {out_csv}: {parent} is a file, not a folder")
+    if out_csv.suffix.lower() != ".csv":
+        raise ValueError(f"--out {out_csv}: expected a .csv file to write the scores to")
+
+
+def _csv_text(graded: list[dict], manifest: dict) -> str:
+    import io
+
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    ids = [t["id"] for t in manifest["tests"]]
+    w.writerow(["student", "autograded", "possible", "manual_possible", "cpu_seconds", "wall_seconds", "sandboxed",
+                *ids])
+    for g in graded:
+        w.writerow([g["student"], sum(r["earned"] for r in g["results"]),
+                    sum(r["points"] for r in g["results"]), sum(m["points"] for m in manifest.get("manual", [])),
+                    g["cpu_s"], g.get("wall_s", 0), "yes" if g.get("sandboxed", True) else "no",
+                    *[r["earned"] for r in g["results"]]])
+    return buf.getvalue()
+
+
 def grade(bundle, submissions, out_csv, *, feedback_dir=None, work_dir=None, progress=print, jobs: int = 1,
-          limits: Limits | None = None, screen: bool = True) -> list[dict]:
+          limits: Limits | None = None, screen: bool = True, sandbox: bool = True) -> list[dict]:
     """Grade every ``*.ipynb`` (and jupytext ``*.py``) in ``submissions`` against ``bundle`` (an assignment's
     ``autograder/`` folder); write ``out_csv`` (one row per student) and ``feedback_dir/<student>.txt``.
 
     ``jobs`` submissions are graded at once (each in its own processes); the CSV, the feedback and the progress
-    lines come out in the students' order whatever finishes first.  ``limits``: :class:`Limits`; ``screen``:
-    see :func:`grade_one`."""
+    lines come out in the students' order whatever finishes first, each file written whole (a temporary file
+    replaced), the CSV again after every student, so a batch stopped half-way leaves the students graded so
+    far.  ``limits``: :class:`Limits`; ``screen``: see :func:`grade_one`; ``sandbox=False`` grades without the
+    operating-system sandbox (:mod:`flashnb.course.sandbox`), which the CSV and each feedback then say: by
+    default a machine where it cannot run is refused (:class:`~flashnb.course.sandbox.SandboxError`)."""
     from concurrent.futures import ThreadPoolExecutor
+
+    from . import sandbox as sandboxing
 
     limits = limits or Limits()
     if int(jobs) < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs!r}")
-    bundle = Bundle(bundle)
     submissions, out_csv = Path(submissions), Path(out_csv)
+    _check_paths(submissions, out_csv)
+    if sandbox:
+        why = sandboxing.unavailable()
+        if why:
+            raise sandboxing.SandboxError(f"cannot sandbox the submissions: {why}; {sandboxing.INSTALL_HINT}")
+    bundle = Bundle(bundle)
     manifest = bundle.manifest
     subs = sorted(p for p in submissions.iterdir() if p.suffix in (".ipynb", ".py") and p.is_file())
     if not subs:
         raise FileNotFoundError(f"no submissions (*.ipynb) in {submissions}")
+    names = student_names(subs)
     feedback_dir = Path(feedback_dir) if feedback_dir else out_csv.parent / "feedback"
     feedback_dir.mkdir(parents=True, exist_ok=True)
+    out_csv.parent.mkdir(parents=True, exist_ok=True)
     work_root = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="flashnb-grade-"))
     own_root = not work_dir
+    hide = [bundle.path, submissions, out_csv.parent, feedback_dir, work_root]
     guard = _Guard(bundle)
+    with _SPAWN:
+        _KEEP.update(p for p in _children() if p not in _LIVE)
     reaping = _subreaper(True)
     done: dict[str, dict] = {}
     shown = [0]
     show_lock = threading.Lock()
+    failed_writes: list[str] = []
+
+    def write_feedback(g: dict) -> None:
+        path = feedback_dir / f"{g['student']}.txt"
+        try:
+            _atomic_write(path, feedback(g, manifest))
+        except OSError as exc:      # e.g. a folder of that name: this student's file, never the batch
+            note = f"{g['student']}: the feedback file {path} could not be written ({exc})"
+            if note not in failed_writes:
+                failed_writes.append(note)
+                progress(note)
+
+    def grade_sub(sub: Path) -> dict:
+        g = grade_one(bundle, sub, work_root / names[sub], limits=limits, screen=screen, jobs=int(jobs),
+                      sandbox=sandbox, hide=hide)
+        g["student"] = names[sub]
+        return g
 
     def one(sub: Path) -> dict:
-        guard.begin(sub.stem)
+        name = names[sub]
+        guard.begin(name)
         try:
-            g = grade_one(bundle, sub, work_root / sub.stem, limits=limits, screen=screen, jobs=int(jobs))
+            g = grade_sub(sub)
         finally:
-            guard.end(sub.stem)
-        done[sub.stem] = g
-        with show_lock:            # progress in the students' order, as soon as the next one is done
-            while shown[0] < len(subs) and subs[shown[0]].stem in done:
-                _progress(progress, done[subs[shown[0]].stem])
+            guard.end(name)
+        done[name] = g
+        with show_lock:            # progress, feedback and CSV in the students' order, as soon as the next is done
+            while shown[0] < len(subs) and names[subs[shown[0]]] in done:
+                g_next = done[names[subs[shown[0]]]]
+                _progress(progress, g_next)
+                write_feedback(g_next)
                 shown[0] += 1
+            _atomic_write(out_csv, _csv_text([done[names[s]] for s in subs[:shown[0]]], manifest))
         return g
 
     try:
@@ -730,20 +949,20 @@ def grade(bundle, submissions, out_csv, *, feedback_dir=None, work_dir=None, pro
             if len(group) == 1:
                 culprits |= group
                 continue
-            for stem in sorted(group):
-                sub = next(s for s in subs if s.stem == stem)
+            for name in sorted(group):
+                sub = next(s for s in subs if names[s] == name)
                 before = len(guard.suspects)
-                guard.begin(stem)
+                guard.begin(name)
                 try:
-                    done[stem] = grade_one(bundle, sub, work_root / stem, limits=limits, screen=screen)
+                    done[name] = grade_sub(sub)
                 finally:
-                    guard.end(stem)
+                    guard.end(name)
                 if len(guard.suspects) > before:
-                    culprits.add(stem)
-        for stem in sorted(culprits):
+                    culprits.add(name)
+        for name in sorted(culprits):
             msg = ("the bundle's files changed on disk while this submission was graded (restored from the copy "
                    "the grader checked); the whole submission scores 0")
-            g = done[stem]
+            g = done[name]
             g["problems"] = g["problems"] + [msg]
             g["results"] = _zero_all({t["id"]: t for t in manifest["tests"]}, "bundle", msg)
             g["status"] = "bundle"
@@ -753,18 +972,10 @@ def grade(bundle, submissions, out_csv, *, feedback_dir=None, work_dir=None, pro
         _reap_orphans()
         if own_root:
             shutil.rmtree(work_root, ignore_errors=True)
-    graded = [done[s.stem] for s in subs]
+    graded = [done[names[s]] for s in subs]
     for g in graded:
-        (feedback_dir / f"{g['student']}.txt").write_text(feedback(g, manifest))
-    out_csv.parent.mkdir(parents=True, exist_ok=True)
-    with open(out_csv, "w", newline="") as f:
-        w = csv.writer(f)
-        ids = [t["id"] for t in manifest["tests"]]
-        w.writerow(["student", "autograded", "possible", "manual_possible", "cpu_seconds", *ids])
-        for g in graded:
-            w.writerow([g["student"], sum(r["earned"] for r in g["results"]),
-                        sum(r["points"] for r in g["results"]), sum(m["points"] for m in manifest.get("manual", [])),
-                        g["cpu_s"], *[r["earned"] for r in g["results"]]])
+        write_feedback(g)
+    _atomic_write(out_csv, _csv_text(graded, manifest))
     return graded
 
 

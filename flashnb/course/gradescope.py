@@ -33,7 +33,7 @@ SETUP_SH = """#!/usr/bin/env bash
 # Gradescope runs this once, as root, to build the autograder's image: Python and flashnb in /autograder/venv.
 set -euo pipefail
 apt-get update -q
-DEBIAN_FRONTEND=noninteractive apt-get install -y -q python3 python3-venv python3-pip
+DEBIAN_FRONTEND=noninteractive apt-get install -y -q python3 python3-venv python3-pip bubblewrap
 python3 -m venv /autograder/venv
 /autograder/venv/bin/pip install -q --upgrade pip
 /autograder/venv/bin/pip install -q {spec}
@@ -92,8 +92,14 @@ def results(graded: dict, manifest: dict, seconds: float) -> dict:
 
 def run(root) -> dict:
     """Grade the notebook in ``root/submission`` with ``root/source/bundle``; write and return
-    ``root/results/results.json``."""
-    from .grade import grade
+    ``root/results/results.json`` -- written whole (a temporary file replaced), and only once every process of
+    the submission is gone (:func:`flashnb.course.grade.grade` returns then).  The submission runs in the
+    bubblewrap sandbox where the container allows one; where it does not, Gradescope's container is the only
+    boundary, and the results say so."""
+    import os
+
+    from . import sandbox as sandboxing
+    from .grade import _atomic_write, grade
 
     root = Path(root)
     bundle = root / "source" / "bundle"
@@ -109,18 +115,20 @@ def run(root) -> dict:
                           for t in manifest["tests"]])
     else:
         work = Path(tempfile.mkdtemp(prefix="flashnb-gradescope-"))
+        os.chmod(work, 0o700)
         try:
             (work / "subs").mkdir()
             shutil.copy(found[0], work / "subs" / "submission.ipynb")
-            graded = grade(bundle, work / "subs", work / "scores.csv", work_dir=work / "scratch",
-                           progress=lambda line: print(line, flush=True))[0]
+            graded = grade(bundle, work / "subs", work / "out" / "scores.csv", work_dir=work / "scratch",
+                           progress=lambda line: print(line, flush=True),
+                           sandbox=sandboxing.unavailable() is None)[0]
         finally:
             shutil.rmtree(work, ignore_errors=True)
         out = results(graded, manifest, time.monotonic() - start)
         if len(found) > 1:
             out["output"] = (f"graded {found[0].name} (the submission holds {len(found)} notebooks)\n"
                              + out["output"]).strip()
-    (root / "results" / "results.json").write_text(json.dumps(out, indent=1) + "\n")
+    _atomic_write(root / "results" / "results.json", json.dumps(out, indent=1) + "\n")
     return out
 
 

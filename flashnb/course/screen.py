@@ -1,4 +1,5 @@
-"""The static screen: what an answer never needs is refused before any of a submission's code runs.
+"""The static screen, a deny-list: the second check of the answer cells, behind the allow-list grammar of
+:mod:`flashnb.course.grammar` (which the grader applies first, and which decides what may run).
 
 A submission's answer cells run in the grader's child process next to the tests, the grading criteria, NumPy
 and flashnb.  Python cannot keep two pieces of code in one interpreter apart, so the grader first reads the

@@ -37,10 +37,11 @@ def graded_assignment(name: str, tmp_path_factory, *, all_bugs: bool = False) ->
     # every hostile submission; the one that runs (memory-hog: the screen passes it, the limits stop it) only
     # with all_bugs (TINY's limits test covers it in the default run)
     kinds = None if all_bugs else {h.kind for h in course_hostile.HOSTILE if h.kind != "memory-hog"}
-    hostile = course_hostile.write(name, tmp / "release", tmp / "subs", kinds=kinds)
+    hostile = course_hostile.write(name, tmp / "release", tmp / "subs", kinds=kinds, grades=tmp / "out")
+    legit = course_hostile.write_legit(name, tmp / "release", tmp / "subs")
     results = grade.grade(tmp / "release" / "autograder", tmp / "subs", tmp / "out" / "scores.csv",
                           progress=lambda *_: None)
-    return dict(adir=adir, tmp=tmp, manifest=manifest, subs=subs, hostile=hostile,
+    return dict(adir=adir, tmp=tmp, manifest=manifest, subs=subs, hostile=hostile, legit=legit,
                 results={g["student"]: g for g in results})
 
 
@@ -75,6 +76,14 @@ def check_solution_gets_full_marks(graded):
     assert sum(t["points"] for t in graded["manifest"]["tests"]) == sum(r["earned"] for r in g["results"])
 
 
+def check_legitimate_variants_get_full_marks(graded):
+    """Answers written otherwise than the solution (tests/course/course_hostile.py, LEGIT): full marks."""
+    for stem in graded["legit"]:
+        g = graded["results"][stem]
+        lost = [(r["id"], r["message"][:300]) for r in g["results"] if not r["earned"] == r["points"]]
+        assert lost == [], (stem, g["problems"], lost)
+
+
 def check_untouched_release_gets_zero_and_the_batch_goes_on(graded):
     g = graded["results"]["untouched"]
     assert sum(r["earned"] for r in g["results"]) == 0
@@ -100,7 +109,7 @@ def check_each_bug_loses_exactly_its_points(graded):
 def check_scores_csv_and_feedback(graded):
     out = graded["tmp"] / "out"
     rows = {r["student"]: r for r in csv.DictReader(open(out / "scores.csv"))}
-    assert set(rows) == set(graded["subs"]) | set(graded["hostile"])
+    assert set(rows) == set(graded["subs"]) | set(graded["hostile"]) | set(graded["legit"])
     assert float(rows["solution"]["autograded"]) == float(rows["solution"]["possible"]) > 0
     assert float(rows["untouched"]["autograded"]) == 0
     text = (out / "feedback" / "untouched.txt").read_text()
@@ -134,6 +143,9 @@ def install_tests(namespace: dict, name: str) -> None:
 
     def test_solution_gets_full_marks(graded):
         check_solution_gets_full_marks(graded)
+
+    def test_legitimate_variants_get_full_marks(graded):
+        check_legitimate_variants_get_full_marks(graded)
 
     def test_untouched_release_gets_zero(graded):
         check_untouched_release_gets_zero_and_the_batch_goes_on(graded)

@@ -63,7 +63,8 @@ def test_hangs_crashes_and_deadlocks_are_scored_and_the_batch_goes_on(tmp_path):
     _submission(tmp_path / "unscreened" / "crash.ipynb", crash)
     _submission(subs / "crash_screened.ipynb", crash)
     # a kernel whose barrier only half the threads reach (the simulator reports the deadlock)
-    _submission(subs / "deadlock.ipynb", "from numba import cuda\n@cuda.jit\ndef k(a):\n"
+    # (its host code makes an array, which the answer grammar refuses: graded with the screen off, too)
+    _submission(tmp_path / "unscreened" / "deadlock.ipynb", "from numba import cuda\n@cuda.jit\ndef k(a):\n"
                 "    if cuda.threadIdx.x < 8:\n        cuda.syncthreads()\n    else:\n"
                 "        cuda.syncwarp(0xFFFFFFFF)\n    a[cuda.threadIdx.x] = 1\n"
                 "def add_one(x):\n    a = flashnb.common.to_device(np.zeros(32, np.float32))\n"

@@ -20,7 +20,7 @@ import nbformat
 import pytest
 
 from flashnb.course import bugs as course_bugs
-from flashnb.course import build, grade, screen
+from flashnb.course import build, grade, grammar, screen
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -248,6 +248,117 @@ print(statistics.mean([1, 2, 3]), heapq.nsmallest(2, [3, 1, 2]), bisect.bisect([
 ]
 
 
+TINY_SETUP = TINY.split('# %% tags=["setup"]\n', 1)[1].split("# %%", 1)[0]
+
+# Answers written otherwise than the solutions, all inside the grammar: helpers in other cells and outside the
+# factory, module constants, another kernel structure, a launcher; and self-checks the grader never runs.
+UNUSUAL_ANSWERS = [
+    ["""from numba import cuda, float32, int32
+from flashnb.common import NEG_INF, ZERO, ONE, cdiv, launch
+import math
+
+TPB_DEFAULT = 2 * 16
+
+
+@cuda.jit(device=True, inline="always")
+def my_max(a, b):
+    return a if a > b else b
+""",
+     """def make_kernel(TPB):
+    \"\"\"A factory: a kernel that reads its helper from another cell.\"\"\"
+    half = TPB // 2
+
+    @cuda.jit(device=True)
+    def fold(m, x):
+        return my_max(m, x)
+
+    @cuda.jit
+    def row_max(X, M):
+        s = cuda.shared.array(TPB, float32)
+        loc = cuda.local.array(2, float32)
+        row = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        m = NEG_INF
+        for j in range(tid, X.shape[1], cuda.blockDim.x):
+            m = fold(m, X[row, j])
+        loc[0] = m
+        s[tid] = loc[0]
+        cuda.syncthreads()
+        off = half
+        while off > 0:
+            if tid < off:
+                s[tid] = my_max(s[tid], s[tid + off])
+            cuda.syncthreads()
+            off //= 2
+        if tid == 0:
+            M[row] = s[0] * ONE + ZERO
+            cuda.atomic.add(M, row, float32(0))
+        v = cuda.shfl_down_sync(0xFFFFFFFF, m, 1)
+        if v != v:
+            M[row] = float32(math.exp(ZERO))
+
+    return row_max
+
+
+def launch_rows(X, M, TPB=32):
+    rows, n = X.shape
+    grid = (cdiv(rows, 1), 1)
+    launch(make_kernel(TPB), grid, TPB, X, M, label=f"row max of {n}")
+
+
+print("trying make_kernel(32)", make_kernel(32))
+assert TPB_DEFAULT == 32, "constants"
+"""],
+    ["""N, d, Br, Bc, warps, window = 1024, 64, 64, 32, 4, 4
+Tr, Tc = N // Br, N // Bc
+visited = sum(min(window + 1, 2 * I + 2) for I in range(Tr))
+kv_bytes = 2 * visited * Bc * d * 4
+ratio = round((2 * N * d) / (2 * Tr * Tc * Bc * d), 4)
+tiles = 0
+for I in range(Tr):
+    if I > 0:
+        tiles += min(window + 1, 2 * I + 2)
+blocks = math.ceil(N / Bc)
+"""],
+]
+
+# Ways out of the grammar, by class: each snippet must be refused.
+GRAMMAR_ESCAPES = {
+    "rebinding a builtin": ["exec = print\n", "exec = exec\n", "try:\n    pass\nexcept Exception as exec:\n    pass\n",
+                            "def f():\n    e = eval\n    return e('1')\n", "for open in range(3):\n    pass\n"],
+    "strings through getattr": ["def f(x):\n    return getattr(x, '__cl' + 'ass__')\n",
+                                "def f(x):\n    return vars(x)\n",
+                                "def f(x):\n    return '{0.__class__}'.format(x)\n", "x = f'{().__class__}'\n"],
+    "__builtins__": ["def f():\n    return __builtins__['open']\n", "b = __builtins__\n",
+                     "def f():\n    return __import__('os')\n"],
+    "class hierarchies": ["def f():\n    return ().__class__.__base__.__subclasses__()\n", "class A:\n    pass\n",
+                          "def f(x):\n    return type(x)\n"],
+    "decorators": ["@print\ndef f():\n    pass\n", "def d(f):\n    return f\n@d\ndef g():\n    pass\n",
+                   "@cuda.jit(device=eval('True'))\ndef k():\n    pass\n"],
+    "default arguments": ["def f(x=open('/etc/passwd')):\n    return x\n", "def f(x=[].append):\n    return x\n",
+                          "def f(x=(lambda: 0)):\n    return x\n"],
+    "compile and codecs": ["import codecs\n", "def f():\n    return compile('1', 'x', 'eval')\n", "import importlib\n",
+                           "from numba import njit\n", "def f(s):\n    return s.encode('rot13')\n"],
+    "the grader's state": ["import gc\n", "import sys\n", "def f():\n    return course.TESTS\n",
+                           "def f(g):\n    return g.gi_frame\n", "def f():\n    return criteria\n",
+                           "from flashnb.common import launch_hooks\n", "from flashnb import course\n",
+                           "def f(x):\n    return x.__globals__\n", "def f():\n    return os\n"],
+    "files and processes": ["def f():\n    return open('/proc/1/cmdline')\n", "import os\n", "import subprocess\n",
+                            "with open('x') as f:\n    pass\n"],
+    "computing on the host": ["def launcher(Q, O):\n    O[0, 0] = Q[0, 0]\n",
+                              "def launcher(Q):\n    q = Q\n    return q[0]\n",
+                              "def f(Q):\n    return Q.copy_to_host()\n",
+                              "@cuda.jit\ndef k(X, Y):\n    Y[0] = X[0].sum()\n",
+                              "def f(q):\n    return np.exp(q)\n",
+                              "def f(q, k, v):\n    return reference.attention_forward(q, k, v)\n",
+                              "from flashnb.reference import attention_forward\n",
+                              "from flashnb.common import load_rows\ndef launcher(Q, O):\n"
+                              "    load_rows(Q, O, 0, 0)\n",
+                              "@cuda.jit(device=True)\ndef mine(Q, O):\n    O[0] = Q[0]\n"
+                              "def launcher(Q, O):\n    mine(Q, O)\n"],
+}
+
+
 def _answers(nb) -> list[str]:
     return [grade._code(c["source"]) for c in nb.cells if c["cell_type"] == "code"
             and "answer" in c["metadata"].get("tags", [])]
@@ -264,29 +375,57 @@ def releases(tmp_path_factory):
     return out
 
 
-def test_screen_refuses_no_solution_no_bug_and_no_student_helper(releases):
-    """The legitimate code: every solution, every catalogued bug, every untouched release, realistic helpers."""
+def test_grammar_accepts_every_solution_bug_release_and_unusual_answer(releases):
+    """The legitimate code: every solution, every catalogued bug, every untouched release, and answers written
+    otherwise (helpers in other cells, constants, another kernel structure, self-checks the grader does not run)."""
     checked = 0
     for name, rel in releases.items():
         solution = nbformat.read(str(rel / "autograder" / "solution.ipynb"), as_version=4)
+        setup = (rel / "autograder" / "setup.py").read_text()
         notebooks = [solution, nbformat.read(str(rel / "student" / f"{name}.ipynb"), as_version=4)]
         notebooks += [b.apply(solution) for b in course_bugs.load(ROOT / "assignments" / name)]
         for nb in notebooks:
-            assert screen.screen(_answers(nb)) == [], (name, [str(f) for f in screen.screen(_answers(nb))])
+            found, _, _ = grammar.check(_answers(nb), setup)
+            assert found == [], (name, [str(f) for f in found])
+            assert screen.screen(_answers(nb)) == [], name
             checked += 1
-    for helper in STUDENT_HELPERS:
-        assert screen.screen([helper]) == [], [str(f) for f in screen.screen([helper])]
+    for cells in UNUSUAL_ANSWERS:
+        found, runnable, dropped = grammar.check(cells, TINY_SETUP)
+        assert found == [], [str(f) for f in found]
+        assert screen.screen(runnable) == [], [str(f) for f in screen.screen(runnable)]
+    _, runnable, dropped = grammar.check(UNUSUAL_ANSWERS[0], TINY_SETUP)
+    n = len(UNUSUAL_ANSWERS[0][1].splitlines())
+    assert dropped == [(2, n - 1), (2, n)] and "print" not in runnable[1] and "make_kernel(TPB)" in runnable[1]
+    assert len(runnable[1].splitlines()) == len(UNUSUAL_ANSWERS[0][1].splitlines())     # lines keep their numbers
+    _, runnable, dropped = grammar.check(UNUSUAL_ANSWERS[1], TINY_SETUP)      # constants computed by a loop: run
+    assert dropped == [] and runnable[0] == UNUSUAL_ANSWERS[1][0]
+    ns: dict = {"math": __import__("math")}
+    exec(compile(runnable[0], "<constants>", "exec"), ns)
+    assert ns["tiles"] == sum(min(4 + 1, 2 * i + 2) for i in range(1, 16)) and ns["blocks"] == 32
     assert checked >= 40
 
 
-def test_screen_refuses_every_hostile_submission_and_names_the_line(releases):
+def test_grammar_refuses_what_answers_never_need():
+    """Student code that was fine under a deny-list (NumPy on the host, classes, other modules) is outside the
+    grammar: refused, with the cell, the line and the rule."""
+    for helper in STUDENT_HELPERS:
+        found, _, _ = grammar.check([helper], TINY_SETUP)
+        assert found and all(f.cell == 1 and f.line >= 1 and f.why for f in found), helper[:80]
+
+
+def test_grammar_refuses_every_escape_by_class():
+    for kind, snippets in GRAMMAR_ESCAPES.items():
+        for code in snippets:
+            found, _, _ = grammar.check([code], TINY_SETUP)
+            assert found, (kind, code)
+
+
+def test_grammar_refuses_every_hostile_submission_and_names_the_line(releases):
     rel = releases["a1_online_softmax"]
+    setup = (rel / "autograder" / "setup.py").read_text()
     for h in course_hostile.HOSTILE:
         nb = course_hostile.notebook(h, "a1_online_softmax", rel, rel / "autograder")
-        found = screen.screen(_answers(nb))
-        if h.kind == "memory-hog":           # legitimate syntax: the limits stop it (test_limits_...)
-            assert found == []
-            continue
+        found, _, _ = grammar.check(_answers(nb), setup)
         assert found, h.kind
         text = "\n".join(str(f) for f in found)
         assert h.says in text, (h.kind, text)
@@ -342,14 +481,24 @@ def _orphans() -> list[int]:
     return out
 
 
-#: one attack per layer behind the screen in the default run; every deep entry with -m slow
-DEEP_IN_CI = ("patch-run-one", "launch-hook", "forge-channel", "rewrite-tests", "orphan-process")
+#: one attack per layer behind the screen in the default run (in the sandbox); every deep entry with -m slow, and
+#: every entry that may run outside the sandbox without it
+DEEP_IN_CI = ("patch-run-one", "forge-channel", "rewrite-tests", "site-packages-pth", "kill-batch", "double-fork",
+              "disk-flood")
 
 
-def _deep(tmp_path, monkeypatch, kinds):
+def _site_pth() -> list[Path]:
+    import site
+
+    return [Path(d) / "zz_flashnb_hostile.pth" for d in site.getsitepackages() if (Path(d) / "zz_flashnb_hostile.pth")
+            .exists()]
+
+
+def _deep(tmp_path, monkeypatch, kinds, *, sandbox=True):
     """Grade the hostile ``kinds`` on TINY with the screen off (two at a time: a change of the bundle is traced
     back to its submission), before a correct submission and the untouched release; every attacker must score 0
-    with its layer's message, the two after it keep 7/7 and 0/7."""
+    with its layer's message, the two after it keep 7/7 and 0/7, and nothing outside its sandbox changed: the
+    bundle, the other submissions, site-packages, the feedback files and the CSV; no process of it is left."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))      # never the machine's caches
     monkeypatch.setenv("GRADER_SECRET_TOKEN", "must-not-reach-the-child")
     rel = _tiny(tmp_path)
@@ -357,35 +506,52 @@ def _deep(tmp_path, monkeypatch, kinds):
     before = {n: (bundle / n).read_bytes() for n in os.listdir(bundle)}
     subs = tmp_path / "subs"
     subs.mkdir()
+    out = tmp_path / "out"
     made = {}
     for k, h in enumerate(course_hostile.HOSTILE, 1):
-        if h.deep is not None and h.kind in kinds:
-            nbformat.write(course_hostile.notebook(h, "tiny", rel, bundle), str(subs / f"h{k:02d}.ipynb"))
-            made[f"h{k:02d}"] = h
+        wanted = h.deep if sandbox else h.bare
+        if wanted is not None and h.kind in kinds:
+            nbformat.write(course_hostile.notebook(h, "tiny", rel, bundle, subs=subs, out=out),
+                           str(subs / f"h{k:02d}.ipynb"))
+            made[f"h{k:02d}"] = (h, wanted)
+    assert made
     _sub(subs / "zz_good.ipynb", "def scale(x):\n    return x * 2\n")
-    solution = nbformat.read(str(bundle / "solution.ipynb"), as_version=4)
     nbformat.write(nbformat.read(str(rel / "student" / "tiny.ipynb"), as_version=4), str(subs / "zz_untouched.ipynb"))
     env_probe = ("import os\ndef scale(x):\n    raise AssertionError('ENV ' + repr([os.environ.get(k) for k in "
                  "('HOME', 'TMPDIR', 'XDG_CACHE_HOME', 'FLASHNB_PTX_CACHE', 'FLASHNB_COURSE_CACHE', "
                  "'GRADER_SECRET_TOKEN')] + [os.getcwd()]))\n")
     _sub(subs / "zz_env.ipynb", env_probe)
-    assert solution is not None
+    victims = {p.name: p.read_bytes() for p in subs.iterdir() if p.name.startswith("zz_")}
     lines = []
-    graded = {g["student"]: g for g in grade.grade(bundle, subs, tmp_path / "out" / "scores.csv", screen=False,
-                                                   work_dir=tmp_path / "work", progress=lines.append, jobs=2)}
-    for stem, h in made.items():
+    graded = {g["student"]: g for g in grade.grade(bundle, subs, out / "scores.csv", screen=False, sandbox=sandbox,
+                                                   work_dir=tmp_path / "work", progress=lines.append, jobs=2,
+                                                   limits=grade.Limits(scratch_mib=16))}
+    leaked = _site_pth()
+    for p in leaked:
+        p.unlink()
+    assert leaked == [], leaked                                            # site-packages untouched
+    for stem, (h, wanted) in made.items():
         g = graded[stem]
         text = "\n".join(g["problems"] + [r["message"] for r in g["results"]])
         assert sum(r["earned"] for r in g["results"]) == 0, (h.kind, text[:600])
-        assert h.deep in text, (h.kind, h.deep, text[:600])
+        assert wanted in text, (h.kind, wanted, text[:600])
     assert sum(r["earned"] for r in graded["zz_good"]["results"]) == 7, graded["zz_good"]["results"]
     assert sum(r["earned"] for r in graded["zz_untouched"]["results"]) == 0
-    assert {n: (bundle / n).read_bytes() for n in os.listdir(bundle)} == before      # restored from memory
+    assert {n: (bundle / n).read_bytes() for n in os.listdir(bundle)} == before      # unchanged (or restored)
+    assert {n: (subs / n).read_bytes() for n in victims} == victims                   # the others' notebooks
     assert _orphans() == []
+    rows = {r["student"]: r for r in csv.DictReader(open(out / "scores.csv"))}
+    assert set(rows) == set(graded) and float(rows["zz_good"]["autograded"]) == 7
+    assert {r["sandboxed"] for r in rows.values()} == {"yes" if sandbox else "no"}
+    for name in graded:                                                    # every feedback file, whole
+        text = (out / "feedback" / f"{name}.txt").read_text()
+        assert text.rstrip().endswith("CPU-seconds)"), (name, text[-200:])
+        assert ("without the operating-system sandbox" in text) is (not sandbox), name
     msg = graded["zz_env"]["results"][0]["message"]
     values = json.loads(msg.split("ENV ", 1)[1].splitlines()[0].replace("'", '"').replace("None", "null"))
     assert values[5] is None, values                                       # the grader's environment stays out
-    assert all(v.startswith(str(tmp_path / "work" / "zz_env" / "sub-")) for v in values[:5] + values[6:]), values
+    scratch = "/tmp/" if sandbox else str(tmp_path / "work" / "zz_env" / "sub-")
+    assert all(v.startswith(scratch) for v in values[:5] + values[6:]), values
     assert [ln.split(":")[0] for ln in lines] == sorted(graded)            # progress in the students' order
     return graded
 
@@ -399,6 +565,13 @@ def test_every_deep_attack_is_stopped_behind_the_screen(tmp_path, monkeypatch):
     _deep(tmp_path, monkeypatch, {h.kind for h in course_hostile.HOSTILE})
 
 
+@pytest.mark.slow
+def test_without_the_sandbox_the_layers_inside_the_grader_still_hold(tmp_path, monkeypatch):
+    """``--no-sandbox``: the integrity check, the channel, the bundle check and the reaping on their own (the
+    entries that would reach the machine itself -- site-packages, other submissions -- are never run so)."""
+    _deep(tmp_path, monkeypatch, {h.kind for h in course_hostile.HOSTILE}, sandbox=False)
+
+
 def test_limits_score_what_they_stop_and_the_batch_goes_on(tmp_path):
     rel = _tiny(tmp_path, LIMITED, "limited")
     subs = tmp_path / "subs"
@@ -408,10 +581,10 @@ def test_limits_score_what_they_stop_and_the_batch_goes_on(tmp_path):
          "    return x + 1\n")
     _sub(subs / "b_burn.ipynb", "def f(x):\n    while x == 2:\n        pass\n    return x + 1\n")
     _sub(subs / "c_good.ipynb", "def f(x):\n    return x + 1\n")
-    limits = grade.Limits(cpu_s=2.5, output_mib=1)
+    limits = grade.Limits(cpu_s=4.0, output_mib=1)   # a child starts in about 1 CPU-s
     res = {g["student"]: {r["id"].split(": ")[1]: r for r in g["results"]}
-           for g in grade.grade(rel / "autograder", subs, tmp_path / "scores.csv", limits=limits,
-                                progress=lambda *_: None)}
+           for g in grade.grade(rel / "autograder", subs, tmp_path / "scores.csv", limits=limits, screen=False,
+                                progress=lambda *_: None)}       # the limits behind the grammar (it refuses np.ones)
     lim = res["a_limits"]
     assert [r["earned"] for r in lim.values()] == [1, 0, 0, 0, 1], {k: r["message"] for k, r in lim.items()}
     assert lim["two"]["status"] == "limit" and "memory limit" in lim["two"]["message"]
@@ -444,7 +617,7 @@ def test_jobs_change_nothing_but_the_time(tmp_path, capsys):
                              str(tmp_path / f"j{jobs}" / "scores.csv"), "--jobs", str(jobs)]) == 0
             lines[jobs] = [ln for ln in capsys.readouterr().out.splitlines() if ln.split(":")[0] in
                            ("a_broken", "b_refused", "c_half", "d_good")]
-        rows[jobs] = [{k: v for k, v in r.items() if k != "cpu_seconds"}
+        rows[jobs] = [{k: v for k, v in r.items() if k not in ("cpu_seconds", "wall_seconds")}
                       for r in csv.DictReader(open(tmp_path / f"j{jobs}" / "scores.csv"))]
         feedback = sorted(p.name for p in (tmp_path / f"j{jobs}" / "feedback").iterdir())
         assert feedback == ["a_broken.txt", "b_refused.txt", "c_half.txt", "d_good.txt"]
@@ -496,3 +669,129 @@ def test_gradescope_autograder_runs_on_a_submission_laid_out_as_gradescope_does(
     assert [t["visibility"] for t in tests.values()] == ["visible", "visible", "after_published"]
     assert "differ from the float64 reference" in tests["q1: an array"]["output"]
     assert tests["q1: a number"]["output"] == "passed" and out["stdout_visibility"] == "hidden"
+    text = (root / "results" / "results.json").read_text()
+    tests_py = (rel / "autograder" / "tests.py").read_text()
+    assert not [ln for ln in tests_py.splitlines() if ln.strip().startswith("criteria.") and ln.strip() in text]
+    assert not list((root / "results").glob(".*.tmp"))                   # written whole, through a temporary file
+
+
+def test_nothing_of_the_tests_reaches_the_feedback(tmp_path):
+    """A test's line never appears in feedback (the tests are not in linecache, and only the student's frames are
+    named), and in a hidden test an exception out of the student's code keeps its text to itself: the student's
+    code cannot carry the hidden inputs out in its message, nor read the tests' lines (graded with the screen off,
+    in the sandbox)."""
+    rel = _tiny(tmp_path)
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    _sub(subs / "a_not_callable.ipynb", "scale = 3\n")
+    _sub(subs / "b_value.ipynb", "def scale(x):\n    raise ValueError('LEAK ' + repr(x))\n")
+    _sub(subs / "c_assert.ipynb", "def scale(x):\n    raise AssertionError('LEAK ' + repr(x))\n")
+    _sub(subs / "d_reader.ipynb", "import linecache, traceback\n"
+         "def scale(x):\n    raise ValueError('LEAK ' + repr(linecache.getlines('<tests>')) + "
+         "''.join(traceback.format_stack()))\n")
+    graded = {g["student"]: g for g in grade.grade(rel / "autograder", subs, tmp_path / "out" / "scores.csv",
+                                                   screen=False, progress=lambda *_: None)}
+    tests_text = (rel / "autograder" / "tests.py").read_text()
+    test_lines = [ln.strip() for ln in tests_text.splitlines() if ln.strip().startswith(("criteria.", "assert "))]
+    assert test_lines
+    for name, g in graded.items():
+        text = (tmp_path / "out" / "feedback" / f"{name}.txt").read_text()
+        assert not any(ln in text for ln in test_lines), (name, text)
+        hidden = next(r for r in g["results"] if r["hidden"])
+        assert hidden["earned"] == 0 and "1., 1., 1." not in hidden["message"], (name, hidden["message"])
+    public = {name: g["results"][0]["message"] for name, g in graded.items()}
+    assert "not callable" in public["a_not_callable"] and "at <" not in public["a_not_callable"]
+    assert "LEAK array([0., 1., 2., 3.])" in public["b_value"]            # public inputs: the message stays
+    assert "at <answer cell 1>, line 2" in public["b_value"]
+    assert "LEAK []" in public["d_reader"]                                  # linecache never held the tests
+    hidden_b = next(r for r in graded["b_value"]["results"] if r["hidden"])["message"]
+    assert hidden_b.startswith("ValueError raised in your code during a hidden test"), hidden_b
+
+
+# A launcher assignment: run(X, Y) launches a kernel that writes Y = 2 X.
+CAPTURE = '''# %% [markdown]
+# # Tiny: a launcher
+# %% tags=["setup"]
+import os
+
+os.environ.setdefault("FLASHNB_DEVICE", "sim")
+import flashnb  # noqa: E402,I001
+import numpy as np
+from numba import cuda, float32  # noqa: F401
+from flashnb import course
+from flashnb.common import launch  # noqa: F401
+from flashnb.course import criteria
+# %% tags=["answer"]
+def make_double():
+    @cuda.jit
+    def double(X, Y):
+        i = cuda.grid(1)
+        ### BEGIN SOLUTION write Y = 2 X
+        if i < Y.shape[0]:
+            Y[i] = 2 * X[i]
+        ### END SOLUTION
+    return double
+
+
+def run(X, Y):
+    launch(make_double(), 1, 32, X, Y, label="double")
+
+
+@cuda.jit(device=True)
+def twice(x):
+    ### BEGIN SOLUTION return 2 x
+    return 2 * x
+    ### END SOLUTION
+# %% tags=["tests"]
+@course.test("q1", points=1, name="doubles", timeout=60)
+def _(ns):
+    x = np.arange(32, dtype=np.float32)
+    X, Y = flashnb.common.to_device(x), flashnb.common.empty(32)
+    ns["run"](X, Y)
+    criteria.close(Y.copy_to_host(), 2.0 * x, what="y")
+
+
+def _apply(f):
+    @cuda.jit
+    def apply(X, Y):
+        i = cuda.grid(1)
+        if i < Y.shape[0]:
+            Y[i] = f(X[i])
+    return apply
+
+
+@course.test("q2", points=1, name="twice, in a kernel of the tests", timeout=60)
+def _(ns):
+    x = np.arange(32, dtype=np.float32)
+    X, Y = flashnb.common.to_device(x), flashnb.common.empty(32)
+    flashnb.common.launch(_apply(ns["twice"]), 1, 32, X, Y, label="twice")
+    criteria.close(Y.copy_to_host(), 2.0 * x, what="y")
+'''
+
+
+def test_a_kernel_that_reads_an_array_it_was_not_given_fails(tmp_path):
+    """The grammar lets host code pass a device array to a factory (it cannot tell an array from a tile size), so
+    the kernel would read it uncounted: the grader's launch hook finds the captured array and fails the test; the
+    kernel given the same array as an argument passes.  Likewise a "device function" written as plain Python,
+    which the simulator would run and a GPU could not compile."""
+    rel = _tiny(tmp_path, CAPTURE, "capture")
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    head = "from flashnb.common import launch\nfrom numba import cuda\n\n\n"
+    _sub(subs / "a_captures.ipynb", head + "def make_double(src):\n    @cuda.jit\n    def double(Y):\n"
+         "        i = cuda.grid(1)\n        if i < Y.shape[0]:\n            Y[i] = 2 * src[i]\n    return double\n\n\n"
+         "def run(X, Y):\n    launch(make_double(X), 1, 32, Y, label='double')\n\n\n"
+         "def twice(x):\n    return x + x\n")
+    _sub(subs / "b_argument.ipynb", head + "def make_double():\n    @cuda.jit\n    def double(X, Y):\n"
+         "        i = cuda.grid(1)\n        if i < Y.shape[0]:\n            Y[i] = 2 * X[i]\n    return double\n\n\n"
+         "def run(X, Y):\n    launch(make_double(), 1, 32, X, Y, label='double')\n\n\n"
+         "@cuda.jit(device=True)\ndef twice(x):\n    return x + x\n")
+    graded = {g["student"]: g for g in grade.grade(rel / "autograder", subs, tmp_path / "scores.csv",
+                                                   progress=lambda *_: None)}
+    cap = graded["a_captures"]["results"][0]
+    assert cap["earned"] == 0 and "reads src (in double), an array that is not one of its arguments" in \
+        cap["message"], cap
+    assert graded["a_captures"]["status"] is None                          # the grammar let it through
+    py = graded["a_captures"]["results"][1]                                # a plain Python "device function"
+    assert py["earned"] == 0 and "the kernel calls twice, a Python function of your answer" in py["message"], py
+    assert [r["earned"] for r in graded["b_argument"]["results"]] == [1, 1], graded["b_argument"]["results"]
