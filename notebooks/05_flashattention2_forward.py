@@ -611,7 +611,9 @@ for (name, cfg, cc), res in zip(jobs, finspect.resources_many(jobs)):
 # have a thread block (change 2). That scaling assumes each busy SM gets only its share of the bandwidth as well
 # as of the FLOPs: a grid with few busy SMs can draw more than its share of HBM, so for such grids the model is
 # pessimistic. flashnb's kernels use FP32 FMAs, not tensor cores, so the compute roof is the
-# FP32 peak.
+# FP32 peak. Read the FA1 / FA2 ratios below as a model of these two kernels, not of the papers': the FA2 paper
+# *measured* its kernel at about 2× FlashAttention-1 (Dao 2023, Abstract), while the model gives more at long $N$,
+# where it charges this FA1 for the tiles its one thread block per head walks one after another.
 
 # %%
 from flashnb.sim import vector  # noqa: E402
