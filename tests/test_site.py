@@ -16,6 +16,7 @@ import importlib.util
 import io
 import json
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -94,8 +95,9 @@ class Browser:
             os.dup2(hi_w, 4)
 
         self.proc = subprocess.Popen(
-            [exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
-             "--remote-debugging-pipe", f"--user-data-dir={self.profile}", "--window-size=1280,900", "about:blank"],
+            [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+             "--disable-extensions", "--remote-debugging-pipe", f"--user-data-dir={self.profile}",
+             "--window-size=1280,900", "about:blank"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=False,
             preexec_fn=fds)
         for fd in (to_r, from_w, hi_r, hi_w):
@@ -110,7 +112,8 @@ class Browser:
 
     def _read(self, deadline: float) -> dict:
         while b"\0" not in self.buffer:
-            if time.monotonic() > deadline:
+            ready, _, _ = select.select([self.from_r], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
                 raise TimeoutError("Chromium did not answer in time")
             chunk = os.read(self.from_r, 1 << 20)
             if not chunk:
