@@ -119,7 +119,7 @@ def _help(parser, argv: list[str]) -> str:
 
 
 def cli_reference() -> str:
-    """Every command's ``--help``, as ``flashnb`` prints it (80 columns)."""
+    """Every command's ``--help``, as ``flashnb`` prints it in a 100-column terminal."""
     os.environ["COLUMNS"] = "100"
     from flashnb import cli
 

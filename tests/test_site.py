@@ -341,3 +341,38 @@ def test_search_answers(site, browser):
         time.sleep(0.3)
         hits = browser.evaluate("[...document.querySelectorAll('#search-results li a')].map(a => a.href)")
     assert any("02_online_softmax" in h for h in hits), hits
+
+
+def test_the_reference_pages_cover_the_command_line_and_the_api(site, pages):
+    """The generated pages rendered: a section for every command of ``flashnb``'s parser, with its options; an
+    entry for every public function of ``flashnb`` and of ``flashnb.api``; the navigation reaches both."""
+    import argparse
+    import inspect
+
+    import flashnb
+    from flashnb import api, cli
+
+    cli_page = site / "site" / "_generated" / "cli.html"
+    text = cli_page.read_text()
+
+    def commands(parser, prefix):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    yield f"{prefix} {name}", child
+                    yield from commands(child, f"{prefix} {name}")
+
+    found = list(commands(cli.build_parser(), "flashnb"))
+    assert len(found) >= 8, [c for c, _ in found]
+    for command, parser in found:
+        assert command in text, f"the command-line reference has no section for {command!r}"
+        for action in parser._actions:
+            for option in action.option_strings:
+                assert option in text, f"{command}: {option} is missing from the command-line reference"
+    api_ids = set(pages[site / "site" / "_generated" / "api" / "flashnb.html"]["ids"])
+    public = [f"flashnb.{n}" for n in flashnb.__all__ if inspect.isfunction(getattr(flashnb, n))]
+    public += [f"flashnb.api.{n}" for n in api.__all__ if inspect.isfunction(getattr(api, n))]
+    assert len(public) >= 6 and not set(public) - api_ids, sorted(set(public) - api_ids)
+    start_links = pages[site / "docs" / "start.html"]["links"]
+    for page in (cli_page, site / "site" / "_generated" / "api" / "index.html"):
+        assert page.as_uri() in start_links, f"the navigation does not reach {page.relative_to(site)}"
