@@ -91,10 +91,9 @@ print(f"SRAM is {bw_ratio[0]:.1f}-{bw_ratio[1]:.1f}x faster and {size_ratio[0]:,
 # tiles that fit. That is the whole idea of FlashAttention.
 #
 # flashnb's models use datasheet presets (`flashnb.instruments.roofline.GPUS`; the module docstring cites each source).
-# The compute roof of stages 1-6 is the **FP32 CUDA-core** peak: their kernels multiply on the FP32 units.
-# numba-cuda has no tensor-core API of its own, but a kernel reaches the tensor cores through inline PTX
-# (`mma.sync`, notebook 12), and such a kernel is modelled against the **tensor-core** peak, an order of magnitude
-# higher.
+# The compute roof of notebooks 01 to 11 is the **FP32 CUDA-core** peak: their kernels multiply on the FP32
+# units. The tensor-core peak, many times higher, is the roof of a kernel that runs its matmuls on the tensor
+# cores, as notebook 12's does (numba has no tensor-core API; notebook 12 emits the PTX instructions itself).
 
 # %%
 print(f"{'GPU':<14} {'SMs':>4} {'DRAM TB/s':>9} {'FP32 TF/s':>10} {'tensor TF/s':>12} {'smem/SM KiB':>12} "
@@ -226,7 +225,9 @@ print("reads per element:", {a: round(r, 2) for a, r in per.items()}, f"with {ro
 #
 # That is the whole idea in one count: standard attention (notebook 01) reads and writes $\Theta(N^2)$ elements
 # of $S$ and $P$; FlashAttention reads $Q$, $K$, $V$ a few times and writes $O$ once, and nothing of size
-# $N \times N$ ever reaches HBM. Notebooks 01 to 07 build that, stage by stage, and count each step.
+# $N \times N$ ever reaches HBM. Notebooks 01 to 07 build that, stage by stage, and count each step; 11 adds what
+# training and inference need. The electives go further: 08 (speed from the machine code), 09 (PyTorch), 10
+# (attention modifiers), 12 (tensor cores) and 13 (many GPUs); [the start page](../docs/start.md) maps the path.
 
 # %% [markdown]
 # ## Appendix · The toolkit

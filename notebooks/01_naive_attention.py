@@ -205,9 +205,9 @@ for n in (1024, 2048, 4096, 8192, 16384):
 # Without a GPU we can still say how fast this *would* be if each kernel ran at the roofline: its time is at
 # least $\max(\text{FLOPs}/\text{peak}, \text{bytes}/\text{bandwidth})$. This is a **model**, a lower bound
 # from counted bytes and FLOPs, not a measurement. The bytes are counted at the shape below: one head runs on
-# the simulator (each launch equal to its model), and every head of the batch moves the same. This kernel multiplies on the FP32 CUDA cores, so its
-# compute ceiling is the FP32 CUDA-core peak (notebook 12 reaches the tensor cores through inline PTX, and models
-# its kernel against their peak).
+# the simulator (each launch equal to its model), and every head of the batch moves the same. These kernels
+# multiply on the FP32 CUDA cores, so their compute ceiling is the FP32 CUDA-core peak (the tensor cores'
+# is notebook 12's).
 
 # %%
 from flashnb.instruments import roofline  # noqa: E402

@@ -136,7 +136,10 @@ print(f"safe softmax's normaliser sum e^(x - max) = {np.exp(x_demo - x_demo.max(
 # ## 4 · The merge operator
 #
 # The recurrence is a special case of something more useful. A *state* $[m, d]$ summarises any set of
-# elements: their maximum and their sum shifted by it. Two states of disjoint sets combine exactly:
+# elements: their maximum and their sum shifted by it. (The letter $d$ for that sum is Milakov & Gimelshein's;
+# the FlashAttention papers, notebooks 03 onward and the start page's notation sheet call the same normaliser
+# $\ell$, and keep $d$ for the head dimension: $[m, d]$ here is $[m, \ell]$ there.) Two states of disjoint sets
+# combine exactly:
 #
 # $$[m, d] \oplus [m', d'] = \bigl[\, M,\; d\, e^{m - M} + d'\, e^{m' - M} \,\bigr], \qquad M = \max(m, m').$$
 #

@@ -168,11 +168,8 @@ assert max(errs.values()) < 1e-4, errs
 # $\tilde m_{ij} = \max_w m_w$, $\tilde\ell_{ij} = \sum_w e^{m_w - \tilde m_{ij}}\ell_w$,
 # $\tilde P_{ij}V_j = \sum_w e^{m_w-\tilde m_{ij}} (\tilde P V)_w$. Every warp writes $B_r\cdot d$ partial outputs to
 # shared memory and the merge reads them all back: the shared-memory traffic that the FA2 paper blames
-# for FA1's speed. The model counts it exactly (`shared_reads` / `shared_writes`). Splitting over more warps adds
-# merge traffic, though at these tiles only a little -- four warps read 1.6 % more than one, eight warps 3.7 %
-# more -- because the partial outputs are small beside the reads of the tiles themselves; the FA2 paper's
-# complaint is that every warp must write its partials, synchronize and read them back, which a count of
-# accesses shows only in part:
+# for FA1's speed. The model counts it exactly (`shared_reads` / `shared_writes`). Splitting over more warps
+# adds merge traffic: the writes grow with $W$, while the reads, dominated by the tiles' own loads, barely move:
 
 # %%
 for W in (1, 2, 4, 8):

@@ -610,14 +610,10 @@ for (name, cfg, cc), res in zip(jobs, finspect.resources_many(jobs)):
 # ($\max$(FLOPs / FP32 peak, bytes / HBM bandwidth)) turns bytes into time, scaled by the fraction of SMs that
 # have a thread block (change 2). That scaling assumes each busy SM gets only its share of the bandwidth as well
 # as of the FLOPs: a grid with few busy SMs can draw more than its share of HBM, so for such grids the model is
-# pessimistic. These kernels use FP32 FMAs, not tensor cores, so the compute roof is the
-# FP32 peak.
-#
-# What to compare it with: the FA2 paper *measured* FA2 at 1.7-3.0x the speed of FA1 over this sweep (about 2x;
-# A100, its Figure 4). The model below agrees at the shortest $N$ and gives FA2 a larger lead at long $N$, where
-# FA1's one block per head leaves most of the SMs idle (32 heads on 108 SMs at 16k) -- an idleness the model
-# charges in full, and a model knows nothing of either kernel's latencies. Read its ratios as the model's, not as a
-# prediction.
+# pessimistic. flashnb's kernels use FP32 FMAs, not tensor cores, so the compute roof is the
+# FP32 peak. Read the FA1 / FA2 ratios below as a model of these two kernels, not of the papers': the FA2 paper
+# *measured* its kernel at about 2× FlashAttention-1 (Dao 2023, Abstract), while the model gives more at long $N$,
+# where it charges this FA1 for the tiles its one thread block per head walks one after another.
 
 # %%
 from flashnb.sim import vector  # noqa: E402

@@ -240,9 +240,9 @@ show_source(common.to_bfloat16)
 # %% [markdown]
 # Also out of the simulator's reach: **speed**. Halving the bytes matters where a kernel waits on HBM; the
 # simulator's time is NumPy on a CPU. And FlashAttention's main win from half precision is elsewhere: tensor
-# cores multiply float16/bfloat16 matrices many times faster than the FP32 units. The product kernel here keeps
-# its arithmetic on the FP32 units, so its half storage saves bytes, not FLOPs; the tensor-core kernel of
-# notebook 12 (`impl="fa2-tc"`, reached from numba through inline PTX) saves both. The cell below times the float32
+# cores multiply float16/bfloat16 matrices many times faster than the FP32 units the product kernel uses, so
+# its half storage saves bytes, not FLOPs; notebook 12's tensor-core kernel (`impl="fa2-tc"`) is the one whose
+# half inputs also cut the matmuls' time. The cell below times the float32
 # and half kernels with CUDA events when a GPU is present (in this process when `flashnb.MODE == "gpu"`, else in
 # a child process on the machine's GPU); without one it prints that nothing was measured.
 

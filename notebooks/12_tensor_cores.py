@@ -21,7 +21,7 @@
 # as much as 16 matmul FLOPs, so FA2 cuts them (delayed rescaling, the row statistics kept per row, `exp2`).
 # Stages 1-6 of this course ran the matmuls on the FP32 cores, where that argument has nothing to bite on: the
 # softmax was noise beside the FFMAs. This notebook moves the matmuls onto the tensor cores, from Numba, and
-# shows -- in the machine code, with a time model, without a GPU -- how the same softmax becomes a real cost.
+# models -- from the machine code, without a GPU -- how the same softmax becomes a real cost.
 #
 # Numba's CUDA API has no tensor-core instructions. It does let an `@intrinsic` emit LLVM inline assembly, and
 # PTX has the instructions: `mma.sync` (a warp multiplies 16×8×16 tiles), `ldmatrix` (a warp loads 8×8 tiles
@@ -281,10 +281,10 @@ plt.show()
 # ## What the model says about the whole kernel
 #
 # The same model over the whole launch (N = 4096, the FA2 paper's batch 4 × 32 heads of d = 64; HBM charged for
-# every byte of the traffic model, K/V re-reads included), as a share of the dense FP16 peak. It is a **model**, not
-# a measurement: it charges each instruction to its pipe and assumes the warps hide every latency. The FA2 paper
-# *measured* its own forward at 50-73 % of the A100's peak (up to 230 TFLOP/s) and its backward at up to 63 %, so
-# read a modelled share above that as a ceiling this machine code allows, not as a speed:
+# every byte of the traffic model, K/V re-reads included), as a share of the dense FP16 peak. It is a model, and
+# an optimistic one: it charges the instructions to the pipes and the bytes to HBM, but no latency, stalls or
+# launch overhead. For scale, the FA2 paper *measured* its own CUDA kernels at 50-73 % of the A100's theoretical
+# peak (Dao 2023, Abstract): read the modelled share below as a ceiling, not as what this kernel would reach.
 
 # %%
 for gpu in ("A100 80GB SXM", "H100 SXM"):

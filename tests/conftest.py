@@ -126,7 +126,7 @@ NEEDS_TORCH = {"09_transformer_on_flashnb.ipynb", "13_context_parallelism.ipynb"
 # the PTX guard before the tests and notebooks that compile the same kernels (they then find NVVM's PTX in
 # the disk cache, flashnb.instruments.ptx_cache_dir).  The order of the rest is unchanged.
 RUN_FIRST = ("test_ptx_guard.py", "test_sim_vector.py", "08_readable_to_fast.ipynb", "test_torch_ops.py",
-             "test_flash_parity.py", "test_exercises.py", "03_flashattention1_forward.ipynb",
+             "test_flash_parity.py", "test_exercises.py", "test_site.py", "03_flashattention1_forward.ipynb",
              "05_flashattention2_forward.ipynb", "test_distributed.py", "12_tensor_cores.ipynb", "test_sass.py",
              "test_fa2_fast.py", "test_course_hostile.py", "test_course.py", "06_flashattention2_backward.ipynb",
              "09_transformer_on_flashnb.ipynb", "13_context_parallelism.ipynb")

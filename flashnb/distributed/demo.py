@@ -30,7 +30,7 @@ from .stats import RingStats
 
 __all__ = ["check", "inputs", "main", "TOLERANCES"]
 
-#: Max |error| allowed against float64, relative to max |reference| + 1: the float32 kernels' rounding over a
+#: Max ``|error|`` allowed against float64, relative to ``max |reference| + 1``: the float32 kernels' rounding over a
 #: few hundred terms (~1e-6) plus one float32 merge per ring step, with a margin; a wrong block or a missing
 #: merge is O(1).
 TOLERANCES = {"o": 2e-5, "dq": 1e-4, "dk": 1e-4, "dv": 1e-4}

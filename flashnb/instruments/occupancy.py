@@ -100,6 +100,7 @@ def occupancy(registers: int, shared_bytes: int, threads_per_block: int, cc=(9, 
     * shared memory: ``round_up(static + dynamic + 1 KiB reserved, 128)`` per block out of the SM's shared
       memory (static <= 48 KiB, static + dynamic <= the opt-in limit, :data:`MAX_OPTIN_SHARED`);
     * warps: ``64 // warps_per_block``; blocks: 32.
+
     A block that cannot fit at all (too many registers or shared bytes for one block) gives 0 blocks.
     """
     lim = _limits(cc)

@@ -18,8 +18,8 @@ pipe           per SM per clock                       what is charged
                                                       (``.4``: 4); LDGSTS.128: 4 (its shared-memory write); SHFL: 1
 ``tensor``     dense FP16 multiply-adds per SM per    HMMA: its multiply-adds (``16816``: 2,048, ``1688``: 1,024),
                clock: cc 7.5 512, cc 8.0 1,024, cc    TF32 counted twice (half the rate); see
-               9.0 2,048 (:mod:`~flashnb.instruments.    :attr:`~flashnb.instruments.roofline.GPU.tensor_clock_hz`
-               roofline`'s whitepaper figures)        for the clock that gives each datasheet's dense peak
+               9.0 2,048 (the roofline module's       :attr:`~flashnb.instruments.roofline.GPU.tensor_clock_hz`
+               whitepaper figures)                    for the clock that gives each datasheet's dense peak
 =============  =====================================  =========================================================
 
 and HBM is charged the bytes of the kernel's analytic traffic model at the datasheet bandwidth.
