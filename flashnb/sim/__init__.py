@@ -163,6 +163,9 @@ def install() -> bool:
     kernel.FakeCUDAKernel.__getitem__ = _checked_getitem(kernel.FakeCUDAKernel.__getitem__)
     warp.install(kernelapi.FakeCUDAModule)
     traffic._install()        # its launch patch is where a launch goes to the vectorised simulator
+    from ._numba_adapter import install_numba_rules
+
+    install_numba_rules()     # numba's scalar typing in the threads simulator (flashnb.sim.arith)
     _state["installed"] = True
     _state["problem"] = None
     _apply_mode()
@@ -179,6 +182,9 @@ def uninstall() -> None:
         kernel.BlockManager = _state["stock_block_manager"]
         kernel.FakeCUDAKernel.__getitem__ = _state["stock_getitem"]
         warp.uninstall(kernelapi.FakeCUDAModule)
+        from ._numba_adapter import uninstall_numba_rules
+
+        uninstall_numba_rules()
         _state["installed"] = False
         _apply_mode()
     _state["warned"] = False
