@@ -138,8 +138,9 @@ def install() -> bool:
         return False
     if _state["installed"]:
         return True
-    from numba.cuda.simulator import kernel, kernelapi
+    from ._numba_adapter import sim
 
+    kernel, kernelapi = sim("kernel"), sim("kernelapi")
     problem = _source_problem(kernel, kernelapi)
     if problem is not None:
         _state["problem"] = problem
@@ -175,9 +176,10 @@ def install() -> bool:
 def uninstall() -> None:
     """Restore the stock simulator (and forget an earlier warning, so a later :func:`install` checks afresh)."""
     if _state["installed"]:
-        from numba.cuda.simulator import kernel, kernelapi
-
         from . import warp
+        from ._numba_adapter import sim
+
+        kernel, kernelapi = sim("kernel"), sim("kernelapi")
 
         kernel.BlockManager = _state["stock_block_manager"]
         kernel.FakeCUDAKernel.__getitem__ = _state["stock_getitem"]

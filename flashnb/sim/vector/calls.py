@@ -145,7 +145,9 @@ def store(obj, idx, value, m, site):
 
 
 def _fake_kernel_class():
-    from numba.cuda.simulator.kernel import FakeCUDAKernel
+    from .._numba_adapter import sim
+
+    FakeCUDAKernel = sim("kernel", "FakeCUDAKernel")
     return FakeCUDAKernel
 
 
