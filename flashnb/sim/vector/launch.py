@@ -244,6 +244,7 @@ def run(kernel, args):
                 T.new_chunk(geo)
                 vcuda.new_chunk(geo)
                 kfn(None, *wrapped)
+                T.flush_atomics()       # its blocks come before the next chunk's: the threads simulator's order
             T.flush_atomics()
         except Unsupported as exc:
             undo.restore()

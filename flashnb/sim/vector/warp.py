@@ -317,7 +317,7 @@ def apply_deferred(entries):
         flats = np.concatenate([e[3] for e in group])
         vals = np.concatenate([e[4] for e in group])
         keys = np.concatenate([e[5] for e in group], axis=1)   # (block, phase, rank, seq) rows
-        order = np.lexsort(keys[::-1])
+        order = _order(keys)
         flats, vals = flats[order], vals[order]
         if op == "add":
             np.add.at(base, flats, vals)
@@ -325,6 +325,25 @@ def apply_deferred(entries):
             np.subtract.at(base, flats, vals)
         else:   # pragma: no cover
             raise AssertionError(op)
+
+
+_I32 = 1 << 31
+
+
+def _order(keys):
+    """The order of the rows' lexicographic keys (first row most significant): one stable argsort of the keys
+    packed into an int64 when their ranges fit 63 bits (they do for every launch of a chunk), else a lexsort."""
+    lo = keys.min(axis=1)
+    span = keys.max(axis=1) - lo
+    bits = [int(s).bit_length() for s in span.tolist()]
+    if sum(bits) > 63:
+        return np.lexsort(keys[::-1])
+    packed = np.zeros(keys.shape[1], np.int64)
+    for row, b, low in zip(keys, bits, lo.tolist()):
+        if b:
+            packed <<= b
+            packed |= row.astype(np.int64) - low
+    return np.argsort(packed, kind="stable")
 
 
 class _Atomic:
@@ -363,6 +382,8 @@ class _Atomic:
                 va = vv[lanes] if type(vv) is np.ndarray else np.full(len(lanes), vv, dt)
                 keys = np.stack([g.block_lin[lanes], g.phase[g.blk[lanes]], g.rank_of[lanes],
                                  np.full(len(lanes), T.seq, np.int64)])
+                if T.seq < _I32 and keys.size and keys.max() < _I32:
+                    keys = keys.astype(np.int32)          # 16 bytes an atomic, until its chunk ends
                 T.seq += 1
                 T.defer_atomic((array.root, base, op, flat, va, keys))
                 return None
