@@ -780,6 +780,9 @@ def _pyint_pow_plan(op):
     return plan
 
 
+_CONV: dict = {}        # a uniform integer converted to a numba argument type: (type name, its type, it) -> scalar
+
+
 def _nb_plan(op, ka, kb):
     """``a op b`` with a NumPy number on at least one side, as :mod:`flashnb.sim.arith` computes it per lane: the
     operands converted to numba's argument types, one ufunc in those types, numba's result type."""
@@ -798,13 +801,57 @@ def _nb_plan(op, ka, kb):
     is_float = dr.kind == "f"
     int_div = op.div and dr.kind in "iu"
     shift = op.shift
+    if ka is kb and ka is arith.NP_TYPES[a1] and a1 == a2 and (compare or (is_float and r == a1)):
+        # NumPy numbers of one type that numba keeps (float32 * float32, int32 < int32): one ufunc as it is
+        fast_fn = fn
+
+        def same(a, b, m):
+            res = ufunc(a.a if type(a) is V else a, b.a if type(b) is V else b)
+            if _FPE[0]:
+                if is_float:
+                    _fp_check_binop(fast_fn, a, b, res, m)
+                else:
+                    _FPE[0] = False
+            return V(res, rk)
+        return same
     bits = dr.itemsize * 8
 
     def conv(x, k, name, dt):
         if type(x) is V:
             xa = x.a
             return xa if xa.dtype == dt else xa.astype(dt)
-        return arith.NP_TYPES[name](x) if name == "bool" else arith._to(x, name)
+        tx = type(x)
+        if tx is not int and tx not in _NP_INT_KINDS:      # floats: -0.0 == 0.0, NaN != NaN (no cache)
+            return arith.NP_TYPES[name](x) if name == "bool" else arith._to(x, name)
+        key = (name, tx, x)
+        got = _CONV.get(key)
+        if got is None:
+            got = arith.NP_TYPES[name](x) if name == "bool" else arith._to(x, name)
+            if len(_CONV) > 4096:
+                _CONV.clear()
+            _CONV[key] = got
+        return got
+
+    if not shift and not int_div and not compare and not is_float and dr.kind in "iu" and ka is not int \
+            and kb is not int:
+        # NumPy integers on both sides (uint32 + uint32 is a uint64): both in the result type, one ufunc
+        def iarith(a, b, m):
+            if type(a) is V:
+                xa = a.a
+                if xa.dtype != dr:
+                    xa = xa.astype(dr)
+            else:
+                xa = conv(a, ka, r, dr)
+            if type(b) is V:
+                xb = b.a
+                if xb.dtype != dr:
+                    xb = xb.astype(dr)
+            else:
+                xb = conv(b, kb, r, dr)
+            res = ufunc(xa, xb)
+            _FPE[0] = False
+            return V(res, rk)
+        return iarith
 
     def plan(a, b, m):
         for x, k in ((a, ka), (b, kb)):
@@ -1043,9 +1090,15 @@ def _exact_int(op, a, b, m):
     return res
 
 
+_INT64_LO, _INT64_HI = -(1 << 63), (1 << 63) - 1
+
+
 def _make_binop(op):
     plans = op.plans
     fn = op.fn
+    # uniform Python ints: Python's operator, then numba's int64 wrap (the common loop-index arithmetic)
+    pyint = arith._FN[op.name] if op.name in ("add", "sub", "mul", "and", "or", "xor", "floordiv", "mod") else None
+    fast = arith.FAST[op.name]
 
     def binop(a, b, m):
         ta = type(a)
@@ -1054,6 +1107,11 @@ def _make_binop(op):
             if ta is Mixed or tb is Mixed:
                 return _mixed2(binop, a, b, m)
             try:
+                if ta is int and tb is int and pyint is not None:
+                    r = pyint(a, b)
+                    return r if _INT64_LO <= r <= _INT64_HI else arith.wrap(r, "int64")
+                if fast[(ta, tb)]:
+                    return fast_op(a, b)
                 return fn(a, b)
             except Exception as exc:       # every active lane would raise it: the first one does
                 raise KernelFault(exc, first_lane(m)) from None
@@ -1069,6 +1127,7 @@ def _make_binop(op):
             plans[key] = plan
         return plan(a, b, m)
 
+    fast_op = arith._FN[op.name]
     binop.__name__ = f"b_{op.name}"
     return binop
 
@@ -1332,11 +1391,27 @@ def _numba_target(t):
 
 
 _numba_targets: dict = {}
+_FMAX = {np.float16: 65504.0, np.float32: 3.4028234663852886e38, np.float64: 1.7976931348623157e308}
 
 
 def cast(t, x, m):
     """``t(x)`` for ``t`` a numba number type, a NumPy scalar type, or int/float/bool (None if ``t`` is none of
     them)."""
+    target = _numba_targets.get(id(t))
+    if target is not None and target is not bool:       # a numba type seen before (no hashing of numba types)
+        tx = type(x)
+        if tx is V:
+            if x.k is target:
+                return x                                # float32(x) of a float32: the very value
+            return cast_np(target, x, m, t)
+        if tx is target:
+            return x
+        if target in _FLOAT_KINDS:
+            if (tx is float or tx is int or tx in _FLOAT_KINDS) and -_FMAX[target] < x < _FMAX[target]:
+                return target(x)                        # numba's cast of one finite number in range: NumPy's
+        elif tx is int or tx is bool or tx in _NP_INT_KINDS:
+            return arith.cast_int_python(target, x)     # numba's integer cast wraps
+        return cast_np(target, x, m, t)
     if t is int:
         return cast_int(x, m)
     if t is float:
