@@ -33,12 +33,15 @@ def sim(module: str, name: str | None = None):
 
 
 _saved: dict = {}
+#: the atomics whose one value numba converts to the array's element type
+_VALUE_ATOMICS = ("add", "sub", "and_", "or_", "xor", "exch", "max", "min", "nanmax", "nanmin", "inc", "dec")
 
 
 def install_numba_rules() -> None:
     """numba's scalar rules where the threads simulator calls Python: a device function runs its rewritten copy
     (:mod:`.threads_typing`), ``uint32(x)`` of an integer wraps, ``cuda.fma`` multiplies and adds by numba's
-    types.  (A kernel's body is rewritten by :class:`~flashnb.sim.fastbarrier.FastBlockManager`.)"""
+    types, an atomic converts its value to the array's type first.  (A kernel's body is rewritten by
+    :class:`~flashnb.sim.fastbarrier.FastBlockManager`.)"""
     if _saved:
         return
     from numba.core.types import scalars
@@ -73,10 +76,28 @@ def install_numba_rules() -> None:
     def numba_fma(self, a, b, c):
         return arith.BINARY["add"](arith.BINARY["mul"](a, b), c)
 
-    _saved.update(call=call, cast=cast, fma=fma)
+    FakeCUDAAtomic = sim("kernelapi", "FakeCUDAAtomic")
+    atomics = {name: fn for name, fn in vars(FakeCUDAAtomic).items() if name in _VALUE_ATOMICS}
+
+    def converting(fn):
+        def atomic(self, array, index, val):
+            dt = getattr(array, "dtype", None)
+            if dt is not None and dt.kind in "iuf" and not isinstance(val, np.ndarray):
+                val = arith.to_type(val, dt)        # numba converts the value to the array's type first
+            return fn(self, array, index, val)
+
+        atomic.__wrapped__ = fn
+        atomic.__name__ = fn.__name__
+        return atomic
+
+    import numpy as np
+
+    _saved.update(call=call, cast=cast, fma=fma, atomics=atomics)
     FakeCUDAKernel.__call__ = __call__
     scalars.Integer.cast_python_value = cast_python_value
     FakeCUDAModule.fma = numba_fma
+    for name, fn in atomics.items():
+        setattr(FakeCUDAAtomic, name, converting(fn))
 
 
 def uninstall_numba_rules() -> None:
@@ -86,6 +107,8 @@ def uninstall_numba_rules() -> None:
 
     sim("kernel", "FakeCUDAKernel").__call__ = _saved["call"]
     scalars.Integer.cast_python_value = _saved["cast"]
+    for name, fn in _saved["atomics"].items():
+        setattr(sim("kernelapi", "FakeCUDAAtomic"), name, fn)
     mod = sim("kernelapi", "FakeCUDAModule")
     if _saved["fma"] is None:
         del mod.fma

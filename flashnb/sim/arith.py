@@ -332,6 +332,12 @@ def unop(op, x):
     return UNARY[op](x)
 
 
+def to_type(value, dtype):
+    """``value`` converted to NumPy ``dtype``'s scalar type as numba converts it (integers wrap)."""
+    name = _NAME.get(dtype.type)
+    return _to(value, name) if name is not None else value
+
+
 def cast_int_python(t, value):
     """numba's ``t(value)`` for an integer type ``t`` (a NumPy integer type) and an integer ``value``: wrapped."""
     return t(wrap(int(value), _NAME[t]))

@@ -279,3 +279,42 @@ def test_the_typing_table_is_numba_cudas():
     assert table == numba_typing.TABLE
     unary = {k: tuple(v) if v else None for k, v in fresh["unary"].items()}
     assert unary == numba_typing.UNARY_TABLE
+
+
+@cuda.jit
+def _atomic_scaled(x, out):
+    t = cuda.threadIdx.x
+    cuda.atomic.add(out, t, x[t] * 0.1)      # a float64 value into a float32 array
+
+
+_PTX_ATOMIC = r"""
+import os
+os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
+from numba import cuda, float32
+def k(x, out):
+    t = cuda.threadIdx.x
+    cuda.atomic.add(out, t, x[t] * 0.1)
+ptx, _ = cuda.compile_ptx(k, (float32[::1], float32[::1]), cc=(8, 0))
+lines = [l.strip() for l in ptx.splitlines()]
+print("F32ATOM" if any(l.startswith("atom.global.add.f32") or l.startswith("red.global.add.f32") for l in lines)
+      and any(l.startswith("cvt.rn.f32.f64") for l in lines) else "OTHER")
+"""
+
+
+def test_atomic_add_converts_its_value_to_the_arrays_type_first():
+    """numba-cuda's PTX rounds a float64 value to float32 (``cvt.rn.f32.f64``) and adds in float32
+    (``atom``/``red .add.f32``): the simulators do the same, not NumPy's float64 in-place add."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    res = subprocess.run([sys.executable, "-c", _PTX_ATOMIC], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "F32ATOM", res.stdout
+    x = (RNG.standard_normal(32) * 100).astype(np.float32)
+    y = (RNG.standard_normal(32) * 100).astype(np.float32)
+    want = (y + (x.astype(np.float64) * 0.1).astype(np.float32)).astype(np.float32)    # round, then a float32 add
+    numpy_inplace = (y.astype(np.float64) + x.astype(np.float64) * 0.1).astype(np.float32)
+    assert (want != numpy_inplace).any()          # the inputs tell the two rules apart
+    for mode in ("vector", "threads"):
+        out = y.copy()
+        with sim.simulating(mode):
+            _atomic_scaled[1, 32](x, out)
+        assert out.tobytes() == want.tobytes(), mode
