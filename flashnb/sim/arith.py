@@ -30,7 +30,10 @@ signature's types (a GPU computes ``float ** int`` by repeated multiplication: t
 
 from __future__ import annotations
 
+import math
 import operator
+import sys
+import warnings
 
 import numpy as np
 
@@ -341,3 +344,36 @@ def to_type(value, dtype):
 def cast_int_python(t, value):
     """numba's ``t(value)`` for an integer type ``t`` (a NumPy integer type) and an integer ``value``: wrapped."""
     return t(wrap(int(value), _NAME[t]))
+
+
+# --------------------------------------------------------------------------- math functions of a float32
+
+#: the ``math`` functions numba types float32 -> float32 (libdevice's float32 functions on a GPU)
+MATH_F32 = frozenset((math.exp, math.log, math.log2, math.log10, math.expm1, math.log1p, math.sqrt, math.tanh,
+                      math.sinh, math.cosh, math.sin, math.cos, math.tan, math.atan, math.asin, math.acos,
+                      math.fabs))
+MATH_NAMES = frozenset(f.__name__ for f in MATH_F32)
+#: files of the simulator's own frames between a kernel's line and :func:`math_call` (warnings name the kernel)
+CALLER_SKIP: set = set()
+_F32_MAX = 3.4028234663852886e38
+
+
+def math_call(f, x):
+    """``f(x)`` in a kernel: a float32 result for a float32 ``x`` and one of :data:`MATH_F32` (computed in
+    float64 by the C library, then rounded once: a GPU's float32 function may differ in the last bits), else
+    Python's call.  An overflow of the rounding warns at the kernel's line, as NumPy's cast would."""
+    if type(x) is not np.float32 or f not in MATH_F32:
+        return f(x)
+    r = f(float(x))
+    if -_F32_MAX <= r <= _F32_MAX or r != r or r in (math.inf, -math.inf):
+        return np.float32(r)
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename in CALLER_SKIP:
+        frame = frame.f_back
+    g = frame.f_globals
+    module = sys.modules.get(g.get("__name__", ""))
+    registry = vars(module).setdefault("__warningregistry__", {}) if module is not None else None
+    warnings.warn_explicit("overflow encountered in cast", RuntimeWarning, frame.f_code.co_filename,
+                           frame.f_lineno, module=g.get("__name__", "kernel"), registry=registry)
+    with np.errstate(over="ignore"):
+        return np.float32(r)

@@ -35,6 +35,7 @@ HELPERS = {"_nb_type": builtins.type}
 HELPERS.update({f"_nb_b_{op}": fn for op, fn in arith.BINARY.items()})
 HELPERS.update({f"_nb_f_{op}": d for op, d in arith.FAST.items()})
 HELPERS.update({f"_nb_u_{op}": fn for op, fn in arith.UNARY.items()})
+HELPERS["_nb_math"] = arith.math_call
 
 
 def _N(name, store=False):
@@ -71,6 +72,16 @@ class _Rewrite(ast.NodeTransformer):
 
     visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = visit_Lambda
     visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = visit_Lambda
+
+    def visit_Call(self, node):
+        """``math.exp(x)`` (or ``exp(x)``): numba types it float32 for a float32 ``x``."""
+        self.generic_visit(node)
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else (f.id if isinstance(f, ast.Name) else None)
+        if name in arith.MATH_NAMES and len(node.args) == 1 and not node.keywords and \
+                not isinstance(node.args[0], ast.Starred):
+            return ast.copy_location(ast.Call(func=_N("_nb_math"), args=[f, node.args[0]], keywords=[]), node)
+        return node
 
     def visit_BinOp(self, node):
         self.generic_visit(node)

@@ -7,6 +7,7 @@ own typing gives for that operation), and, for ``ballot_sync``, the PTX numba-cu
 simulator computes by is compared with a fresh derivation from numba-cuda's CUDA typing context.
 """
 
+import math
 import os
 import subprocess
 import sys
@@ -242,6 +243,7 @@ def _ballot(x, out):
 
 
 _PTX_BALLOT = r"""
+import math
 import os
 os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
 from numba import cuda, int64, float32
@@ -288,6 +290,7 @@ def _atomic_scaled(x, out):
 
 
 _PTX_ATOMIC = r"""
+import math
 import os
 os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
 from numba import cuda, float32
@@ -317,4 +320,42 @@ def test_atomic_add_converts_its_value_to_the_arrays_type_first():
         out = y.copy()
         with sim.simulating(mode):
             _atomic_scaled[1, 32](x, out)
+        assert out.tobytes() == want.tobytes(), mode
+
+
+@cuda.jit
+def _exp_times(x, y, out):
+    t = cuda.threadIdx.x
+    out[t] = math.exp(x[t]) * y[t]           # numba: a float32 exp (libdevice's expf), then a float32 product
+
+
+_PTX_EXP = r"""
+import math, os
+os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
+from numba import cuda, float32
+def k(x, y, out):
+    t = cuda.threadIdx.x
+    out[t] = math.exp(x[t]) * y[t]
+ptx, _ = cuda.compile_ptx(k, (float32[::1], float32[::1], float32[::1]), cc=(8, 0))
+print("F64" if ".f64" in ptx else "F32ONLY")
+"""
+
+
+def test_math_of_a_float32_is_a_float32():
+    """numba-cuda computes ``math.exp(float32)`` and the product with a float32 in float32 (its PTX has no
+    ``.f64``); the simulators give a float32 exp (the C library's, rounded once) and a float32 product."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    res = subprocess.run([sys.executable, "-c", _PTX_EXP], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "F32ONLY", res.stdout
+    x = RNG.uniform(-5, 5, 32).astype(np.float32)
+    y = (RNG.standard_normal(32) * 3).astype(np.float32)
+    e = np.array([math.exp(float(v)) for v in x]).astype(np.float32)
+    want = e * y                                                    # float32 * float32
+    wide = (np.array([math.exp(float(v)) for v in x]) * y.astype(np.float64)).astype(np.float32)
+    assert (want != wide).any()                                     # the inputs tell the two typings apart
+    for mode in ("vector", "threads"):
+        out = np.zeros(32, np.float32)
+        with sim.simulating(mode):
+            _exp_times[1, 32](x, y, out)
         assert out.tobytes() == want.tobytes(), mode

@@ -233,7 +233,9 @@ def test_math_functions_and_their_float32_results(fn):
                          710, -745, -800, np.inf, -np.inf, np.nan, 1e-39, 1e30, -1e30]]).astype(np.float32)
     values.now.L = len(xs)
     x = V(xs, np.float32)
-    expected = [_scalar(fn, v) for v in xs]
+    # numba types math.fn(float32) as a float32 (flashnb.sim.arith.math_call: the C library's value, rounded once)
+    one = (lambda v: arith.math_call(fn, v)) if fn in arith.MATH_F32 else fn
+    expected = [_scalar(one, v) for v in xs]
     big = np.array([_unheld(e[0]) for e in expected])          # math.floor(1e30): refused
     for i in np.flatnonzero(big):
         refused, res = _refused(values.math_call, fn, (x,), np.arange(len(xs)) == i)

@@ -15,6 +15,7 @@ import builtins
 
 import numpy as np
 
+from .. import arith as _arith
 from . import arrays, tools
 from .arrays import Arr, Local
 from .fallback import KernelFault, Unsupported
@@ -40,6 +41,8 @@ from .values import (
     scalarise,
     truth,
 )
+
+_arith.CALLER_SKIP.add(__file__)
 
 __all__ = ["load", "store", "call", "LoopState", "RetState", "range_iter", "ELEMENTWISE"]
 

@@ -34,6 +34,8 @@ import numpy as np
 from .. import arith
 from .fallback import KernelFault, Unsupported
 
+arith.CALLER_SKIP.add(__file__)
+
 __all__ = ["V", "Mixed", "Partial", "U", "KINDS", "dtype_of", "lift", "scalar_at", "first_lane", "truth",
            "split", "m_and", "m_andnot", "m_or", "merge", "select", "binop", "compare", "cast"]
 
@@ -1516,8 +1518,12 @@ def math_call(fn, args, m):
     if len(args) != 1 or type(args[0]) is not V:
         if any(is_lanes(a) for a in args):
             return scalarise(fn, args, m)
+        if len(args) == 1 and type(args[0]) is np.float32 and fn in arith.MATH_F32:
+            return arith.math_call(fn, args[0])
         return fn(*args)
     x = args[0]
+    if x.k is np.float32 and fn in arith.MATH_F32:     # numba types math.fn(float32) as a float32
+        return V(np.abs(x.a), np.float32) if fn is math.fabs else f32_math(np.float32, fn, args, m)
     if fn in _BOOL_MATH:
         if x.k is int and x.bits > 62:
             return scalarise(fn, args, m)
