@@ -1638,9 +1638,11 @@ def _exact_math_f32(inner, xf, idx):
 
 def cast_target(t):
     """The NumPy scalar type ``t(x)`` casts to (``t`` a numba or NumPy number type), else None."""
-    if t in _NP_KINDS:
-        return t
+    target = _numba_targets.get(id(t))          # a numba type seen before: no hashing of numba types
+    if target is not None:
+        return target if target in _NP_KINDS else None
     if isinstance(t, type):
-        return None
+        return t if t in _NP_KINDS else None
     target = _numba_target(t)
+    _numba_targets[id(t)] = target
     return target if target in _NP_KINDS else None
