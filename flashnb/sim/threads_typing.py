@@ -7,7 +7,8 @@ types make Python's operator compute numba's result already (``float32 * float32
 itself, in the kernel's frame (:data:`flashnb.sim.arith.FAST`).  The copy is compiled under the kernel's file
 name and line numbers and shares its globals and closure cells, so tracebacks, the sanitizer and the traffic
 counter see the kernel's lines; nothing else changes.  A function whose source cannot be found (or does not match
-its code) runs unchanged, after a one-time warning: there the threads simulator keeps NumPy's rules.
+its code) runs unchanged, after a one-line note (:func:`flashnb.sim.vector.notes`): there the threads simulator
+keeps NumPy's rules.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import inspect
 import textwrap
 import threading
 import types
-import warnings
 import weakref
 
 from . import arith
@@ -185,7 +185,6 @@ def _build(fn):
 
 _cache = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
-_warned: set = set()
 
 
 def typed(fn):
@@ -204,10 +203,10 @@ def typed(fn):
 def _typed(fn):
     inner = _build(fn)
     if inner is None:
-        if fn.__code__ not in _warned:
-            _warned.add(fn.__code__)
-            warnings.warn(f"flashnb.sim: {fn.__qualname__} runs on the threads simulator with NumPy's scalar rules "
-                          "(its source could not be read or rewritten), not numba's", RuntimeWarning, stacklevel=3)
+        from .vector.fallback import say
+
+        say((fn.__qualname__, "numpy rules"), f"flashnb.sim: {fn.__qualname__} computes by NumPy's scalar rules on "
+            "the threads simulator, not numba's (its source could not be read or rewritten)")
         _cache[fn] = fn
         return fn
     cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
