@@ -256,8 +256,11 @@ class _ArgExtension:
         self.position = 0
 
     def prepare_args(self, ty, val, stream=0, retr=None):
-        from numba.cuda.simulator.args import ArgHint, InOut
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray, FakeWithinKernelCUDAArray
+        from ..sim._numba_adapter import sim
+
+        ArgHint, InOut = sim("args", "ArgHint"), sim("args", "InOut")
+        FakeCUDAArray = sim("cudadrv.devicearray", "FakeCUDAArray")
+        FakeWithinKernelCUDAArray = sim("cudadrv.devicearray", "FakeWithinKernelCUDAArray")
 
         i = self.position
         self.position += 1
@@ -301,9 +304,11 @@ def _install() -> None:
             return
         from numba.cuda import types as nb_types
         from numba.cuda.np import numpy_support
-        from numba.cuda.simulator import kernel as sim_kernel
-        from numba.cuda.simulator import kernelapi
-        from numba.cuda.simulator.cudadrv.devicearray import FakeShape
+
+        from ..sim._numba_adapter import sim
+
+        sim_kernel, kernelapi = sim("kernel"), sim("kernelapi")
+        FakeShape = sim("cudadrv.devicearray", "FakeShape")
 
         _FakeShape = FakeShape
         call = sim_kernel.FakeCUDAKernel.__call__

@@ -95,7 +95,9 @@ class _SimBridge(_CudaBridge):
         return s
 
     def view(self, t):
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        from ..sim._numba_adapter import sim
+
+        FakeCUDAArray = sim("cudadrv.devicearray", "FakeCUDAArray")
 
         return FakeCUDAArray(t.detach().numpy())   # shares t's memory
 

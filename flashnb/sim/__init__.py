@@ -138,8 +138,9 @@ def install() -> bool:
         return False
     if _state["installed"]:
         return True
-    from numba.cuda.simulator import kernel, kernelapi
+    from ._numba_adapter import sim
 
+    kernel, kernelapi = sim("kernel"), sim("kernelapi")
     problem = _source_problem(kernel, kernelapi)
     if problem is not None:
         _state["problem"] = problem
@@ -163,6 +164,9 @@ def install() -> bool:
     kernel.FakeCUDAKernel.__getitem__ = _checked_getitem(kernel.FakeCUDAKernel.__getitem__)
     warp.install(kernelapi.FakeCUDAModule)
     traffic._install()        # its launch patch is where a launch goes to the vectorised simulator
+    from ._numba_adapter import install_numba_rules
+
+    install_numba_rules()     # numba's scalar typing in the threads simulator (flashnb.sim.arith)
     _state["installed"] = True
     _state["problem"] = None
     _apply_mode()
@@ -172,13 +176,17 @@ def install() -> bool:
 def uninstall() -> None:
     """Restore the stock simulator (and forget an earlier warning, so a later :func:`install` checks afresh)."""
     if _state["installed"]:
-        from numba.cuda.simulator import kernel, kernelapi
-
         from . import warp
+        from ._numba_adapter import sim
+
+        kernel, kernelapi = sim("kernel"), sim("kernelapi")
 
         kernel.BlockManager = _state["stock_block_manager"]
         kernel.FakeCUDAKernel.__getitem__ = _state["stock_getitem"]
         warp.uninstall(kernelapi.FakeCUDAModule)
+        from ._numba_adapter import uninstall_numba_rules
+
+        uninstall_numba_rules()
         _state["installed"] = False
         _apply_mode()
     _state["warned"] = False

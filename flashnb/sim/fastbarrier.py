@@ -23,17 +23,28 @@ from __future__ import annotations
 
 import threading
 
-from numba.cuda.simulator import kernel as _sim_kernel
+import numpy as np
 
 from . import kernel_line
+from ._numba_adapter import sim as _sim
+
+_sim_kernel = _sim("kernel")
 
 __all__ = ["FastBlockManager", "FastBlockThread", "SimulatorDeadlock", "WarpRound", "STRICT_EXITED_LANES"]
 
-#: When True, a warp intrinsic whose mask names a lane that has already returned fails the launch.  CUDA
-#: itself only waits for the *non-exited* lanes named in the mask (and values read from exited lanes are
-#: undefined), which is the default here; the strict mode catches "returned early, then shuffled with a
-#: full mask" bugs, which often work by accident on a GPU.
-STRICT_EXITED_LANES = False
+#: When True (the default), a warp intrinsic whose mask names a lane that has already returned -- or that never
+#: reaches it because it took another branch and then returned -- fails the launch (under the sanitizer,
+#: synccheck reports it instead).  CUDA itself only waits for the *non-exited* lanes named in the mask, and
+#: values read from exited lanes are undefined: "returned early, then shuffled with a full mask" often works by
+#: accident on a GPU.  False keeps CUDA's rule (the exited lanes are not waited for; reading them gives NaN or
+#: 0xDEADBEEF).
+STRICT_EXITED_LANES = True
+
+
+def exited_lanes_message(kind, mask, warp, lanes) -> str:
+    return (f"{kind}(mask={mask:#010x}) in warp {warp}: lanes {list(lanes)} named in the mask had already returned "
+            "or never reach it (a warp operation after an early return, or in a branch some lanes skip; values "
+            "read from them are undefined on a GPU; flashnb.sim.fastbarrier.STRICT_EXITED_LANES = False allows it)")
 
 #: Set by the sanitizer's synccheck (:mod:`flashnb.sim.sanitize`): an object whose ``barrier(block, sites,
 #: exited)`` is told, each time a block barrier is released, where each waiting thread called it from
@@ -47,10 +58,18 @@ def _caller_site() -> str:
     """file:line (function) of the kernel code that called ``cuda.syncthreads()`` (simulator frames skipped)."""
     global _SIM_FILES
     if _SIM_FILES is None:
-        from numba.cuda.simulator import kernelapi
+        kernelapi = _sim("kernelapi")
 
         _SIM_FILES = {__file__, _sim_kernel.__file__, kernelapi.__file__}
     return kernel_line(_SIM_FILES, 3)
+
+
+def _warp_site() -> str:
+    """file:line (function) of the kernel code that called a warp intrinsic."""
+    import os
+
+    _caller_site()
+    return kernel_line(_SIM_FILES | {os.path.join(os.path.dirname(__file__), "warp.py")}, 3)
 
 
 class SimulatorDeadlock(RuntimeError):
@@ -71,7 +90,7 @@ class _Generation:
 class WarpRound:
     """One warp intrinsic in progress for one (warp, mask): the values of the lanes that have arrived."""
 
-    __slots__ = ("kind", "warp", "mask", "compute", "args", "results", "done")
+    __slots__ = ("kind", "warp", "mask", "compute", "args", "results", "done", "site")
 
     def __init__(self, kind, warp, mask, compute):
         self.kind = kind
@@ -81,6 +100,7 @@ class WarpRound:
         self.args = {}  # lane -> (value, operand)
         self.results = None  # lane -> result, once complete
         self.done = False
+        self.site = None
 
 
 class FastBlockThread(_sim_kernel.BlockThread):
@@ -136,6 +156,7 @@ class FastBlockThread(_sim_kernel.BlockThread):
             rnd = m.rounds.get(key)
             if rnd is None:
                 rnd = m.rounds[key] = WarpRound(kind, warp, mask, compute)
+                rnd.site = _warp_site() if sync_observer is not None else None
             elif rnd.kind != kind:
                 raise RuntimeError(
                     f"lane {lane} of warp {warp} called {kind}(mask={mask:#010x}) while lanes "
@@ -170,11 +191,15 @@ class FastBlockManager(_sim_kernel.BlockManager):
         for n in self._block_dim:
             self.nthreads *= n
 
+        from .threads_typing import typed
+
+        f = typed(self._f)      # numba's scalar typing (flashnb.sim.arith)
+
         def target():
-            self._f(*args)
+            f(*args)
 
         threads = []
-        for block_point in _sim_kernel.np.ndindex(*self._block_dim):
+        for block_point in np.ndindex(*self._block_dim):
             t = FastBlockThread(target, self, grid_point, block_point, self._debug)
             t.waiting_at = None
             t.gated = False
@@ -267,15 +292,14 @@ class FastBlockManager(_sim_kernel.BlockManager):
             return False
         del self.rounds[key]
         gone = rnd.mask & ((1 << self.lanes_in_warp(rnd.warp)) - 1) & ~participants
-        if STRICT_EXITED_LANES and gone:
+        if gone and (STRICT_EXITED_LANES or sync_observer is not None):
             lanes = [lane for lane in range(32) if gone >> lane & 1]
-            message = (
-                f"{rnd.kind}(mask={rnd.mask:#010x}) in warp {rnd.warp}: lanes {lanes} named in the mask had "
-                "already returned (STRICT_EXITED_LANES; CUDA only waits for non-exited lanes and values read "
-                "from them are undefined)"
-            )
-            self._fail((RuntimeError(message), None))
-            return True
+            obs = sync_observer
+            if obs is not None:
+                obs.warp_after_exit(rnd.kind, rnd.mask, tuple(self.threads[0].blockIdx), rnd.warp, lanes, rnd.site)
+            else:
+                self._fail((RuntimeError(exited_lanes_message(rnd.kind, rnd.mask, rnd.warp, lanes)), None))
+                return True
         try:
             rnd.results = rnd.compute(rnd, self.lanes_in_warp(rnd.warp), participants)
         except BaseException as e:  # a bad value: fail the launch with it, do not strand the lanes

@@ -27,7 +27,8 @@ tool found something (``raise_on_error=False`` only collects).  The tools:
 * **synccheck** -- a ``cuda.syncthreads()`` that the threads of one block reach from different call sites,
   or that completes while some threads of the block have already returned (both undefined behaviour in CUDA:
   "allowed in conditional code only if the conditional evaluates identically across the entire thread
-  block").  A barrier that can never complete stays a :class:`~flashnb.sim.SimulatorDeadlock`.
+  block"), and a warp operation whose mask names lanes that had returned (``shfl_*_sync`` after an early
+  return).  A barrier that can never complete stays a :class:`~flashnb.sim.SimulatorDeadlock`.
 
 Each finding is reported once per (tool, kind, array, source lines) with a count, like compute-sanitizer's
 error summary.  Slower than counting (every access is checked): keep sizes small.  Needs flashnb's simulator
@@ -211,6 +212,16 @@ class _Session:
                      "a branch that not every thread of the block takes (e.g. after an early return) is undefined "
                      "behaviour in CUDA",
                      site)
+
+
+    def warp_after_exit(self, kind, mask, block, warp, lanes, site):
+        """synccheck, told by a warp round that completed while lanes its mask names had returned."""
+        launch = self.launch
+        if launch is None:
+            return
+        self.add("synccheck", "warp operation after exit", launch,
+                 f"cuda.{kind} at {site} in block {list(block)} of launch {launch.label!r} ({launch.kernel}): "
+                 + fastbarrier.exited_lanes_message(kind, mask, warp, lanes), site or "?")
 
 
 @dataclass

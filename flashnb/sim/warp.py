@@ -13,9 +13,11 @@ Semantics (CUDA C++ Programming Guide, "Warp Shuffle/Vote Functions"; PTX ISA ``
   multiple of 32 simply has fewer lanes.
 * ``mask`` names the participating lanes and must include the calling lane.  Every lane named in ``mask``
   that exists and has not returned must call the same intrinsic with the same mask; the call completes
-  when all of them have arrived (lanes that have returned are not waited for, as the guide says of
-  "non-exited threads"; set ``flashnb.sim.fastbarrier.STRICT_EXITED_LANES = True`` to make a mask naming a
-  returned lane an error instead).  If that can never happen (e.g. some lanes wait in ``syncthreads()`` or in a
+  when all of them have arrived.  A mask naming a lane that has returned (early, or after a branch that skips
+  the call) is an error (:data:`flashnb.sim.fastbarrier.STRICT_EXITED_LANES`; synccheck's finding under the
+  sanitizer): the guide only waits for "non-exited threads", and what is read from the others is undefined;
+  with ``STRICT_EXITED_LANES = False`` the simulator follows the guide.
+  If the live lanes can never all arrive (e.g. some wait in ``syncthreads()`` or in a
   different intrinsic) a GPU hangs; the simulator raises :class:`~flashnb.sim.fastbarrier.SimulatorDeadlock`.
 * shuffles (numba passes ``width=32``): ``shfl_sync`` reads lane ``src_lane & 31``; ``shfl_up_sync`` lane
   ``lane - delta`` and ``shfl_down_sync`` lane ``lane + delta`` (the caller's own value when that falls

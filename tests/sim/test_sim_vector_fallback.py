@@ -215,9 +215,9 @@ def log_of_negative(x, out):
 
 
 @cuda.jit
-def int32_of_big(out):
+def shift_too_far(out):
     t = cuda.threadIdx.x
-    out[t] = int32(t * 1000000000 if t == 3 else t)  # a Python int beyond int32: OverflowError in thread 3
+    out[t] = int32(1 << (64 if t == 3 else t))   # a shift count of 64 (undefined in compiled code): thread 3
 
 
 @cuda.jit
@@ -251,8 +251,8 @@ def asserts(out):
      r"OverflowError\('tid=\[6, 0, 0\] ctaid=\[0, 0, 0\]: math range error"),
     (log_of_negative, 8, lambda: (np.float32([9, 9, 9, 1, 9, 9, 9, 9]), np.zeros(8, np.float32)),
      r"ValueError\('tid=\[3, 0, 0\] ctaid=\[0, 0, 0\]: math domain error"),
-    (int32_of_big, 8, lambda: (np.zeros(8, np.int64),),
-     r"OverflowError\('tid=\[3, 0, 0\] ctaid=\[0, 0, 0\]: Python integer 3000000000 out of bounds for int32"),
+    (shift_too_far, 8, lambda: (np.zeros(8, np.int64),),
+     r"ValueError\('tid=\[3, 0, 0\] ctaid=\[0, 0, 0\]: shift count 64 is outside 0..63 for int64"),
     (unbound, 4, lambda: (np.zeros(4, np.float32),),
      r"UnboundLocalError\(\"tid=\[2, 0, 0\] ctaid=\[0, 0, 0\]: cannot access local variable 'y'"),
     (asserts, 8, lambda: (np.zeros(8, np.float32),),

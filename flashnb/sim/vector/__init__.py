@@ -5,7 +5,8 @@ The Numba CUDA simulator runs each CUDA thread as a Python thread; this one rewr
 blocks at once: a value the same for every thread stays one Python value, a value that differs per thread is a
 NumPy array over the threads, shared arrays are one copy per block, local arrays one copy per thread, global
 loads and stores gather and scatter for the threads that are active.  It computes what the threads simulator
-computes, bit for bit (the same float32 arithmetic, NumPy's scalar rules, Python's exceptions), and counts what
+computes, bit for bit (the same float32 arithmetic, numba's scalar typing -- :mod:`flashnb.sim.arith` --,
+Python's exceptions), and counts what
 its traffic counter counts; the sanitizer's four tools and the memory profiler work on it with the same
 findings.  See :mod:`.translate` (what is translated), :mod:`.values` (the scalar semantics), :mod:`.arrays`,
 :mod:`.warp`, :mod:`.tensorcore` (``mma.sync``, ``ldmatrix``, ``cp.async``), :mod:`.tools` and :mod:`.fallback`.

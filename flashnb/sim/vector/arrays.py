@@ -225,7 +225,9 @@ def resolve(arr, idx, m, op):
                     c[2] = s
                     c[3] = c[0] * s
                 flat = flat + c[3]
-            elif t is int:
+            elif t is int or t in _NP_INT_SET:
+                if t is not int:
+                    i = int(i)                  # numba's int64 results of index arithmetic
                 if not 0 <= i < shape[axis]:
                     break
                 flat = flat + i * st[axis]

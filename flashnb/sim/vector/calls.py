@@ -15,6 +15,7 @@ import builtins
 
 import numpy as np
 
+from .. import arith as _arith
 from . import arrays, tools
 from .arrays import Arr, Local
 from .fallback import KernelFault, Unsupported
@@ -40,6 +41,8 @@ from .values import (
     scalarise,
     truth,
 )
+
+_arith.CALLER_SKIP.add(__file__)
 
 __all__ = ["load", "store", "call", "LoopState", "RetState", "range_iter", "ELEMENTWISE"]
 
@@ -145,7 +148,9 @@ def store(obj, idx, value, m, site):
 
 
 def _fake_kernel_class():
-    from numba.cuda.simulator.kernel import FakeCUDAKernel
+    from .._numba_adapter import sim
+
+    FakeCUDAKernel = sim("kernel", "FakeCUDAKernel")
     return FakeCUDAKernel
 
 
@@ -438,7 +443,8 @@ def _lane_range(ls, args):
     if np.any(zero if m is None or not isinstance(zero, np.ndarray) else (zero & m)):
         lane = first_lane(m if not isinstance(zero, np.ndarray) else (zero if m is None else zero & m))
         raise KernelFault(ValueError("range() arg 3 must not be zero"), lane)
-    bits = max(_bits(start), _bits(stop), _bits(step)) + 1
+    mm = m if isinstance(m, np.ndarray) else None
+    bits = max(_bits(start, mm), _bits(stop, mm), _bits(step, mm)) + 1
     if bits > 62:
         raise Unsupported("range() bounds beyond 62 bits")
     cur = np.broadcast_to(s0, (L,)).astype(np.int64)
@@ -453,9 +459,16 @@ def _lane_range(ls, args):
         cur = cur + stv
 
 
-def _bits(x):
+def _bits(x, m=None):
     if type(x) is V:
-        return x.bits if x.k is int else 8 * x.a.dtype.itemsize
+        if x.k is int:
+            return x.bits
+        if x.a.dtype.itemsize < 8 or x.a.size == 0:
+            return 8 * x.a.dtype.itemsize
+        a = x.a if m is None else x.a[m]          # numba's int64 results: the active lanes' values
+        if a.size == 0:
+            return 0
+        return max(abs(int(a.min())).bit_length(), abs(int(a.max())).bit_length())
     return abs(int(x)).bit_length()
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["Unsupported", "KernelFault", "note", "notes", "Undo", "QUIET"]
+__all__ = ["Unsupported", "KernelFault", "note", "say", "notes", "Undo", "QUIET"]
 
 
 class Unsupported(Exception):
@@ -52,18 +52,21 @@ _noted: dict = {}   # (kernel qualified name, reason) -> the note
 def note(kernel_name: str, exc: Unsupported) -> str:
     """Say once per (kernel, reason) that ``kernel_name`` runs on the threads simulator, and why (one line on
     stderr); returns the line."""
-    key = (kernel_name, exc.reason)
-    line = _noted.get(key)
-    if line is None:
-        line = (f"flashnb.sim: {kernel_name} runs on the threads simulator (the vectorised one cannot run it: "
-                f"{exc})")
-        _noted[key] = line
+    return say((kernel_name, exc.reason), f"flashnb.sim: {kernel_name} runs on the threads simulator (the vectorised "
+               f"one cannot run it: {exc})")
+
+
+def say(key, line: str) -> str:
+    """Print ``line`` once per ``key`` on stderr (unless :data:`QUIET`) and record it in :func:`notes`."""
+    got = _noted.get(key)
+    if got is None:
+        _noted[key] = got = line
         if not QUIET:
             print(line, file=sys.stderr)
         if NOTES_FILE:
             with open(NOTES_FILE, "a") as f:
                 f.write(line + "\n")
-    return line
+    return got
 
 
 def notes() -> list[str]:

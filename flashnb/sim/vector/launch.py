@@ -54,7 +54,10 @@ def _root_offset(nd):
 
 
 def _wrap_arg(val, name):
-    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray, FakeWithinKernelCUDAArray
+    from .._numba_adapter import sim
+
+    FakeCUDAArray = sim("cudadrv.devicearray", "FakeCUDAArray")
+    FakeWithinKernelCUDAArray = sim("cudadrv.devicearray", "FakeWithinKernelCUDAArray")
 
     if isinstance(val, FakeWithinKernelCUDAArray):
         val = val._item
@@ -81,8 +84,12 @@ def _wrap_arg(val, name):
 
 def _convert_args(kernel, args, retr):
     """The threads simulator's argument conversion (``FakeCUDAKernel.__call__``'s ``fake_arg``)."""
-    from numba.cuda.simulator.args import ArgHint, InOut
-    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray, FakeWithinKernelCUDAArray
+    from .._numba_adapter import sim
+
+    ArgHint, InOut = sim("args", "ArgHint"), sim("args", "InOut")
+
+    FakeCUDAArray = sim("cudadrv.devicearray", "FakeCUDAArray")
+    FakeWithinKernelCUDAArray = sim("cudadrv.devicearray", "FakeWithinKernelCUDAArray")
 
     out = []
     for arg in args:
@@ -164,7 +171,10 @@ def run(kernel, args):
     """Run a top-level launch of ``kernel`` (a simulator ``FakeCUDAKernel``) on the vectorised simulator.
     Returns None when it ran, :data:`FELL_BACK` when the threads simulator must run it (after a note)."""
     from numba.cuda.errors import normalize_kernel_dimensions
-    from numba.cuda.simulator.cudadrv.devicearray import FakeShape
+
+    from .._numba_adapter import sim
+
+    FakeShape = sim("cudadrv.devicearray", "FakeShape")
 
     from ...common import current_label
     from ...instruments import traffic
@@ -234,6 +244,7 @@ def run(kernel, args):
                 T.new_chunk(geo)
                 vcuda.new_chunk(geo)
                 kfn(None, *wrapped)
+                T.flush_atomics()       # its blocks come before the next chunk's: the threads simulator's order
             T.flush_atomics()
         except Unsupported as exc:
             undo.restore()

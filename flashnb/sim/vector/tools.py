@@ -292,6 +292,15 @@ class LaunchTools:
                                   "returned -- a barrier inside a branch that not every thread of the block takes "
                                   "(e.g. after an early return) is undefined behaviour in CUDA", w, ()))
 
+    def warp_after_exit(self, site, name, mask, block, warp, gone):
+        """A warp operation whose mask names lanes ``gone`` of ``warp`` that had already returned."""
+        from ..fastbarrier import exited_lanes_message
+
+        w = where(site)
+        self.findings.append(("synccheck", "warp operation after exit",
+                              f"cuda.{name} at {w} in block {list(block)} of launch {self.label!r} ({self.kernel}): "
+                              + exited_lanes_message(name, mask, warp, gone), w, ()))
+
     # -- racecheck
     def _log_race(self, arr, op, flat, m, site):
         from .values import now

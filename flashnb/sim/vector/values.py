@@ -8,17 +8,17 @@ A kernel variable holds, in the threads simulator, one Python or NumPy scalar pe
   **kind** ``k`` of the scalar each lane holds: ``int``, ``float``, ``bool`` for Python scalars (stored as
   int64, float64, bool) or a NumPy scalar type (``np.float32``, ``np.uint32`` ...).
 
-Every operation on a :class:`V` is computed as NumPy computes it on the scalars of that kind, NEP 50 rules
-included: Python ints and floats are *weak* (``np.float32 + 1.5`` is float32), NumPy scalars are not.  The
-result kind of an operation on two kinds is found once by running it on two sample scalars; the operands are
-then converted to the dtype NumPy would convert those scalars to, and one ufunc computes every lane.  Where a
+Every operator on a :class:`V` is computed as :mod:`flashnb.sim.arith` computes it on one thread's scalars
+(numba's typing: ``np.int32 * np.int32`` is an ``np.int64``, ``np.float32 * 1.5`` an ``np.float64``; Python
+numbers on both sides keep Python's rules, with int64 wrapping).  The result kind of an operation on two kinds is
+found once; the operands are then converted to numba's argument types, and one ufunc computes every lane.  Where a
 scalar operation can raise (integer division by zero, ``math.log(0)``, a Python int that does not fit an int32,
 a float exception the NumPy settings turn into a warning or an error ...), the condition is tested on the
 *active* lanes only -- inactive lanes compute garbage that never counts -- and the first active lane (in the
 order the threads simulator starts its threads) that would raise re-runs the scalar operation, so the
 exception or warning is exactly the threads simulator's.  Python ints are int64 here: each :class:`V` of kind
-``int`` carries a bound on its bit length, and an operation that could leave 64 bits is checked exactly
-(:class:`~flashnb.sim.vector.fallback.Unsupported` if it does).
+``int`` carries a bound on its bit length, and an operation that could leave 64 bits is computed exactly per
+lane and wrapped to int64, as numba's int64 arithmetic wraps.
 
 Masks: ``None`` is every lane of the chunk, ``False`` none, else a bool array.
 """
@@ -26,13 +26,15 @@ Masks: ``None`` is every lane of the chunk, ``False`` none, else a bool array.
 from __future__ import annotations
 
 import math
-import operator
 import sys
 import warnings
 
 import numpy as np
 
+from .. import arith
 from .fallback import KernelFault, Unsupported
+
+arith.CALLER_SKIP.add(__file__)
 
 __all__ = ["V", "Mixed", "Partial", "U", "KINDS", "dtype_of", "lift", "scalar_at", "first_lane", "truth",
            "split", "m_and", "m_andnot", "m_or", "merge", "select", "binop", "compare", "cast"]
@@ -283,14 +285,21 @@ def collapse_int(x):
     range bounds, lane operands)."""
     if type(x) is not Mixed:
         return x
-    if not x.kinds <= _INT_KINDS_ALL or np.uint64 in x.kinds:
+    if not x.kinds <= _INT_KINDS_ALL:
         x.fail()
+    for k, v, pm in x.parts:                # uint64 lanes (numba's uint32 + uint32) that an int64 holds
+        if k is np.uint64:
+            va = v.a if type(v) is V else np.array([v], np.uint64)
+            if (va if pm is None or type(v) is not V else va[pm]).max(initial=0) >= np.uint64(1 << 63):
+                x.fail()
     a = np.zeros(now.L, np.int64)
     bits = 0
     for k, v, pm in x.parts:
         va = v.a.astype(np.int64) if type(v) is V else np.int64(int(v))
         if type(v) is V:
             b = v.bits if v.k is int else (1 if v.k in (bool, np.bool_) else 8 * v.a.dtype.itemsize)
+            if b == 64 and v.k is not int:      # numba's int64 results: the bits their lanes hold
+                b = _int_bits_of_array(v.a if pm is None else v.a[pm])
         else:
             b = abs(int(v)).bit_length()
         bits = max(bits, b)
@@ -765,32 +774,152 @@ def _scalar_plan(op):
     return plan
 
 
-def _refuse_huge(name, a, b, m):
-    """Python ints ``a ** b`` or ``a << b``: refused before a lane computes a number of ``b`` bits or more when
-    ``b >= 64`` and the result cannot be 0 or +-1 (it would not fit 64 bits; Python would spend seconds and
-    gigabytes on ``2 << 2**40``)."""
-    xb = b.a if type(b) is V else b
-    xa = a.a if type(a) is V else a
-    with np.errstate(all="ignore"):
-        huge = (xb >= 64) & ((xa != 0) if name == "lshift" else ((xa > 1) | (xa < -1)))
-    if type(huge) is np.ndarray:
-        if m is not None:
-            huge = huge & m
-        huge = huge.any()
-    if huge:
-        raise Unsupported("a Python int over 64 bits")
-
-
 def _pyint_pow_plan(op):
-    """``a ** b`` with Python ints (or bools) on both sides: per lane (an int, or a float for a negative ``b``),
-    refused where the result is over 64 bits."""
+    """``a ** b`` with Python ints (or bools) on both sides: per lane (an int64, wrapped as numba's, or a float
+    for a negative ``b``)."""
     def plan(a, b, m):
-        _refuse_huge("pow", a, b, m)
         return scalarise(op.fn, (a, b), m)
     return plan
 
 
+_CONV: dict = {}        # a uniform integer converted to a numba argument type: (type name, its type, it) -> scalar
+
+
+def _nb_plan(op, ka, kb):
+    """``a op b`` with a NumPy number on at least one side, as :mod:`flashnb.sim.arith` computes it per lane: the
+    operands converted to numba's argument types, one ufunc in those types, numba's result type."""
+    na, nb = arith.name_of(ka), arith.name_of(kb)
+    sig = arith.lookup(op.name, na, nb)
+    if sig is None or op.name == "pow":
+        return _scalar_plan(op)            # per lane: numba's TypeError, or ``**`` (rare) exactly as one lane
+    a1, a2, r = sig
+    d1, d2, dr = np.dtype(arith.NP_TYPES[a1]), np.dtype(arith.NP_TYPES[a2]), np.dtype(arith.NP_TYPES[r])
+    rk = arith.NP_TYPES[r]
+    ufunc = op.ufunc
+    # the scalar operation a lane re-runs to raise its float warning: Python's operator where the threads
+    # simulator runs it in the kernel's frame (arith.FAST), else arith's (whose warnings name arith.py)
+    fn = arith._FN[op.name] if arith.fast(op.name, ka, kb) else op.fn
+    compare = op.compare
+    is_float = dr.kind == "f"
+    int_div = op.div and dr.kind in "iu"
+    shift = op.shift
+    if ka is kb and ka is arith.NP_TYPES[a1] and a1 == a2 and (compare or (is_float and r == a1)):
+        # NumPy numbers of one type that numba keeps (float32 * float32, int32 < int32): one ufunc as it is
+        fast_fn = fn
+
+        def same(a, b, m):
+            res = ufunc(a.a if type(a) is V else a, b.a if type(b) is V else b)
+            if _FPE[0]:
+                if is_float:
+                    _fp_check_binop(fast_fn, a, b, res, m)
+                else:
+                    _FPE[0] = False
+            return V(res, rk)
+        return same
+    bits = dr.itemsize * 8
+
+    def conv(x, k, name, dt):
+        if type(x) is V:
+            xa = x.a
+            return xa if xa.dtype == dt else xa.astype(dt)
+        tx = type(x)
+        if tx is not int and tx not in _NP_INT_KINDS:      # floats: -0.0 == 0.0, NaN != NaN (no cache)
+            return arith.NP_TYPES[name](x) if name == "bool" else arith._to(x, name)
+        key = (name, tx, x)
+        got = _CONV.get(key)
+        if got is None:
+            got = arith.NP_TYPES[name](x) if name == "bool" else arith._to(x, name)
+            if len(_CONV) > 4096:
+                _CONV.clear()
+            _CONV[key] = got
+        return got
+
+    if not shift and not int_div and not compare and not is_float and dr.kind in "iu" and ka is not int \
+            and kb is not int:
+        # NumPy integers on both sides (uint32 + uint32 is a uint64): both in the result type, one ufunc
+        def iarith(a, b, m):
+            if type(a) is V:
+                xa = a.a
+                if xa.dtype != dr:
+                    xa = xa.astype(dr)
+            else:
+                xa = conv(a, ka, r, dr)
+            if type(b) is V:
+                xb = b.a
+                if xb.dtype != dr:
+                    xb = xb.astype(dr)
+            else:
+                xb = conv(b, kb, r, dr)
+            res = ufunc(xa, xb)
+            _FPE[0] = False
+            return V(res, rk)
+        return iarith
+
+    def plan(a, b, m):
+        for x, k in ((a, ka), (b, kb)):
+            if k is int and type(x) is int and not -(1 << 63) <= x < (1 << 63):
+                return scalarise(fn, (a, b), m)          # a uniform Python int only a uint64 holds
+        if shift:
+            xb = conv(b, kb, a2, d2)
+            cnt = xb.astype(np.int64) if type(xb) is np.ndarray and xb.dtype != np.uint64 else xb
+            bad = (cnt < 0) | (cnt >= bits) if type(xb) is np.ndarray and xb.dtype != np.uint64 else (
+                (xb >= bits) if type(xb) is np.ndarray else not 0 <= int(xb) < bits)
+            if type(bad) is np.ndarray:
+                if m is not None:
+                    bad = bad & m
+                if bad.any():
+                    lane = first_lane(bad)
+                    raise KernelFault(arith.shift_error(arith._to_int(scalar_at(b, lane), a2), r), lane)
+            elif bad:
+                lane = first_lane(m)
+                raise KernelFault(arith.shift_error(arith._to_int(scalar_at(b, lane), a2), r), lane)
+            xa = conv(a, ka, r, dr)
+            xb = xb.astype(dr) if type(xb) is np.ndarray else dr.type(int(xb))
+            res = ufunc(xa, xb)
+            _FPE[0] = False
+            return V(res if type(res) is np.ndarray else np.full(now.L, res), rk)
+        if int_div:
+            xa = conv(a, ka, r, dr)
+            xb = conv(b, kb, r, dr)
+            z = xb == 0
+            if type(z) is np.ndarray:
+                if m is not None:
+                    z = z & m
+                if z.any():
+                    raise KernelFault(ZeroDivisionError(arith.ZERO_DIV), first_lane(z))
+            elif z:
+                raise KernelFault(ZeroDivisionError(arith.ZERO_DIV), first_lane(m))
+            res = ufunc(xa, xb)
+            _FPE[0] = False
+            return V(res if type(res) is np.ndarray else np.full(now.L, res), rk)
+        if compare or is_float or dr.kind == "b":
+            xa = conv(a, ka, a1, d1)
+            xb = conv(b, kb, a2, d2)
+        else:                               # integer arithmetic: wraps in the result type
+            xa = conv(a, ka, r, dr)
+            xb = conv(b, kb, r, dr)
+        res = ufunc(xa, xb)
+        if type(res) is not np.ndarray:
+            res = np.full(now.L, res)
+        if compare:
+            return V(res, np.bool_)
+        if is_float:
+            if _FPE[0]:
+                _fp_check_binop(fn, a, b, res, m)
+            if res.dtype != dr:
+                res = res.astype(dr)
+            return V(res, rk)
+        _FPE[0] = False
+        if res.dtype != dr:
+            res = res.astype(dr)
+        return V(res, rk)
+
+    return plan
+
+
 def _build_plan(op, ka, kb):
+    if ka not in _PY_DTYPE or kb not in _PY_DTYPE:
+        return _nb_plan(op, ka, kb)
     sa, sb = _sample(ka), _sample(kb)
     try:
         with np.errstate(all="ignore"), warnings.catch_warnings():
@@ -896,12 +1025,12 @@ def _build_plan(op, ka, kb):
                 except Exception as exc:
                     raise KernelFault(exc, lane) from None
         if shift_py:
-            neg = (xb < 0)
+            neg = (xb < 0) | (xb >= 64)
             if m is not None and type(neg) is np.ndarray:
                 neg = neg & m
             if np.any(neg):
                 lane = first_lane(neg) if type(neg) is np.ndarray else first_lane(m)
-                raise KernelFault(ValueError("negative shift count"), lane)
+                raise KernelFault(arith.shift_error(int(scalar_at(b, lane)), "int64"), lane)
         if int_result:
             bits = _bits_after(op, _int_bits(a, int), _int_bits(b, int), b)
             if bits > 62:
@@ -957,17 +1086,21 @@ def _pyint_plan(op, ufunc):
 
 def _exact_int(op, a, b, m):
     """A Python-int operation that might leave int64: computed exactly per active lane."""
-    if op.name == "lshift":
-        _refuse_huge("lshift", a, b, m)
     res = scalarise(op.fn, (a, b), m)
     if type(res) is V and res.k is int:
         return res
     return res
 
 
+_INT64_LO, _INT64_HI = -(1 << 63), (1 << 63) - 1
+
+
 def _make_binop(op):
     plans = op.plans
     fn = op.fn
+    # uniform Python ints: Python's operator, then numba's int64 wrap (the common loop-index arithmetic)
+    pyint = arith._FN[op.name] if op.name in ("add", "sub", "mul", "and", "or", "xor", "floordiv", "mod") else None
+    fast = arith.FAST[op.name]
 
     def binop(a, b, m):
         ta = type(a)
@@ -976,6 +1109,11 @@ def _make_binop(op):
             if ta is Mixed or tb is Mixed:
                 return _mixed2(binop, a, b, m)
             try:
+                if ta is int and tb is int and pyint is not None:
+                    r = pyint(a, b)
+                    return r if _INT64_LO <= r <= _INT64_HI else arith.wrap(r, "int64")
+                if fast[(ta, tb)]:
+                    return fast_op(a, b)
                 return fn(a, b)
             except Exception as exc:       # every active lane would raise it: the first one does
                 raise KernelFault(exc, first_lane(m)) from None
@@ -991,6 +1129,7 @@ def _make_binop(op):
             plans[key] = plan
         return plan(a, b, m)
 
+    fast_op = arith._FN[op.name]
     binop.__name__ = f"b_{op.name}"
     return binop
 
@@ -1000,24 +1139,24 @@ def _floordiv(a, b):
 
 
 _OPS = {
-    "add": _Op("add", operator.add, np.add),
-    "sub": _Op("sub", operator.sub, np.subtract),
-    "mul": _Op("mul", operator.mul, np.multiply),
-    "truediv": _Op("truediv", operator.truediv, np.true_divide, div=True),
-    "floordiv": _Op("floordiv", operator.floordiv, np.floor_divide, div=True),
-    "mod": _Op("mod", operator.mod, np.remainder, div=True),
-    "pow": _Op("pow", operator.pow, np.power),
-    "lshift": _Op("lshift", operator.lshift, np.left_shift, shift=True),
-    "rshift": _Op("rshift", operator.rshift, np.right_shift, shift=True),
-    "and": _Op("and", operator.and_, np.bitwise_and),
-    "or": _Op("or", operator.or_, np.bitwise_or),
-    "xor": _Op("xor", operator.xor, np.bitwise_xor),
-    "lt": _Op("lt", operator.lt, np.less, compare=True),
-    "le": _Op("le", operator.le, np.less_equal, compare=True),
-    "gt": _Op("gt", operator.gt, np.greater, compare=True),
-    "ge": _Op("ge", operator.ge, np.greater_equal, compare=True),
-    "eq": _Op("eq", operator.eq, np.equal, compare=True),
-    "ne": _Op("ne", operator.ne, np.not_equal, compare=True),
+    "add": _Op("add", arith.BINARY["add"], np.add),
+    "sub": _Op("sub", arith.BINARY["sub"], np.subtract),
+    "mul": _Op("mul", arith.BINARY["mul"], np.multiply),
+    "truediv": _Op("truediv", arith.BINARY["truediv"], np.true_divide, div=True),
+    "floordiv": _Op("floordiv", arith.BINARY["floordiv"], np.floor_divide, div=True),
+    "mod": _Op("mod", arith.BINARY["mod"], np.remainder, div=True),
+    "pow": _Op("pow", arith.BINARY["pow"], np.power),
+    "lshift": _Op("lshift", arith.BINARY["lshift"], np.left_shift, shift=True),
+    "rshift": _Op("rshift", arith.BINARY["rshift"], np.right_shift, shift=True),
+    "and": _Op("and", arith.BINARY["and"], np.bitwise_and),
+    "or": _Op("or", arith.BINARY["or"], np.bitwise_or),
+    "xor": _Op("xor", arith.BINARY["xor"], np.bitwise_xor),
+    "lt": _Op("lt", arith.BINARY["lt"], np.less, compare=True),
+    "le": _Op("le", arith.BINARY["le"], np.less_equal, compare=True),
+    "gt": _Op("gt", arith.BINARY["gt"], np.greater, compare=True),
+    "ge": _Op("ge", arith.BINARY["ge"], np.greater_equal, compare=True),
+    "eq": _Op("eq", arith.BINARY["eq"], np.equal, compare=True),
+    "ne": _Op("ne", arith.BINARY["ne"], np.not_equal, compare=True),
 }
 
 BINOPS = {name: _make_binop(op) for name, op in _OPS.items()}
@@ -1053,45 +1192,57 @@ def contains(a, b, m):
 # --------------------------------------------------------------------------- unary operations
 
 
-def u_neg(x, m):
+def _unary(opname, x, m):
+    """``-x``, ``+x``, ``~x`` per lane as numba types them (:data:`flashnb.sim.arith.UNARY`)."""
+    fn = arith.UNARY[opname]
     if type(x) is Mixed:
-        return _mixed1(u_neg, x, m)
+        return _mixed1(lambda v, mm: _unary(opname, v, mm), x, m)
     if type(x) is not V:
-        return -x
+        try:
+            return fn(x)
+        except Exception as exc:
+            raise KernelFault(exc, first_lane(m)) from None
     k = x.k
     if k is bool:
-        return V(-(x.a.astype(np.int64)), int, 1)
-    if k is np.bool_:
-        return scalarise(operator.neg, (x,), m)     # NumPy refuses -bool: the same TypeError
-    r = np.negative(x.a)
-    if _FPE[0]:
-        _FPE[0] = False
-    return V(r, k, x.bits)
+        if opname == "invert":
+            return V(~x.a, bool)
+        a = x.a.astype(np.int64)
+        return V(-a if opname == "neg" else a, int, 1)
+    if k is int:
+        if opname == "pos":
+            return x
+        return V(np.negative(x.a) if opname == "neg" else np.invert(x.a), int, x.bits + 1 if x.bits < 64 else 64)
+    if k is float:
+        if opname == "invert":
+            return scalarise(fn, (x,), m)
+        return V(np.negative(x.a), float) if opname == "neg" else x
+    sig = arith.lookup_unary(opname, arith.name_of(k)) if k in arith._NAME else None
+    if sig is None:
+        return scalarise(fn, (x,), m)           # numba's TypeError, lane by lane
+    a, r = sig
+    dr = np.dtype(arith.NP_TYPES[r])
+    if r == "bool":
+        return V(~x.a.astype(bool), np.bool_)
+    xa = x.a
+    if xa.dtype.kind == "b":
+        xa = xa.astype(dr)
+    res = xa if opname == "pos" else (np.negative(xa) if opname == "neg" else np.invert(xa))   # in x's type
+    if res.dtype != dr:
+        res = res.astype(dr)                                                                      # then widened
+    _FPE[0] = False
+    return V(res, arith.NP_TYPES[r])
+
+
+def u_neg(x, m):
+    return _unary("neg", x, m)
 
 
 def u_pos(x, m):
-    if type(x) is Mixed:
-        return _mixed1(u_pos, x, m)
-    if type(x) is not V:
-        return +x
-    if x.k is bool:
-        return V(x.a.astype(np.int64), int, 1)
-    if x.k is np.bool_:
-        return scalarise(operator.pos, (x,), m)     # NumPy refuses +bool: the same TypeError
-    return x
+    return _unary("pos", x, m)
 
 
 def u_invert(x, m):
-    if type(x) is Mixed:
-        return _mixed1(u_invert, x, m)
-    if type(x) is not V:
-        return ~x
-    k = x.k
-    if k is bool:
-        return V(~(x.a.astype(np.int64)), int, 2)
-    if k is float or k in _FLOAT_KINDS:
-        return scalarise(operator.invert, (x,), m)
-    return V(np.invert(x.a), k, None if k is not int else x.bits + 1)
+    return _unary("invert", x, m)
 
 
 def u_not(x, m):
@@ -1112,6 +1263,8 @@ def _cast_plan_check(x, target, m, via=None):
     dt = np.dtype(target)
     a = x.a
     if k in (int, bool) and dt.kind in "iu":
+        if via is not None:
+            return V(a.astype(dt), target)          # numba's integer cast wraps (a GPU's truncation)
         if k is int and dt != np.int64:
             _check_int_range(a, dt, m, k)
         elif k is int and dt == np.int64 and x.bits > 63:
@@ -1240,11 +1393,27 @@ def _numba_target(t):
 
 
 _numba_targets: dict = {}
+_FMAX = {np.float16: 65504.0, np.float32: 3.4028234663852886e38, np.float64: 1.7976931348623157e308}
 
 
 def cast(t, x, m):
     """``t(x)`` for ``t`` a numba number type, a NumPy scalar type, or int/float/bool (None if ``t`` is none of
     them)."""
+    target = _numba_targets.get(id(t))
+    if target is not None and target is not bool:       # a numba type seen before (no hashing of numba types)
+        tx = type(x)
+        if tx is V:
+            if x.k is target:
+                return x                                # float32(x) of a float32: the very value
+            return cast_np(target, x, m, t)
+        if tx is target:
+            return x
+        if target in _FLOAT_KINDS:
+            if (tx is float or tx is int or tx in _FLOAT_KINDS) and -_FMAX[target] < x < _FMAX[target]:
+                return target(x)                        # numba's cast of one finite number in range: NumPy's
+        elif tx is int or tx is bool or tx in _NP_INT_KINDS:
+            return arith.cast_int_python(target, x)     # numba's integer cast wraps
+        return cast_np(target, x, m, t)
     if t is int:
         return cast_int(x, m)
     if t is float:
@@ -1349,8 +1518,12 @@ def math_call(fn, args, m):
     if len(args) != 1 or type(args[0]) is not V:
         if any(is_lanes(a) for a in args):
             return scalarise(fn, args, m)
+        if len(args) == 1 and type(args[0]) is np.float32 and fn in arith.MATH_F32:
+            return arith.math_call(fn, args[0])
         return fn(*args)
     x = args[0]
+    if x.k is np.float32 and fn in arith.MATH_F32:     # numba types math.fn(float32) as a float32
+        return V(np.abs(x.a), np.float32) if fn is math.fabs else f32_math(np.float32, fn, args, m)
     if fn in _BOOL_MATH:
         if x.k is int and x.bits > 62:
             return scalarise(fn, args, m)
@@ -1465,9 +1638,11 @@ def _exact_math_f32(inner, xf, idx):
 
 def cast_target(t):
     """The NumPy scalar type ``t(x)`` casts to (``t`` a numba or NumPy number type), else None."""
-    if t in _NP_KINDS:
-        return t
+    target = _numba_targets.get(id(t))          # a numba type seen before: no hashing of numba types
+    if target is not None:
+        return target if target in _NP_KINDS else None
     if isinstance(t, type):
-        return None
+        return t if t in _NP_KINDS else None
     target = _numba_target(t)
+    _numba_targets[id(t)] = target
     return target if target in _NP_KINDS else None

@@ -183,12 +183,12 @@ def _check_predicate(name, p, m):
                           first_lane(m))
 
 
-def _rounds(name, mv, m, g):
+def _rounds(name, mv, m, g, site=None):
     """The warp rounds of a warp operation: every named, live lane of each calling warp must be active here with
     the same mask (else the lanes diverge: the threads simulator must run it).  Returns the per-lane mask
     (int64 array) of the lanes each lane's round has."""
     L = g.L
-    _strict_exited(name, mv, m, g)
+    _strict_exited(name, mv, m, g, site)
     if m is None and type(mv) is not np.ndarray and mv == FULL_MASK and not g.any_exit and g.T % 32 == 0:
         return mv                                   # every lane of every warp is here, with the full mask
     if type(mv) is not np.ndarray and mv == FULL_MASK and g.T % 32 == 0:
@@ -230,26 +230,34 @@ def _rounds(name, mv, m, g):
     return masks
 
 
-def _strict_exited(name, mv, m, g):
-    """``flashnb.sim.fastbarrier.STRICT_EXITED_LANES``: a mask naming a lane that has returned fails the launch,
-    with the threads simulator's message (warp by warp in block order)."""
+def _strict_exited(name, mv, m, g, site=None):
+    """A mask naming a lane that has returned (``flashnb.sim.fastbarrier.STRICT_EXITED_LANES``, the default):
+    synccheck's finding when the sanitizer runs it, else the launch fails with the threads simulator's message
+    (warp by warp in block order)."""
     from .. import fastbarrier
 
-    if not fastbarrier.STRICT_EXITED_LANES or not g.any_exit:
+    T = tools.cur
+    if not g.any_exit or not (fastbarrier.STRICT_EXITED_LANES or T.sync):
         return
     active = np.ones(g.L, bool) if m is None else m
     masks = mv if type(mv) is np.ndarray else np.full(g.L, mv, np.int64)
     lane = g.lane_in_warp
+    seen = set()
     for first in lanes_in_order(active & (lane == lane)):
-        base = g.warp_base[first]
+        base = int(g.warp_base[first])
         M = int(masks[first])
+        if (base, M) in seen:
+            continue
+        seen.add((base, M))
         n = int(g.exists_in_warp[first])
         gone = [j for j in range(n) if (M >> j) & 1 and g.exited[base + j]]
-        if gone:
-            raise KernelFault(RuntimeError(
-                f"{name}(mask={M:#010x}) in warp {int(g.tid[first]) // 32}: lanes {gone} named in the mask had "
-                "already returned (STRICT_EXITED_LANES; CUDA only waits for non-exited lanes and values read "
-                "from them are undefined)"), int(first), raw=True)
+        if not gone:
+            continue
+        warp = int(g.tid[first]) // 32
+        if T.sync:
+            T.warp_after_exit(site, name, M, g.blocks[int(g.blk[first])], warp, gone)
+            continue
+        raise KernelFault(RuntimeError(fastbarrier.exited_lanes_message(name, M, warp, gone)), int(first), raw=True)
 
 
 def _diverged(name, M):
@@ -292,7 +300,9 @@ _ORDER_DEPENDENT = {"add", "sub", "exch", "inc", "dec", "max", "min", "nanmax", 
 
 
 def _sim_atomic(op):
-    from numba.cuda.simulator.kernelapi import FakeCUDAAtomic
+    from .._numba_adapter import sim
+
+    FakeCUDAAtomic = sim("kernelapi", "FakeCUDAAtomic")
     return getattr(FakeCUDAAtomic, op)
 
 
@@ -307,7 +317,7 @@ def apply_deferred(entries):
         flats = np.concatenate([e[3] for e in group])
         vals = np.concatenate([e[4] for e in group])
         keys = np.concatenate([e[5] for e in group], axis=1)   # (block, phase, rank, seq) rows
-        order = np.lexsort(keys[::-1])
+        order = _order(keys)
         flats, vals = flats[order], vals[order]
         if op == "add":
             np.add.at(base, flats, vals)
@@ -315,6 +325,25 @@ def apply_deferred(entries):
             np.subtract.at(base, flats, vals)
         else:   # pragma: no cover
             raise AssertionError(op)
+
+
+_I32 = 1 << 31
+
+
+def _order(keys):
+    """The order of the rows' lexicographic keys (first row most significant): one stable argsort of the keys
+    packed into an int64 when their ranges fit 63 bits (they do for every launch of a chunk), else a lexsort."""
+    lo = keys.min(axis=1)
+    span = keys.max(axis=1) - lo
+    bits = [int(s).bit_length() for s in span.tolist()]
+    if sum(bits) > 63:
+        return np.lexsort(keys[::-1])
+    packed = np.zeros(keys.shape[1], np.int64)
+    for row, b, low in zip(keys, bits, lo.tolist()):
+        if b:
+            packed <<= b
+            packed |= row.astype(np.int64) - low
+    return np.argsort(packed, kind="stable")
 
 
 class _Atomic:
@@ -347,13 +376,14 @@ class _Atomic:
         if op in ("add", "sub") and not used and dt.kind == "f":
             v = vals[0]
             k = v.k if type(v) is V else type(v)
-            rk = type(BINOPS["add" if op == "add" else "sub"](dt.type(1), _sample_of(k), None)) if k in KINDS \
-                else None
+            rk = _np_result(op, dt, k)
             if rk is dt.type:
                 vv = _convert(v, dt, m)
                 va = vv[lanes] if type(vv) is np.ndarray else np.full(len(lanes), vv, dt)
                 keys = np.stack([g.block_lin[lanes], g.phase[g.blk[lanes]], g.rank_of[lanes],
                                  np.full(len(lanes), T.seq, np.int64)])
+                if T.seq < _I32 and keys.size and keys.max() < _I32:
+                    keys = keys.astype(np.int32)          # 16 bytes an atomic, until its chunk ends
                 T.seq += 1
                 T.defer_atomic((array.root, base, op, flat, va, keys))
                 return None
@@ -362,7 +392,7 @@ class _Atomic:
         if op in ("add", "sub", "and_", "or_", "xor") and not used and dt.kind in "iu":
             v = vals[0]
             k = v.k if type(v) is V else type(v)
-            rk = type(BINOPS["add"](dt.type(1), _sample_of(k), None)) if k in KINDS else None
+            rk = _np_result("add", dt, k)
             if rk is dt.type:
                 vv = _convert(v, dt, m)
                 va = vv[lanes] if type(vv) is np.ndarray else np.full(len(lanes), vv, dt)
@@ -416,6 +446,19 @@ class _Atomic:
         return _sim_atomic("compare_and_swap")(None, array, old, val)
 
     compare_and_swap._atomic = True
+
+
+def _np_result(op, dt, k):
+    """The type of ``array[i] op= value`` on the threads simulator (its atomics are NumPy's in-place operators,
+    NumPy's scalar rules), or None when ``k`` is not a number kind."""
+    if k not in KINDS:
+        return None
+    with np.errstate(all="ignore"):
+        try:
+            x = dt.type(1)
+            return type(x - _sample_of(k) if op == "sub" else x + _sample_of(k))
+        except Exception:
+            return None
 
 
 def _sample_of(k):
@@ -524,7 +567,9 @@ class _Fp16:
     """``cuda.fp16``: the simulator's definitions (a + b, ...), per lane."""
 
     def __init__(self):
-        from numba.cuda.simulator.kernelapi import FakeCUDAFp16
+        from .._numba_adapter import sim
+
+        FakeCUDAFp16 = sim("kernelapi", "FakeCUDAFp16")
         self._sim = FakeCUDAFp16()
 
     def __getattr__(self, name):
@@ -549,7 +594,9 @@ class VectorCuda:
     warpsize = 32
 
     def __init__(self, grid, block, dynshared, shared_name):
-        from numba.cuda.simulator.kernelapi import Dim3 as SimDim3
+        from .._numba_adapter import sim
+
+        SimDim3 = sim("kernelapi", "Dim3")
 
         self.gridDim = SimDim3(*grid)
         self.blockDim = SimDim3(*block)
@@ -646,13 +693,13 @@ class VectorCuda:
     def syncwarp(self, m, site, mask=FULL_MASK):
         g = self.geo
         mv = _check_mask_lanes("syncwarp", mask, m, g)
-        _rounds("syncwarp", mv, m, g)
+        _rounds("syncwarp", mv, m, g, site)
         if m is None:
             g.wphase += 1
         else:
             g.wphase[m] += 1
 
-    def _shuffle(self, name, mode, m, mask, value, operand):
+    def _shuffle(self, name, mode, m, mask, value, operand, site=None):
         g = self.geo
         mask, operand = collapse_int(mask), collapse_int(operand)
         if type(value) is Mixed:
@@ -660,7 +707,7 @@ class VectorCuda:
         mv = _check_mask_lanes(name, mask, m, g)
         _check_value(name, value, m)
         _check_operand(name, operand, m)
-        masks = _rounds(name, mv, m, g)
+        masks = _rounds(name, mv, m, g, site)
         lane = g.lane_in_warp
         b = (operand.a.astype(np.int64) if type(operand) is V else int(operand)) & 31
         if mode == "idx":
@@ -690,19 +737,19 @@ class VectorCuda:
 
     @lane_aware
     def shfl_sync(self, m, site, mask, value, src_lane):
-        return self._shuffle("shfl_sync", "idx", m, mask, value, src_lane)
+        return self._shuffle("shfl_sync", "idx", m, mask, value, src_lane, site)
 
     @lane_aware
     def shfl_up_sync(self, m, site, mask, value, delta):
-        return self._shuffle("shfl_up_sync", "up", m, mask, value, delta)
+        return self._shuffle("shfl_up_sync", "up", m, mask, value, delta, site)
 
     @lane_aware
     def shfl_down_sync(self, m, site, mask, value, delta):
-        return self._shuffle("shfl_down_sync", "down", m, mask, value, delta)
+        return self._shuffle("shfl_down_sync", "down", m, mask, value, delta, site)
 
     @lane_aware
     def shfl_xor_sync(self, m, site, mask, value, lane_mask):
-        return self._shuffle("shfl_xor_sync", "bfly", m, mask, value, lane_mask)
+        return self._shuffle("shfl_xor_sync", "bfly", m, mask, value, lane_mask, site)
 
     def _round_bits(self, g, masks, pred_bits, m):
         """Per lane: OR over the lanes of its round (its warp, its mask) of ``pred_bits``."""
@@ -717,11 +764,11 @@ class VectorCuda:
             out = np.where(sel, acc[g.warp_base], out)
         return out
 
-    def _vote(self, name, m, mask, predicate):
+    def _vote(self, name, m, mask, predicate, site=None):
         g = self.geo
         mv = _check_mask_lanes(name, mask, m, g)
         _check_predicate(name, predicate, m)
-        masks = _rounds(name, mv, m, g)
+        masks = _rounds(name, mv, m, g, site)
         t = truth(predicate)
         t = np.full(g.L, t) if type(t) is bool else t
         bit = np.left_shift(np.int64(1), g.lane_in_warp)
@@ -731,29 +778,29 @@ class VectorCuda:
 
     @lane_aware
     def ballot_sync(self, m, site, mask, predicate):
-        yes, _ = self._vote("ballot_sync", m, mask, predicate)
+        yes, _ = self._vote("ballot_sync", m, mask, predicate, site)
         return V(_int32(yes), int, 32)
 
     @lane_aware
     def all_sync(self, m, site, mask, predicate):
-        yes, member = self._vote("all_sync", m, mask, predicate)
+        yes, member = self._vote("all_sync", m, mask, predicate, site)
         return V(yes == member, bool)
 
     @lane_aware
     def any_sync(self, m, site, mask, predicate):
-        yes, _ = self._vote("any_sync", m, mask, predicate)
+        yes, _ = self._vote("any_sync", m, mask, predicate, site)
         return V(yes != 0, bool)
 
     @lane_aware
     def eq_sync(self, m, site, mask, predicate):
-        yes, member = self._vote("eq_sync", m, mask, predicate)
+        yes, member = self._vote("eq_sync", m, mask, predicate, site)
         return V((yes == member) | (yes == 0), bool)
 
-    def _match(self, name, m, mask, value):
+    def _match(self, name, m, mask, value, site=None):
         g = self.geo
         mv = _check_mask_lanes(name, mask, m, g)
         _check_value(name, value, m)
-        masks = _rounds(name, mv, m, g)
+        masks = _rounds(name, mv, m, g, site)
         if type(masks) is not np.ndarray:
             masks = np.full(g.L, masks, np.int64)
         k = value.k if type(value) is V else type(value)
@@ -776,12 +823,12 @@ class VectorCuda:
 
     @lane_aware
     def match_any_sync(self, m, site, mask, value):
-        out, _ = self._match("match_any_sync", m, mask, value)
+        out, _ = self._match("match_any_sync", m, mask, value, site)
         return V(_int32(out), int, 32)
 
     @lane_aware
     def match_all_sync(self, m, site, mask, value):
-        out, member = self._match("match_all_sync", m, mask, value)
+        out, member = self._match("match_all_sync", m, mask, value, site)
         same = out == member
         masks = _check_mask_lanes("match_all_sync", mask, m, self.geo)
         mm = masks if type(masks) is np.ndarray else np.full(self.geo.L, masks, np.int64)
@@ -829,7 +876,9 @@ class VectorCuda:
     def _sim_fn(name):
         @lane_aware
         def f(self, m, site, *args):
-            from numba.cuda.simulator.kernelapi import FakeCUDAModule
+            from .._numba_adapter import sim
+
+            FakeCUDAModule = sim("kernelapi", "FakeCUDAModule")
 
             fn = getattr(FakeCUDAModule, name)
             if not any(is_lanes(a) for a in args):
