@@ -113,11 +113,13 @@ def command(argv: list[str], *, scratch_mib: float, hide=(), env_tag: str | None
     """``argv`` wrapped in a bubblewrap sandbox (see the module's docstring); ``hide``: folders that must not be
     visible inside even where they lie in a bound folder (the bundle, the submissions, the output)."""
     exe = _bwrap() or "bwrap"
-    args = [exe, "--tmpfs", "/"]
+    # the private scratch first: a folder bound below comes on top of it, so a Python installation or flashnb that
+    # lies under /tmp (a checkout or a virtual environment made there) stays visible, read-only, inside
+    args = [exe, "--tmpfs", "/", "--perms", "01777", "--size", str(int(scratch_mib * (1 << 20))), "--tmpfs", SCRATCH]
     binds = [p for kind, p in _system_paths() if kind == "bind"] + _python_paths()
     # drop a bound folder inside another bound one (mounted once, by the outer)
     binds = sorted({p for p in binds if not any(q != p and q in p.parents for q in binds)}, key=lambda p: len(p.parts))
-    made: set[Path] = set()
+    made: set[Path] = {Path(SCRATCH)}
     for p in binds:
         for parent in reversed(p.parents):       # the folders above it, readable by the sandbox's account
             if parent != Path("/") and parent not in made:
@@ -133,7 +135,6 @@ def command(argv: list[str], *, scratch_mib: float, hide=(), env_tag: str | None
         if any(b == h or b in h.parents for b in binds):
             args += ["--tmpfs", str(h)]           # inside a bound folder: covered by an empty one
     args += ["--proc", "/proc", "--dev", "/dev",
-             "--perms", "01777", "--size", str(int(scratch_mib * (1 << 20))), "--tmpfs", SCRATCH,
              "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
              "--die-with-parent", "--new-session", "--chdir", SCRATCH]
     if _privileged():

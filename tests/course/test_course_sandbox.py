@@ -194,3 +194,30 @@ def test_a_folder_where_a_feedback_file_goes_costs_only_that_file(tmp_path):
     assert "autograded: 1/1" in (tmp_path / "out" / "feedback" / "joe.txt").read_text()
     assert any("jane: the feedback file" in ln and "could not be written" in ln for ln in lines), lines
     assert not list((tmp_path / "out").rglob("*.tmp"))
+
+
+def test_a_python_under_tmp_stays_visible_over_the_private_scratch(tmp_path, monkeypatch):
+    """A checkout or virtual environment under /tmp (where the private scratch is mounted) is bound on top of the
+    scratch, read-only: a file of it is readable inside, and writing to it is refused."""
+    outside = Path(sandbox.SCRATCH) / f"flashnb-sandbox-test-{os.getpid()}"
+    outside.mkdir(exist_ok=True)
+    try:
+        (outside / "marker.txt").write_text("seen")
+        paths = sandbox._python_paths()
+        monkeypatch.setattr(sandbox, "_python_paths", lambda: paths + [outside])   # as a venv made under /tmp
+        argv = sandbox.command([sys.executable, "-I", "-c", f"""
+print(open({str(outside / 'marker.txt')!r}).read())
+try:
+    open({str(outside / 'new.txt')!r}, 'w')
+    print('writable')
+except OSError:
+    print('read-only')
+"""], scratch_mib=4)
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                           env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == ["seen", "read-only"], r.stdout
+    finally:
+        for f in outside.iterdir():
+            f.unlink()
+        outside.rmdir()
