@@ -48,6 +48,8 @@ import math
 import sys
 from dataclasses import dataclass
 
+from .screen import _chain, _is_cuda_jit, _targets
+
 __all__ = ["Finding", "check", "BUILTINS", "IMPORTS", "CUDA_DEVICE", "HOST_HELPER_NAMES", "classify", "setup_names"]
 
 #: builtins an answer may call (pure: numbers, ranges, tuples)
@@ -189,31 +191,6 @@ def _env() -> dict:
 
 
 # --------------------------------------------------------------------------- the checker
-
-
-def _targets(node) -> list[str]:
-    if isinstance(node, ast.Name):
-        return [node.id]
-    if isinstance(node, (ast.Tuple, ast.List)):
-        return [n for e in node.elts for n in _targets(e)]
-    if isinstance(node, ast.Starred):
-        return _targets(node.value)
-    return []
-
-
-def _chain(node) -> list[str]:
-    out = []
-    while isinstance(node, ast.Attribute):
-        out.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        return [node.id] + out[::-1]
-    return []
-
-
-def _is_cuda_jit(dec) -> bool:
-    target = dec.func if isinstance(dec, ast.Call) else dec
-    return _chain(target) in (["cuda", "jit"], ["jit"])
 
 
 class _Scope:
