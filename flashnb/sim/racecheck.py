@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -88,7 +89,9 @@ class RaceReport:
                          + [f"  {r}" for r in self.races])
 
 
-_SKIP = {traffic.__file__, __file__}   # the proxy's and this module's frames are not the kernel's
+# the proxy's, this module's and the adapter's (numba's atomics, wrapped to convert their value) frames are not
+# the kernel's
+_SKIP = {traffic.__file__, __file__, str(Path(__file__).with_name("_numba_adapter.py"))}
 
 
 #: Per-thread attribution set by an instruction's simulator twin (:mod:`flashnb.sim.tensorcore`) while it makes
