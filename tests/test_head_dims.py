@@ -13,7 +13,7 @@ IMPLS = [("naive", ["float32"]), ("onepass", ["float32"]), ("fa1", ["float32"]),
          ("fa2-rows", ["float32"]), ("fa2-splitq", ["float32"]), ("fa2-sparse", ["float32"]),
          ("fa2-fast", ["float32"]), ("flash-decoding", ["float32"]),
          ("flash", ["float32", "float16", "bfloat16"])]
-CI, EXHAUSTIVE = sweep.cases(IMPLS, boundary_k=8, other_k=2)
+CI, EXHAUSTIVE = sweep.cases(IMPLS, boundary_k=6, other_k=1)
 
 
 def test_every_cuda_core_impl_is_swept():

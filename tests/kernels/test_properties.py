@@ -19,7 +19,7 @@ from flashnb import flex, reference
 
 pytestmark = pytest.mark.skipif(flashnb.MODE != "sim", reason="simulator checks")
 
-EXAMPLES = int(os.environ.get("FLASHNB_HYPOTHESIS_EXAMPLES", "8"))
+EXAMPLES = int(os.environ.get("FLASHNB_HYPOTHESIS_EXAMPLES", "6"))
 CI = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 SLOW = settings(CI, max_examples=20 * EXAMPLES)
