@@ -128,15 +128,14 @@ def _is_array(v) -> bool:
         hasattr(v, "copy_to_host") and hasattr(v, "shape"))
 
 
-def captured_arrays(kernel, seen=None) -> list[str]:
-    """The arrays a kernel (and the device functions it calls) reads that are not its arguments: values it closes
-    over or globals it names.  The traffic counter counts the arguments' traffic only, so a kernel that copied a
-    captured array (an answer computed on the host) into its outputs would move no counted bytes."""
-    seen = set() if seen is None else seen
+def _references(kernel, seen: set, nested: bool):
+    """``(fn, [(name, value)])``: what a kernel or device function ``kernel`` refers to besides its arguments -- the
+    values its closure holds and the globals its code names (``nested``: its inner code objects' names too, sorted)
+    -- or ``(None, [])`` when it is not Python code or was already visited (``seen``, updated)."""
     fn = getattr(kernel, "py_func", kernel)
     code = getattr(fn, "__code__", None)
     if code is None or id(fn) in seen:
-        return []
+        return None, []
     seen.add(id(fn))
     values = []
     for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
@@ -144,13 +143,25 @@ def captured_arrays(kernel, seen=None) -> list[str]:
             values.append((name, cell.cell_contents))
         except ValueError:          # an empty cell
             pass
-    names, stack = set(), [code]
-    while stack:
-        c = stack.pop()
-        names.update(c.co_names)
-        stack.extend(k for k in c.co_consts if hasattr(k, "co_names"))
+    if nested:
+        names, stack = set(), [code]
+        while stack:
+            c = stack.pop()
+            names.update(c.co_names)
+            stack.extend(k for k in c.co_consts if hasattr(k, "co_names"))
+        names = sorted(names)
+    else:
+        names = code.co_names
     g = getattr(fn, "__globals__", {})
-    values += [(n, g[n]) for n in sorted(names) if n in g]
+    return fn, values + [(n, g[n]) for n in names if n in g]
+
+
+def captured_arrays(kernel, seen=None) -> list[str]:
+    """The arrays a kernel (and the device functions it calls) reads that are not its arguments: values it closes
+    over or globals it names.  The traffic counter counts the arguments' traffic only, so a kernel that copied a
+    captured array (an answer computed on the host) into its outputs would move no counted bytes."""
+    seen = set() if seen is None else seen
+    fn, values = _references(kernel, seen, nested=True)
     out = []
     for name, v in values:
         if _is_array(v):
@@ -166,21 +177,9 @@ def python_calls(kernel, seen=None) -> list[str]:
     import types
 
     seen = set() if seen is None else seen
-    fn = getattr(kernel, "py_func", kernel)
-    code = getattr(fn, "__code__", None)
-    if code is None or id(fn) in seen:
-        return []
-    seen.add(id(fn))
-    values = []
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            values.append(cell.cell_contents)
-        except ValueError:
-            pass
-    g = getattr(fn, "__globals__", {})
-    values += [g[n] for n in code.co_names if n in g]
+    _, values = _references(kernel, seen, nested=False)
     out = []
-    for v in values:
+    for _, v in values:
         if isinstance(v, types.FunctionType) and v.__code__.co_filename.startswith(("<answer cell", "<your ")):
             out.append(v.__name__)
         elif hasattr(v, "py_func"):

@@ -48,7 +48,7 @@ import math
 import sys
 from dataclasses import dataclass
 
-from .screen import _chain, _is_cuda_jit, _targets
+from .screen import _chain, _is_cuda_jit, _targets, parse_cells
 
 __all__ = ["Finding", "check", "BUILTINS", "IMPORTS", "CUDA_DEVICE", "HOST_HELPER_NAMES", "classify", "setup_names"]
 
@@ -803,12 +803,7 @@ def check(cells: list[str], setup: str = "") -> tuple[list[Finding], list[str], 
     with every top-level statement that is not a definition blanked -- what the grader runs --, and the (cell,
     line) of each statement blanked).  A cell that does not parse is returned as it is (the grader reports the
     SyntaxError)."""
-    trees = []
-    for src in cells:
-        try:
-            trees.append(ast.parse(src))
-        except SyntaxError:
-            trees.append(None)
+    trees = parse_cells(cells)
     module = _module_bindings([t for t in trees if t is not None])
     findings: list[Finding] = []
     out, dropped = [], []

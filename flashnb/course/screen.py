@@ -500,16 +500,22 @@ def _module_bindings(trees) -> tuple[set, set, set, set]:
     return scope.bound, scope.foreign, jit, defs
 
 
-def screen(cells: list[str]) -> list[Finding]:
-    """Screen the sources of a submission's answer cells (in notebook order, with ``%``/``!`` lines already
-    dropped); returns what it refuses, empty when the submission may run.  A cell that does not parse is left
-    to the grader (it reports the SyntaxError)."""
+def parse_cells(cells: list[str]) -> list:
+    """Each cell's AST, or None for a cell that does not parse (the grader reports its SyntaxError)."""
     trees = []
     for src in cells:
         try:
             trees.append(ast.parse(src))
         except SyntaxError:
             trees.append(None)
+    return trees
+
+
+def screen(cells: list[str]) -> list[Finding]:
+    """Screen the sources of a submission's answer cells (in notebook order, with ``%``/``!`` lines already
+    dropped); returns what it refuses, empty when the submission may run.  A cell that does not parse is left
+    to the grader (it reports the SyntaxError)."""
+    trees = parse_cells(cells)
     bound, foreign, jit, defs = _module_bindings([t for t in trees if t is not None])
     findings: list[Finding] = []
     for i, (src, tree) in enumerate(zip(cells, trees), 1):
