@@ -23,7 +23,9 @@
 #
 # This notebook trains the same small character-level decoder twice from the same seed — once with SDPA,
 # once with flashnb's FA2 on the simulator — and compares the loss curves, counts the attention traffic of
-# one training step, and samples text. PyTorch is an optional extra: `pip install "flashnb[torch]"`.
+# one training step, and samples text. Then the same kernels inside `torch.compile(fullgraph=True)`, under
+# PyTorch's `opcheck`, and as the attention of a Hugging Face transformers model. PyTorch is an optional extra:
+# `pip install "flashnb[torch]"` (and `"flashnb[transformers]"` for the last part).
 
 # %%
 import inspect
@@ -266,6 +268,97 @@ print("fa2-trained model:         ", repr(vocab.decode(gen_fa2)))
 print("fa2-trained, fa2 decoding: ", repr(vocab.decode(gen_fa2_on_fa2)))
 assert torch.equal(gen_fa2_on_fa2, gen_fa2[:len(gen_fa2_on_fa2)])
 print(f"identical text from both models: {torch.equal(gen_sdpa, gen_fa2)}")
+
+# %% [markdown]
+# ## In a compiled graph, and in Hugging Face transformers
+#
+# Underneath `ft.attention` are two custom operators, `torch.ops.flashnb.attention_forward` and
+# `attention_backward` (`torch.library.custom_op`, each with a *fake* implementation that only says the shapes and
+# dtypes of its outputs). To `torch.compile` and `torch.export` flashnb is therefore one opaque node per direction:
+# the graph around it is traced and optimised, the kernel itself is called as it is. `fullgraph=True` asks for the
+# whole function as one graph: it fails if anything in it forces a break back to Python.
+# (`backend="aot_eager"` traces forward and backward graphs as inductor would, then runs them eagerly, so this
+# cell spends no time compiling PyTorch's own small ops into C++; the default backend sees the same graph.)
+
+# %%
+print(torch.ops.flashnb.attention_forward.default._schema)
+qc, kc, vc = (torch.randn(1, 2, 24, 8, generator=torch.Generator().manual_seed(s), requires_grad=True)
+              for s in (1, 2, 3))
+
+
+def head_loss(q, k, v):          # attention inside other ops: one graph, flashnb an opaque node in it
+    return (ft.attention(q, k, v, causal=True, **TILES) * 0.5).tanh().sum()
+
+
+loss_eager = head_loss(qc, kc, vc)
+grads_eager = torch.autograd.grad(loss_eager, (qc, kc, vc))
+compiled = torch.compile(head_loss, fullgraph=True, backend="aot_eager")
+loss_compiled = compiled(qc, kc, vc)
+grads_compiled = torch.autograd.grad(loss_compiled, (qc, kc, vc))
+# the compiled graph calls the same kernels on the same inputs: equal to the bit, not merely close
+print(f"eager {loss_eager.item():.7f}, compiled {loss_compiled.item():.7f};",
+      "gradients identical:", all(torch.equal(a, b) for a, b in zip(grads_eager, grads_compiled)))
+assert torch.equal(loss_eager, loss_compiled)
+assert all(torch.equal(a, b) for a, b in zip(grads_eager, grads_compiled))
+
+# %% [markdown]
+# `torch.library.opcheck` is PyTorch's own test of a custom operator: it runs the operator against its fake
+# implementation, checks the schema (no input mutated that the schema does not declare), and checks the
+# registration for autograd and for `torch.compile`'s fake tensors. It raises on the first problem; silence is a
+# pass. The last argument carries tile options as a string (Python values cross the operator boundary encoded).
+
+# %%
+from flashnb.pytorch import ops  # noqa: E402
+
+args = (qc.detach(), kc.detach(), vc.detach(), None, "lower_right", None, 0.0, "fa2", ops.encode_options(TILES))
+torch.library.opcheck(torch.ops.flashnb.attention_forward.default, args)
+o_op, lse_op = torch.ops.flashnb.attention_forward(*args)
+torch.library.opcheck(torch.ops.flashnb.attention_backward.default,
+                      (torch.ones_like(o_op), *args[:3], o_op, lse_op, *args[3:]))
+print("opcheck passed for attention_forward and attention_backward; outputs", tuple(o_op.shape),
+      "and the log-sum-exp", tuple(lse_op.shape))
+
+# %% [markdown]
+# **In transformers.** `register_transformers()` adds flashnb to transformers' `AttentionInterface` under a name
+# (`"fnb"`: transformers reserves names containing "flash" for its own FlashAttention loaders); any model that
+# takes `attn_implementation` then runs its attention on flashnb's kernels. A one-layer Llama with
+# grouped-query attention (4 query heads sharing 2 K/V heads), random weights, nothing downloaded; the same
+# weights with transformers' SDPA give the reference logits:
+
+# %%
+import copy  # noqa: E402
+import importlib.util  # noqa: E402
+
+
+def llama_on_flashnb(name):
+    """A one-layer Llama run with attention ``name`` and with SDPA, same weights: (logits error, launches)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    # a model keeps its config object and writes its attention choice into it: one config each
+    llama_fnb = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation=name).eval()
+    llama_sdpa = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
+    llama_sdpa.load_state_dict(llama_fnb.state_dict())
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), traffic.count() as t_llama:
+        logits_fnb = llama_fnb(input_ids=ids).logits
+    with torch.no_grad():
+        logits_sdpa = llama_sdpa(input_ids=ids).logits
+    assert llama_fnb.config._attn_implementation == name
+    return (logits_fnb - logits_sdpa).abs().max().item(), [x["launch"] for x in t_llama.summary()]
+
+
+if importlib.util.find_spec("transformers") is None:
+    print('transformers is not installed here: pip install "flashnb[transformers]" to run this cell')
+else:
+    name = ft.register_transformers(**TILES)
+    err, launches = llama_on_flashnb(name)
+    print(f"attn_implementation={name!r}: flashnb launches {launches}; max |logits - SDPA's| = {err:.1e}")
+    # float32 both ways, summed in another order (online softmax over key tiles): differences of a few float32
+    # units in the last place of logits of size ~1; a wrong mask or head mapping would differ by 1e-2 or more
+    assert launches and err < 1e-4
 
 # %% [markdown]
 # ## On a GPU: one training step with each attention
