@@ -355,14 +355,14 @@ def _model_05_6(BH, Nq, Nk, d, diag, Bc):
           the last tile: O = o_i / l_i, L = m_i + log(l_i); a row that saw no key writes O = 0, L = -inf. Skip the
           tiles after the block's last visible key (min(qb·32 + 32, Nq) - 1 + diag). Guard every load and store
           with i < Nq and j < Nk, use float32(...) for every constant.""",
-          explain="""This is fa2.make_forward_rows (the ladder's one-thread-per-row step) written out: the
-          block's 32 threads share each K_j, V_j tile through shared memory, so K and V are read from HBM once per
-          query block -- Tr = ceil(Nq/32) times in all -- while each thread keeps its row's statistics and output
-          in registers and rescales o_i once per tile (delayed normalisation: one division per row, at the end).
-          The check's traffic model counts exactly that: Q, O, L once, and the K/V tiles of every query block up
-          to its last visible key; reading a tile more than once, or a K/V tile entirely above the diagonal,
-          shows up as extra reads. The barrier before a tile's overwrite is the one most often forgotten: without
-          it a fast thread loads tile j+1 while a slow one still reads tile j (racecheck reports it).""")
+          explain="""This is fa2_steps.make_rows_forward (the ladder's one-thread-per-row step, impl="fa2-rows") written
+          out: the block's 32 threads share each K_j, V_j tile through shared memory, so K and V are read from HBM once
+          per query block -- Tr = ceil(Nq/32) times in all -- while each thread keeps its row's statistics and output in
+          registers and rescales o_i once per tile (delayed normalisation: one division per row, at the end). The
+          check's traffic model counts exactly that: Q, O, L once, and the K/V tiles of every query block up to its last
+          visible key; reading a tile more than once, or a K/V tile entirely above the diagonal, shows up as extra
+          reads. The barrier before a tile's overwrite is the one most often forgotten: without it a fast thread loads
+          tile j+1 while a slow one still reads tile j (racecheck reports it).""")
 def check_05_6(kernel, Bc):
     """kernel: a cuda.jit kernel (Q, K, V, O, L, scale, diag) launched as kernel[(ceil(Nq / 32), BH), 32] that
     writes O = softmax(scale·Q Kᵀ, key j visible to row i iff j <= i + diag) V and L = its log-sum-exp (-inf, and
