@@ -123,11 +123,36 @@ print(f"NumPy Algorithm 1 vs reference (float64): max |ΔO| = {err_O:.1e}, max |
 assert err_O < 1e-12 and err_L < 1e-12      # float64, same sums in another order: a few ulps of O(1) values
 
 # %% [markdown]
-# The kernel does the same, with one thread block per (batch, head). Every line of the paper's algorithm is
-# tagged `# line N` in the source, shown here straight from the package:
+# The kernel does the same, with one thread block per (batch, head) and `W` warps. Every line of the paper's
+# algorithm is tagged `# line N` in the source; here it is region by region, straight from the package, with the
+# file's line numbers (`show_source(fa1.make_forward)` prints the whole factory). First the loop nest, lines 5–8:
+# $K_j, V_j$ go to shared memory once per outer step, and for **every** inner step $Q_i$ and the running
+# $O_i, \ell_i, m_i$ come back from HBM:
 
 # %%
-show_source(fa1.make_forward)
+show_source(fa1.make_forward, region="loop-nest")
+
+# %% [markdown]
+# Line 9 and the first half of line 10: the scores of one row against this warp's `Bw` keys of $K_j$ (the warps
+# split the tile's keys, *split-K*), masked past $N_k$ and above the causal diagonal, and their maximum $\tilde m$:
+
+# %%
+show_source(fa1.make_forward, region="scores")
+
+# %% [markdown]
+# Line 11, after the warps' partial maxima and sums are merged: the new statistics, and the two weights of line
+# 12 (the old $O_i$'s, and each warp's partial $\tilde P V_j$'s), so that line 12 is one multiply-add per element:
+
+# %%
+show_source(fa1.make_forward, region="statistics")
+
+# %% [markdown]
+# Line 12 applies them, and lines 12–13 write $O_i, \ell_i, m_i$ back to HBM, at the end of every inner step. That
+# round trip of the output through HBM, $T_c$ times per row, is the traffic FlashAttention-2 removes (notebook 05):
+
+# %%
+show_source(fa1.make_forward, region="o-update")
+show_source(fa1.make_forward, region="write-back")
 
 # %% [markdown]
 # The map from the paper's lines to the kernel's source lines, extracted from those tags:

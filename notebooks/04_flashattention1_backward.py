@@ -144,10 +144,33 @@ for name, g, r in zip(("dQ", "dK", "dV"), grads_np, grads_ref):
 # $dK_j, dV_j$ accumulated there (written to HBM once, line 24); inner loop over query blocks $i$ that reads
 # $Q_i, O_i, dO_i, dQ_i, L_i$, and read-modify-writes $dQ_i$ in HBM (line 21) every time. Inside the block the work
 # is split element by element over the threads (the FA2 paper notes that FA1's backward, too, suffers from
-# the warps' communication through shared memory; here every phase ends in a barrier).
+# the warps' communication through shared memory; here every phase ends in a barrier). Region by region, with the
+# file's line numbers (`show_source(fa1.make_backward)` prints the whole factory); first the loop nest, lines 6–10:
 
 # %%
-show_source(fa1.make_backward)
+show_source(fa1.make_backward, region="bwd-loop-nest")
+
+# %% [markdown]
+# The recomputation, lines 11–13 and 19: $D_i = \mathrm{rowsum}(dO_i \circ O_i)$, then $P_{ij} = \exp(S_{ij} - L_i)$
+# straight from the saved log-sum-exp — no running max, no rescaling, because $L_i$ is already final:
+
+# %%
+show_source(fa1.make_backward, region="recompute")
+
+# %% [markdown]
+# Lines 16, 17 and 20: $d\tilde V_j \mathrel{+}= P_{ij}^\top dO_i$ (accumulated on chip), then
+# $dS_{ij} = P_{ij} \circ (dO_i V_j^\top - D_i)$:
+
+# %%
+show_source(fa1.make_backward, region="dv-ds")
+
+# %% [markdown]
+# Lines 21–22: $dQ_i \mathrel{+}= \tau\, dS_{ij} K_j$ and $d\tilde K_j \mathrel{+}= \tau\, dS_{ij}^\top Q_i$. $dK_j$
+# stays on chip until the outer step ends; $dQ_i$ goes back to HBM after **every** inner step (line 21), the
+# read-modify-write that FlashAttention-2 turns into atomics or a separate pass (notebook 06):
+
+# %%
+show_source(fa1.make_backward, region="dq-dk")
 
 # %%
 src, first = inspect.getsourcelines(inspect.unwrap(fa1.make_backward))

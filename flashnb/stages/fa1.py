@@ -259,6 +259,7 @@ def make_backward(Br, Bc, d, W, causal):
         tid = cuda.threadIdx.y * WARP + cuda.threadIdx.x
         Nq = Q.shape[1]
         Nk = K.shape[1]
+        # region bwd-loop-nest
         for j in range((Nk + Bc - 1) // Bc):                      # line 6
             load_rows(K, z, j * Bc, K_j, tid, NT)                 # line 7: K_j, V_j -> SRAM
             load_rows(V, z, j * Bc, V_j, tid, NT)
@@ -272,6 +273,8 @@ def make_backward(Br, Bc, d, W, causal):
                 load_rows(dQ, z, i * Br, dQ_i, tid, NT)
                 load_vec(L, z, i * Br, L_i, tid, NT)
                 cuda.syncthreads()
+        # endregion bwd-loop-nest
+                # region recompute
                 for r in range(tid, Br, NT):                      # line 19: D_i = rowsum(dO_i ∘ O_i)
                     acc = float32(0.0)
                     for x in range(d):
@@ -290,6 +293,8 @@ def make_backward(Br, Bc, d, W, causal):
                         p = float32(math.exp(scale * acc - Lr))
                     P[r, c] = p
                 cuda.syncthreads()
+                # endregion recompute
+                # region dv-ds
                 for e in range(tid, Bc * d, NT):                  # line 16: dṼ_j += P_ijᵀ dO_i
                     c = e // d
                     x = e - c * d
@@ -305,6 +310,8 @@ def make_backward(Br, Bc, d, W, causal):
                         acc += dO_i[r, x] * V_j[c, x]
                     dS[r, c] = P[r, c] * (acc - D_i[r])
                 cuda.syncthreads()
+                # endregion dv-ds
+                # region dq-dk
                 for e in range(tid, Br * d, NT):                  # line 21: dQ_i += τ dS K_j
                     r = e // d
                     x = e - r * d
@@ -321,6 +328,7 @@ def make_backward(Br, Bc, d, W, causal):
                     dK_j[c, x] += scale * acc
                 cuda.syncthreads()
                 store_rows(dQ_i, dQ, z, i * Br, tid, NT)         # line 21: dQ_i -> HBM, every inner step
+                # endregion dq-dk
             store_rows(dK_j, dK, z, j * Bc, tid, NT)             # line 24: dK_j, dV_j -> HBM, once
             store_rows(dV_j, dV, z, j * Bc, tid, NT)
 
