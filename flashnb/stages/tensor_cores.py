@@ -245,7 +245,7 @@ def make_forward(Br, Bc, d, warps, causal):
     block ``i`` computes ``O_i, L_i``, warp ``w`` its query rows ``i·Br + 16w .. i·Br + 16w + 15``."""
     G = geometry(d, Br, Bc, warps)
     KD, NB, ND, CH, NT = G["KD"], G["NB"], G["ND"], G["CH"], G["threads"]
-    KN = Bc * d                                          # halves of one K_j or V_j buffer
+    QN, KN, KN2 = Br * d, Bc * d, 2 * Bc * d             # halves of Q_i, K_j (V_j), two K_j buffers: constants
     from_f32 = storage_conversions("float16")[1]
     # region layout
     chunk_at = swizzled_layout(CH)
@@ -255,9 +255,9 @@ def make_forward(Br, Bc, d, warps, causal):
 
     @cuda.jit
     def tc_forward(Q, K, V, O, L, scale, diag):
-        Qs = cuda.shared.array(Br * d, float16, alignment=SHARED_ALIGN)   # Q_i (swizzled rows)
-        Ks = cuda.shared.array(2 * KN, float16, alignment=SHARED_ALIGN)   # K_j and K_{j+1}: two buffers
-        Vs = cuda.shared.array(2 * KN, float16, alignment=SHARED_ALIGN)   # V_j and V_{j+1}
+        Qs = cuda.shared.array(QN, float16, alignment=SHARED_ALIGN)       # Q_i (swizzled rows)
+        Ks = cuda.shared.array(KN2, float16, alignment=SHARED_ALIGN)      # K_j and K_{j+1}: two buffers
+        Vs = cuda.shared.array(KN2, float16, alignment=SHARED_ALIGN)      # V_j and V_{j+1}
         qa = cuda.local.array((KD, 4), uint32)           # registers: Q_i's A fragments, this warp's 16 rows
         s = cuda.local.array((NB, 4), float32)           # registers: S_ij, then P~_ij (C layout)
         o = cuda.local.array((ND, 4), float32)           # registers: the unscaled O~_i (C layout)
