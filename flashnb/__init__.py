@@ -36,6 +36,7 @@ from .stages import block_sparse  # noqa: E402,F401  (stage 5 registers impl="fa
 from . import flex  # noqa: E402,F401  (attention modifiers: score_mod / mask_mod, the gallery)
 from .stages import fa2_fast  # noqa: E402,F401  (stage 6 registers impl="fa2-fast")
 from .stages import fa2_fast_steps  # noqa: E402,F401  (stage 6, step by step: the line-8 kernels of notebook 08)
+from .stages import tensor_cores  # noqa: E402,F401  (stage 7, the lesson: FA2's forward on tensor cores)
 from .kernels import decode  # noqa: E402,F401  (decoding with a KV cache: impl="flash-decoding")
 from . import kernels  # noqa: E402,F401  (the product kernel, impl="flash"; stage 7, tensor cores, impl="fa2-tc")
 from . import reference, instruments  # noqa: E402,F401  (reference and measurement)

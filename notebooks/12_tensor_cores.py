@@ -28,6 +28,11 @@
 # of 16-bit elements from shared memory straight into the fragment layout) and `cp.async` (a copy from global to
 # shared memory that does not pass through registers, and finishes later). `flashnb.kernels.mma` wraps them, and
 # `flashnb.sim.tensorcore` gives each one a **twin** on the simulator, so everything here runs on a laptop.
+#
+# The lesson is `flashnb/stages/tensor_cores.py`: FA2's Algorithm 1 on tensor cores, float16, dense and causal, in
+# factories of one screen each, and it is what this notebook shows. What a user runs on tensor cores is the product
+# kernel (`impl="fa2-tc"`, the default for half inputs on a GPU): the same instructions, with bfloat16, TF32, the
+# backward, grouped K/V heads, dropout and attention modifiers.
 
 # %%
 import inspect
@@ -46,7 +51,7 @@ from flashnb.instruments.roofline import GPUS
 from flashnb.kernels import flash_tc, mma
 from flashnb.notebook import savefig, show_source
 from flashnb.sim import tensorcore as tc
-from flashnb.stages import fa2_fast
+from flashnb.stages import fa2_fast, tensor_cores
 
 T0 = time.perf_counter()
 print("kernels run on the Numba CUDA simulator; GPU timings:",
@@ -137,10 +142,36 @@ print(f"max |D - (A @ B + C)| = {np.abs(d - (A @ B + C)).max():.2e}   (float32 r
 # keys `2t, 2t + 1` of each 8-key tile. The A operand of `P V_j` wants rows `g, g + 8`, keys `2t, 2t + 1` and
 # `2t + 8, 2t + 9` of a 16-key step -- exactly the C registers of two neighbouring 8-key tiles, packed in pairs.
 # So `P~` never leaves the registers (rounded to the input dtype on the way, as FlashAttention does). The
-# kernel's packing, from `flashnb/kernels/flash_tc.py`:
+# lesson's packing, region `p-fragment` of its tile function (`flashnb/stages/tensor_cores.py`):
 
 # %%
-show_source(flash_tc._make_policies, grep="pack2(c")
+show_source(tensor_cores.make_tile, region="p-fragment")
+
+# %% [markdown]
+# ## One K/V tile: lines 8-10 of FA2's Algorithm 1, a warp at a time
+#
+# `make_tile` is Algorithm 1's inner loop body for one warp's 16 query rows. Line 8, `S_ij = Q_i K_jᵀ`, is
+# `d / 16` k-steps of MMAs; the online softmax (lines 9-10) works on the accumulators where they are -- a row of
+# `S_ij` lives in the four lanes of a quad, so `rowmax` is two `shfl_xor` -- in base 2, one `exp2` a score:
+
+# %%
+show_source(tensor_cores.make_tile, region="online-softmax")
+
+# %% [markdown]
+# The lesson against the float64 reference, and beside the product kernel, on a causal float16 problem
+# (`tensor_cores.attention` takes NumPy arrays; FlashAttention's own rule for half inputs is to be within twice
+# the error of the same attention computed in float16 by PyTorch):
+
+# %%
+rng16 = np.random.default_rng(3)
+qh, kh, vh = (rng16.standard_normal((2, n, 64)).astype(np.float16) for n in (96, 112, 112))
+o_lesson, lse_lesson = tensor_cores.attention(qh, kh, vh, causal=True)
+o_ref, lse_ref = flashnb.reference.attention_forward(*(a.astype(np.float64) for a in (qh, kh, vh)), causal=True)
+o_product = flashnb.attention(qh, kh, vh, causal=True, impl="fa2-tc")
+print(f"lesson : max |O - O_ref| = {np.abs(o_lesson.astype(np.float64) - o_ref).max():.1e}, "
+      f"max |L - L_ref| = {np.abs(lse_lesson - lse_ref).max():.1e}")
+print(f"product: max |O - O_ref| = {np.abs(o_product.astype(np.float64) - o_ref).max():.1e}  (float16 outputs: "
+      f"half an ulp of values ~1 is 2.4e-4)")
 
 # %% [markdown]
 # ## ldmatrix, and why the shared tiles are swizzled
@@ -149,7 +180,11 @@ show_source(flash_tc._make_policies, grep="pack2(c")
 # and every lane receives its fragment. Shared memory serves it in 8-row phases: one wavefront per matrix *if*
 # its 8 rows of 16 bytes fall in different banks. A tile row of d = 64 halves is 128 bytes -- one full turn of the
 # 32 four-byte banks -- so stored plainly, the 8 rows of a matrix all start in bank 0: 8 wavefronts for 1.
-# fa2-tc stores chunk `c` of row `r` at chunk `c ^ (r mod 8)`:
+# The lesson (as fa2-tc) stores chunk `c` of row `r` at chunk `c ^ (r mod 8)` (rows of fewer than 8 chunks: the
+# rows that share a 128-byte line of banks take different chunks):
+
+# %%
+show_source(tensor_cores.swizzled_layout)
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -168,18 +203,18 @@ plt.show()
 
 # %% [markdown]
 # The profiler counts ldmatrix's wavefronts by those 8-row phases. The kernel with the swizzle, and the same kernel
-# with it turned off (`registry.variant`: a changed copy of the factory, registered nowhere), on a float16
-# problem with d = 64:
+# with its region `layout` changed to the plain layout (`registry.variant`: a changed copy of the factory,
+# registered nowhere), on a float16 problem with d = 64:
 
 # %%
-plain = registry.variant(flash_tc.make_forward, region="policies",
-                         replace=("_make_policies(storage, g, arch)", "_make_policies(storage, g, arch, swizzle=False)"))
+show_source(tensor_cores.make_forward, region="layout")
+plain = registry.variant(tensor_cores.make_forward, region="layout", replace=("swizzled_layout", "plain_layout"))
 prng = np.random.default_rng(7)
 q16, k16, v16 = (prng.standard_normal((1, 64, 64)).astype(np.float16) for _ in range(3))
 conflicts = {}
-for name, factory in (("swizzled", flash_tc.make_forward), ("plain", plain)):
-    with registry.using(flash_tc.make_forward, factory), sim.profile() as prof:
-        flashnb.attention(q16, k16, v16, impl="fa2-tc", Br=32, Bc=32, warps=2)
+for name, factory in (("swizzled", tensor_cores.make_forward), ("plain", plain)):
+    with registry.using(tensor_cores.make_forward, factory), sim.profile() as prof:
+        tensor_cores.attention(q16, k16, v16, Br=32, Bc=32, warps=2)
     ld = prof.total(memory="shared", op="ld")
     conflicts[name] = ld["bank_conflicts"]
     print(f"{name:>9}: shared loads {ld['requests']:,} requests, {ld['cost']:,} wavefronts "
@@ -190,11 +225,12 @@ for name, factory in (("swizzled", flash_tc.make_forward), ("plain", plain)):
 #
 # `cp.async` copies 16 bytes from global to shared memory without a register in between, and the copy is not
 # finished when the instruction is: `cp.async.commit_group` closes a group of copies, `cp.async.wait_group n`
-# waits until at most `n` groups are still in flight. fa2-tc double-buffers K_j and V_j: while tile j is being
-# computed, tile j + 1 is already flying into the other buffer:
+# waits until at most `n` groups are still in flight. The lesson (as fa2-tc) double-buffers K_j and V_j: while
+# tile j is being computed, tile j + 1 is already flying into the other buffer (its copies: `tile_copy`, one
+# 16-byte `cp.async` a chunk):
 
 # %%
-show_source(flash_tc.make_forward, region="kv-load")
+show_source(tensor_cores.make_forward, region="kv-load")
 
 # %% [markdown]
 # On the simulator a copy lands when its thread reaches a `wait_group` that covers it -- not before. So the two
@@ -209,12 +245,12 @@ mistakes = {                                   # edits of the kernel's region kv
 }
 q8, k8, v8 = (prng.standard_normal((1, 40, 16)).astype(np.float16) for _ in range(3))
 for name, change in mistakes.items():
-    broken = registry.variant(flash_tc.make_forward, region="kv-load", replace=change)
+    broken = registry.variant(tensor_cores.make_forward, region="kv-load", replace=change)
     # (the broken kernels multiply shared memory nothing wrote -- NaN on the simulator: NumPy would warn)
-    with registry.using(flash_tc.make_forward, broken), sim.sanitize(raise_on_error=False) as report, \
+    with registry.using(tensor_cores.make_forward, broken), sim.sanitize(raise_on_error=False) as report, \
             warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        flashnb.attention(q8, k8, v8, impl="fa2-tc", Br=32, Bc=16, warps=2)
+        tensor_cores.attention(q8, k8, v8, Br=32, Bc=16, warps=2)
     tools = sorted({f.tool for f in report.findings})
     print(f"{name:>10}: {len(report.findings)} finding(s) from {tools}; first: {report.findings[0].message[:150]}...")
 
@@ -226,7 +262,8 @@ for name, change in mistakes.items():
 # instruction of a tile on its pipe; the matmul's pipe is FP32 for stage 6 (its FFMAs) and the tensor pipe for
 # stage 7 (its HMMAs, at the whitepapers' 1,024 FP16 multiply-adds per SM per clock on an A100, 2,048 on an
 # H100); the softmax's are MUFU (16 exponentials per SM per clock) and FP32 (max, rescaling, sums). Both at their
-# default tiles, d = 64, for sm_80:
+# default tiles, d = 64, for sm_80 -- stage 7 here is the product kernel (fa2-tc, what users run), whose tile has
+# the lesson's instructions:
 
 # %%
 def tile_cycles(kernel, module, config, gpu):

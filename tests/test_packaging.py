@@ -310,3 +310,56 @@ def test_every_stage_kernel_factory_fits_one_screen():
     too_long = {name: n for name, n in measured.items()
                 if n[0] > LESSON_LINES or n[1] > LESSON_LINES + MARKER_ALLOWANCE}
     assert not too_long, f"(lines without region markers, with them) over {LESSON_LINES}: {too_long}"
+
+
+# Sizes of the kernel code, lessons and product alike: a function of flashnb/stages/ or flashnb/kernels/ (a kernel
+# factory, a device function, a launcher) fits in FUNCTION_LINES lines from its `def` to its last line; a module of
+# flashnb/kernels/ in KERNEL_MODULE_LINES, one of flashnb/stages/ in STAGE_MODULE_LINES.  What is over them today
+# is named below, so that the test fails on anything new: the tensor-core product kernel, not yet split into its
+# phases and policies.  Empty these sets once it is.
+FUNCTION_LINES = 150
+KERNEL_MODULE_LINES = 700
+STAGE_MODULE_LINES = 800
+EXPECTED_LONG_FUNCTIONS = {"kernels/flash_tc.py::make_forward", "kernels/flash_tc.py::make_backward",
+                           "kernels/flash_tc.py::q_tile"}
+EXPECTED_LONG_MODULES = {"kernels/flash_tc.py"}
+
+
+def _sizes():
+    """``({"folder/module.py::function": lines}, {"folder/module.py": lines})`` of flashnb/stages and flashnb/kernels
+    (every function, nested ones included; a function's lines from its ``def`` to its last line)."""
+    functions, modules = {}, {}
+    for folder in ("stages", "kernels"):
+        for path in sorted((PACKAGE / folder).rglob("*.py")):
+            rel = path.relative_to(PACKAGE).as_posix()
+            text = path.read_text()
+            modules[rel] = len(text.splitlines())
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    key = f"{rel}::{node.name}"
+                    functions[key] = max(functions.get(key, 0), node.end_lineno - node.lineno + 1)
+    return functions, modules
+
+
+def test_no_kernel_or_stage_function_over_150_lines():
+    functions, _ = _sizes()
+    assert any(k.startswith("kernels/") for k in functions) and any(k.startswith("stages/") for k in functions)
+    long = {k: n for k, n in functions.items() if n > FUNCTION_LINES}
+    assert not {k: n for k, n in long.items() if k not in EXPECTED_LONG_FUNCTIONS}, (
+        f"functions over {FUNCTION_LINES} lines: split them (a lesson into factories of one idea each, a product "
+        f"kernel into its phases and policies)")
+    assert not EXPECTED_LONG_FUNCTIONS - set(long), (
+        f"{sorted(EXPECTED_LONG_FUNCTIONS - set(long))} are no longer over {FUNCTION_LINES} lines (or gone): remove "
+        "them from EXPECTED_LONG_FUNCTIONS")
+
+
+def test_no_kernel_module_over_700_lines_nor_stage_module_over_800():
+    _, modules = _sizes()
+    limit = {"kernels": KERNEL_MODULE_LINES, "stages": STAGE_MODULE_LINES}
+    long = {m: n for m, n in modules.items() if n > limit[m.split("/")[0]]}
+    assert not {m: n for m, n in long.items() if m not in EXPECTED_LONG_MODULES}, (
+        f"modules over {KERNEL_MODULE_LINES} lines (kernels/) or {STAGE_MODULE_LINES} (stages/): split them by "
+        "feature or by phase")
+    assert not EXPECTED_LONG_MODULES - set(long), (
+        f"{sorted(EXPECTED_LONG_MODULES - set(long))} are no longer over the limit (or gone): remove them from "
+        "EXPECTED_LONG_MODULES")

@@ -8,6 +8,7 @@
 | 4 | :mod:`~flashnb.stages.fa2`, :mod:`~flashnb.stages.fa2_steps` | FlashAttention-2 and its ladder |
 | 5 | :mod:`~flashnb.stages.block_sparse` | block-sparse FlashAttention: skipped blocks are never loaded |
 | 6 | :mod:`~flashnb.stages.fa2_fast`, :mod:`~flashnb.stages.fa2_fast_steps` | from readable to fast |
+| 7 | :mod:`~flashnb.stages.tensor_cores` | FA2's forward on tensor cores: mma.sync, ldmatrix, cp.async |
 
 The product kernel every call runs by default is not a lesson: it lives in :mod:`flashnb.kernels`.
 """
