@@ -90,10 +90,11 @@ from ..common import (
     warn_fallback,
 )
 from ..registry import kernel_factory, register_impl
-from . import mma, policies, tiles
-from .mma import SHARED_ALIGN
+from . import policies, tiles
 from .models import visited_per_head
 from .policies import EMPTY, FULL, PARTIAL
+from .tensorcore import mma
+from .tensorcore.mma import SHARED_ALIGN
 
 __all__ = ["make_forward", "forward", "geometry", "shared_bytes", "default_tiles", "model_forward", "hbm_bytes",
            "sass_config", "sass_shape", "launch_order", "model_options", "check_inputs", "ARCHS", "LOG2E", "LN2",
