@@ -26,7 +26,7 @@
 # Numba's CUDA API has no tensor-core instructions. It does let an `@intrinsic` emit LLVM inline assembly, and
 # PTX has the instructions: `mma.sync` (a warp multiplies 16×8×16 tiles), `ldmatrix` (a warp loads 8×8 tiles
 # of 16-bit elements from shared memory straight into the fragment layout) and `cp.async` (a copy from global to
-# shared memory that does not pass through registers, and finishes later). `flashnb.kernels.mma` wraps them, and
+# shared memory that does not pass through registers, and finishes later). `flashnb.kernels.tensorcore.mma` wraps them, and
 # `flashnb.sim.tensorcore` gives each one a **twin** on the simulator, so everything here runs on a laptop.
 
 # %%
@@ -43,7 +43,9 @@ import flashnb
 from flashnb import registry, sim
 from flashnb.instruments import bench, sass, sass_model
 from flashnb.instruments.roofline import GPUS
-from flashnb.kernels import flash_tc, mma
+from flashnb.instruments.sass_inputs import fa2_tc
+from flashnb.kernels.tensorcore import fragments, mma
+from flashnb.kernels.tensorcore.forward import make_forward
 from flashnb.notebook import savefig, show_source
 from flashnb.sim import tensorcore as tc
 from flashnb.stages import fa2_fast
@@ -57,7 +59,7 @@ print("kernels run on the Numba CUDA simulator; GPU timings:",
 #
 # On a GPU, `mma.mma_m16n8k16_f16` is an `@intrinsic` whose code generation is one line of PTX; its operands are
 # 32-bit registers (two halves packed in each), its result four float32 accumulators returned as a tuple. Here is
-# how it is made (the GPU half of `flashnb/kernels/mma.py`, which the simulator does not execute):
+# how it is made (the GPU half of `flashnb/kernels/tensorcore/mma.py`, which the simulator does not execute):
 
 # %%
 src = inspect.getsource(mma).splitlines()
@@ -124,7 +126,7 @@ a = tc.encode(tc.fragments(A, tc.LAYOUTS[("m16n8k16", "a")]), "f16")
 b = tc.encode(tc.fragments(B, tc.LAYOUTS[("m16n8k16", "b")]), "f16")
 c = tc.fragments(C, tc.LAYOUTS[("c", "c")])[..., 0]
 D = flashnb.common.to_device(np.full((32, 4), np.nan, np.float32))
-from flashnb.kernels import mma_check  # noqa: E402
+from flashnb.kernels.tensorcore import check as mma_check  # noqa: E402
 
 mma_check.make_mma("m16n8k16.f16")[1, 32](a, b, c, D)
 d = tc.matrices(D.copy_to_host()[..., None].astype(np.float64), tc.LAYOUTS[("c", "c")], (16, 8))
@@ -137,10 +139,10 @@ print(f"max |D - (A @ B + C)| = {np.abs(d - (A @ B + C)).max():.2e}   (float32 r
 # keys `2t, 2t + 1` of each 8-key tile. The A operand of `P V_j` wants rows `g, g + 8`, keys `2t, 2t + 1` and
 # `2t + 8, 2t + 9` of a 16-key step -- exactly the C registers of two neighbouring 8-key tiles, packed in pairs.
 # So `P~` never leaves the registers (rounded to the input dtype on the way, as FlashAttention does). The
-# kernel's packing, from `flashnb/kernels/flash_tc.py`:
+# kernel's packing, from `flashnb/kernels/tensorcore/fragments.py`:
 
 # %%
-show_source(flash_tc._make_policies, grep="pack2(c")
+show_source(fragments._make_policies, grep="pack2(c")
 
 # %% [markdown]
 # ## ldmatrix, and why the shared tiles are swizzled
@@ -172,13 +174,13 @@ plt.show()
 # problem with d = 64:
 
 # %%
-plain = registry.variant(flash_tc.make_forward, region="policies",
+plain = registry.variant(make_forward, region="policies",
                          replace=("_make_policies(storage, g, arch)", "_make_policies(storage, g, arch, swizzle=False)"))
 prng = np.random.default_rng(7)
 q16, k16, v16 = (prng.standard_normal((1, 64, 64)).astype(np.float16) for _ in range(3))
 conflicts = {}
-for name, factory in (("swizzled", flash_tc.make_forward), ("plain", plain)):
-    with registry.using(flash_tc.make_forward, factory), sim.profile() as prof:
+for name, factory in (("swizzled", make_forward), ("plain", plain)):
+    with registry.using(make_forward, factory), sim.profile() as prof:
         flashnb.attention(q16, k16, v16, impl="fa2-tc", Br=32, Bc=32, warps=2)
     ld = prof.total(memory="shared", op="ld")
     conflicts[name] = ld["bank_conflicts"]
@@ -194,7 +196,7 @@ for name, factory in (("swizzled", flash_tc.make_forward), ("plain", plain)):
 # computed, tile j + 1 is already flying into the other buffer:
 
 # %%
-show_source(flash_tc.make_forward, region="kv-load")
+show_source(make_forward, region="kv-load")
 
 # %% [markdown]
 # On the simulator a copy lands when its thread reaches a `wait_group` that covers it -- not before. So the two
@@ -209,9 +211,9 @@ mistakes = {                                   # edits of the kernel's region kv
 }
 q8, k8, v8 = (prng.standard_normal((1, 40, 16)).astype(np.float16) for _ in range(3))
 for name, change in mistakes.items():
-    broken = registry.variant(flash_tc.make_forward, region="kv-load", replace=change)
+    broken = registry.variant(make_forward, region="kv-load", replace=change)
     # (the broken kernels multiply shared memory nothing wrote -- NaN on the simulator: NumPy would warn)
-    with registry.using(flash_tc.make_forward, broken), sim.sanitize(raise_on_error=False) as report, \
+    with registry.using(make_forward, broken), sim.sanitize(raise_on_error=False) as report, \
             warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         flashnb.attention(q8, k8, v8, impl="fa2-tc", Br=32, Bc=16, warps=2)
@@ -247,10 +249,10 @@ def tile_cycles(kernel, module, config, gpu):
 
 
 cfg6 = fa2_fast.sass_config(64, False)
-cfg7 = flash_tc.sass_config(64, False)
+cfg7 = fa2_tc.sass_config(64, False)
 cost = {(stage, gpu): tile_cycles(kernel, module, cfg, gpu)
         for stage, kernel, module, cfg in (("stage 6 (FP32 cores)", "fa2_fast.forward", fa2_fast, cfg6),
-                                           ("stage 7 (tensor cores)", "fa2_tc.forward", flash_tc, cfg7))
+                                           ("stage 7 (tensor cores)", "fa2_tc.forward", fa2_tc, cfg7))
         for gpu in ("A100 80GB SXM", "H100 SXM")}
 for key, c in cost.items():
     print(f"{key[0]:<23} {key[1]:<14} matmul {c['matmul']:7.1f}  exp {c['exp']:6.1f}  other FP32 "
@@ -295,10 +297,10 @@ print("stage 6 (fa2-fast) on the same model: at most the FP32 peak,", GPUS["H100
 
 # %% [markdown]
 # `benchmarks/stage7_goals.md` (`python scripts/stage7_goals.py`) has the backward, d = 128, registers and
-# spills, and bank conflicts. On a GPU, `flash_tc.measure_gpu` times fa2-tc beside stage 6:
+# spills, and bank conflicts. On a GPU, `measure.tensor_cores.measure_gpu` times fa2-tc beside stage 6:
 
 # %%
-rows = bench.on_gpu("flashnb.kernels.flash_tc:measure_gpu", BH=64, N=4096, d=128, repeats=10)
+rows = bench.on_gpu("flashnb.instruments.measure.tensor_cores:measure_gpu", BH=64, N=4096, d=128, repeats=10)
 if rows:
     for r in rows:
         print(f"{r['impl']:>8} {r['storage']} {r['direction']:<8}: {r['median_ms']:.2f} ms, {r['tflops']:.1f} TFLOP/s")

@@ -26,7 +26,8 @@ import warnings
 
 from .. import runtime
 from ..registry import IMPLS, Impl, register_auto
-from . import flash, flash_tc  # noqa: F401  (the two impls it chooses between, registered first)
+from . import flash  # noqa: F401  (the two impls it chooses between, registered first)
+from .launch import tensorcore  # noqa: F401
 
 __all__ = ["choose", "tensor_cores_checked", "last_choice", "HALF", "TC_OPTIONS", "ENV"]
 
