@@ -1,7 +1,7 @@
-"""The old name of fa2-tc's module: its names now live in :mod:`flashnb.kernels.tensorcore` (the kernels, by part)
-and :mod:`flashnb.kernels.launch.tensorcore` (the launchers, ``impl="fa2-tc"``); ``flash_tc.X`` finds ``X`` there.
-The SASS time model's inputs moved to :mod:`flashnb.instruments.sass_inputs.fa2_tc`, ``measure_gpu`` to
-:mod:`flashnb.instruments.measure.tensor_cores`."""
+"""Stage 7 -- the old name of fa2-tc's module: its names now live in :mod:`flashnb.kernels.tensorcore` (the
+kernels, by part) and :mod:`flashnb.kernels.launch.tensorcore` (the launchers, ``impl="fa2-tc"``); ``flash_tc.X``
+finds ``X`` there.  The SASS time model's inputs moved to :mod:`flashnb.instruments.sass_inputs.fa2_tc`,
+``measure_gpu`` to :mod:`flashnb.instruments.measure.tensor_cores`."""
 
 import importlib
 

@@ -1,4 +1,4 @@
-"""The old name of :mod:`flashnb.kernels.tensorcore.check` (one module object under both names)."""
+"""Stage 7 -- the old name of :mod:`flashnb.kernels.tensorcore.check` (one module object under both names)."""
 
 import sys
 

@@ -80,35 +80,8 @@ def _fwd_sig(storage="float16", **_):
     return f"void({h}, {h}, {h}, {h}, {_A2}, float32, int32, {_M}, {policies.DROPOUT_SIG})"
 
 
-
-@kernel_factory("fa2_tc.forward", stage="7", signature=_fwd_sig, configs=_configs(), archs=_archs,
-                threads=lambda warps, **_: 32 * warps)
-def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False, dropout=False, sparse=False,
-                 score_mod=None, mask_mod=None, H=1):
-    """FA2 Alg. 1 on tensor cores for one configuration; grid ``(Tr, BH)``, ``32·warps`` threads.  ``storage``:
-    the dtype of Q, K, V, O in HBM; ``arch``: 80 (sm_80, sm_90) or 75 (sm_75, float16); ``gqa``: K, V have fewer
-    heads than Q (query head ``z`` reads K/V head ``z // G``, the product kernel's policy); ``dropout``: the
-    product kernel's Philox policy on the P fragments (the kernel's last twelve arguments, never read without);
-    ``sparse``: the block mask ``M`` at these tiles (``EMPTY`` tiles skipped, ``PARTIAL`` ones ask ``mask_mod``; the
-    next visited tile is prefetched as in the dense loop); ``score_mod``,
-    ``mask_mod``, ``H``: the product kernel's modifier policies on the S fragments (``b = z // H``, ``h = z % H``)."""
-    g = geometry(storage, d, Br, Bc, warps, arch)
-    MT, NB, ND, KD, KV, LD, E = g["MT"], g["NB"], g["ND"], g["KD"], g["KV"], g["LD"], g["E"]
-    ASYNC, TF32, KN, TOTAL, QO = g["copy"] == "async", storage == "float32", g["KN"], g["total"], g["q_offset"]
-    S0, S1 = g["stage_offsets"][0], g["stage_offsets"][-1]
-    # region policies
-    P = _make_policies(storage, g, arch)
-    # endregion policies
-    swz, at, load_tile, mma_k, p_fragment, from_f32 = P["swz"], P["at"], P["load_tile"], P["mma_k"], \
-        P["p_fragment"], P["from_f32"]
-    SDT = _SHARED_TYPE[storage]
-    SIGN = _SIGN[storage]
-    kv_head = policies.gqa(gqa)[0]
-    drop_state, keep_bits, factor = policies.dropout(dropout)
-    H = policies.check_features(sparse, mask_mod, dropout, H, 2 * NB)   # bits: one (mt, e) row pair
-    tile_state, is_set = policies.tile_state(sparse), policies.is_set
-    score, allowed_bits, _ = policies.modifiers(score_mod, mask_mod, H)
-    SCORED, MASK_MOD = score_mod is not None, mask_mod is not None
+def _make_next_tile(tile_state):
+    """``next_tile``: the block mask's walk over the K/V tiles (``tile_state``: its policy)."""
 
     @cuda.jit(device=True, inline="always")
     def next_tile(M, z, bi, j, n_tiles, lane):
@@ -122,31 +95,54 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
             j += 1
         return j, st
 
+    return next_tile
+
+
+def _make_q_fragments(g, P, sparse, Br, Bc):
+    """``q_fragments``: line 4, Q_i into shared memory (the first K_j, V_j in flight with it), then once into A
+    fragments (sign-flipped for a negative scale); m_i, l_i and O~_i initialised."""
+    MT, KD, ND, KN, QO, S0 = g["MT"], g["KD"], g["ND"], g["KN"], g["q_offset"], g["stage_offsets"][0]
+    ASYNC = g["copy"] == "async"
+    at, load_tile = P["at"], P["load_tile"]
+
     @cuda.jit(device=True, inline="always")
-    def kv_tile(j, jn, par, masked, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag, sl2, z, Nq,
-                dst, st, asc):
-        """One K/V tile (FA2 Alg. 1 lines 6-11); ``jn``: the next tile visited (``j + 1`` without a block mask),
-        ``par``: the buffer tile ``j`` is in; ``masked`` (a constant at each call): the tile crosses the causal
-        diagonal or the end of the keys, or is ``PARTIAL`` in the block mask ``st``.  ``asc``: ``|scale|`` (with a
-        score_mod: its scores, then ``sl2 = 1``, base 2 already)."""
-        j0 = j * Bc
-        kb = S0 if par == 0 else S1                    # K_j at kb, V_j at kb + KN
-        # region kv-load
-        if ASYNC:                                      # lines 7-8, pipelined: the next tile flies while j computes
-            if jn < n_tiles:
-                nb_ = S1 if par == 0 else S0
-                n0 = jn * Bc if sparse else j0 + Bc    # (the dense loop's own expression: the same code as ever)
-                load_tile(Kz, sm, nb_, n0, Nk, Bc, tid)
-                load_tile(Vz, sm, nb_ + KN, n0, Nk, Bc, tid)
-                mma.cp_async_commit()
-                mma.cp_async_wait_group(1)             # all but the newest group: tile j has landed
-            else:
-                mma.cp_async_wait_group(0)
-        else:
-            load_tile(Kz, sm, kb, j0, Nk, Bc, tid)
-            load_tile(Vz, sm, kb + KN, j0, Nk, Bc, tid)
-        cuda.syncthreads()                             # tile j visible to every warp
-        # endregion kv-load
+    def q_fragments(Q, Kz, Vz, sm, qa, o, m, lsum, z, i0, wr, lane, tid, Nq, Nk, j, n_tiles, flip):
+        load_tile(Q[z], sm, QO, i0, Nq, Br, tid)        # line 4: Q_i (and the first K_j, V_j in flight with it)
+        if ASYNC:
+            mma.cp_async_commit()
+            if j < n_tiles:
+                first = j * Bc if sparse else 0
+                load_tile(Kz, sm, S0, first, Nk, Bc, tid)
+                load_tile(Vz, sm, S0 + KN, first, Nk, Bc, tid)
+            mma.cp_async_commit()
+            mma.cp_async_wait_group(1)                 # Q_i has landed (K_0, V_0 may still be in flight)
+        cuda.syncthreads()
+        for mt in range(MT):                           # Q_i's fragments, once: lane l addresses row l % 16
+            for kk in range(KD):
+                a0, a1, a2, a3 = mma.ldmatrix_x4(sm, QO + at(wr + 16 * mt + 8 * ((lane // 8) % 2), lane,
+                                                             2 * kk + lane // 16))
+                qa[mt, kk, 0] = a0 ^ flip
+                qa[mt, kk, 1] = a1 ^ flip
+                qa[mt, kk, 2] = a2 ^ flip
+                qa[mt, kk, 3] = a3 ^ flip
+            for h in range(2):
+                m[mt, h] = NEG_INF
+                lsum[mt, h] = ZERO
+            for dn in range(ND):
+                for c in range(4):
+                    o[mt, dn, c] = ZERO
+        cuda.syncthreads()                             # Q_i's space may now hold a K/V stage
+
+    return q_fragments
+
+
+def _make_scores(g, P):
+    """``scores``: line 8, ``S_ij = Q_i K_jᵀ`` from Q_i's A fragments and K_j's B fragments (at ``kb``)."""
+    MT, NB, KD = g["MT"], g["NB"], g["KD"]
+    at, mma_k = P["at"], P["mma_k"]
+
+    @cuda.jit(device=True, inline="always")
+    def scores(sm, kb, qa, s, lane):
         for mt in range(MT):                           # line 8: S_ij = Q_i K_jᵀ
             for nb in range(NB):
                 for c in range(4):
@@ -162,6 +158,17 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
                     s[mt, nb + 1, 0], s[mt, nb + 1, 1], s[mt, nb + 1, 2], s[mt, nb + 1, 3] = mma_k(
                         qa[mt, kk, 0], qa[mt, kk, 1], qa[mt, kk, 2], qa[mt, kk, 3], b2, b3,
                         s[mt, nb + 1, 0], s[mt, nb + 1, 1], s[mt, nb + 1, 2], s[mt, nb + 1, 3])
+
+    return scores
+
+
+def _make_softmax(g, causal, dropout, score, allowed_bits, is_set, keep_bits, factor, SCORED, MASK_MOD):
+    """``softmax``: lines 9-10, the online softmax of one tile's S fragments in base 2 (masks, ``score_mod``,
+    dropout: the product kernel's policies), ``O~_i`` and ``l_i`` rescaled."""
+    MT, NB, ND = g["MT"], g["NB"], g["ND"]
+
+    @cuda.jit(device=True, inline="always")
+    def softmax(masked, s, o, m, lsum, i0, wr, lane, Nk, diag, sl2, z, Nq, dst, st, asc, j0):
         g8 = lane // 4
         t4 = lane % 4
         for mt in range(MT):                           # lines 9-10: the online softmax, base 2
@@ -210,6 +217,19 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
                     for h in range(2):
                         for nb in range(NB):
                             s[mt, nb, 2 * h + e] *= factor(keep, h * NB + nb, dst)
+
+    return softmax
+
+
+def _make_pv(g, P, TF32):
+    """``pv``: line 10, ``O~_i += P~_ij V_j`` with P~ straight from the S registers (V_j at ``kb + KN``)."""
+    MT, ND, KV, LD, E, KN = g["MT"], g["ND"], g["KV"], g["LD"], g["E"], g["KN"]
+    swz, at, mma_k, p_fragment = P["swz"], P["at"], P["mma_k"], P["p_fragment"]
+
+    @cuda.jit(device=True, inline="always")
+    def pv(sm, kb, s, o, lane):
+        g8 = lane // 4
+        t4 = lane % 4
         for kv in range(KV):                           # line 10: O~_i += P~_ij V_j, k-steps over the keys
             nb = kv * 2 if not TF32 else kv
             nb2 = nb + 1 if not TF32 else nb
@@ -234,6 +254,101 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
                         o[mt, dn + 1, 0], o[mt, dn + 1, 1], o[mt, dn + 1, 2], o[mt, dn + 1, 3] = mma_k(
                             a0, a1, a2, a3, v2, v3, o[mt, dn + 1, 0], o[mt, dn + 1, 1], o[mt, dn + 1, 2],
                             o[mt, dn + 1, 3])
+
+    return pv
+
+
+def _make_epilogue(g, from_f32):
+    """``epilogue``: lines 12-15, ``O_i = O~_i / l_i`` (the quad's parts of l_i added first) and ``L_i``."""
+    MT, ND, d = g["MT"], g["ND"], g["d"]
+
+    @cuda.jit(device=True, inline="always")
+    def epilogue(O, L, o, m, lsum, z, i0, wr, lane, Nq):
+        g8 = lane // 4
+        t4 = lane % 4
+        for mt in range(MT):                           # lines 12-15
+            for h in range(2):
+                l = lsum[mt, h]
+                l += cuda.shfl_xor_sync(FULL_MASK, l, 1)      # the quad's parts of l_i
+                l += cuda.shfl_xor_sync(FULL_MASK, l, 2)
+                row = i0 + wr + 16 * mt + g8 + 8 * h
+                inv = ONE / l if l > ZERO else ZERO             # a row with no key: O = 0, L = -inf
+                if row < Nq:
+                    for dn in range(ND):
+                        for e in range(2):
+                            col = dn * 8 + 2 * t4 + e
+                            if col < d:
+                                O[z, row, col] = from_f32(o[mt, dn, 2 * h + e] * inv)
+                    if t4 == 0:
+                        L[z, row] = (m[mt, h] + float32(math.log2(l))) * LN2 if l > ZERO else NEG_INF
+
+    return epilogue
+
+
+@kernel_factory("fa2_tc.forward", stage="7", signature=_fwd_sig, configs=_configs(), archs=_archs,
+                threads=lambda warps, **_: 32 * warps)
+def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False, dropout=False, sparse=False,
+                 score_mod=None, mask_mod=None, H=1):
+    """FA2 Alg. 1 on tensor cores for one configuration; grid ``(Tr, BH)``, ``32·warps`` threads.  ``storage``:
+    the dtype of Q, K, V, O in HBM; ``arch``: 80 (sm_80, sm_90) or 75 (sm_75, float16); ``gqa``: K, V have fewer
+    heads than Q (query head ``z`` reads K/V head ``z // G``, the product kernel's policy); ``dropout``: the
+    product kernel's Philox policy on the P fragments (the kernel's last twelve arguments, never read without);
+    ``sparse``: the block mask ``M`` at these tiles (``EMPTY`` tiles skipped, ``PARTIAL`` ones ask ``mask_mod``; the
+    next visited tile is prefetched as in the dense loop); ``score_mod``,
+    ``mask_mod``, ``H``: the product kernel's modifier policies on the S fragments (``b = z // H``, ``h = z % H``).
+    The phases of a tile are device functions of their own (:func:`_make_scores`, :func:`_make_softmax`,
+    :func:`_make_pv`), built from the same policies."""
+    g = geometry(storage, d, Br, Bc, warps, arch)
+    MT, NB, ND, KD = g["MT"], g["NB"], g["ND"], g["KD"]
+    ASYNC, TF32, KN, TOTAL = g["copy"] == "async", storage == "float32", g["KN"], g["total"]
+    S0, S1 = g["stage_offsets"][0], g["stage_offsets"][-1]
+    # region policies
+    P = _make_policies(storage, g, arch)
+    # endregion policies
+    load_tile = P["load_tile"]
+    SDT = _SHARED_TYPE[storage]
+    SIGN = _SIGN[storage]
+    kv_head = policies.gqa(gqa)[0]
+    drop_state, keep_bits, factor = policies.dropout(dropout)
+    H = policies.check_features(sparse, mask_mod, dropout, H, 2 * NB)   # bits: one (mt, e) row pair
+    tile_state, is_set = policies.tile_state(sparse), policies.is_set
+    score, allowed_bits, _ = policies.modifiers(score_mod, mask_mod, H)
+    SCORED, MASK_MOD = score_mod is not None, mask_mod is not None
+    next_tile = _make_next_tile(tile_state)
+    q_fragments = _make_q_fragments(g, P, sparse, Br, Bc)
+    scores = _make_scores(g, P)
+    softmax = _make_softmax(g, causal, dropout, score, allowed_bits, is_set, keep_bits, factor, SCORED, MASK_MOD)
+    pv = _make_pv(g, P, TF32)
+    epilogue = _make_epilogue(g, P["from_f32"])
+
+    @cuda.jit(device=True, inline="always")
+    def kv_tile(j, jn, par, masked, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag, sl2, z, Nq,
+                dst, st, asc):
+        """One K/V tile (FA2 Alg. 1 lines 6-11); ``jn``: the next tile visited (``j + 1`` without a block mask),
+        ``par``: the buffer tile ``j`` is in; ``masked`` (a constant at each call): the tile crosses the causal
+        diagonal or the end of the keys, or is ``PARTIAL`` in the block mask ``st``.  ``asc``: ``|scale|`` (with a
+        score_mod: its scores, then ``sl2 = 1``, base 2 already)."""
+        j0 = j * Bc
+        kb = S0 if par == 0 else S1                    # K_j at kb, V_j at kb + KN
+        # region kv-load
+        if ASYNC:                                      # lines 7-8, pipelined: the next tile flies while j computes
+            if jn < n_tiles:
+                nb_ = S1 if par == 0 else S0
+                n0 = jn * Bc if sparse else j0 + Bc    # (the dense loop's own expression: the same code as ever)
+                load_tile(Kz, sm, nb_, n0, Nk, Bc, tid)
+                load_tile(Vz, sm, nb_ + KN, n0, Nk, Bc, tid)
+                mma.cp_async_commit()
+                mma.cp_async_wait_group(1)             # all but the newest group: tile j has landed
+            else:
+                mma.cp_async_wait_group(0)
+        else:
+            load_tile(Kz, sm, kb, j0, Nk, Bc, tid)
+            load_tile(Vz, sm, kb + KN, j0, Nk, Bc, tid)
+        cuda.syncthreads()                             # tile j visible to every warp
+        # endregion kv-load
+        scores(sm, kb, qa, s, lane)                    # line 8: S_ij = Q_i K_jᵀ
+        softmax(masked, s, o, m, lsum, i0, wr, lane, Nk, diag, sl2, z, Nq, dst, st, asc, j0)   # lines 9-10
+        pv(sm, kb, s, o, lane)                         # line 10: O~_i += P~_ij V_j
         cuda.syncthreads()                             # every warp is done with this buffer
 
     @cuda.jit
@@ -273,31 +388,7 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
         j, st = 0, int32(FULL)                         # the first tile visited (with a block mask: not EMPTY)
         if sparse:
             j, st = next_tile(M, z, bi, 0, n_tiles, lane)
-        load_tile(Q[z], sm, QO, i0, Nq, Br, tid)        # line 4: Q_i (and the first K_j, V_j in flight with it)
-        if ASYNC:
-            mma.cp_async_commit()
-            if j < n_tiles:
-                first = j * Bc if sparse else 0
-                load_tile(Kz, sm, S0, first, Nk, Bc, tid)
-                load_tile(Vz, sm, S0 + KN, first, Nk, Bc, tid)
-            mma.cp_async_commit()
-            mma.cp_async_wait_group(1)                 # Q_i has landed (K_0, V_0 may still be in flight)
-        cuda.syncthreads()
-        for mt in range(MT):                           # Q_i's fragments, once: lane l addresses row l % 16
-            for kk in range(KD):
-                a0, a1, a2, a3 = mma.ldmatrix_x4(sm, QO + at(wr + 16 * mt + 8 * ((lane // 8) % 2), lane,
-                                                             2 * kk + lane // 16))
-                qa[mt, kk, 0] = a0 ^ flip
-                qa[mt, kk, 1] = a1 ^ flip
-                qa[mt, kk, 2] = a2 ^ flip
-                qa[mt, kk, 3] = a3 ^ flip
-            for h in range(2):
-                m[mt, h] = NEG_INF
-                lsum[mt, h] = ZERO
-            for dn in range(ND):
-                for c in range(4):
-                    o[mt, dn, c] = ZERO
-        cuda.syncthreads()                             # Q_i's space may now hold a K/V stage
+        q_fragments(Q, Kz, Vz, sm, qa, o, m, lsum, z, i0, wr, lane, tid, Nq, Nk, j, n_tiles, flip)   # line 4
         if sparse:                                     # line 6 over the block mask's tiles: EMPTY ones skipped
             par = 0
             while j < n_tiles:                         # (block-uniform: every warp reads the same states)
@@ -316,23 +407,6 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
             for j in range(n_full, n_tiles):           # ... then those crossing the diagonal or the end of the keys
                 kv_tile(j, j + 1, j % 2, True, n_tiles, Kz, Vz, sm, qa, s, o, m, lsum, i0, wr, lane, tid, Nk, diag,
                         sl2, z, Nq, dst, FULL, asc)
-        g8 = lane // 4
-        t4 = lane % 4
-        for mt in range(MT):                           # lines 12-15
-            for h in range(2):
-                l = lsum[mt, h]
-                l += cuda.shfl_xor_sync(FULL_MASK, l, 1)      # the quad's parts of l_i
-                l += cuda.shfl_xor_sync(FULL_MASK, l, 2)
-                row = i0 + wr + 16 * mt + g8 + 8 * h
-                inv = ONE / l if l > ZERO else ZERO             # a row with no key: O = 0, L = -inf
-                if row < Nq:
-                    for dn in range(ND):
-                        for e in range(2):
-                            col = dn * 8 + 2 * t4 + e
-                            if col < d:
-                                O[z, row, col] = from_f32(o[mt, dn, 2 * h + e] * inv)
-                    if t4 == 0:
-                        L[z, row] = (m[mt, h] + float32(math.log2(l))) * LN2 if l > ZERO else NEG_INF
+        epilogue(O, L, o, m, lsum, z, i0, wr, lane, Nq)   # lines 12-15
 
     return fa2_tc_forward
-
