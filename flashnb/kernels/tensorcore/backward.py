@@ -23,7 +23,7 @@ from .. import policies
 from ..policies import EMPTY, FULL, PARTIAL
 from . import mma
 from .forward import _A2, _M
-from .fragments import _SHARED_TYPE, _SIGN, LOG2E, POS_INF, _layout, _make_policies
+from .fragments import _SHARED_TYPE, _SIGN, LOG2E, POS_INF, _layout, _make_bwd_loaders, _make_policies
 from .geometry import ARCHS, _bwd_configs, _bwd_dynamic_bytes, bwd_geometry
 from .mma import SHARED_ALIGN
 
@@ -36,118 +36,15 @@ def _bwd_sig(storage="float16", **_):
     return f"void({h}, {h}, {h}, {h}, {_A2}, {_A2}, {a3}, {h}, {h}, float32, int32, {_M}, {policies.DROPOUT_SIG})"
 
 
-
-@kernel_factory("fa2_tc.backward", stage="7", signature=_bwd_sig, configs=_bwd_configs(), archs=ARCHS[80],
-                threads=lambda warps, **_: 32 * warps, dynamic_shared=_bwd_dynamic_bytes)
-def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropout=False, sparse=False, score_mod=None,
-                  mask_mod=None, H=1, score_mod_grad=None, dynamic=False):
-    """FA2 Alg. 2 on tensor cores; grid ``(Tc, BH_kv)``, ``32·warps`` threads, one block per K/V tile.  Warp ``w``
-    owns keys ``16w .. 16w + 15`` of ``K_j``: it computes ``Sᵀ = K_j Q_iᵀ`` and ``dPᵀ = V_j dO_iᵀ`` (keys × queries,
-    so that ``Pᵀ`` and ``dSᵀ`` are, in registers, the A fragments of ``dV_j += Pᵀ dO_i`` and ``dK_j += dSᵀ Q_i``);
-    ``dSᵀ`` goes to shared memory once per tile, where every warp reads it back as the A fragment of ``dQ_i = dS
-    K_j`` for its 16·QM query rows, added into HBM with float32 atomics.  ``gqa``: K, V have fewer heads than Q; a
-    block visits the Q tiles of each of its K/V head's ``G`` query heads in turn, so dK_j, dV_j are summed on chip
-    (the product kernel's policy).  ``dropout``: the forward's ``Z`` regenerated (Philox, the product kernel's
-    policy): ``dV_j += (P ∘ W)ᵀ dO_i`` and ``dS = P ∘ (dP ∘ W - D)`` with ``W = Z / (1-p)``.  ``sparse``,
-    ``score_mod``, ``mask_mod``, ``H``: as in :func:`make_forward` (a visited Q tile is copied alone), and
-    ``score_mod_grad`` (``d score_mod / d score``) multiplies dS.  ``dynamic``: the tiles live in one *dynamic* shared
-    array (launched with :func:`_bwd_dynamic_bytes` bytes), what lets them exceed 48 KiB.  sm_80 and sm_90."""
-    g = bwd_geometry(storage, d, Br, Bc, warps)
-    NQ, ND, KD, KQ, KK, LD, LDS, E = g["NQ"], g["ND"], g["KD"], g["KQ"], g["KK"], g["LD"], g["LDS"], g["E"]
-    OFF, TOTAL, KV_REGS, NDQ, CPT, IPW, PARTS = (g["offsets"], g["total"], g["kv_regs"], g["NDQ"], g["CPT"],
-                                                 g["IPW"], g["PARTS"])
-    KO, VO, QO, DOO, DSO = OFF["K"], OFF["V"], OFF["Q"], OFF["dO"], OFF["dS"]
-    ASYNC, TF32 = g["copy"] == "async", storage == "float32"
-    P = _make_policies(storage, g, 80)
-    swz, at, load_tile, mma_k, p_fragment, from_f32, to_shared = (
-        P["swz"], P["at"], P["load_tile"], P["mma_k"], P["p_fragment"], P["from_f32"], P["to_shared"])
-    _, ds_at_chunk, ds_at = _layout(LDS, E)
-    SDT = _SHARED_TYPE[storage]
-    SIGN = _SIGN[storage]
-    KAV = KD if KV_REGS else 1              # V_j's A fragments kept in registers (else reloaded per tile)
-    KR = g["k_regs"]                        # K_j's first KR k-steps kept in registers ...
-    KAK = KR + (1 if KR < KD else 0)        # ... and one slot for those reloaded per tile
-    DQ32 = 0 < KR < KD                      # (d = 128: dQ's atomics indexed in 32 bits, for those registers)
-    LDN = 2 * Br                            # L_i and D_i (a compile-time size)
-    ONE_LOOP = g["one_loop"]                # d > 64: dK_j, dV_j fill half the registers; one copy of the tile loop
-    group = policies.gqa(gqa)[1]
-    drop_state, keep_bits, factor = policies.dropout(dropout)
-    H = policies.check_features(sparse, mask_mod, dropout, H, 2 * NQ)   # bits: one query parity
-    tile_state, is_set = policies.tile_state(sparse), policies.is_set
-    score, allowed_bits, grad = policies.modifiers(score_mod, mask_mod, H, score_mod_grad)
-    SCORED, MASK_MOD = score_mod is not None, mask_mod is not None
-    PIPE = ASYNC and not sparse                 # prefetch the next Q tile during this one's dQ
+def _make_load_q(storage, g, P, Br, PIPE):
+    """``load_q``: lines 7-8, Q_i and dO_i into shared memory (or, pipelined, the wait for the copies issued during
+    the previous tile), L_i·log2 e and D_i beside them."""
+    QO, DOO = g["offsets"]["Q"], g["offsets"]["dO"]
+    ASYNC = g["copy"] == "async"
+    load_tile = P["load_tile"]
 
     @cuda.jit(device=True, inline="always")
-    def b_cols(sm, base, k8, n8, lane):
-        """The B fragment of one k-step and two 8-wide n-tiles when ``B = X`` (row-major by k, as dO_i in dV, Q_i
-        in dK, K_j in dQ): halves by ldmatrix.x4.trans (keys k8 .. k8 + 15, columns n8 .. n8 + 15); TF32 by four
-        32-bit loads, rows 2t and 2t + 1 of the 8-row step (the key order of an A fragment made from C registers)."""
-        if TF32:
-            t4 = uint32(lane % 4)
-            g8 = uint32(lane // 4)
-            r = uint32(k8) + uint32(2) * t4
-            c0 = uint32(n8 // 4) + g8 // uint32(4)
-            c1 = uint32(n8 // 4 + 2) + g8 // uint32(4)
-            w = g8 % uint32(4)
-            v0 = sm[base + r * uint32(LD) + ((c0 ^ swz(r)) * uint32(E)) + w]
-            v1 = sm[base + (r + uint32(1)) * uint32(LD) + ((c0 ^ swz(r + uint32(1))) * uint32(E)) + w]
-            v2 = sm[base + r * uint32(LD) + ((c1 ^ swz(r)) * uint32(E)) + w]
-            v3 = sm[base + (r + uint32(1)) * uint32(LD) + ((c1 ^ swz(r + uint32(1))) * uint32(E)) + w]
-            return v0, v1, v2, v3
-        return mma.ldmatrix_x4_trans(sm, base + at(k8 + 8 * ((lane // 8) % 2), lane, n8 // 8 + lane // 16))
-
-    @cuda.jit(device=True, inline="always")
-    def b_cols_natural(sm, base, k8, n8, lane):
-        """As :func:`b_cols` for an A fragment loaded in its natural order (dS from shared memory): TF32 rows t and
-        t + 4 of the step.  Halves: the same ldmatrix.trans."""
-        if TF32:
-            t4 = uint32(lane % 4)
-            g8 = uint32(lane // 4)
-            r = uint32(k8) + t4
-            c0 = uint32(n8 // 4) + g8 // uint32(4)
-            c1 = uint32(n8 // 4 + 2) + g8 // uint32(4)
-            w = g8 % uint32(4)
-            v0 = sm[base + r * uint32(LD) + ((c0 ^ swz(r)) * uint32(E)) + w]
-            v1 = sm[base + (r + uint32(4)) * uint32(LD) + ((c0 ^ swz(r + uint32(4))) * uint32(E)) + w]
-            v2 = sm[base + r * uint32(LD) + ((c1 ^ swz(r)) * uint32(E)) + w]
-            v3 = sm[base + (r + uint32(4)) * uint32(LD) + ((c1 ^ swz(r + uint32(4))) * uint32(E)) + w]
-            return v0, v1, v2, v3
-        return mma.ldmatrix_x4_trans(sm, base + at(k8 + 8 * ((lane // 8) % 2), lane, n8 // 8 + lane // 16))
-
-    @cuda.jit(device=True, inline="always")
-    def a_ds(sm, q16, k0, lane):
-        """The A fragment of ``dQ_i = dS K_j`` for queries ``q16 .. q16 + 15`` and one k-step of keys from
-        ``k0``, read from dSᵀ (rows = keys): halves by ldmatrix.x4.trans; TF32 by four 32-bit loads."""
-        if TF32:
-            t4 = uint32(lane % 4)
-            g8 = uint32(lane // 4)
-            r = uint32(k0) + t4
-            c0 = uint32(q16 // 4) + g8 // uint32(4)
-            c1 = uint32(q16 // 4 + 2) + g8 // uint32(4)
-            w = g8 % uint32(4)
-            a0 = sm[DSO + r * uint32(LDS) + ((c0 ^ swz_ds(r)) * uint32(E)) + w]
-            a1 = sm[DSO + r * uint32(LDS) + ((c1 ^ swz_ds(r)) * uint32(E)) + w]
-            a2 = sm[DSO + (r + uint32(4)) * uint32(LDS) + ((c0 ^ swz_ds(r + uint32(4))) * uint32(E)) + w]
-            a3 = sm[DSO + (r + uint32(4)) * uint32(LDS) + ((c1 ^ swz_ds(r + uint32(4))) * uint32(E)) + w]
-            return a0, a1, a2, a3
-        return mma.ldmatrix_x4_trans(sm, DSO + ds_at(k0 + 8 * (lane // 16), lane, q16 // 8 + (lane // 8) % 2))
-
-    swz_ds = _layout(LDS, E)[0]
-
-    @cuda.jit(device=True, inline="always")
-    def q_tile(i, masked, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag, sl2, flip, scale,
-               dQ, i_first, z_end, dst, Nk, st):
-        """One Q tile (FA2 Alg. 2 lines 7-16) of query head ``z``; ``masked``: it crosses the causal diagonal, or is
-        ``PARTIAL`` in the block mask (``st``).  The next tile is ``i + 1`` of the same head, or (GQA) the first of
-        the next query head before ``z_end``.  (At most 30 arguments: CPython passes more as one tuple, which
-        Numba cannot compile for a GPU.)"""
-        lane = tid % 32
-        Nq = Q.shape[1]
-        i0 = i * Br
-        w16 = (tid // 32) * 16                 # the warp's keys in K_j
-        g8 = lane // 4
-        t4 = lane % 4
+    def load_q(Q, dO, L, D, sm, LDs, z, i0, tid, Nq):
         if PIPE:
             mma.cp_async_wait_group(0)         # Q_i, dO_i (issued during the previous tile's dQ)
         else:                                  # plain copies, or (block mask) cp.async of tile i alone
@@ -160,6 +57,20 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
                 LDs[tid] = L[z, i0 + tid] * LOG2E if i0 + tid < Nq else POS_INF
                 LDs[Br + tid] = D[z, i0 + tid] if i0 + tid < Nq else ZERO
         cuda.syncthreads()                     # Q_i, dO_i, L_i, D_i visible
+
+    return load_q
+
+
+def _make_s_dp(storage, g, P):
+    """``s_dp``: lines 10 and 13, ``Sᵀ = K_j Q_iᵀ`` and ``dPᵀ = V_j dO_iᵀ`` for this warp's 16 keys (K_j's and V_j's
+    A fragments kept in registers, or reloaded per tile)."""
+    NQ, KD = g["NQ"], g["KD"]
+    KO, VO, QO, DOO = g["offsets"]["K"], g["offsets"]["V"], g["offsets"]["Q"], g["offsets"]["dO"]
+    KV_REGS, KR = g["kv_regs"], g["k_regs"]
+    at, mma_k = P["at"], P["mma_k"]
+
+    @cuda.jit(device=True, inline="always")
+    def s_dp(sm, ka, va, s, dp, flip, lane, w16):
         if not KV_REGS:                        # V_j's A fragments (and K_j's beyond the first KR), reloaded
             for kk in range(KD):
                 kr = kk if kk < KR else KR     # (a compile-time index: the registers of ka)
@@ -212,6 +123,20 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
                     dp[nq + 1, 0], dp[nq + 1, 1], dp[nq + 1, 2], dp[nq + 1, 3] = mma_k(
                         va[kk, 0], va[kk, 1], va[kk, 2], va[kk, 3], o2, o3, dp[nq + 1, 0], dp[nq + 1, 1],
                         dp[nq + 1, 2], dp[nq + 1, 3])
+
+    return s_dp
+
+
+def _make_p_ds(storage, g, P, Br, causal, dropout, features):
+    """``p_ds``: lines 11 and 14, ``P = exp(scale·S - L)`` and ``dS = P ∘ (dP - D)`` in registers (masks,
+    ``score_mod`` and its derivative, dropout: the product kernel's policies), dSᵀ to shared memory for line 15."""
+    NQ, E, DSO, ONE_LOOP = g["NQ"], g["E"], g["offsets"]["dS"], g["one_loop"]
+    score, allowed_bits, grad, is_set, keep_bits, factor, SCORED, MASK_MOD = features
+    from_f32, to_shared = P["from_f32"], P["to_shared"]
+    _, ds_at_chunk, _ = _layout(g["LDS"], E)
+
+    @cuda.jit(device=True, inline="always")
+    def p_ds(masked, sm, LDs, s, dp, z, i0, j0, w16, g8, t4, diag, sl2, scale, dst, Nq, Nk, st):
         first = j0 + w16 + g8 - i0 - diag - 2 * t4     # masked: key > query + diag, as offsets of this lane's
         keep0 = keep_bits(dst, z, i0 + 2 * t4, 8, j0 + w16 + g8, 8, NQ, 2, Nq, Nk)   # dropout's Z of this lane's
         keep1 = keep_bits(dst, z, i0 + 2 * t4 + 1, 8, j0 + w16 + g8, 8, NQ, 2, Nq, Nk)   # even, odd queries
@@ -246,6 +171,19 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
                     dp[nq, e] *= grad(raw, z, qi, kj)
                 idx = DSO + ds_at_chunk(w16 + g8 + 8 * (e // 2), col // E) + uint32(col % E)
                 sm[idx] = to_shared(from_f32(dp[nq, e]))       # dSᵀ for line 15 (rounded as P is)
+
+    return p_ds
+
+
+def _make_dv_dk(storage, g, P, b_cols):
+    """``dv_dk``: lines 12 and 16, ``dV_j += Pᵀ dO_i`` and ``dK_j += dSᵀ Q_i`` with Pᵀ and dSᵀ straight from the
+    registers as A fragments."""
+    ND, KQ, QO, DOO = g["ND"], g["KQ"], g["offsets"]["Q"], g["offsets"]["dO"]
+    TF32 = storage == "float32"
+    mma_k, p_fragment = P["mma_k"], P["p_fragment"]
+
+    @cuda.jit(device=True, inline="always")
+    def dv_dk(sm, s, dp, dk, dv, lane):
         for kq in range(KQ):                   # line 12: dV_j += Pᵀ dO_i; line 16: dK_j += dSᵀ Q_i
             nq = kq * 2 if not TF32 else kq
             nq2 = nq + 1 if not TF32 else nq
@@ -264,6 +202,18 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
                                                                    dk[dn, 2], dk[dn, 3])
                 dk[dn + 1, 0], dk[dn + 1, 1], dk[dn + 1, 2], dk[dn + 1, 3] = mma_k(
                     sa0, sa1, sa2, sa3, q2, q3, dk[dn + 1, 0], dk[dn + 1, 1], dk[dn + 1, 2], dk[dn + 1, 3])
+
+    return dv_dk
+
+
+def _make_next_q(g, P, Br, gqa, PIPE):
+    """``next_q``: after the barrier that ends the tile's reads, the next Q tile's copies (this head's next, or
+    (GQA) the next query head's first) issued to fly during line 15."""
+    QO, DOO = g["offsets"]["Q"], g["offsets"]["dO"]
+    load_tile = P["load_tile"]
+
+    @cuda.jit(device=True, inline="always")
+    def next_q(i, n_i, Q, dO, L, D, sm, LDs, z, i0, i_first, z_end, tid, Nq):
         cuda.syncthreads()                     # dSᵀ complete; Q_i, dO_i, L_i, D_i no longer read
         zn = z                                 # the next Q tile: this head's ...
         n0 = i0 + Br
@@ -280,6 +230,21 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
             if PIPE and tid < Br:
                 LDs[tid] = L[zn, n0 + tid] * LOG2E if n0 + tid < Nq else POS_INF
                 LDs[Br + tid] = D[zn, n0 + tid] if n0 + tid < Nq else ZERO
+
+    return next_q
+
+
+def _make_dq(storage, g, P, d, warps, a_ds, b_cols_natural):
+    """``dq``: line 15, ``dQ_i += dS K_j`` over this warp's parts of dQ_i (16 rows × ``NDQ·8`` columns each), added
+    into HBM with float32 atomics (other key blocks add too)."""
+    KK, NDQ, CPT, IPW, PARTS, KO = g["KK"], g["NDQ"], g["CPT"], g["IPW"], g["PARTS"], g["offsets"]["K"]
+    KR, KD = g["k_regs"], g["KD"]
+    DQ32 = 0 < KR < KD                      # (d = 128: dQ's atomics indexed in 32 bits, for those registers)
+    TF32 = storage == "float32"
+    mma_k = P["mma_k"]
+
+    @cuda.jit(device=True, inline="always")
+    def dq_parts(sm, dq, dQ, z, i0, tid, lane, g8, t4, scale, Nq):
         for it in range(IPW):                  # line 15: dQ_i += dS K_j, this warp's parts (16 rows × NDQ·8 columns)
             part = (tid // 32) * IPW + it
             if PARTS % warps != 0 and part >= PARTS:
@@ -307,6 +272,12 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
                             col = cq + uint32(dn * 8 + e) if DQ32 else c0 + dn * 8 + 2 * t4 + e
                             if col < (uint32(d) if DQ32 else d):
                                 cuda.atomic.add(dQ, (z, row, col), scale * dq[dn, 2 * h + e])
+
+    return dq_parts
+
+
+def _make_q_tiles(q_tile, sparse, causal, ONE_LOOP, MASK_MOD, tile_state):
+    """``q_tiles``: line 6, the Q tiles of one query head, each computed by ``q_tile`` masked or not."""
 
     @cuda.jit(device=True, inline="always")
     def q_tiles(z, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, tid, diag, sl2, flip,
@@ -339,6 +310,147 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
             for i in range(max(i_first, i_full), n_i):     # ... then those no mask touches
                 q_tile(i, False, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag,
                        sl2, flip, scale, dQ, i_first, z_end, dst, Nk, FULL)
+
+    return q_tiles
+
+
+def _make_kv_fragments(storage, g, P, Br, Bc, PIPE):
+    """``kv_fragments``: line 5, K_j and V_j into shared memory (with the first Q tile's copies, pipelined), then
+    this warp's 16 keys of them as A fragments (all, or K_j's first ``k_regs`` k-steps); dK_j, dV_j zeroed."""
+    KD, ND = g["KD"], g["ND"]
+    KO, VO, QO, DOO = g["offsets"]["K"], g["offsets"]["V"], g["offsets"]["Q"], g["offsets"]["dO"]
+    ASYNC, KV_REGS, KR = g["copy"] == "async", g["kv_regs"], g["k_regs"]
+    at, load_tile = P["at"], P["load_tile"]
+
+    @cuda.jit(device=True, inline="always")
+    def kv_fragments(K, V, Q, dO, L, D, sm, LDs, ka, va, dk, dv, kz, z, j0, i_first, n_i, tid, lane, w16, flip, Nq,
+                     Nk):
+        load_tile(K[kz], sm, KO, j0, Nk, Bc, tid)      # line 5: K_j, V_j (with the first Q_i, dO_i)
+        load_tile(V[kz], sm, VO, j0, Nk, Bc, tid)
+        if ASYNC:
+            if PIPE and i_first < n_i:
+                load_tile(Q[z], sm, QO, i_first * Br, Nq, Br, tid)
+                load_tile(dO[z], sm, DOO, i_first * Br, Nq, Br, tid)
+                if tid < Br:
+                    r = i_first * Br + tid
+                    LDs[tid] = L[z, r] * LOG2E if r < Nq else POS_INF
+                    LDs[Br + tid] = D[z, r] if r < Nq else ZERO
+            mma.cp_async_commit()
+            mma.cp_async_wait_group(0)
+        cuda.syncthreads()
+        if KV_REGS:
+            for kk in range(KD):                       # this warp's 16 keys of K_j and V_j as A fragments, once
+                a0, a1, a2, a3 = mma.ldmatrix_x4(sm, KO + at(w16 + 8 * ((lane // 8) % 2), lane, 2 * kk + lane // 16))
+                ka[kk, 0], ka[kk, 1], ka[kk, 2], ka[kk, 3] = a0 ^ flip, a1 ^ flip, a2 ^ flip, a3 ^ flip
+                b0, b1, b2, b3 = mma.ldmatrix_x4(sm, VO + at(w16 + 8 * ((lane // 8) % 2), lane, 2 * kk + lane // 16))
+                va[kk, 0], va[kk, 1], va[kk, 2], va[kk, 3] = b0, b1, b2, b3
+        else:
+            for kk in range(KR):                       # K_j's first KR k-steps, once
+                a0, a1, a2, a3 = mma.ldmatrix_x4(sm, KO + at(w16 + 8 * ((lane // 8) % 2), lane, 2 * kk + lane // 16))
+                ka[kk, 0], ka[kk, 1], ka[kk, 2], ka[kk, 3] = a0 ^ flip, a1 ^ flip, a2 ^ flip, a3 ^ flip
+        for dn in range(ND):
+            for c in range(4):
+                dk[dn, c] = ZERO
+                dv[dn, c] = ZERO
+
+    return kv_fragments
+
+
+def _make_store_dk_dv(g, P, d):
+    """``store_dk_dv``: line 18, dK_j (times scale, once) and dV_j to HBM."""
+    ND, ONE_LOOP = g["ND"], g["one_loop"]
+    from_f32 = P["from_f32"]
+
+    @cuda.jit(device=True, inline="always")
+    def store_dk_dv(dK, dV, dk, dv, kz, j0, lane, w16, scale, Nk):
+        if ONE_LOOP:                                   # 32-bit, from the thread index (d > 64: the 64-bit lane
+            u = uint32(cuda.threadIdx.x)               # and w16, kept alive across the tile loop for this, were
+            g8 = u % uint32(32) // uint32(4)           # what spilled at Bc = 128; d = 64 compiles as it did)
+            t4 = u % uint32(4)
+            k0 = uint32(j0) + u // uint32(32) * uint32(16) + g8
+        else:
+            g8 = lane // 4
+            t4 = lane % 4
+            k0 = j0 + w16 + g8
+        for h in range(2):                             # line 18: dK_j (times scale, once), dV_j to HBM
+            row = k0 + 8 * h
+            if row < Nk:
+                for dn in range(ND):
+                    for e in range(2):
+                        col = dn * 8 + 2 * t4 + e
+                        if col < d:
+                            dK[kz, row, col] = from_f32(scale * dk[dn, 2 * h + e])
+                            dV[kz, row, col] = from_f32(dv[dn, 2 * h + e])
+
+    return store_dk_dv
+
+
+@kernel_factory("fa2_tc.backward", stage="7", signature=_bwd_sig, configs=_bwd_configs(), archs=ARCHS[80],
+                threads=lambda warps, **_: 32 * warps, dynamic_shared=_bwd_dynamic_bytes)
+def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropout=False, sparse=False, score_mod=None,
+                  mask_mod=None, H=1, score_mod_grad=None, dynamic=False):
+    """FA2 Alg. 2 on tensor cores; grid ``(Tc, BH_kv)``, ``32·warps`` threads, one block per K/V tile.  Warp ``w``
+    owns keys ``16w .. 16w + 15`` of ``K_j``: it computes ``Sᵀ = K_j Q_iᵀ`` and ``dPᵀ = V_j dO_iᵀ`` (keys × queries,
+    so that ``Pᵀ`` and ``dSᵀ`` are, in registers, the A fragments of ``dV_j += Pᵀ dO_i`` and ``dK_j += dSᵀ Q_i``);
+    ``dSᵀ`` goes to shared memory once per tile, where every warp reads it back as the A fragment of ``dQ_i = dS
+    K_j`` for its 16·QM query rows, added into HBM with float32 atomics.  ``gqa``: K, V have fewer heads than Q; a
+    block visits the Q tiles of each of its K/V head's ``G`` query heads in turn, so dK_j, dV_j are summed on chip
+    (the product kernel's policy).  ``dropout``: the forward's ``Z`` regenerated (Philox, the product kernel's
+    policy): ``dV_j += (P ∘ W)ᵀ dO_i`` and ``dS = P ∘ (dP ∘ W - D)`` with ``W = Z / (1-p)``.  ``sparse``,
+    ``score_mod``, ``mask_mod``, ``H``: as in :func:`make_forward` (a visited Q tile is copied alone), and
+    ``score_mod_grad`` (``d score_mod / d score``) multiplies dS.  ``dynamic``: the tiles live in one *dynamic* shared
+    array (launched with :func:`_bwd_dynamic_bytes` bytes), what lets them exceed 48 KiB.  sm_80 and sm_90."""
+    g = bwd_geometry(storage, d, Br, Bc, warps)
+    NQ, ND, KD, NDQ = g["NQ"], g["ND"], g["KD"], g["NDQ"]
+    TOTAL, KV_REGS = g["total"], g["kv_regs"]
+    ASYNC = g["copy"] == "async"
+    P = _make_policies(storage, g, 80)
+    SDT = _SHARED_TYPE[storage]
+    SIGN = _SIGN[storage]
+    KAV = KD if KV_REGS else 1              # V_j's A fragments kept in registers (else reloaded per tile)
+    KR = g["k_regs"]                        # K_j's first KR k-steps kept in registers ...
+    KAK = KR + (1 if KR < KD else 0)        # ... and one slot for those reloaded per tile
+    LDN = 2 * Br                            # L_i and D_i (a compile-time size)
+    ONE_LOOP = g["one_loop"]                # d > 64: dK_j, dV_j fill half the registers; one copy of the tile loop
+    group = policies.gqa(gqa)[1]
+    drop_state, keep_bits, factor = policies.dropout(dropout)
+    H = policies.check_features(sparse, mask_mod, dropout, H, 2 * NQ)   # bits: one query parity
+    tile_state, is_set = policies.tile_state(sparse), policies.is_set
+    score, allowed_bits, grad = policies.modifiers(score_mod, mask_mod, H, score_mod_grad)
+    SCORED, MASK_MOD = score_mod is not None, mask_mod is not None
+    PIPE = ASYNC and not sparse                 # prefetch the next Q tile during this one's dQ
+    b_cols, b_cols_natural, a_ds = _make_bwd_loaders(storage, g, P)
+    load_q = _make_load_q(storage, g, P, Br, PIPE)
+    s_dp = _make_s_dp(storage, g, P)
+    p_ds = _make_p_ds(storage, g, P, Br, causal, dropout,
+                      (score, allowed_bits, grad, is_set, keep_bits, factor, SCORED, MASK_MOD))
+    dv_dk = _make_dv_dk(storage, g, P, b_cols)
+    next_q = _make_next_q(g, P, Br, gqa, PIPE)
+    dq_parts = _make_dq(storage, g, P, d, warps, a_ds, b_cols_natural)
+    kv_fragments = _make_kv_fragments(storage, g, P, Br, Bc, PIPE)
+    store_dk_dv = _make_store_dk_dv(g, P, d)
+
+    @cuda.jit(device=True, inline="always")
+    def q_tile(i, masked, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, z, j0, tid, diag, sl2, flip, scale,
+               dQ, i_first, z_end, dst, Nk, st):
+        """One Q tile (FA2 Alg. 2 lines 7-16) of query head ``z``; ``masked``: it crosses the causal diagonal, or is
+        ``PARTIAL`` in the block mask (``st``).  The next tile is ``i + 1`` of the same head, or (GQA) the first of
+        the next query head before ``z_end``.  (At most 30 arguments: CPython passes more as one tuple, which
+        Numba cannot compile for a GPU.)"""
+        lane = tid % 32
+        Nq = Q.shape[1]
+        i0 = i * Br
+        w16 = (tid // 32) * 16                 # the warp's keys in K_j
+        g8 = lane // 4
+        t4 = lane % 4
+        load_q(Q, dO, L, D, sm, LDs, z, i0, tid, Nq)                   # lines 7-8: Q_i, dO_i, L_i, D_i
+        s_dp(sm, ka, va, s, dp, flip, lane, w16)                       # lines 10, 13: Sᵀ, dPᵀ
+        p_ds(masked, sm, LDs, s, dp, z, i0, j0, w16, g8, t4, diag, sl2, scale, dst, Nq, Nk, st)   # lines 11, 14
+        dv_dk(sm, s, dp, dk, dv, lane)                                 # lines 12, 16: dV_j, dK_j
+        next_q(i, n_i, Q, dO, L, D, sm, LDs, z, i0, i_first, z_end, tid, Nq)   # the next tile's copies fly ...
+        dq_parts(sm, dq, dQ, z, i0, tid, lane, g8, t4, scale, Nq)      # ... during line 15: dQ_i += dS K_j
+
+    q_tiles = _make_q_tiles(q_tile, sparse, causal, ONE_LOOP, MASK_MOD, tile_state)
 
     @cuda.jit
     def fa2_tc_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi, rb,
@@ -376,33 +488,8 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
             i_full = max(i_first, (j0 + Bc - 1 - diag + Br - 1) // Br)
             i_full = min(i_full, n_i)
         z = kz * G                                     # the first query head
-        load_tile(K[kz], sm, KO, j0, Nk, Bc, tid)      # line 5: K_j, V_j (with the first Q_i, dO_i)
-        load_tile(V[kz], sm, VO, j0, Nk, Bc, tid)
-        if ASYNC:
-            if PIPE and i_first < n_i:
-                load_tile(Q[z], sm, QO, i_first * Br, Nq, Br, tid)
-                load_tile(dO[z], sm, DOO, i_first * Br, Nq, Br, tid)
-                if tid < Br:
-                    r = i_first * Br + tid
-                    LDs[tid] = L[z, r] * LOG2E if r < Nq else POS_INF
-                    LDs[Br + tid] = D[z, r] if r < Nq else ZERO
-            mma.cp_async_commit()
-            mma.cp_async_wait_group(0)
-        cuda.syncthreads()
-        if KV_REGS:
-            for kk in range(KD):                       # this warp's 16 keys of K_j and V_j as A fragments, once
-                a0, a1, a2, a3 = mma.ldmatrix_x4(sm, KO + at(w16 + 8 * ((lane // 8) % 2), lane, 2 * kk + lane // 16))
-                ka[kk, 0], ka[kk, 1], ka[kk, 2], ka[kk, 3] = a0 ^ flip, a1 ^ flip, a2 ^ flip, a3 ^ flip
-                b0, b1, b2, b3 = mma.ldmatrix_x4(sm, VO + at(w16 + 8 * ((lane // 8) % 2), lane, 2 * kk + lane // 16))
-                va[kk, 0], va[kk, 1], va[kk, 2], va[kk, 3] = b0, b1, b2, b3
-        else:
-            for kk in range(KR):                       # K_j's first KR k-steps, once
-                a0, a1, a2, a3 = mma.ldmatrix_x4(sm, KO + at(w16 + 8 * ((lane // 8) % 2), lane, 2 * kk + lane // 16))
-                ka[kk, 0], ka[kk, 1], ka[kk, 2], ka[kk, 3] = a0 ^ flip, a1 ^ flip, a2 ^ flip, a3 ^ flip
-        for dn in range(ND):
-            for c in range(4):
-                dk[dn, c] = ZERO
-                dv[dn, c] = ZERO
+        kv_fragments(K, V, Q, dO, L, D, sm, LDs, ka, va, dk, dv, kz, z, j0, i_first, n_i, tid, lane, w16, flip, Nq,
+                     Nk)                               # line 5: K_j, V_j (with the first Q_i, dO_i)
         if gqa:                                        # each query head of the group in turn
             for z in range(kz * G, z_end):
                 q_tiles(z, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, tid, diag, sl2,
@@ -410,24 +497,6 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
         else:
             q_tiles(kz, i_first, i_full, n_i, Q, dO, L, D, sm, LDs, ka, va, dk, dv, s, dp, dq, j0, tid, diag, sl2,
                     flip, scale, dQ, z_end, dst, Nk, M)
-        if ONE_LOOP:                                   # 32-bit, from the thread index (d > 64: the 64-bit lane
-            u = uint32(cuda.threadIdx.x)               # and w16, kept alive across the tile loop for this, were
-            g8 = u % uint32(32) // uint32(4)           # what spilled at Bc = 128; d = 64 compiles as it did)
-            t4 = u % uint32(4)
-            k0 = uint32(j0) + u // uint32(32) * uint32(16) + g8
-        else:
-            g8 = lane // 4
-            t4 = lane % 4
-            k0 = j0 + w16 + g8
-        for h in range(2):                             # line 18: dK_j (times scale, once), dV_j to HBM
-            row = k0 + 8 * h
-            if row < Nk:
-                for dn in range(ND):
-                    for e in range(2):
-                        col = dn * 8 + 2 * t4 + e
-                        if col < d:
-                            dK[kz, row, col] = from_f32(scale * dk[dn, 2 * h + e])
-                            dV[kz, row, col] = from_f32(dv[dn, 2 * h + e])
+        store_dk_dv(dK, dV, dk, dv, kz, j0, lane, w16, scale, Nk)     # line 18
 
     return fa2_tc_backward
-

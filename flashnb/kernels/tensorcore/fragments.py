@@ -139,3 +139,72 @@ def _make_policies(storage, g, arch, swizzle=True):
     return dict(swz=swz, chunk_at=chunk_at, at=at, load_tile=load_tile, mma_k=mma_k, p_fragment=p_fragment,
                 from_f32=from_f32, to_f32=to_f32, to_shared=to_shared)
 
+
+
+def _make_bwd_loaders(storage, g, P):
+    """The backward's fragment loads (``g``: :func:`~flashnb.kernels.tensorcore.geometry.bwd_geometry`): ``b_cols``
+    and ``b_cols_natural`` (B fragments of row-major tiles), ``a_ds`` (dS's A fragments from dSᵀ in shared memory)."""
+    LD, LDS, E, DSO = g["LD"], g["LDS"], g["E"], g["offsets"]["dS"]
+    TF32 = storage == "float32"
+    swz, at = P["swz"], P["at"]
+    _, ds_at_chunk, ds_at = _layout(LDS, E)
+
+    @cuda.jit(device=True, inline="always")
+    def b_cols(sm, base, k8, n8, lane):
+        """The B fragment of one k-step and two 8-wide n-tiles when ``B = X`` (row-major by k, as dO_i in dV, Q_i
+        in dK, K_j in dQ): halves by ldmatrix.x4.trans (keys k8 .. k8 + 15, columns n8 .. n8 + 15); TF32 by four
+        32-bit loads, rows 2t and 2t + 1 of the 8-row step (the key order of an A fragment made from C registers)."""
+        if TF32:
+            t4 = uint32(lane % 4)
+            g8 = uint32(lane // 4)
+            r = uint32(k8) + uint32(2) * t4
+            c0 = uint32(n8 // 4) + g8 // uint32(4)
+            c1 = uint32(n8 // 4 + 2) + g8 // uint32(4)
+            w = g8 % uint32(4)
+            v0 = sm[base + r * uint32(LD) + ((c0 ^ swz(r)) * uint32(E)) + w]
+            v1 = sm[base + (r + uint32(1)) * uint32(LD) + ((c0 ^ swz(r + uint32(1))) * uint32(E)) + w]
+            v2 = sm[base + r * uint32(LD) + ((c1 ^ swz(r)) * uint32(E)) + w]
+            v3 = sm[base + (r + uint32(1)) * uint32(LD) + ((c1 ^ swz(r + uint32(1))) * uint32(E)) + w]
+            return v0, v1, v2, v3
+        return mma.ldmatrix_x4_trans(sm, base + at(k8 + 8 * ((lane // 8) % 2), lane, n8 // 8 + lane // 16))
+
+    @cuda.jit(device=True, inline="always")
+    def b_cols_natural(sm, base, k8, n8, lane):
+        """As :func:`b_cols` for an A fragment loaded in its natural order (dS from shared memory): TF32 rows t and
+        t + 4 of the step.  Halves: the same ldmatrix.trans."""
+        if TF32:
+            t4 = uint32(lane % 4)
+            g8 = uint32(lane // 4)
+            r = uint32(k8) + t4
+            c0 = uint32(n8 // 4) + g8 // uint32(4)
+            c1 = uint32(n8 // 4 + 2) + g8 // uint32(4)
+            w = g8 % uint32(4)
+            v0 = sm[base + r * uint32(LD) + ((c0 ^ swz(r)) * uint32(E)) + w]
+            v1 = sm[base + (r + uint32(4)) * uint32(LD) + ((c0 ^ swz(r + uint32(4))) * uint32(E)) + w]
+            v2 = sm[base + r * uint32(LD) + ((c1 ^ swz(r)) * uint32(E)) + w]
+            v3 = sm[base + (r + uint32(4)) * uint32(LD) + ((c1 ^ swz(r + uint32(4))) * uint32(E)) + w]
+            return v0, v1, v2, v3
+        return mma.ldmatrix_x4_trans(sm, base + at(k8 + 8 * ((lane // 8) % 2), lane, n8 // 8 + lane // 16))
+
+    @cuda.jit(device=True, inline="always")
+    def a_ds(sm, q16, k0, lane):
+        """The A fragment of ``dQ_i = dS K_j`` for queries ``q16 .. q16 + 15`` and one k-step of keys from
+        ``k0``, read from dSᵀ (rows = keys): halves by ldmatrix.x4.trans; TF32 by four 32-bit loads."""
+        if TF32:
+            t4 = uint32(lane % 4)
+            g8 = uint32(lane // 4)
+            r = uint32(k0) + t4
+            c0 = uint32(q16 // 4) + g8 // uint32(4)
+            c1 = uint32(q16 // 4 + 2) + g8 // uint32(4)
+            w = g8 % uint32(4)
+            a0 = sm[DSO + r * uint32(LDS) + ((c0 ^ swz_ds(r)) * uint32(E)) + w]
+            a1 = sm[DSO + r * uint32(LDS) + ((c1 ^ swz_ds(r)) * uint32(E)) + w]
+            a2 = sm[DSO + (r + uint32(4)) * uint32(LDS) + ((c0 ^ swz_ds(r + uint32(4))) * uint32(E)) + w]
+            a3 = sm[DSO + (r + uint32(4)) * uint32(LDS) + ((c1 ^ swz_ds(r + uint32(4))) * uint32(E)) + w]
+            return a0, a1, a2, a3
+        return mma.ldmatrix_x4_trans(sm, DSO + ds_at(k0 + 8 * (lane // 16), lane, q16 // 8 + (lane // 8) % 2))
+
+
+    swz_ds = _layout(LDS, E)[0]
+
+    return b_cols, b_cols_natural, a_ds
