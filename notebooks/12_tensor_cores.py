@@ -26,7 +26,7 @@
 # Numba's CUDA API has no tensor-core instructions. It does let an `@intrinsic` emit LLVM inline assembly, and
 # PTX has the instructions: `mma.sync` (a warp multiplies 16×8×16 tiles), `ldmatrix` (a warp loads 8×8 tiles
 # of 16-bit elements from shared memory straight into the fragment layout) and `cp.async` (a copy from global to
-# shared memory that does not pass through registers, and finishes later). `flashnb.kernels.mma` wraps them, and
+# shared memory that does not pass through registers, and finishes later). `flashnb.kernels.tensorcore.mma` wraps them, and
 # `flashnb.sim.tensorcore` gives each one a **twin** on the simulator, so everything here runs on a laptop.
 #
 # The lesson is `flashnb/stages/tensor_cores.py`: FA2's Algorithm 1 on tensor cores, float16, dense and causal, in
@@ -48,7 +48,8 @@ import flashnb
 from flashnb import registry, sim
 from flashnb.instruments import bench, sass, sass_model
 from flashnb.instruments.roofline import GPUS
-from flashnb.kernels import flash_tc, mma
+from flashnb.instruments.sass_inputs import fa2_tc
+from flashnb.kernels.tensorcore import mma
 from flashnb.notebook import savefig, show_source
 from flashnb.sim import tensorcore as tc
 from flashnb.stages import fa2_fast, tensor_cores
@@ -62,7 +63,7 @@ print("kernels run on the Numba CUDA simulator; GPU timings:",
 #
 # On a GPU, `mma.mma_m16n8k16_f16` is an `@intrinsic` whose code generation is one line of PTX; its operands are
 # 32-bit registers (two halves packed in each), its result four float32 accumulators returned as a tuple. Here is
-# how it is made (the GPU half of `flashnb/kernels/mma.py`, which the simulator does not execute):
+# how it is made (the GPU half of `flashnb/kernels/tensorcore/mma.py`, which the simulator does not execute):
 
 # %%
 src = inspect.getsource(mma).splitlines()
@@ -129,7 +130,7 @@ a = tc.encode(tc.fragments(A, tc.LAYOUTS[("m16n8k16", "a")]), "f16")
 b = tc.encode(tc.fragments(B, tc.LAYOUTS[("m16n8k16", "b")]), "f16")
 c = tc.fragments(C, tc.LAYOUTS[("c", "c")])[..., 0]
 D = flashnb.common.to_device(np.full((32, 4), np.nan, np.float32))
-from flashnb.kernels import mma_check  # noqa: E402
+from flashnb.kernels.tensorcore import check as mma_check  # noqa: E402
 
 mma_check.make_mma("m16n8k16.f16")[1, 32](a, b, c, D)
 d = tc.matrices(D.copy_to_host()[..., None].astype(np.float64), tc.LAYOUTS[("c", "c")], (16, 8))
@@ -284,10 +285,10 @@ def tile_cycles(kernel, module, config, gpu):
 
 
 cfg6 = fa2_fast.sass_config(64, False)
-cfg7 = flash_tc.sass_config(64, False)
+cfg7 = fa2_tc.sass_config(64, False)
 cost = {(stage, gpu): tile_cycles(kernel, module, cfg, gpu)
         for stage, kernel, module, cfg in (("stage 6 (FP32 cores)", "fa2_fast.forward", fa2_fast, cfg6),
-                                           ("stage 7 (tensor cores)", "fa2_tc.forward", flash_tc, cfg7))
+                                           ("stage 7 (tensor cores)", "fa2_tc.forward", fa2_tc, cfg7))
         for gpu in ("A100 80GB SXM", "H100 SXM")}
 for key, c in cost.items():
     print(f"{key[0]:<23} {key[1]:<14} matmul {c['matmul']:7.1f}  exp {c['exp']:6.1f}  other FP32 "
@@ -332,10 +333,10 @@ print("stage 6 (fa2-fast) on the same model: at most the FP32 peak,", GPUS["H100
 
 # %% [markdown]
 # `benchmarks/stage7_goals.md` (`python scripts/stage7_goals.py`) has the backward, d = 128, registers and
-# spills, and bank conflicts. On a GPU, `flash_tc.measure_gpu` times fa2-tc beside stage 6:
+# spills, and bank conflicts. On a GPU, `measure.tensor_cores.measure_gpu` times fa2-tc beside stage 6:
 
 # %%
-rows = bench.on_gpu("flashnb.kernels.flash_tc:measure_gpu", BH=64, N=4096, d=128, repeats=10)
+rows = bench.on_gpu("flashnb.instruments.measure.tensor_cores:measure_gpu", BH=64, N=4096, d=128, repeats=10)
 if rows:
     for r in rows:
         print(f"{r['impl']:>8} {r['storage']} {r['direction']:<8}: {r['median_ms']:.2f} ms, {r['tflops']:.1f} TFLOP/s")

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Everything flashnb can only check on a real GPU, in one run of under five minutes.
 
-0. The tensor-core intrinsics (``flashnb.kernels.mma``: mma.sync, ldmatrix, cp.async, the conversions) against
-   their simulator twins' NumPy core on the same random fragments (``flashnb.kernels.mma_check``): whether the
-   fragment layouts the twins (and so every simulator test of ``impl="fa2-tc"``) assume are the hardware's.
+0. The tensor-core intrinsics (``flashnb.kernels.tensorcore.mma``: mma.sync, ldmatrix, cp.async, the conversions)
+   against their simulator twins' NumPy core on the same random fragments (``flashnb.kernels.tensorcore.check``):
+   whether the fragment layouts the twins (and so every simulator test of ``impl="fa2-tc"``) assume are the hardware's.
    Rows ``impl=intrinsics`` of ``correctness.csv``; what the default (``impl="auto"``) then runs for half inputs:
    rows ``default impl for ...`` of ``measurements.csv``.
 1. Correctness of every registered implementation (``flashnb.registry.IMPLS``) at realistic sizes
@@ -180,7 +180,7 @@ def check_correctness(args, deadline: float) -> list[dict]:
 
 def check_intrinsics() -> list[dict]:
     """Step 0: every tensor-core intrinsic on this GPU against its twin's NumPy core (``mma_check.run``)."""
-    from flashnb.kernels import mma_check
+    from flashnb.kernels.tensorcore import check as mma_check
 
     try:
         rows = mma_check.run(seed=0)

@@ -22,7 +22,7 @@ import flashnb  # noqa: F401  (selects the simulator before numba.cuda is import
 from flashnb import cli
 from flashnb import instruments as fi
 from flashnb.instruments import sass, sass_model
-from flashnb.kernels import flash_tc
+from flashnb.instruments.sass_inputs import fa2_tc
 
 GPUS = ("A100 80GB SXM", "H100 SXM")
 HEADS = {64: 32, 128: 16}          # hidden 2048 = heads x d; batch 4 at N = 4096 (the FA2 paper's sweep)
@@ -41,8 +41,8 @@ def _mix(s) -> str:
 def rows():
     out = []
     mark = lambda ok: "yes" if ok else "**no**"
-    configs = {("forward", d): flash_tc.sass_config(d, False) for d in (64, 128)}
-    configs.update({("backward", d): flash_tc.bwd_sass_config(d, False) for d in (64, 128)})
+    configs = {("forward", d): fa2_tc.sass_config(d, False) for d in (64, 128)}
+    configs.update({("backward", d): fa2_tc.bwd_sass_config(d, False) for d in (64, 128)})
     kernel = {"forward": "fa2_tc.forward", "backward": "fa2_tc.backward"}
     for (direction, d), cfg in configs.items():
         s = sass.sass(kernel[direction], config=cfg, cc=(8, 0))
@@ -53,7 +53,7 @@ def rows():
     for (direction, d), cfg in configs.items():
         for c in (False, True):
             jobs += [(kernel[direction], dict(cfg, causal=c), cc) for cc in ((8, 0), (9, 0))]
-    jobs += [("fa2_tc.forward", dict(flash_tc.sass_config(64, c, Br=64, Bc=32, warps=4, arch=75)), (7, 5))
+    jobs += [("fa2_tc.forward", dict(fa2_tc.sass_config(64, c, Br=64, Bc=32, warps=4, arch=75)), (7, 5))
              for c in (False, True)]
     for (name, cfg, cc), r in zip(jobs, fi.resources_many(jobs)):
         spill = r.spill_store_bytes + r.spill_load_bytes + r.stack_bytes

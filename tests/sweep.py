@@ -39,17 +39,18 @@ def _try(fn, *args, **kwargs):
 def geometry_key(impl: str, d: int, storage: str = "float32") -> tuple:
     """What ``impl``'s kernels compute from the head dim ``d`` (in ``storage``): the default tiles and the
     geometry derived from them, forward and backward, as the library's own functions give them."""
-    from flashnb.kernels import blocks, decode, flash_tc, tiles
+    from flashnb.kernels import blocks, decode, tiles
+    from flashnb.kernels.tensorcore import geometry as tc_geometry
     from flashnb.stages import fa1, fa2, fa2_fast
 
     if impl == "fa2-tc":
         def fwd():
-            t = flash_tc.default_tiles(d, storage)
-            return _items(t) + _items(flash_tc.geometry(storage, d, **t))
+            t = tc_geometry.default_tiles(d, storage)
+            return _items(t) + _items(tc_geometry.geometry(storage, d, **t))
 
         def bwd():
-            t = flash_tc.bwd_default_tiles(d, storage)
-            return _items(t) + _items(flash_tc.bwd_geometry(storage, d, **t))
+            t = tc_geometry.bwd_default_tiles(d, storage)
+            return _items(t) + _items(tc_geometry.bwd_geometry(storage, d, **t))
         return (_try(fwd), _try(bwd))
     if impl in ("flash", "fa2-fast"):
         fwd_t = tiles.default_tiles(d) if impl == "flash" else fa2_fast.default_tiles(d)

@@ -69,7 +69,7 @@ def _wavefronts(addresses):
           each row -- so that for every c the 8 rows use 8 different chunks.""",
           explain="""physical = c XOR (r mod 8) does it: for a fixed c, r ↦ c ^ (r mod 8) takes 8 different values,
           and for a fixed r, c ↦ c ^ r is a permutation (nothing overwritten). Every 8-row matrix then costs one
-          wavefront instead of eight; flashnb.kernels.flash_tc stores Q_i, K_j, V_j and dSᵀ this way
+          wavefront instead of eight; flashnb.kernels.tensorcore stores Q_i, K_j, V_j and dSᵀ this way
           (``_layout``), which is why ``flashnb profile`` finds no conflict in fa2-tc.""")
 def check_12_2(swizzle):
     """swizzle(r, c): the physical chunk (0..7) where logical chunk c (0..7) of row r of a 64-half-wide tile

@@ -351,15 +351,19 @@ def modelled_time(c: SassCounts, *, tiles_per_block: Sequence[int], warps: int, 
 
 
 def _module_of(kernel: str):
-    """The module that defines a registered kernel's factory (it provides the model's inputs)."""
+    """The module that provides a kernel's model inputs: ``flashnb.instruments.sass_inputs.<family>`` where there is
+    one (``"fa2_tc.forward"``: :mod:`~flashnb.instruments.sass_inputs.fa2_tc`), else the module that defines the
+    registered kernel's factory."""
+    import importlib.util
     import sys
 
     from ..registry import KERNELS
 
+    inputs = f"{__package__}.sass_inputs.{kernel.split('.')[0]}"
+    if importlib.util.find_spec(inputs) is not None:
+        return importlib.import_module(inputs)
     if kernel in KERNELS:
         return sys.modules[KERNELS[kernel].factory.__module__]
-    import importlib
-
     return importlib.import_module(f"flashnb.{kernel.split('.')[0]}")
 
 

@@ -10,10 +10,10 @@ The rule, applied to each launch (forward and backward alike):
   (``Br``, ``Bc``, ``warps`` name the product kernel's tiles) and masks prepared for its tiles
   (:class:`~flashnb.kernels.tiles.PreparedMask`), the simulator, sm_75 and older GPUs.
 
-:func:`tensor_cores_checked` runs :func:`flashnb.kernels.mma_check.run` once per process and GPU: every tensor-core
-intrinsic against its simulator twin on the same random fragments.  The twins' fragment layouts are what every
-simulator test of fa2-tc checked; the first call on a new GPU settles that the hardware agrees (a few seconds,
-most of them compiling).  A mismatch keeps ``"flash"`` the default, with a ``RuntimeWarning`` naming the
+:func:`tensor_cores_checked` runs :func:`flashnb.kernels.tensorcore.check.run` once per process and GPU: every
+tensor-core intrinsic against its simulator twin on the same random fragments.  The twins' fragment layouts are
+what every simulator test of fa2-tc checked; the first call on a new GPU settles that the hardware agrees (a few
+seconds, most of them compiling).  A mismatch keeps ``"flash"`` the default, with a ``RuntimeWarning`` naming the
 intrinsics.  ``FLASHNB_TENSOR_CORES=off`` (or ``0``) keeps ``"flash"`` without running the check.
 
 :data:`last_choice` says what the latest call chose and why: ``{"direction", "impl", "reason"}``.
@@ -26,7 +26,8 @@ import warnings
 
 from .. import runtime
 from ..registry import IMPLS, Impl, register_auto
-from . import flash, flash_tc  # noqa: F401  (the two impls it chooses between, registered first)
+from . import flash  # noqa: F401  (the two impls it chooses between, registered first)
+from .launch import tensorcore  # noqa: F401
 
 __all__ = ["choose", "tensor_cores_checked", "last_choice", "HALF", "TC_OPTIONS", "ENV"]
 
@@ -73,14 +74,15 @@ def _device_id() -> int:
 
 
 def _run_check() -> list[dict]:
-    from . import mma_check
+    from .tensorcore import check as mma_check
 
     return mma_check.run(seed=0)
 
 
 def tensor_cores_checked() -> tuple[bool, str]:
     """``(ok, what failed)``: whether this GPU's tensor-core instructions agree with their simulator twins
-    (:func:`flashnb.kernels.mma_check.run`), run once per process and GPU and remembered.  A failure warns once."""
+    (:func:`flashnb.kernels.tensorcore.check.run`), run once per process and GPU and remembered.  A failure warns
+    once."""
     key = _device_id()
     if key not in _CHECKED:
         try:

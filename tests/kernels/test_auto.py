@@ -113,7 +113,7 @@ def test_the_environment_switch(gpu, monkeypatch):
 
 
 def test_the_real_check_passes_on_the_twins(monkeypatch):
-    """:func:`auto.tensor_cores_checked` runs :func:`flashnb.kernels.mma_check.run` (on the simulator: the twins
+    """:func:`auto.tensor_cores_checked` runs :func:`flashnb.kernels.tensorcore.check.run` (on the simulator: the twins
     against their NumPy cores, a rehearsal of what a GPU runs)."""
     monkeypatch.setattr(auto, "_CHECKED", {})
     assert auto.tensor_cores_checked() == (True, "")

@@ -18,7 +18,11 @@ from numba import float32
 import flashnb
 from flashnb import common, flex, reference, sim
 from flashnb.instruments import traffic
-from flashnb.kernels import flash_tc, mma, policies
+from flashnb.kernels import policies
+from flashnb.kernels.launch import tensorcore as tc
+from flashnb.kernels.tensorcore import backward as tc_backward
+from flashnb.kernels.tensorcore import forward as tc_forward
+from flashnb.kernels.tensorcore import geometry, mma
 
 torch = pytest.importorskip("torch")
 
@@ -72,14 +76,14 @@ def test_grouped_query_heads_within_flashattentions_rule(rng, storage, d, causal
     scale = 1 / np.sqrt(d)
     with traffic.count() as t:
         o, lse = flashnb.attention_forward(q, k, v, causal=causal, impl="fa2-tc", storage=storage, **TILES)
-    assert t.summary() == flash_tc.model_forward(BH, Nq, Nk, d, causal=causal, storage=storage, group=G, **TILES)
+    assert t.summary() == tc.model_forward(BH, Nq, Nk, d, causal=causal, storage=storage, group=G, **TILES)
     o_ref, _ = reference.attention_forward(*exact[:3], causal=causal)
     pt = torch_half(*tensors, causal, scale, group=G)
     assert maxerr(values(o, storage), o_ref) <= 2 * maxerr(pt[0], o_ref)
     with traffic.count() as t:
         grads = flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, impl="fa2-tc", storage=storage,
                                            **TILES)
-    model = flash_tc.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, group=G, **TILES)
+    model = tc.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, group=G, **TILES)
     assert t.summary() == model
     assert model[1]["reads"]["K"] == Hkv * Nk * d                # K, V once per K/V head
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
@@ -114,7 +118,7 @@ def test_dropout_draws_the_product_kernels_mask(rng, storage, shape_q, Nk, causa
     opts = dict(causal=causal, impl="fa2-tc", storage=storage, dropout_p=p, seed=seed, **TILES)
     with traffic.count() as t:
         o, lse = flashnb.attention_forward(q, k, v, **opts)
-    assert t.summary() == flash_tc.model_forward(BH, Nq, Nk, d, causal=causal, storage=storage, group=G, **TILES)
+    assert t.summary() == tc.model_forward(BH, Nq, Nk, d, causal=causal, storage=storage, group=G, **TILES)
     krep, vrep = (np.repeat(a, G, axis=0) for a in exact[1:3])
     o_ref, lse_ref = reference.attention_forward(exact[0], krep, vrep, causal=causal, dropout_mask=W)
     pt = torch_half(*tensors, causal, scale, group=G, W=W)
@@ -124,7 +128,7 @@ def test_dropout_draws_the_product_kernels_mask(rng, storage, shape_q, Nk, causa
     assert_close(lse, lse_ref, atol=2e-5, rtol=2e-5, what=f"{storage} lse")        # as without dropout
     with traffic.count() as t:
         grads = flashnb.attention_backward(q, k, v, o, lse, do, **opts)
-    assert t.summary() == flash_tc.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, group=G, **TILES)
+    assert t.summary() == tc.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, group=G, **TILES)
     refs = reference.attention_backward(exact[0], krep, vrep, exact[3], causal=causal, dropout_mask=W)
     refs = (refs[0], *(r.reshape(Hkv, G, Nk, d).sum(axis=1) for r in refs[1:]))   # K/V gradients sum per group
     for name, g, r, pg in zip(("dq", "dk", "dv"), grads, refs, pt[1:]):
@@ -207,14 +211,14 @@ def test_traffic_equals_the_model(rng, storage, d, causal):
     q, k, v, do = (common.to_device(conv(rng.standard_normal((BH, n, d))), storage) for n in (Nq, Nk, Nk, Nq))
     scale = 1 / np.sqrt(d)
     with traffic.count() as t:
-        o, lse = flash_tc.forward(q, k, v, causal=causal, scale=scale, storage=storage, **TILES)
-    t.check_model(flash_tc.model_forward(BH, Nq, Nk, d, causal=causal, storage=storage, **TILES))
+        o, lse = tc.forward(q, k, v, causal=causal, scale=scale, storage=storage, **TILES)
+    t.check_model(tc.model_forward(BH, Nq, Nk, d, causal=causal, storage=storage, **TILES))
     with traffic.count() as t:
-        flash_tc.backward(q, k, v, o, lse, do, causal=causal, scale=scale, storage=storage, **TILES)
-    t.check_model(flash_tc.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, **TILES))
+        tc.backward(q, k, v, o, lse, do, causal=causal, scale=scale, storage=storage, **TILES)
+    t.check_model(tc.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, **TILES))
     from flashnb.kernels.models import model_bytes
     assert [lt.read_bytes for lt in t.launches] == [m["read_bytes"] for m in model_bytes(
-        flash_tc.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, **TILES), storage)]
+        tc.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, **TILES), storage)]
 
 
 # --------------------------------------------------------------------------- attention modifiers and block masks
@@ -287,7 +291,7 @@ def test_modifiers_and_block_masks_within_flashattentions_rule(rng, checked_modi
     bm = None if mask_mod is None else flex.create_block_mask(mask_mod, B, H, Nq, Nk, Br=TILES["Br"], Bc=TILES["Bc"])
     if bm is not None:
         assert {0, 2} <= set(np.unique(bm.states)), "the case must have EMPTY and PARTIAL tiles"
-    assert t.summary() == flash_tc.model_forward(B * H, Nq, Nk, d, causal=causal, storage=storage, group=G,
+    assert t.summary() == tc.model_forward(B * H, Nq, Nk, d, causal=causal, storage=storage, group=G,
                                                  block_mask=bm, **TILES)
     sm = None if score_mod is None else flex.numpy_modifier(score_mod)
     krep, vrep = (np.repeat(a, G, axis=1) for a in exact[1:3])
@@ -301,7 +305,7 @@ def test_modifiers_and_block_masks_within_flashattentions_rule(rng, checked_modi
     assert_close(lse, lse_ref, atol=5e-5, rtol=5e-5, what=f"{storage} lse")
     with traffic.count() as t:
         grads = flashnb.attention_backward(q, k, v, o, lse, do, **opts)
-    assert t.summary() == flash_tc.model_backward(B * H, Nq, Nk, d, causal=causal, storage=storage, group=G,
+    assert t.summary() == tc.model_backward(B * H, Nq, Nk, d, causal=causal, storage=storage, group=G,
                                                   block_mask=bm, **TILES)
     # the reference's derivative: the gallery's own, or (rel_bias, which the kernel derives from its source) 1
     g = None if score_mod is None else (flex.numpy_modifier(score_mod.grad) if hasattr(score_mod, "grad") else
@@ -335,9 +339,9 @@ def test_block_mask_tiles_and_errors(rng):
 
     prepared = flash.prepare_block_mask(blocks, direction="forward", BH=1, Nq=128, Nk=64, d=16)
     with pytest.raises(TypeError, match="block_mask: fa2-tc takes a flashnb.masks.BlockMask"):
-        flash_tc.forward(*(common.to_device(a, "float16") for a in (q, k, v)), scale=0.25, block_mask=prepared)
+        tc.forward(*(common.to_device(a, "float16") for a in (q, k, v)), scale=0.25, block_mask=prepared)
     with pytest.raises(ValueError, match="mask_mod needs sparse=True"):
-        flash_tc.make_forward(32, 32, 16, 2, False, mask_mod=band)
+        tc_forward.make_forward(32, 32, 16, 2, False, mask_mod=band)
 
 
 @pytest.mark.parametrize("Br, Bc, Nq, Nk", [(16, 80, 32, 100), (64, 48, 70, 96)])
@@ -349,7 +353,7 @@ def test_backward_fits_a_block_mask_with_fewer_warps(rng, Br, Bc, Nq, Nk):
     bm = flex.create_block_mask(flex.causal(), 1, 1, Nq, Nk, Br=Br, Bc=Bc)
     o, lse = flashnb.attention_forward(q, k, v, impl="fa2-tc", block_mask=bm)
     grads = flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2-tc", block_mask=bm)
-    t = flash_tc.last_backward
+    t = tc.last_backward
     assert Bc % t["Bc"] == 0 and Br % t["Br"] == 0 and t["Br"] % t["Bc"] == 0, t
     mask = flex.mask_array(flex.causal(), 1, 1, Nq, Nk)[0, 0]
     o_ref, _ = reference.attention_forward(*exact[:3], mask=mask)
@@ -395,8 +399,8 @@ def test_a_block_mask_with_gaps_pipelines_the_visited_tiles(rng):
         o, lse = flashnb.attention_forward(q, k, v, impl="fa2-tc", block_mask=bm)
         grads = flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2-tc", block_mask=bm)
     assert not report.findings
-    model = (flash_tc.model_forward(2, 64, 96, 16, block_mask=bm)
-             + flash_tc.model_backward(2, 64, 96, 16, block_mask=bm))
+    model = (tc.model_forward(2, 64, 96, 16, block_mask=bm)
+             + tc.model_backward(2, 64, 96, 16, block_mask=bm))
     assert t.summary() == model
     o_ref, _ = reference.attention_forward(*exact[:3], mask=mask)
     assert_close(values(o, "float16"), o_ref, atol=2e-3, rtol=2e-3, what="o")
@@ -477,7 +481,7 @@ def test_sm75_forward_on_the_simulator(rng):
     # the T4 kernel: m16n8k8 (two per k-step), plain copies into one buffer; launched by hand (the simulator is
     # an sm_80 to the launcher)
     (q, k, v), exact, _ = half_inputs(rng, "float16", (1, 40, 32), 48, do=False)
-    kernel = flash_tc.make_forward(32, 32, 32, 2, True, "float16", 75)
+    kernel = tc_forward.make_forward(32, 32, 32, 2, True, "float16", 75)
     O = common.empty((1, 40, 32), storage="float16")
     L = common.empty((1, 40))
     dev = [common.to_device(a, "float16") for a in (q, k, v)]
@@ -504,9 +508,9 @@ def test_backward_default_tiles_at_d128(rng, storage, shape_q, Nk, causal):
     o, lse = flashnb.attention_forward(q, k, v, causal=causal, impl="fa2-tc", storage=storage)
     with traffic.count() as t:
         grads = flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, impl="fa2-tc", storage=storage)
-    assert flash_tc.last_backward == dict(d=128, Br=16, Bc=128, warps=8, dynamic=True, shared_bytes=77_952,
+    assert tc.last_backward == dict(d=128, Br=16, Bc=128, warps=8, dynamic=True, shared_bytes=77_952,
                                           fallback=None)
-    assert t.summary() == flash_tc.model_backward(shape_q[0], shape_q[1], Nk, d, causal=causal, storage=storage)
+    assert t.summary() == tc.model_backward(shape_q[0], shape_q[1], Nk, d, causal=causal, storage=storage)
     refs = reference.attention_backward(*exact, causal=causal)
     pt = torch_half(*tensors, causal, 1 / np.sqrt(d))
     for name, g, r, p in zip(("dq", "dk", "dv"), grads, refs, pt[1:]):
@@ -523,7 +527,7 @@ def test_all_four_sanitizer_tools_on_the_dynamic_backward(rng):
     o, lse = flashnb.attention_forward(q, k, v, causal=True, impl="fa2-tc")
     with sim.sanitize() as report:
         flashnb.attention_backward(q, k, v, o, lse, do, causal=True, impl="fa2-tc")
-    assert flash_tc.last_backward["dynamic"]
+    assert tc.last_backward["dynamic"]
     assert report.launches == 3 and not report.findings          # D, the backward, dQ -> float16
 
 
@@ -537,11 +541,11 @@ def test_backward_falls_back_to_static_tiles_when_the_device_refuses(rng, monkey
     opts = dict(impl="fa2-tc", storage=storage)
     o, lse = flashnb.attention_forward(q, k, v, **opts)
     static = flashnb.attention_backward(q, k, v, o, lse, do, Br=16, Bc=Bc, warps=warps, **opts)
-    monkeypatch.setattr(flash_tc, "shared_optin_limit", lambda: 48 * 1024 + 512)
+    monkeypatch.setattr(tc, "shared_optin_limit", lambda: 48 * 1024 + 512)
     with pytest.warns(RuntimeWarning, match=f"falling back to the static tiles Br=16, Bc={Bc}, warps={warps}"):
         grads = flashnb.attention_backward(q, k, v, o, lse, do, **opts)
-    assert flash_tc.last_backward["dynamic"] is False and flash_tc.last_backward["Bc"] == Bc
-    assert "opt-in limit of 49,664 B" in flash_tc.last_backward["fallback"]
+    assert tc.last_backward["dynamic"] is False and tc.last_backward["Bc"] == Bc
+    assert "opt-in limit of 49,664 B" in tc.last_backward["fallback"]
     for g, s in zip(grads, static):
         np.testing.assert_array_equal(g, s)
     if storage == "bfloat16":
@@ -551,10 +555,10 @@ def test_backward_falls_back_to_static_tiles_when_the_device_refuses(rng, monkey
     def refuse(kernel, signature, nbytes):
         raise RuntimeError("CUDA_ERROR_INVALID_VALUE (faked)")
 
-    monkeypatch.setattr(flash_tc, "allow_dynamic_shared", refuse)
+    monkeypatch.setattr(tc, "allow_dynamic_shared", refuse)
     with pytest.warns(RuntimeWarning, match="opt-in call for 77,824 B failed"):
         grads = flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2-tc")
-    assert flash_tc.last_backward["Bc"] == 32 and "faked" in flash_tc.last_backward["fallback"]
+    assert tc.last_backward["Bc"] == 32 and "faked" in tc.last_backward["fallback"]
     for g, s in zip(grads, static):
         np.testing.assert_array_equal(g, s)
     with pytest.raises(RuntimeError, match="refused 77,824 B of dynamic shared memory for tiles Br=16, Bc=128"):
@@ -570,10 +574,10 @@ def test_rehearsed_gpu_backward_asks_the_driver_for_the_dynamic_bytes(rng):
     before = len(rehearsal.dynamic_shared_requests)
     with rehearsal.pretend_gpu():
         dq, dk, dv = (common.to_device(a, "float16") for a in (q, k, v))
-        o, lse = flash_tc.forward(dq, dk, dv, scale=0.1)
-        flash_tc.backward(dq, dk, dv, o, lse, common.to_device(do, "float16"), scale=0.1)
-    assert rehearsal.dynamic_shared_requests[before:] == [("fa2_tc_backward", flash_tc._bwd_sig("float16"), 77_824)]
-    assert flash_tc.last_backward["dynamic"] and flash_tc.last_backward["fallback"] is None
+        o, lse = tc.forward(dq, dk, dv, scale=0.1)
+        tc.backward(dq, dk, dv, o, lse, common.to_device(do, "float16"), scale=0.1)
+    assert rehearsal.dynamic_shared_requests[before:] == [("fa2_tc_backward", tc_backward._bwd_sig("float16"), 77_824)]
+    assert tc.last_backward["dynamic"] and tc.last_backward["fallback"] is None
 
 
 # --------------------------------------------------------------------------- bad input
@@ -589,16 +593,16 @@ def test_bad_input_names_the_argument(rng):
     with pytest.raises(ValueError, match=r"Br=24 must be a multiple of 16·warps = 32"):
         flashnb.attention(x, x, x, impl="fa2-tc", Br=24, Bc=32, warps=2)
     with pytest.raises(TypeError, match="fa2-tc: k must be float16"):
-        flash_tc.forward(*(common.to_device(a, s) for a, s in ((x, "float16"), (x.astype(np.float32), "float32"),
+        tc.forward(*(common.to_device(a, s) for a, s in ((x, "float16"), (x.astype(np.float32), "float32"),
                                                                  (x, "float16"))), scale=1.0)
     with pytest.raises(ValueError, match=r"fa2-tc needs tensor-core instructions this GPU \(sm_70\) does not have: "
                                          r"it runs on sm_75 and newer"):
         mma.check_arch("fa2-tc", ((7, 5),), cc=(7, 0))
     with pytest.raises(ValueError, match=r"fa2-tc backward needs .* \(sm_75\) .* sm_80, sm_90 and newer"):
-        mma.check_arch("fa2-tc backward", flash_tc.ARCHS[80], cc=(7, 5))
+        mma.check_arch("fa2-tc backward", geometry.ARCHS[80], cc=(7, 5))
     with pytest.raises(ValueError, match=r"head dim d must be <= 64 .* forward with float32 \(TF32\)"):
         flashnb.attention_forward(*(rng.standard_normal((1, 8, 72)) for _ in range(3)), impl="fa2-tc")
     with pytest.raises(ValueError, match=r"head dim d must be <= 32 .* backward with float32 \(TF32\)"):
-        flash_tc.bwd_default_tiles(40, "float32")
+        geometry.bwd_default_tiles(40, "float32")
     with pytest.raises(ValueError, match="on sm_75 takes float16 only"):
-        flash_tc.geometry("bfloat16", 64, 64, 32, 4, arch=75)
+        geometry.geometry("bfloat16", 64, 64, 32, 4, arch=75)

@@ -17,12 +17,12 @@ CI, EXHAUSTIVE = sweep.cases([("fa2-tc", ["float16", "bfloat16", "float32"])], b
 def test_the_dq_parts_tile_every_padded_width():
     """dQ_i's parts cover each padded width exactly once, in whole pairs of n-tiles (what the kernel's loop over
     ``range(0, NDQ, 2)`` and its atomics assume), for every head dim and every tile choice the launcher makes."""
-    from flashnb.kernels import flash_tc
+    from flashnb.kernels.tensorcore import geometry
     for storage in ("float16", "bfloat16"):
         for d in range(1, 129):
             for static in (False, True):
-                t = flash_tc.bwd_default_tiles(d, storage, static=static)
-                g = flash_tc.bwd_geometry(storage, d, **t)
+                t = geometry.bwd_default_tiles(d, storage, static=static)
+                g = geometry.bwd_geometry(storage, d, **t)
                 covered = sorted(c0 + c for c0 in range(0, g["CPT"] * g["NDQ"] * 8, g["NDQ"] * 8)
                                  for c in range(g["NDQ"] * 8))
                 assert covered == list(range(g["Dp"])) and g["NDQ"] % 2 == 0, (storage, d, t, g["CPT"], g["NDQ"])

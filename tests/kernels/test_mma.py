@@ -20,8 +20,9 @@ from numba import cuda, uint16, uint32
 
 import flashnb
 from flashnb import sim
-from flashnb.kernels import mma, mma_check
-from flashnb.kernels.mma import SHARED_ALIGN
+from flashnb.kernels.tensorcore import check as mma_check
+from flashnb.kernels.tensorcore import mma
+from flashnb.kernels.tensorcore.mma import SHARED_ALIGN
 from flashnb.sim import tensorcore as tc
 from flashnb.sim import vector
 

@@ -1,0 +1,1 @@
+"""GPU measurements (CUDA-event timings) of the kernels, one module per lesson."""

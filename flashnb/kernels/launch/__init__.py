@@ -1,0 +1,1 @@
+"""Host launchers of the kernels: argument checks, tiles, launches."""
