@@ -3,8 +3,8 @@
 FA2's Section 3.1 argument is about tensor cores: an A100 multiplies float16 matrices 16x faster (312 TFLOP/s) than
 it does anything else (19.5 TFLOP/s FP32), so every non-matmul FLOP costs as much as 16 matmul FLOPs.  Stages 4-6
 ran the matmuls on the FP32 cores.  Here the same Algorithm 1 runs its two matmuls as warp-level MMAs
-(``mma.sync.aligned.m16n8k16``: float16 inputs, float32 accumulators; :mod:`flashnb.kernels.mma` emits the PTX from
-Numba and gives each instruction a simulator twin), and four things change against stage 6:
+(``mma.sync.aligned.m16n8k16``: float16 inputs, float32 accumulators; :mod:`flashnb.kernels.tensorcore.mma` emits
+the PTX from Numba and gives each instruction a simulator twin), and four things change against stage 6:
 
 1. **Fragments instead of micro-tiles.**  Warp ``w`` owns the 16 query rows ``16w .. 16w+15`` of ``Q_i``
    (``Br = 16·warps``).  A lane holds pieces of every operand, as the PTX ISA lays them out: with ``g = lane // 4``
@@ -57,8 +57,8 @@ from ..common import (
     storage_of,
     to_device,
 )
-from ..kernels import mma
-from ..kernels.mma import SHARED_ALIGN
+from ..kernels.tensorcore import mma
+from ..kernels.tensorcore.mma import SHARED_ALIGN
 from ..registry import kernel_factory
 
 __all__ = ["make_forward", "make_tile", "swizzled_layout", "plain_layout", "tile_copy", "forward", "attention",
