@@ -38,7 +38,7 @@ from .rng import check_dropout, dropout_word_np, keep_threshold
 
 __all__ = ["attention", "attention_forward", "attention_backward", "KERNEL_OPTIONS", "MAX_HEAD_DIM", "SCORE_LIMIT"]
 
-MAX_HEAD_DIM = 128
+from .common import MAX_HEAD_DIM  # noqa: E402  (the head dims every impl is built for)
 
 _SHAPES_DOC = "(N, d), (H, N, d) or (B, H, N, d)"
 

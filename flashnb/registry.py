@@ -281,9 +281,7 @@ class Impl:
         """FLOPs by the FlashAttention benchmark formula (forward ``4·B·H·Nq·Nk·d``, halved when causal;
         backward 2.5x).  For an impl with a :meth:`mask_for` mask, the pairs it skips are not counted:
         ``4·B·H·d·(allowed pairs)``."""
-        from .instruments import roofline
-
-        fn = roofline.flops_forward if direction in ("forward", "fwd") else roofline.flops_backward
+        fn = flops_forward if direction in ("forward", "fwd") else flops_backward
         mask = self.mask_for(Nq, Nk, d, causal)
         if mask is None:
             return fn(B, H, Nq, Nk, d, causal)
@@ -298,6 +296,28 @@ class Impl:
 def _impl_module(entry) -> str:
     modules = IMPL_MODULES.get(entry.name)
     return _module_prefix(modules[0]) if modules else ""
+
+
+#: FLOPs by the FlashAttention benchmark convention (what :meth:`Impl.flops` counts; :mod:`flashnb.instruments.roofline`
+#: plots them).
+def _check_dims(**dims):
+    for k, v in dims.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{k} must be a positive int, got {v!r}")
+
+
+def flops_forward(B: int, H: int, Nq: int, Nk: int, d: int, causal: bool = False) -> float:
+    """Forward FLOPs by the FlashAttention benchmark convention: ``4·B·H·Nq·Nk·d`` (two matmuls, QKᵀ and
+    PV, at 2 FLOP per multiply-add), halved when causal (about half the scores are masked; exact for
+    Nq = Nk up to the diagonal).  Softmax FLOPs are not counted."""
+    _check_dims(B=B, H=H, Nq=Nq, Nk=Nk, d=d)
+    f = 4.0 * B * H * Nq * Nk * d
+    return f / 2 if causal else f
+
+
+def flops_backward(B: int, H: int, Nq: int, Nk: int, d: int, causal: bool = False) -> float:
+    """Backward FLOPs: 2.5 x forward (five matmuls to the forward's two; benchmark_flash_attention.py)."""
+    return 2.5 * flops_forward(B, H, Nq, Nk, d, causal)
 
 
 IMPLS: dict[str, Impl] = _OnDemand(lambda name: IMPL_MODULES.get(name, ()), _impl_module)

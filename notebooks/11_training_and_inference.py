@@ -247,7 +247,7 @@ show_source(common.to_bfloat16)
 # a child process on the machine's GPU); without one it prints that nothing was measured.
 
 # %%
-gpu_rows = bench.on_gpu("flashnb.instruments.bench:measure_storage", BH=16, N=4096, d=64, repeats=10)
+gpu_rows = bench.on_gpu("flashnb.instruments.measure.storage:measure_storage", BH=16, N=4096, d=64, repeats=10)
 if gpu_rows:
     for r in gpu_rows:
         print(f"{r['storage']:>9} {r['direction']:>8}: {r['median_ms']:8.3f} ms, modelled "
