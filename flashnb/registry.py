@@ -38,7 +38,7 @@ IMPL_MODULES: dict[str, tuple[str, ...]] = {
     "fa2-fast": ("flashnb.stages.fa2_fast",),
     "flash": ("flashnb.kernels", "flashnb.flex"),
     "fa2-tc": ("flashnb.kernels", "flashnb.flex"),
-    "flash-decoding": ("flashnb.kernels.decode",),
+    "flash-decoding": ("flashnb.kernels.launch.decode",),
     "auto": ("flashnb.kernels", "flashnb.flex"),
 }
 
@@ -47,7 +47,8 @@ IMPL_MODULES: dict[str, tuple[str, ...]] = {
 MODULES: tuple[str, ...] = (
     "flashnb.rng", "flashnb.stages.naive", "flashnb.stages.softmax", "flashnb.stages.fa1", "flashnb.stages.fa2",
     "flashnb.stages.fa2_steps", "flashnb.stages.block_sparse", "flashnb.kernels", "flashnb.flex",
-    "flashnb.stages.fa2_fast", "flashnb.stages.fa2_fast_steps", "flashnb.kernels.decode", "flashnb.instruments.bench",
+    "flashnb.stages.fa2_fast", "flashnb.stages.fa2_fast_steps", "flashnb.kernels.decode",
+    "flashnb.kernels.launch.decode", "flashnb.instruments.bench",
 )
 
 _LOADING = [False]   # an on-demand import under way (of either registry): nested requests wait for it

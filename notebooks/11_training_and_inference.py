@@ -620,7 +620,7 @@ print(f"modelled best of these: {best} splits, {min(times):.1f} µs; heuristic {
 # and `decode.measure_gpu` refuses to run unless `flashnb.MODE == "gpu"`); here it measures nothing.
 
 # %%
-gpu_rows = bench.on_gpu("flashnb.kernels.decode:measure_gpu", BH=BH, length=LENGTH, d=D, Nq=1, splits=[1, 4, 16, None])
+gpu_rows = bench.on_gpu("flashnb.instruments.measure.decode:measure_gpu", BH=BH, length=LENGTH, d=D, Nq=1, splits=[1, 4, 16, None])
 if gpu_rows:
     for r in gpu_rows:
         print(f"{r['impl']:<15} splits={r['num_splits']!s:>4} blocks={r['blocks']:>4} "

@@ -334,7 +334,7 @@ def test_uint16_without_bfloat16_storage_is_refused(rng):
     storage="bfloat16" is a TypeError naming it and storage="bfloat16": for q of the default storage, do alone in a
     backward, an explicit storage="float32", an impl without half storage, a torch tensor's values, and
     flash-decoding's cache.  Other integer dtypes stay integer values."""
-    from flashnb.kernels import decode
+    from flashnb.kernels.launch import decode
 
     q, k, v = (rng.standard_normal((1, 16, 8)) for _ in range(3))
     bits = [common.to_bfloat16(a) for a in (q, k, v)]
