@@ -272,6 +272,9 @@ class Impl:
     # modifiers for a GPU (flashnb.flex.check_modifiers); None: the impl does both itself
     mask_tiles: Callable[..., dict] | None = None
     precision: str = "float32"   # what float32 inputs' matmuls run in: "float32" (CUDA cores) or "tf32" (tensor cores)
+    # the module holding the traffic models (``model_forward``, ``model_backward``) when it is not the launcher's
+    # own: named, not imported, so a launcher never imports the models built on top of it
+    models: str | None = None
 
     def mask_for(self, Nq: int, Nk: int, d: int, causal: bool, **options):
         """The boolean (Nq, Nk) mask this impl applies beyond ``causal`` (None: dense attention), so it can
@@ -385,7 +388,7 @@ def _per_head_chunks(fn):
 
 
 def register_impl(name: str, *, stage: str, description: str, forward, backward=None, options=(),
-                  reference_mask=None, gqa=False, mask_tiles=None, precision="float32"):
+                  reference_mask=None, gqa=False, mask_tiles=None, precision="float32", models=None):
     """Make ``impl=name`` available in the public API, the tour and the benchmarks.
 
     ``reference_mask(Nq, Nk, d, causal, **options)`` is for impls that do not compute dense attention
@@ -395,6 +398,8 @@ def register_impl(name: str, *, stage: str, description: str, forward, backward=
     build a ``mask_mod``'s block mask before calling it, so its kernels never call back into :mod:`flashnb.flex`).
     K/V head ``z // G``).  ``precision``: ``"tf32"`` for an impl whose float32 inputs go through TF32 tensor cores
     (10-bit mantissas: errors ~1e-3 where float32 gives ~1e-6; tests and the tour hold it to TF32's tolerance).
+    ``models``: the name of the module with the impl's traffic models (``model_forward``, ...), when they do not
+    live beside its launchers (``flashnb bench`` and the tour look there).
     """
     if dict.__contains__(IMPLS, name):
         raise ValueError(f"impl {name!r} registered twice")
@@ -403,7 +408,7 @@ def register_impl(name: str, *, stage: str, description: str, forward, backward=
     if precision not in ("float32", "tf32"):
         raise ValueError(f"precision must be 'float32' or 'tf32', got {precision!r}")
     IMPLS[name] = Impl(name, stage, description, forward, backward, tuple(options), reference_mask, bool(gqa),
-                       mask_tiles, precision)
+                       mask_tiles, precision, models)
     return IMPLS[name]
 
 

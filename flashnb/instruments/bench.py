@@ -424,9 +424,10 @@ def queries_for(impl: str, N: int) -> int:
 
 def _traffic_model(entry, direction: str):
     """The analytic model of ``entry``'s ``direction``, by the launcher's name in its module: ``forward`` ->
-    ``model_forward``, ``forward_rows`` -> ``model_rows_forward`` (None when the module has none)."""
+    ``model_forward``, ``forward_rows`` -> ``model_rows_forward`` (None when the module has none); in the module
+    ``entry.models`` names when the models do not live beside the launchers."""
     fn = entry.forward if direction == "fwd" else entry.backward
-    mod = importlib.import_module(fn.__module__)
+    mod = importlib.import_module(getattr(entry, "models", None) or fn.__module__)
     base = "forward" if direction == "fwd" else "backward"
     name = getattr(fn, "__name__", "")
     step = name[len(base) + 1:] if name.startswith(base + "_") else ""
