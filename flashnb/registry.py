@@ -51,7 +51,7 @@ MODULES: tuple[str, ...] = (
     "flashnb.kernels.launch.decode", "flashnb.instruments.bench",
 )
 
-_LOADING = [False]   # an on-demand import under way (of either registry): nested requests wait for it
+_LOADING = [False]   # a listing's imports under way (either registry): a listing made meanwhile sees what is there
 
 
 class _OnDemand(dict):
@@ -302,8 +302,9 @@ def _impl_module(entry) -> str:
     return _module_prefix(modules[0]) if modules else ""
 
 
-#: FLOPs by the FlashAttention benchmark convention (what :meth:`Impl.flops` counts; :mod:`flashnb.instruments.roofline`
-#: plots them).
+# --------------------------------------------------------------------------- FLOPs (Impl.flops; roofline plots them)
+
+
 def _check_dims(**dims):
     for k, v in dims.items():
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
