@@ -6,7 +6,7 @@
   ``MULTIPROCESSOR_COUNT x FP32 lanes per SM x 2 (FMA) x CLOCK_RATE`` (lanes per SM by compute capability).
 * :func:`sweep` / :func:`main_bench` -- every registered implementation's device-level forward and backward
   over sizes; a CSV with provenance columns and a plot.
-* :func:`measure_impls` (and ``softmax.measure_gpu``, ``block_sparse.measure_gpu``) -- the measurements the
+* :func:`measure_impls` (and :mod:`flashnb.instruments.measure`: each lesson's and kernel's) -- the measurements the
   notebooks show; :func:`on_gpu` runs one in a separate process on the GPU, because a notebook's own
   process runs the simulator (only it can count traffic) and a process's mode is fixed at import.
 
