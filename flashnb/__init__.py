@@ -1,7 +1,10 @@
 """flashnb -- FlashAttention built kernel by kernel in Numba CUDA, one notebook per stage.
 
 Importing flashnb chooses the device first (a real GPU when a CUDA driver and device are present, the
-Numba CUDA simulator otherwise; ``FLASHNB_DEVICE=gpu|sim`` overrides), then registers every stage.
+Numba CUDA simulator otherwise; ``FLASHNB_DEVICE=gpu|sim`` overrides), then loads the surface: :func:`attention`,
+:func:`attention_forward`, :func:`attention_backward`.  The rest is imported on first use: a sub-package when it is
+named (``flashnb.instruments``), an impl when it is asked for (``impl="fa2"`` imports :mod:`flashnb.stages.fa2`; see
+:data:`flashnb.registry.IMPL_MODULES`).
 
 The package, from the bottom up:
 
@@ -20,33 +23,16 @@ Modules that moved keep their old names: ``flashnb.fa2`` is :mod:`flashnb.stages
 
 import sys as _sys
 
-from . import runtime  # must come first: decides NUMBA_ENABLE_CUDASIM before numba.cuda is imported
+from . import runtime  # noqa: F401  must come first: decides NUMBA_ENABLE_CUDASIM before numba.cuda is imported
 from . import sim  # noqa: F401  simulator only: sim.install() (fast barrier, warp intrinsics) when MODE == "sim"
-from .runtime import MODE, is_simulator
-from . import registry, common  # noqa: E402
+from .runtime import MODE, is_simulator  # noqa: F401
 from .api import attention, attention_forward, attention_backward  # noqa: E402
-from . import rng  # noqa: E402,F401  (Philox4x32-10 for attention dropout, device and NumPy)
-from . import stages  # noqa: E402,F401
-from .stages import naive  # noqa: E402,F401  (stage 1 registers impl="naive")
-from .stages import softmax  # noqa: E402,F401  (stage 2 registers impl="onepass")
-from .stages import fa1  # noqa: E402,F401  (stage 3 registers impl="fa1")
-from .stages import fa2  # noqa: E402,F401  (stage 4 registers impl="fa2")
-from .stages import fa2_steps  # noqa: E402,F401  (stage 4, step by step: impl="fa2-rows", "fa2-splitq")
-from .stages import block_sparse  # noqa: E402,F401  (stage 5 registers impl="fa2-sparse"; fa2 takes block_mask=)
-from . import flex  # noqa: E402,F401  (attention modifiers: score_mod / mask_mod, the gallery)
-from .stages import fa2_fast  # noqa: E402,F401  (stage 6 registers impl="fa2-fast")
-from .stages import fa2_fast_steps  # noqa: E402,F401  (stage 6, step by step: the line-8 kernels of notebook 08)
-from .stages import tensor_cores  # noqa: E402,F401  (stage 7, the lesson: FA2's forward on tensor cores)
-from .kernels import decode  # noqa: E402,F401  (decoding with a KV cache: impl="flash-decoding")
-from . import kernels  # noqa: E402,F401  (the product kernel, impl="flash"; stage 7, tensor cores, impl="fa2-tc")
-from . import reference, instruments  # noqa: E402,F401  (reference and measurement)
-from .instruments import traffic, roofline, bench, rehearsal, sass, sass_model  # noqa: E402,F401
 
 __version__ = "0.1.0"
 
 #: Modules that moved into a sub-package, by their old name: ``import flashnb.fa2`` and ``from flashnb import
 #: fa2`` give the module object that lives at the new name (one object, so ``registry.variant`` and
-#: ``registry.using`` see the same globals whichever name imported it).
+#: ``registry.using`` see the same globals whichever name imported it), imported on first use.
 MOVED = {
     **{f"flashnb.{m}": f"flashnb.stages.{m}" for m in
        ("naive", "softmax", "fa1", "fa2", "fa2_steps", "block_sparse", "fa2_fast", "fa2_fast_steps")},
@@ -55,10 +41,10 @@ MOVED = {
     "flashnb.decode": "flashnb.kernels.decode",
     "flashnb.inspect": "flashnb.instruments",
 }
-for _old, _new in MOVED.items():
-    _sys.modules[_old] = _sys.modules[_new]
-    globals()[_old.rsplit(".", 1)[1]] = _sys.modules[_new]
-del _old, _new
+
+#: Names of the surface defined in a module ``import flashnb`` does not import: ``flashnb.create_block_mask`` is
+#: :func:`flashnb.flex.create_block_mask`, imported on first use.
+LAZY = {"create_block_mask": "flashnb.flex", "BlockMask": "flashnb.masks"}
 
 #: Modules renamed whose new module needs an optional dependency, by their old name: imported on first use of
 #: the old name (``import flashnb.torch`` or ``flashnb.torch``), so that ``import flashnb`` never imports torch.
@@ -66,8 +52,8 @@ RENAMED = {"flashnb.torch": "flashnb.pytorch"}
 
 
 def _renamed(name: str) -> str | None:
-    """The new name of ``name`` when it is (or lies inside) a renamed module, else None."""
-    for old, new in RENAMED.items():
+    """The new name of ``name`` when it is (or lies inside) a moved or renamed module, else None."""
+    for old, new in (*MOVED.items(), *RENAMED.items()):
         if name == old or name.startswith(old + "."):
             return new + name[len(old):]
     return None
@@ -75,7 +61,8 @@ def _renamed(name: str) -> str | None:
 
 class _RenamedFinder:
     """``import flashnb.torch`` (or ``flashnb.torch.ops``) gives the module object of ``flashnb.pytorch`` (its
-    ``ops``): one module under two names, never a second copy."""
+    ``ops``), ``import flashnb.fa2`` that of ``flashnb.stages.fa2``: one module under two names, never a second
+    copy."""
 
     def find_spec(self, name, path=None, target=None):
         if _renamed(name) is None:
@@ -100,13 +87,28 @@ if not any(isinstance(f, _RenamedFinder) for f in _sys.meta_path):
 
 
 def __getattr__(name):
-    """``flashnb.torch`` (and ``from flashnb import torch``): the renamed module, imported on first use."""
-    if f"flashnb.{name}" in RENAMED:
-        import importlib
+    """What ``import flashnb`` defers, imported on first use: a sub-package or module (``flashnb.instruments``,
+    ``flashnb.flex``), a moved or renamed module by its old name (``flashnb.fa2``, ``flashnb.torch``), a lazy name of
+    the surface (:data:`LAZY`)."""
+    import importlib
+    import importlib.util
 
-        return importlib.import_module(RENAMED[f"flashnb.{name}"])
-    raise AttributeError(f"module 'flashnb' has no attribute {name!r}")
+    if name in LAZY:
+        value = getattr(importlib.import_module(LAZY[name]), name)
+    elif f"flashnb.{name}" in MOVED or f"flashnb.{name}" in RENAMED:
+        value = importlib.import_module(f"flashnb.{name}")    # through _RenamedFinder: the new module's object
+    elif not name.startswith("_") and importlib.util.find_spec(f"flashnb.{name}") is not None:
+        value = importlib.import_module(f"flashnb.{name}")
+    else:
+        raise AttributeError(f"module 'flashnb' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
-__all__ = ["MODE", "is_simulator", "attention", "attention_forward", "attention_backward", "registry", "common",
-           "runtime", "sim", "stages", "kernels", "instruments", "rng", "flex", "reference", "MOVED", "RENAMED",
-           "__version__"]
+
+def __dir__():
+    return sorted(set(globals()) | set(LAZY) | {m.rsplit(".", 1)[1] for m in (*MOVED, *RENAMED)})
+
+
+#: What users call: the attention functions, block masks, and the device flashnb runs on.  Everything else stays
+#: reachable as an attribute (``flashnb.instruments``, ``flashnb.registry``, ...).
+__all__ = ["attention", "attention_forward", "attention_backward", "create_block_mask", "BlockMask", "MODE"]

@@ -36,9 +36,9 @@ from .reference import check_scale as _check_scale
 from .registry import AUTO, IMPLS, impl_entry, impl_names
 from .rng import check_dropout, dropout_word_np, keep_threshold
 
-__all__ = ["attention", "attention_forward", "attention_backward", "MAX_HEAD_DIM", "SCORE_LIMIT"]
+__all__ = ["attention", "attention_forward", "attention_backward", "KERNEL_OPTIONS", "MAX_HEAD_DIM", "SCORE_LIMIT"]
 
-MAX_HEAD_DIM = 128
+from .common import MAX_HEAD_DIM  # noqa: E402  (the head dims every impl is built for)
 
 _SHAPES_DOC = "(N, d), (H, N, d) or (B, H, N, d)"
 
@@ -144,6 +144,30 @@ def _check_sum_range(v3: np.ndarray, do3: np.ndarray | None = None) -> None:
         raise ValueError(f"do and v: the products dP = do·vᵀ reach {dp:.3g} in magnitude, beyond {SCORE_LIMIT:.3g} "
                          "(half the float32 range), so the float32 backward would give inf and NaN; scale do or v "
                          "down (the gradients scale with them)")
+
+
+#: The keys ``kernel_options=`` takes: how a kernel runs (tiles, warps, splits), never what it computes.  ``Br``,
+#: ``Bc``: the query and key tile rows; ``warps``: warps per thread block; ``tile``: the naive and one-pass
+#: kernels' square tile; ``M``: the on-chip memory (floats) stage 3 (``"fa1"``) sizes its tiles from;
+#: ``num_splits``: the chunks of the keys of ``"flash-decoding"``.  Each impl takes the ones it has.
+KERNEL_OPTIONS = ("Br", "Bc", "warps", "tile", "M", "num_splits")
+
+
+def _with_kernel_options(kernel_options, options: dict) -> dict:
+    """``options`` with ``kernel_options`` merged in (FlexAttention's convention: one dict of kernel knobs, apart
+    from the semantics).  The same knobs given as keywords are still accepted; a knob given both ways, or a key
+    that is no kernel knob, is a ValueError."""
+    if kernel_options is None:
+        return options
+    if not isinstance(kernel_options, dict):
+        raise TypeError(f"kernel_options must be a dict (keys among {list(KERNEL_OPTIONS)}), got "
+                        f"{type(kernel_options).__name__}")
+    for key in kernel_options:
+        if key not in KERNEL_OPTIONS:
+            raise ValueError(f"kernel_options: unknown key {key!r}; allowed keys: {list(KERNEL_OPTIONS)}")
+        if key in options:
+            raise ValueError(f"kernel_options: {key!r} is also given as a keyword; give it once")
+    return {**options, **kernel_options}
 
 
 def _check_impl(impl: str, need_backward: bool = False):
@@ -321,7 +345,8 @@ def _check_finite(name: str, a: np.ndarray):
                          "the kernels compute in float32")
 
 
-def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = AUTO, storage=None, **options):
+def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = AUTO, storage=None,
+                      kernel_options: dict | None = None, **options):
     """Attention forward pass; returns ``(o, lse)``.
 
     Args:
@@ -345,10 +370,16 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
             has half storage (``"flash"``; then all three must be float16, else TypeError), float32
             otherwise.
             A half storage for an impl without one is a ValueError.
-        **options: implementation-specific options (tile sizes, ``block_mask``, ...).  ``impl="flash"`` (and
-            ``"fa2-tc"``) also take attention modifiers (:mod:`flashnb.flex`): ``score_mod(score, b, h, q_idx,
-            kv_idx)`` (float32), ``mask_mod(b, h, q_idx, kv_idx)`` (bool; becomes a block mask whose empty tiles
-            are skipped),
+        kernel_options: how the kernels run, as one dict (FlexAttention's convention): keys among
+            :data:`KERNEL_OPTIONS` -- ``Br``, ``Bc`` (tile rows of Q and of K/V), ``warps``, ``tile`` (``"naive"``,
+            ``"onepass"``), ``M`` (``"fa1"``), ``num_splits`` (``"flash-decoding"``); e.g.
+            ``kernel_options={"Br": 32, "Bc": 32}``.  An unknown key is a ValueError listing the allowed ones; a
+            key the impl does not take is a TypeError, as the same keyword would be.  The keywords themselves
+            (``Br=32``) are still accepted.
+        **options: implementation-specific options (``block_mask``, modifiers, dropout, ...; tile knobs too).
+            ``impl="flash"`` (and ``"fa2-tc"``) also take attention modifiers (:mod:`flashnb.flex`):
+            ``score_mod(score, b, h, q_idx, kv_idx)`` (float32), ``mask_mod(b, h, q_idx, kv_idx)`` (bool; becomes
+            a block mask whose empty tiles are skipped),
             ``block_mask=flashnb.flex.create_block_mask(mask_mod, ...)``, and for the backward
             ``score_mod_grad`` (d score_mod / d score; the gallery's modifiers carry it as ``.grad``; without
             either it is derived from ``score_mod``'s source: :func:`flashnb.flex_grad.derivative`).  ``b``,
@@ -376,6 +407,7 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
     that may attend to no key gets ``o = 0`` and ``lse = -inf``.
     """
     entry = _check_impl(impl)
+    options = _with_kernel_options(kernel_options, options)
     q, k, v = _check_qkv(q, k, v)
     storage = _resolve_storage(entry, impl, storage, dict(q=q, k=k, v=v))
     for name, a in (("q", q), ("k", k), ("v", v)):
@@ -395,13 +427,16 @@ def attention_forward(q, k, v, *, causal: bool = False, scale=None, impl: str = 
     return o.copy_to_host().reshape(q.shape), lse.copy_to_host().reshape(q.shape[:-1])
 
 
-def attention(q, k, v, *, causal: bool = False, scale=None, impl: str = AUTO, storage=None, **options):
-    """Attention output ``softmax(scale · q kᵀ [+ causal mask]) v``; see :func:`attention_forward`."""
-    return attention_forward(q, k, v, causal=causal, scale=scale, impl=impl, storage=storage, **options)[0]
+def attention(q, k, v, *, causal: bool = False, scale=None, impl: str = AUTO, storage=None,
+              kernel_options: dict | None = None, **options):
+    """Attention output ``softmax(scale · q kᵀ [+ causal mask]) v``; see :func:`attention_forward`
+    (``kernel_options``: a dict of kernel knobs, keys among :data:`KERNEL_OPTIONS`)."""
+    return attention_forward(q, k, v, causal=causal, scale=scale, impl=impl, storage=storage,
+                             kernel_options=kernel_options, **options)[0]
 
 
 def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale=None, impl: str = AUTO,
-                       check_forward: bool = True, storage=None, **options):
+                       check_forward: bool = True, storage=None, kernel_options: dict | None = None, **options):
     """Gradients ``(dq, dk, dv)`` of ``sum(o * do)`` with respect to q, k, v.
 
     What the backward assumes: ``o`` and ``lse`` are what :func:`attention_forward` returned for the *same*
@@ -434,8 +469,12 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale=None,
     Dropout: pass the forward's ``dropout_p`` and ``seed``; the kernels regenerate its mask from them (nothing
     was stored).  Another seed gives gradients of another mask, without error -- except that
     ``check_forward`` recomputes ``o`` with the mask of the seed given here, so a mismatch there is caught.
+
+    ``kernel_options``: the backward's kernel knobs, as in :func:`attention_forward` (its tiles need not be the
+    forward's).
     """
     entry = _check_impl(impl, need_backward=True)
+    options = _with_kernel_options(kernel_options, options)
     q, k, v = _check_qkv(q, k, v)
     o = _as_real_array("o", o)
     do = _as_real_array("do", do)

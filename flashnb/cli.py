@@ -458,7 +458,7 @@ def cmd_profile(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The ``flashnb`` parser (``inspect`` and ``bench`` parse their own options: see their ``--help``)."""
     from . import __version__
-    from .api import MAX_HEAD_DIM
+    from .common import MAX_HEAD_DIM
 
     parser = argparse.ArgumentParser(prog="flashnb", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"flashnb {__version__}",

@@ -36,7 +36,7 @@ __all__ = [
     "CAUSAL_ALIGNMENTS", "causal_diag", "on_stream", "current_stream", "MAX_GRID", "MAX_BLOCK",
     "MAX_THREADS_PER_BLOCK", "check_launch_dims", "OutOfMemory", "available_bytes",
     "STORAGES", "storage_dtype", "storage_array_type", "storage_conversions", "check_storage", "to_bfloat16",
-    "from_bfloat16", "storage_of", "check_bfloat16_bits",
+    "from_bfloat16", "storage_of", "check_bfloat16_bits", "MAX_HEAD_DIM",
 ]
 
 #: CUDA's launch limits (every compute capability flashnb targets): gridDim.x up to 2^31 - 1, gridDim.y and .z up
@@ -71,6 +71,9 @@ def cdiv(a: int, b: int) -> int:
     """Ceiling division: number of tiles of size ``b`` that cover ``a``."""
     return -(-a // b)
 
+
+#: The largest head dim d the API accepts (every impl's kernels are built for 1 <= d <= 128).
+MAX_HEAD_DIM = 128
 
 #: Static shared memory one thread block may declare on every GPU flashnb targets (cc >= 2.0, sm_80, sm_90).
 SHARED_LIMIT_BYTES = 48 * 1024
@@ -127,15 +130,13 @@ def _set_max_dynamic_shared(kernel, signature: str, nbytes: int) -> None:
 def allow_dynamic_shared(kernel, signature: str, nbytes: int) -> None:
     """Let ``kernel`` (compiled for ``signature``) launch with ``nbytes`` of dynamic shared memory: above
     48 KiB a GPU needs the per-kernel opt-in; nothing to do at or below it, or on the simulator.  Under
-    :func:`flashnb.instruments.rehearsal.pretend_gpu` the request is recorded (``rehearsal.dynamic_shared_requests``)
+    :func:`flashnb.instruments.rehearsal.pretend_gpu` the request is recorded (``runtime.DYNAMIC_SHARED_REQUESTS``)
     instead of reaching a driver.  Raises what the driver raises (the caller decides whether to fall back)."""
     if nbytes <= SHARED_LIMIT_BYTES or runtime.MODE != "gpu":
         return
-    from .instruments import rehearsal
-
-    if rehearsal.active():
+    if runtime.rehearsing():
         name = getattr(getattr(kernel, "py_func", kernel), "__name__", str(kernel))
-        rehearsal.dynamic_shared_requests.append((name, signature, int(nbytes)))
+        runtime.DYNAMIC_SHARED_REQUESTS.append((name, signature, int(nbytes)))
         return
     _set_max_dynamic_shared(kernel, signature, nbytes)
 
@@ -467,9 +468,7 @@ def available_bytes() -> int | None:
 
     try:
         if runtime.MODE == "gpu":
-            from .instruments import rehearsal
-
-            if not rehearsal.active():
+            if not runtime.rehearsing():
                 return int(cuda.current_context().get_memory_info().free)
         return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError, NotImplementedError):
@@ -504,9 +503,7 @@ def empty(shape, *, poison: bool | None = None, storage: str = "float32"):
                           "use smaller inputs (the naive impl stores the whole N_q x N_k score matrix, twice)")
     if not poison:
         return cuda.device_array(dims, dtype=dtype, stream=current_stream())
-    from .instruments import rehearsal
-
-    if runtime.MODE == "gpu" and not rehearsal.active():
+    if runtime.MODE == "gpu" and not runtime.rehearsing():
         from numba.cuda.cudadrv.driver import device_memset
 
         out = cuda.device_array(dims, dtype=dtype, stream=current_stream())

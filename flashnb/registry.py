@@ -6,7 +6,10 @@
   source tree is missing from it.
 * :data:`IMPLS` -- the implementations behind ``flashnb.attention(..., impl=NAME)``.
 
-Both are filled by decorators at import time of the stage modules.
+Both are filled by decorators at import time of the modules that define them, and both are filled *on demand*:
+``import flashnb`` imports none of those modules.  Asking for one impl (``IMPLS["fa2"]``, :func:`impl_entry`)
+imports the module :data:`IMPL_MODULES` names for it; listing a registry (iterating it, ``len``, ``in`` with a name
+not yet there, ``keys``/``values``/``items``) first imports every module in :data:`MODULES`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,119 @@ from typing import Any, Callable
 import numpy as np
 
 __all__ = ["KernelSpec", "Impl", "KERNELS", "IMPLS", "AUTO", "impl_entry", "impl_names", "kernel_factory",
-           "register_impl", "register_auto", "variant", "using", "KERNEL_CACHE_SIZE"]
+           "register_impl", "register_auto", "variant", "using", "KERNEL_CACHE_SIZE", "IMPL_MODULES", "MODULES"]
+
+#: The module(s) that register each impl, imported the first time the impl is asked for.  ``"flash"``, ``"fa2-tc"``
+#: and ``"auto"`` are registered by :mod:`flashnb.kernels` (whichever of its files defines them); the product
+#: kernels take attention modifiers, so :mod:`flashnb.flex` comes with them.
+IMPL_MODULES: dict[str, tuple[str, ...]] = {
+    "naive": ("flashnb.stages.naive",),
+    "onepass": ("flashnb.stages.softmax",),
+    "fa1": ("flashnb.stages.fa1",),
+    "fa2": ("flashnb.stages.fa2",),
+    "fa2-rows": ("flashnb.stages.fa2_steps",),
+    "fa2-splitq": ("flashnb.stages.fa2_steps",),
+    "fa2-sparse": ("flashnb.stages.block_sparse",),
+    "fa2-fast": ("flashnb.stages.fa2_fast",),
+    "flash": ("flashnb.kernels", "flashnb.flex"),
+    "fa2-tc": ("flashnb.kernels", "flashnb.flex"),
+    "flash-decoding": ("flashnb.kernels.launch.decode",),
+    "auto": ("flashnb.kernels", "flashnb.flex"),
+}
+
+#: Every module that registers kernels or impls, in the order a listing imports them (and lists what they
+#: register): the stages' lessons, then the product kernels, then the instruments' own kernels.
+MODULES: tuple[str, ...] = (
+    "flashnb.rng", "flashnb.stages.naive", "flashnb.stages.softmax", "flashnb.stages.fa1", "flashnb.stages.fa2",
+    "flashnb.stages.fa2_steps", "flashnb.stages.block_sparse", "flashnb.kernels", "flashnb.flex",
+    "flashnb.stages.fa2_fast", "flashnb.stages.fa2_fast_steps", "flashnb.stages.tensor_cores",
+    "flashnb.kernels.decode",
+    "flashnb.kernels.launch.decode", "flashnb.instruments.bench",
+)
+
+_LOADING = [False]   # a listing's imports under way (either registry): a listing made meanwhile sees what is there
+
+
+class _OnDemand(dict):
+    """A registry that imports what fills it when asked: one name (``[name]``, ``get``) imports the modules
+    ``modules_of(name)`` returns (all of :data:`MODULES` for a name it does not know); a listing imports all of
+    :data:`MODULES` first, then keeps their order (what ``order_of`` says for each entry).  Registration writes
+    through ``dict`` itself, so a module being imported never triggers more imports."""
+
+    def __init__(self, modules_of, order_of):
+        super().__init__()
+        self._modules_of, self._order_of = modules_of, order_of
+        self._complete = False
+
+    @staticmethod
+    def _import(modules) -> None:
+        import importlib
+
+        for module in modules:
+            importlib.import_module(module)
+
+    def load_all(self) -> None:
+        """Import every module of :data:`MODULES` (once), then order the entries as those modules list them.  A
+        listing made while they are being imported sees what is registered so far."""
+        if self._complete or _LOADING[0]:
+            return
+        _LOADING[0] = True
+        try:
+            self._import(MODULES)
+        finally:
+            _LOADING[0] = False
+        rank = {module: i for i, module in enumerate(MODULES)}
+        entries = sorted(dict.items(self), key=lambda item: rank.get(self._order_of(item[1]), len(rank)))
+        dict.clear(self)
+        dict.update(self, entries)
+        self._complete = True
+
+    def _load(self, name) -> None:
+        if not dict.__contains__(self, name):
+            modules = self._modules_of(name)
+            self._import(modules) if modules else self.load_all()
+
+    def __getitem__(self, name):
+        self._load(name)
+        return dict.__getitem__(self, name)
+
+    def get(self, name, default=None):
+        self._load(name)
+        return dict.get(self, name, default)
+
+    def __contains__(self, name):
+        self._load(name)
+        return dict.__contains__(self, name)
+
+    def __iter__(self):
+        self.load_all()
+        return dict.__iter__(self)
+
+    def __len__(self):
+        self.load_all()
+        return dict.__len__(self)
+
+    def keys(self):
+        self.load_all()
+        return dict.keys(self)
+
+    def values(self):
+        self.load_all()
+        return dict.values(self)
+
+    def items(self):
+        self.load_all()
+        return dict.items(self)
+
+    def __repr__(self):
+        self.load_all()
+        return dict.__repr__(self)
+
+
+def _module_prefix(module: str) -> str:
+    """The :data:`MODULES` entry that registers what ``module`` defines (``flashnb.kernels.flash`` ->
+    ``flashnb.kernels``)."""
+    return module if module in MODULES or "." not in module else _module_prefix(module.rsplit(".", 1)[0])
 
 
 @dataclass
@@ -73,7 +188,16 @@ class KernelSpec:
             yield config, self.factory(**config), self.signature_for(config)
 
 
-KERNELS: dict[str, KernelSpec] = {}
+def _kernel_modules(name: str) -> tuple[str, ...]:
+    """A kernel's name does not say its module: every module is imported (an empty tuple: all of them)."""
+    return ()
+
+
+def _kernel_module(spec) -> str:
+    return _module_prefix(getattr(spec.factory, "__module__", ""))
+
+
+KERNELS: dict[str, KernelSpec] = _OnDemand(_kernel_modules, _kernel_module)
 
 #: Kernels each factory keeps (least recently used dropped first): a configuration used again after that many
 #: others is built again (on a GPU: compiled again).  Attention modifiers make configurations without bound --
@@ -116,7 +240,7 @@ def kernel_factory(name: str, *, stage: str, signature, configs=None, threads=No
 
     def decorate(factory):
         cached = _memoised(factory)
-        if name in KERNELS:
+        if dict.__contains__(KERNELS, name):
             raise ValueError(f"kernel {name!r} registered twice")
         KERNELS[name] = KernelSpec(name, stage, cached, signature, list(configs or [{}]), threads, dynamic_shared,
                                    archs)
@@ -149,6 +273,9 @@ class Impl:
     # modifiers for a GPU (flashnb.flex.check_modifiers); None: the impl does both itself
     mask_tiles: Callable[..., dict] | None = None
     precision: str = "float32"   # what float32 inputs' matmuls run in: "float32" (CUDA cores) or "tf32" (tensor cores)
+    # the module holding the traffic models (``model_forward``, ``model_backward``) when it is not the launcher's
+    # own: named, not imported, so a launcher never imports the models built on top of it
+    models: str | None = None
 
     def mask_for(self, Nq: int, Nk: int, d: int, causal: bool, **options):
         """The boolean (Nq, Nk) mask this impl applies beyond ``causal`` (None: dense attention), so it can
@@ -159,9 +286,7 @@ class Impl:
         """FLOPs by the FlashAttention benchmark formula (forward ``4·B·H·Nq·Nk·d``, halved when causal;
         backward 2.5x).  For an impl with a :meth:`mask_for` mask, the pairs it skips are not counted:
         ``4·B·H·d·(allowed pairs)``."""
-        from .instruments import roofline
-
-        fn = roofline.flops_forward if direction in ("forward", "fwd") else roofline.flops_backward
+        fn = flops_forward if direction in ("forward", "fwd") else flops_backward
         mask = self.mask_for(Nq, Nk, d, causal)
         if mask is None:
             return fn(B, H, Nq, Nk, d, causal)
@@ -173,7 +298,35 @@ class Impl:
         return fn(B, H, Nq, Nk, d, False) * float(np.count_nonzero(mask)) / (Nq * Nk)
 
 
-IMPLS: dict[str, Impl] = {}
+def _impl_module(entry) -> str:
+    modules = IMPL_MODULES.get(entry.name)
+    return _module_prefix(modules[0]) if modules else ""
+
+
+# --------------------------------------------------------------------------- FLOPs (Impl.flops; roofline plots them)
+
+
+def _check_dims(**dims):
+    for k, v in dims.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{k} must be a positive int, got {v!r}")
+
+
+def flops_forward(B: int, H: int, Nq: int, Nk: int, d: int, causal: bool = False) -> float:
+    """Forward FLOPs by the FlashAttention benchmark convention: ``4·B·H·Nq·Nk·d`` (two matmuls, QKᵀ and
+    PV, at 2 FLOP per multiply-add), halved when causal (about half the scores are masked; exact for
+    Nq = Nk up to the diagonal).  Softmax FLOPs are not counted."""
+    _check_dims(B=B, H=H, Nq=Nq, Nk=Nk, d=d)
+    f = 4.0 * B * H * Nq * Nk * d
+    return f / 2 if causal else f
+
+
+def flops_backward(B: int, H: int, Nq: int, Nk: int, d: int, causal: bool = False) -> float:
+    """Backward FLOPs: 2.5 x forward (five matmuls to the forward's two; benchmark_flash_attention.py)."""
+    return 2.5 * flops_forward(B, H, Nq, Nk, d, causal)
+
+
+IMPLS: dict[str, Impl] = _OnDemand(lambda name: IMPL_MODULES.get(name, ()), _impl_module)
 
 #: The default impl's name: not an implementation of its own but a choice among them, made at each launch
 #: (:mod:`flashnb.kernels.auto`), so it is kept out of :data:`IMPLS` (which the tour, tests and benchmarks walk).
@@ -188,9 +341,11 @@ def register_auto(entry: Impl) -> None:
 
 def impl_entry(name: str) -> Impl | None:
     """The :class:`Impl` of ``name``: a registered impl, or ``"auto"``; None for an unknown name."""
-    if name == AUTO and _AUTO:
-        return _AUTO[0]
-    return IMPLS.get(name)
+    if name == AUTO:
+        if not _AUTO:
+            IMPLS._import(IMPL_MODULES[AUTO])     # flashnb.kernels.auto registers it
+        return _AUTO[0] if _AUTO else None
+    return IMPLS.get(name) if isinstance(name, str) else None
 
 
 def impl_names() -> list[str]:
@@ -235,7 +390,7 @@ def _per_head_chunks(fn):
 
 
 def register_impl(name: str, *, stage: str, description: str, forward, backward=None, options=(),
-                  reference_mask=None, gqa=False, mask_tiles=None, precision="float32"):
+                  reference_mask=None, gqa=False, mask_tiles=None, precision="float32", models=None):
     """Make ``impl=name`` available in the public API, the tour and the benchmarks.
 
     ``reference_mask(Nq, Nk, d, causal, **options)`` is for impls that do not compute dense attention
@@ -245,15 +400,17 @@ def register_impl(name: str, *, stage: str, description: str, forward, backward=
     build a ``mask_mod``'s block mask before calling it, so its kernels never call back into :mod:`flashnb.flex`).
     K/V head ``z // G``).  ``precision``: ``"tf32"`` for an impl whose float32 inputs go through TF32 tensor cores
     (10-bit mantissas: errors ~1e-3 where float32 gives ~1e-6; tests and the tour hold it to TF32's tolerance).
+    ``models``: the name of the module with the impl's traffic models (``model_forward``, ...), when they do not
+    live beside its launchers (``flashnb bench`` and the tour look there).
     """
-    if name in IMPLS:
+    if dict.__contains__(IMPLS, name):
         raise ValueError(f"impl {name!r} registered twice")
     forward = _per_head_chunks(forward)
     backward = _per_head_chunks(backward) if backward is not None else None
     if precision not in ("float32", "tf32"):
         raise ValueError(f"precision must be 'float32' or 'tf32', got {precision!r}")
     IMPLS[name] = Impl(name, stage, description, forward, backward, tuple(options), reference_mask, bool(gqa),
-                       mask_tiles, precision)
+                       mask_tiles, precision, models)
     return IMPLS[name]
 
 

@@ -25,7 +25,8 @@ import os
 import sys
 import warnings
 
-__all__ = ["MODE", "SIM", "SIMULATORS", "is_simulator", "select_mode", "driver_device_count", "RuntimeModeError"]
+__all__ = ["MODE", "SIM", "SIMULATORS", "is_simulator", "select_mode", "driver_device_count", "RuntimeModeError",
+           "rehearsing", "REHEARSAL", "DYNAMIC_SHARED_REQUESTS"]
 
 _VALID = ("gpu", "sim")
 #: The simulators ``FLASHNB_SIM`` may choose (the first is the default).
@@ -140,3 +141,17 @@ SIM: str = _sim_requested()
 def is_simulator() -> bool:
     """True when flashnb runs its kernels on the Numba CUDA simulator."""
     return MODE == "sim"
+
+
+#: A rehearsal of the GPU code paths on the simulator (:func:`flashnb.instruments.rehearsal.pretend_gpu`) under way:
+#: its depth.  Kept here, at the bottom, so the launch helpers (:mod:`flashnb.common`) can ask without importing the
+#: instruments that set it.
+REHEARSAL = {"depth": 0}
+#: ``(kernel, signature, bytes)`` of every dynamic-shared-memory opt-in (``common.allow_dynamic_shared``) a
+#: rehearsal made: on a GPU each is a ``cuKernelSetAttribute`` call, which a rehearsal cannot make.
+DYNAMIC_SHARED_REQUESTS: list = []
+
+
+def rehearsing() -> bool:
+    """True inside :func:`flashnb.instruments.rehearsal.pretend_gpu` (GPU paths taken on the simulator)."""
+    return REHEARSAL["depth"] > 0

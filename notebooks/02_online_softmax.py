@@ -316,7 +316,7 @@ print(f"online vs safe: modelled speed-up {times['safe'] / times['online']:.2f}x
 from flashnb.instruments import bench  # noqa: E402
 
 # on a GPU only, in a process of its own (this one runs the simulator); gb_per_s = modelled bytes / median time
-gpu_rows = bench.on_gpu("flashnb.stages.softmax:measure_gpu", rows=4096, n=4096, threads=256)
+gpu_rows = bench.on_gpu("flashnb.instruments.measure.softmax:measure_gpu", rows=4096, n=4096, threads=256)
 print(bench.table(gpu_rows, ["method", "median_ms", "q1_ms", "q3_ms", "model_bytes", "gb_per_s", "gpu_name"]))
 
 # %% [markdown]

@@ -258,7 +258,7 @@ plt.show()
 from flashnb.instruments import bench  # noqa: E402
 
 # on a GPU only, in a process of its own (this one runs the simulator): bs.measure_gpu's source is below
-gpu_rows = bench.on_gpu("flashnb.stages.block_sparse:measure_gpu", BH=BH, N=N, d=d, densities=[1.0, 0.5, 0.25, 0.125])
+gpu_rows = bench.on_gpu("flashnb.instruments.measure.block_sparse:measure_gpu", BH=BH, N=N, d=d, densities=[1.0, 0.5, 0.25, 0.125])
 print(bench.table(gpu_rows, ["density", "median_ms", "q1_ms", "q3_ms", "tflops", "pct_fp32_peak", "gpu_name"]))
 show_source(bs.measure_gpu)
 

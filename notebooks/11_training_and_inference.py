@@ -247,7 +247,7 @@ show_source(common.to_bfloat16)
 # a child process on the machine's GPU); without one it prints that nothing was measured.
 
 # %%
-gpu_rows = bench.on_gpu("flashnb.instruments.bench:measure_storage", BH=16, N=4096, d=64, repeats=10)
+gpu_rows = bench.on_gpu("flashnb.instruments.measure.storage:measure_storage", BH=16, N=4096, d=64, repeats=10)
 if gpu_rows:
     for r in gpu_rows:
         print(f"{r['storage']:>9} {r['direction']:>8}: {r['median_ms']:8.3f} ms, modelled "
@@ -620,7 +620,7 @@ print(f"modelled best of these: {best} splits, {min(times):.1f} µs; heuristic {
 # and `decode.measure_gpu` refuses to run unless `flashnb.MODE == "gpu"`); here it measures nothing.
 
 # %%
-gpu_rows = bench.on_gpu("flashnb.kernels.decode:measure_gpu", BH=BH, length=LENGTH, d=D, Nq=1, splits=[1, 4, 16, None])
+gpu_rows = bench.on_gpu("flashnb.instruments.measure.decode:measure_gpu", BH=BH, length=LENGTH, d=D, Nq=1, splits=[1, 4, 16, None])
 if gpu_rows:
     for r in gpu_rows:
         print(f"{r['impl']:<15} splits={r['num_splits']!s:>4} blocks={r['blocks']:>4} "

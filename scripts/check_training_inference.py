@@ -28,7 +28,7 @@ import numpy as np
 import flashnb
 from flashnb import reference
 from flashnb import rng as frng
-from flashnb.kernels import decode
+from flashnb.kernels.launch import decode
 
 IMPL = "flash"        # the impl the half-storage and dropout cases run (--impl)
 

@@ -368,8 +368,7 @@ def measurements(args, deadline: float) -> list[dict]:
     """The notebooks' own GPU measurements (what notebooks 02, 07 and 11 run through ``bench.on_gpu``), at
     ``--measure-n`` (4096 x 4096 softmax and N = 4096 block-sparse by default; decoding: one query per head
     against a cache of 8 x measure-n keys)."""
-    from flashnb.kernels import decode
-    from flashnb.stages import block_sparse, softmax
+    from flashnb.instruments.measure import block_sparse, decode, softmax
 
     n = args.measure_n
     jobs = [("softmax.measure_gpu", lambda: softmax.measure_gpu(rows=n, n=n, threads=256 if n >= 256 else 32,

@@ -40,6 +40,7 @@ def geometry_key(impl: str, d: int, storage: str = "float32") -> tuple:
     """What ``impl``'s kernels compute from the head dim ``d`` (in ``storage``): the default tiles and the
     geometry derived from them, forward and backward, as the library's own functions give them."""
     from flashnb.kernels import blocks, decode, tiles
+    from flashnb.kernels.launch import decode as decode_host
     from flashnb.kernels.tensorcore import geometry as tc_geometry
     from flashnb.stages import fa1, fa2, fa2_fast
 
@@ -67,7 +68,7 @@ def geometry_key(impl: str, d: int, storage: str = "float32") -> tuple:
     if impl == "fa1":
         return _items(fa1.tiles(d), drop=("d", "shared_bytes_forward", "shared_bytes_backward"))
     if impl == "flash-decoding":
-        return (decode.default_warps(d), -(-d // decode.WARP))
+        return (decode_host.default_warps(d), -(-d // decode.WARP))
     return ()                                   # naive, onepass: nothing but d itself
 
 

@@ -134,3 +134,73 @@ def test_launch_refuses_arrays_the_guard_never_compiled(rng):
     ok = common.to_device(rng.standard_normal((1, 4, 4)))
     with pytest.raises(TypeError, match="C-contiguous"):
         naive.forward(strided, ok, ok, causal=False, scale=1.0)
+
+
+# ----------------------------------------------------------------- the public surface and kernel_options
+
+
+def test_all_is_the_small_surface():
+    """``flashnb.__all__`` holds what users call; plumbing modules and compatibility maps stay attributes."""
+    assert flashnb.__all__ == ["attention", "attention_forward", "attention_backward", "create_block_mask",
+                               "BlockMask", "MODE"]
+    for name in flashnb.__all__:
+        assert getattr(flashnb, name) is not None
+    from flashnb import flex, masks
+
+    assert flashnb.create_block_mask is flex.create_block_mask and flashnb.BlockMask is masks.BlockMask
+    for name in ("registry", "common", "instruments", "stages", "kernels", "MOVED", "RENAMED", "__version__"):
+        assert name not in flashnb.__all__ and getattr(flashnb, name) is not None
+
+
+def test_kernel_options_is_the_keywords(rng):
+    q, k, v = qkv(rng, (2, 20, 8), 20)
+    knobs = dict(Br=16, Bc=16, warps=1)
+    o1, lse1 = flashnb.attention_forward(q, k, v, causal=True, impl="fa2", kernel_options=knobs)
+    o2, lse2 = flashnb.attention_forward(q, k, v, causal=True, impl="fa2", **knobs)
+    assert np.array_equal(o1, o2) and np.array_equal(lse1, lse2)
+    assert np.array_equal(flashnb.attention(q, k, v, causal=True, impl="fa2", kernel_options=knobs), o1)
+    do = rng.standard_normal(o1.shape)
+    g1 = flashnb.attention_backward(q, k, v, o1, lse1, do, causal=True, impl="fa2", kernel_options=knobs)
+    g2 = flashnb.attention_backward(q, k, v, o1, lse1, do, causal=True, impl="fa2", **knobs)
+    for a, b in zip(g1, g2):
+        assert np.array_equal(a, b)
+    o3 = flashnb.attention(q[0], k[0], v[0], impl="naive", kernel_options={"tile": 8})
+    assert_close(o3, reference.attention_forward(q[0], k[0], v[0])[0], **TOL, what="naive, tile=8")
+
+
+@pytest.mark.parametrize("call", ["attention", "attention_forward", "attention_backward"])
+def test_kernel_options_unknown_key_is_named(rng, call):
+    q, k, v = qkv(rng, (6, 4), 6)
+    args = (q, k, v) if call != "attention_backward" else (q, k, v, q, q[:, 0], q)
+    with pytest.raises(ValueError, match=r"unknown key 'block_mask'.*allowed keys: \['Br', 'Bc', 'warps'"):
+        getattr(flashnb, call)(*args, kernel_options={"block_mask": None})
+    with pytest.raises(ValueError, match="'Br' is also given as a keyword"):
+        getattr(flashnb, call)(*args, Br=16, kernel_options={"Br": 16})
+    with pytest.raises(TypeError, match="kernel_options must be a dict"):
+        getattr(flashnb, call)(*args, kernel_options=[("Br", 16)])
+
+
+def test_kernel_options_an_impl_does_not_take(rng):
+    q, k, v = qkv(rng, (6, 4), 6)
+    with pytest.raises(TypeError, match=r"unexpected option\(s\) \['num_splits'\]"):
+        flashnb.attention(q, k, v, impl="fa2", kernel_options={"num_splits": 2})
+
+
+def test_import_defers_the_kernels():
+    """``import flashnb`` loads the surface only; impls are imported when asked for, and listings see them all."""
+    import subprocess
+    import sys
+
+    code = ("import sys, flashnb\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith(('flashnb.stages', 'flashnb.kernels', "
+            "'flashnb.flex')))\n"
+            "assert not loaded, loaded\n"
+            "assert flashnb.registry.impl_entry('fa2') is not None and 'flashnb.stages.fa2' in sys.modules\n"
+            "assert 'flashnb.kernels' not in sys.modules\n"
+            "import flashnb.fa2 as old\n"
+            "assert old is sys.modules['flashnb.stages.fa2'] and flashnb.traffic is flashnb.instruments.traffic\n"
+            "names = list(flashnb.registry.IMPLS)\n"
+            "assert names[:4] == ['naive', 'onepass', 'fa1', 'fa2'] and 'flash' in names, names\n"
+            "assert len(flashnb.registry.KERNELS) > 40\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]

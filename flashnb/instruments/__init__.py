@@ -43,3 +43,13 @@ __all__ = [
     "inspect_parser", "find_ptxas", "retarget_ptx", "normalized_ptx", "MAX_STATIC_SHARED", "MAX_OPTIN_SHARED",
     "OPTIN_CHECKED_CCS", "launched", "HOST_ONLY", "package_digest", "ptx_cache_dir", "toolchain_versions",
 ]
+
+
+def __getattr__(name):
+    """A submodule not imported yet (``import flashnb`` defers them), imported on first use as an attribute."""
+    import importlib
+    import importlib.util
+
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,7 +6,7 @@
   ``MULTIPROCESSOR_COUNT x FP32 lanes per SM x 2 (FMA) x CLOCK_RATE`` (lanes per SM by compute capability).
 * :func:`sweep` / :func:`main_bench` -- every registered implementation's device-level forward and backward
   over sizes; a CSV with provenance columns and a plot.
-* :func:`measure_impls` (and ``softmax.measure_gpu``, ``block_sparse.measure_gpu``) -- the measurements the
+* :func:`measure_impls` (and :mod:`flashnb.instruments.measure`: each lesson's and kernel's) -- the measurements the
   notebooks show; :func:`on_gpu` runs one in a separate process on the GPU, because a notebook's own
   process runs the simulator (only it can count traffic) and a process's mode is fixed at import.
 
@@ -42,7 +42,7 @@ from .roofline import GPU, get_gpu, modelled_time
 
 __all__ = ["SimulatorTimingError", "Timing", "measure_impls", "on_gpu", "gpu_available", "table", "FP32_LANES_PER_SM",
            "fp32_lanes_per_sm", "device_fp32_peak", "device_info", "provenance", "time_call", "modelled_bytes",
-           "sweep", "write_csv", "plot_sweep", "main_bench", "CSV_COLUMNS", "PROVENANCE_COLUMNS", "measure_storage"]
+           "sweep", "write_csv", "plot_sweep", "main_bench", "CSV_COLUMNS", "PROVENANCE_COLUMNS"]
 
 
 class SimulatorTimingError(RuntimeError):
@@ -424,9 +424,10 @@ def queries_for(impl: str, N: int) -> int:
 
 def _traffic_model(entry, direction: str):
     """The analytic model of ``entry``'s ``direction``, by the launcher's name in its module: ``forward`` ->
-    ``model_forward``, ``forward_rows`` -> ``model_rows_forward`` (None when the module has none)."""
+    ``model_forward``, ``forward_rows`` -> ``model_rows_forward`` (None when the module has none); in the module
+    ``entry.models`` names when the models do not live beside the launchers."""
     fn = entry.forward if direction == "fwd" else entry.backward
-    mod = importlib.import_module(fn.__module__)
+    mod = importlib.import_module(getattr(entry, "models", None) or fn.__module__)
     base = "forward" if direction == "fwd" else "backward"
     name = getattr(fn, "__name__", "")
     step = name[len(base) + 1:] if name.startswith(base + "_") else ""
@@ -645,8 +646,8 @@ def plot_sweep(rows: list[dict]):
 
 def bench_parser() -> argparse.ArgumentParser:
     """The ``flashnb bench`` argument parser."""
-    from ..api import MAX_HEAD_DIM
     from ..argtypes import int_in
+    from ..common import MAX_HEAD_DIM
     from ..registry import IMPLS
     from .roofline import GPUS
 
@@ -708,35 +709,15 @@ def main_bench(argv=None) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- half storage on a GPU (notebook 11)
+#: Measurements that moved to :mod:`flashnb.instruments.measure` (they build on the kernels they time), by their
+#: old name here: ``bench.measure_storage`` and ``bench.on_gpu("flashnb.instruments.bench:measure_storage")``
+#: still reach them.
+MOVED = {"measure_storage": "flashnb.instruments.measure.storage"}
 
 
-def measure_storage(BH: int = 16, N: int = 4096, d: int = 64, storages=("float32", "float16", "bfloat16"), *,
-                    causal: bool = False, repeats: int = 10, warmup: int = 3, seed: int = 0) -> list[dict]:
-    """CUDA-event time of the product kernel's forward and backward with Q, K, V, O (dO, dK, dV, dQ) in each
-    storage, at one shape (GPU only; notebook 11's measurement, through :func:`on_gpu`).  Same values in every
-    storage (drawn once, rounded to float16); each row carries the modelled HBM bytes
-    (:func:`flashnb.kernels.flash.model_bytes`) of its launches."""
-    from ..common import poisoning, to_bfloat16, to_device
-    from ..kernels.flash import backward, forward, model_backward, model_bytes, model_forward
+def __getattr__(name):
+    if name in MOVED:
+        import importlib
 
-    info = device_info()
-    rng = np.random.default_rng(seed)
-    values = [rng.standard_normal((BH, N, d)).astype(np.float16).astype(np.float32) for _ in range(4)]
-    out = []
-    for storage in storages:
-        host = [to_bfloat16(a) for a in values] if storage == "bfloat16" else values
-        q, k, v, do = (to_device(a, storage) for a in host)
-        scale = d ** -0.5
-        with poisoning(False):   # time the kernels, not the NaN fill of fresh outputs
-            o, lse = forward(q, k, v, causal=causal, scale=scale, storage=storage)
-            for direction, fn, model in (
-                    ("forward", lambda: forward(q, k, v, causal=causal, scale=scale, storage=storage), model_forward),
-                    ("backward", lambda: backward(q, k, v, o, lse, do, causal=causal, scale=scale, storage=storage),
-                     model_backward)):
-                timing = time_call(fn, repeats=repeats, warmup=warmup, info=info)
-                per_launch = model_bytes(model(BH, N, N, d, causal=causal, storage=storage), storage)
-                nbytes = sum(x["read_bytes"] + x["write_bytes"] + x["atomic_bytes"] for x in per_launch)
-                out.append(timing.row(storage=storage, direction=direction, BH=BH, N=N, d=d, causal=bool(causal),
-                                      model_bytes=int(nbytes)))
-    return out
+        return getattr(importlib.import_module(MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -46,7 +46,7 @@ _DIGESTS: dict[str, str] = {}
 #: editing them keeps the PTX guard's record (``tests/instruments/test_ptx_guard.py`` checks that none of them defines a
 #: ``cuda.jit`` function, an intrinsic, or a registered kernel factory).
 HOST_ONLY = ("sim/", "course/", "pytorch/", "distributed/", "cli.py", "notebook.py", "regions.py", "_gpu_child.py",
-             "tiny_transformer.py", "kernels/auto.py",
+             "tiny_transformer.py", "kernels/auto.py", "instruments/measure/", "instruments/sass_inputs/",
              *(f"instruments/{m}.py" for m in ("__init__", "sass", "sass_model", "roofline", "traffic", "rehearsal",
                                                 "occupancy", "ptxas", "ptx_cache", "shipping", "jobs", "compiled",
                                                 "guard", "report")))

@@ -30,15 +30,15 @@ __all__ = ["DEVICE_NAME", "ManualClock", "PretendDevice", "PretendEvent", "prete
 
 DEVICE_NAME = "REHEARSAL (simulator, not a GPU)"
 ENV = "FLASHNB_REHEARSAL"
-_state = {"depth": 0}
+_state = runtime.REHEARSAL   # the depth lives in the runtime, where the launch helpers read it
 #: ``(kernel, signature, bytes)`` of every dynamic-shared-memory opt-in (``common.allow_dynamic_shared``) a
 #: rehearsal made: on a GPU each is a ``cuKernelSetAttribute`` call, which a rehearsal cannot make.
-dynamic_shared_requests: list = []
+dynamic_shared_requests: list = runtime.DYNAMIC_SHARED_REQUESTS
 
 
 def active() -> bool:
     """True inside :func:`pretend_gpu` (nothing timed now is a GPU measurement)."""
-    return _state["depth"] > 0
+    return runtime.rehearsing()
 
 
 class ManualClock:

@@ -45,6 +45,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
+from ..registry import _check_dims, flops_backward, flops_forward  # noqa: F401  (the FLOPs convention)
+
 __all__ = ["GPU", "GPUS", "get_gpu", "ModelledTime", "modelled_time", "flops_forward", "flops_backward",
            "roofline_plot"]
 
@@ -161,26 +163,6 @@ def modelled_time(flops: float, bytes: float, gpu: str | GPU = "H100 SXM", peak:
     t_m = bytes / g.hbm_bandwidth
     return ModelledTime(max(t_c, t_m), t_c, t_m, "compute" if t_c >= t_m else "memory", float(flops),
                         float(bytes), g.name)
-
-
-def _check_dims(**dims):
-    for k, v in dims.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{k} must be a positive int, got {v!r}")
-
-
-def flops_forward(B: int, H: int, Nq: int, Nk: int, d: int, causal: bool = False) -> float:
-    """Forward FLOPs by the FlashAttention benchmark convention: ``4·B·H·Nq·Nk·d`` (two matmuls, QKᵀ and
-    PV, at 2 FLOP per multiply-add), halved when causal (about half the scores are masked; exact for
-    Nq = Nk up to the diagonal).  Softmax FLOPs are not counted."""
-    _check_dims(B=B, H=H, Nq=Nq, Nk=Nk, d=d)
-    f = 4.0 * B * H * Nq * Nk * d
-    return f / 2 if causal else f
-
-
-def flops_backward(B: int, H: int, Nq: int, Nk: int, d: int, causal: bool = False) -> float:
-    """Backward FLOPs: 2.5 x forward (five matmuls to the forward's two; benchmark_flash_attention.py)."""
-    return 2.5 * flops_forward(B, H, Nq, Nk, d, causal)
 
 
 def _points(points) -> list[tuple[str, float, float]]:

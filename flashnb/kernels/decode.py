@@ -29,42 +29,27 @@ reads K/V head ``z // G``, ``G = BH_q / BH_kv``).  The split kernel's grid then 
 a block's rows are the ``G·Nq`` (query head, query) pairs that share its K/V head, up to 8 per block (more
 on gridDim.z): the ``G`` query heads of a group read each chunk of their K/V head once, together.
 
-Models: :func:`model_forward` (element accesses per launch, equal to the traffic counter's) and
-:func:`modelled_time` (a per-SM roofline that sees idle SMs; **modelled, not measured**), with
-:func:`fa2_modelled_time` for the comparison with FA2's forward.
+This module holds the kernels only.  The host side -- :class:`~flashnb.kernels.launch.decode.KVCache`,
+:func:`~flashnb.kernels.launch.decode.decode`, the split heuristic and ``impl="flash-decoding"`` -- is
+:mod:`flashnb.kernels.launch.decode`; the traffic and time models (:func:`model_forward`, equal to the traffic
+counter's, and :func:`modelled_time`, a per-SM roofline that sees idle SMs: **modelled, not measured**) are
+:mod:`flashnb.kernels.decode_models`; the GPU measurement is :mod:`flashnb.instruments.measure.decode`.  Their old
+names here still reach them (:data:`MOVED`).
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 
-import numpy as np
 from numba import cuda, float32
 
-from .. import runtime
-from ..common import (
-    NEG_INF,
-    ONE,
-    ZERO,
-    causal_allowed,
-    causal_diag,
-    cdiv,
-    check_bfloat16_bits,
-    check_shared_fit,
-    empty,
-    launch,
-    positive_int,
-    to_device,
-)
-from ..instruments import roofline
-from ..reference import check_causal, check_scale
-from ..registry import kernel_factory, register_impl
+from ..common import NEG_INF, ONE, ZERO, causal_allowed, cdiv
+from ..registry import kernel_factory
 from ..stages.softmax import merge_state, warp_reduce_state
 
-__all__ = ["KVCache", "make_split", "make_merge", "make_append", "decode", "forward", "default_warps",
-           "default_splits", "chunk_length", "shared_bytes", "model_forward", "launch_blocks", "modelled_time",
-           "fa2_modelled_time", "sm_count", "measure_gpu", "MAX_NQ", "WARP"]
+__all__ = ["make_split", "make_merge", "make_append", "shared_bytes", "MAX_NQ", "WARP", "APPEND_ROWS",
+           "APPEND_THREADS"]
+
 
 WARP = 32
 MAX_NQ = 8               # queries per thread block (more run in groups of MAX_NQ on gridDim.z)
@@ -310,370 +295,28 @@ def make_append():
     return cache_append
 
 
-# --------------------------------------------------------------------------- the cache
+#: Names that moved out of this module, by their old name (``decode.KVCache``, ``decode.decode``,
+#: ``decode.model_forward``, ``decode.measure_gpu``): the host side, the models and the GPU measurement live in the
+#: layers that build on these kernels, and ``__getattr__`` below reaches them there.
+MOVED = {
+    "KVCache": "flashnb.kernels.launch.decode",
+    "decode": "flashnb.kernels.launch.decode",
+    "forward": "flashnb.kernels.launch.decode",
+    "default_warps": "flashnb.kernels.launch.decode",
+    "default_splits": "flashnb.kernels.launch.decode",
+    "chunk_length": "flashnb.kernels.launch.decode",
+    "sm_count": "flashnb.kernels.launch.decode",
+    "model_forward": "flashnb.kernels.decode_models",
+    "launch_blocks": "flashnb.kernels.decode_models",
+    "modelled_time": "flashnb.kernels.decode_models",
+    "fa2_modelled_time": "flashnb.kernels.decode_models",
+    "measure_gpu": "flashnb.instruments.measure.decode",
+}
 
 
-def _device_rows(name: str, x, heads: int, d: int):
-    """``x`` as a float32 C-contiguous device array of shape ``(heads, n, d)``; TypeError/ValueError naming it."""
-    if hasattr(x, "copy_to_host"):                   # a device array: used as it is, so it must already fit
-        if np.dtype(x.dtype) != np.float32:
-            raise TypeError(f"{name} must be float32 (a device array is not converted), got dtype {x.dtype}")
-        if not x.is_c_contiguous():
-            raise TypeError(f"{name} must be C-contiguous (a device array is not copied)")
-        arr = x
-    else:
-        a = np.asarray(x)
-        if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)) or a.dtype == bool:
-            raise TypeError(f"{name} must hold real numbers (a float or integer dtype), got dtype {a.dtype}")
-        check_bfloat16_bits(name, a, None, half=False)
-        if a.size and not np.all(np.isfinite(a)):
-            raise ValueError(f"{name} contains NaN or inf; cache rows must be finite")
-        arr = a
-    if arr.ndim != 3 or arr.shape[0] != heads or arr.shape[2] != d or arr.shape[1] < 1:
-        raise ValueError(f"{name} must have shape (heads, n_new, d) = ({heads}, n_new >= 1, {d}), got "
-                         f"{tuple(arr.shape)}")
-    return arr if hasattr(arr, "copy_to_host") else to_device(arr)
+def __getattr__(name):
+    if name in MOVED:
+        import importlib
 
-
-class KVCache:
-    """K and V of ``heads`` heads (``BH_kv``: batch·K/V heads) with room for ``capacity`` positions of head dim
-    ``d``, as float32 device arrays ``K``, ``V`` of shape ``(heads, capacity, d)``; the first ``length``
-    positions are filled (the rest are NaN until written, so a kernel that reads past ``length`` shows it).
-
-    ``append(k_new, v_new)`` writes ``(heads, n_new, d)`` rows at ``length`` (ValueError when they do not fit,
-    or have the wrong shape; TypeError for a non-real dtype or a non-float32 device array).
-    :meth:`wrap` uses existing ``(heads, N, d)`` device arrays as a full cache, without a copy."""
-
-    def __init__(self, heads: int, capacity: int, d: int):
-        self.heads = positive_int("heads", heads)
-        self.capacity = positive_int("capacity", capacity)
-        self.d = positive_int("d", d)
-        self.K = empty((self.heads, self.capacity, self.d))
-        self.V = empty((self.heads, self.capacity, self.d))
-        self.length = 0
-
-    @classmethod
-    def wrap(cls, k, v) -> "KVCache":
-        """A full cache over the float32 device arrays ``k``, ``v`` of shape ``(heads, N, d)`` (not copied)."""
-        if tuple(k.shape) != tuple(v.shape) or len(k.shape) != 3:
-            raise ValueError(f"k and v must have one shape (heads, N, d), got k {tuple(k.shape)}, v {tuple(v.shape)}")
-        cache = cls.__new__(cls)
-        cache.heads, cache.capacity, cache.d = (int(n) for n in k.shape)
-        cache.K = _device_rows("k", k, cache.heads, cache.d)
-        cache.V = _device_rows("v", v, cache.heads, cache.d)
-        cache.length = cache.capacity
-        return cache
-
-    @property
-    def free(self) -> int:
-        """Positions left."""
-        return self.capacity - self.length
-
-    def append(self, k_new, v_new) -> "KVCache":
-        """Write ``k_new``, ``v_new`` (NumPy or float32 device arrays ``(heads, n_new, d)``) at positions
-        ``length .. length + n_new - 1`` with :func:`make_append`'s kernel; returns the cache."""
-        kn = _device_rows("k_new", k_new, self.heads, self.d)
-        vn = _device_rows("v_new", v_new, self.heads, self.d)
-        if tuple(kn.shape) != tuple(vn.shape):
-            raise ValueError(f"k_new and v_new must have one shape, got {tuple(kn.shape)} and {tuple(vn.shape)}")
-        n = int(kn.shape[1])
-        if n > self.free:
-            raise ValueError(f"k_new: the cache is full: {n} new positions do not fit in the {self.free} left "
-                             f"(length {self.length}, capacity {self.capacity}); make a larger KVCache")
-        launch(make_append(), (cdiv(n, APPEND_ROWS), self.heads), APPEND_THREADS, self.K, self.V, kn, vn, self.length,
-               label="append to cache")
-        self.length += n
-        return self
-
-    def __repr__(self) -> str:
-        return f"KVCache(heads={self.heads}, length={self.length}, capacity={self.capacity}, d={self.d})"
-
-
-# --------------------------------------------------------------------------- host side
-
-
-def default_warps(d: int) -> int:
-    """Warps per split block: 4 (K/V tiles of 128 keys) up to d = 64, 2 beyond (the K_j tile must fit in
-    48 KiB of shared memory with the warps' merge buffers: :func:`shared_bytes`)."""
-    return 4 if d <= 64 else 2
-
-
-def sm_count(gpu=None) -> int:
-    """SMs to fill: ``gpu``'s (a :mod:`flashnb.instruments.roofline` preset or GPU); ``None``: this GPU's own count when
-    running on one, else the H100 SXM preset's."""
-    if gpu is None:
-        from ..instruments import rehearsal
-
-        if runtime.MODE == "gpu" and not rehearsal.active():
-            return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
-        gpu = "H100 SXM"
-    return roofline.get_gpu(gpu).sm_count
-
-
-def _row_blocks(Nq: int, group: int) -> tuple[int, int]:
-    """``(NQ, blocks)``: rows per split block and split blocks per K/V head and split, for the ``group·Nq``
-    (query head, query) rows that share a K/V head, at most :data:`MAX_NQ` per block."""
-    F = positive_int("group", group) * positive_int("Nq", Nq)
-    NQ = min(F, MAX_NQ)
-    return NQ, cdiv(F, NQ)
-
-
-def default_splits(BH: int, Nq: int, length: int, d: int, warps: int | None = None, gpu="H100 SXM", *,
-                   group: int = 1) -> int:
-    """The split count :func:`decode` uses: as many blocks as fit on the SMs in one wave,
-    ``floor(SMs / blocks per split)`` -- rounding up instead would leave a second, nearly empty wave of blocks
-    (8 heads on 132 SMs: 17 splits are 136 blocks) -- but no more splits than K/V tiles in the cache
-    (``ceil(length / Bc)``, so every split has at least one tile), and at least 1.  A split has one block per
-    K/V head (``BH / group``) and per 8 of the ``group·Nq`` rows sharing it."""
-    Bc = WARP * (warps or default_warps(d))
-    per_split = (BH // positive_int("group", group)) * _row_blocks(Nq, group)[1]
-    return max(1, min(sm_count(gpu) // per_split, cdiv(length, Bc)))
-
-
-def chunk_length(length: int, num_splits: int, Bc: int) -> int:
-    """Keys per split: ``length / num_splits`` rounded up to a multiple of the tile ``Bc``."""
-    return cdiv(cdiv(length, num_splits), Bc) * Bc
-
-
-def _check_warps(warps, d, NQ):
-    warps = default_warps(d) if warps is None else positive_int("warps", warps)
-    if warps > 32:
-        raise ValueError(f"warps must be in 1..32 (at most 1,024 threads per block), got {warps}")
-    check_shared_fit("flash-decoding", f"of Bc={WARP * warps} keys (warps={warps}) at d={d}, Nq={NQ}",
-                     shared_bytes(NQ, d, warps), "use fewer warps")
-    return warps
-
-
-def _decode_causal(causal, Nq: int):
-    """:func:`decode`'s ``causal``: as given, or (None) False for a single query, where every mask is the same; a
-    ValueError naming ``causal`` for several queries, where the choice changes the answer."""
-    if causal is not None:
-        return causal
-    if Nq > 1:
-        raise ValueError(f"causal: decoding Nq = {Nq} new queries needs causal=True (bottom-right: query i sees the "
-                         "cache up to position length - Nq + i, the new tokens appended last) or causal=False (every "
-                         "query sees the whole cache, as flashnb.attention(..., impl='flash-decoding') does by "
-                         "default); with one query they are the same")
-    return False
-
-
-def decode(q, cache: KVCache, *, scale=None, causal=None, num_splits=None, warps=None, gpu=None):
-    """Attention of ``q`` against the first ``cache.length`` positions of ``cache``: ``(O, L)`` device arrays
-    ``(BH, Nq, d)`` and ``(BH, Nq)``.
-
-    ``q``: NumPy or float32 device array ``(BH, Nq, d)``, ``BH`` a multiple of ``cache.heads`` (grouped-query
-    attention: the ``G = BH / cache.heads`` query heads of a K/V head share its blocks), ``d = cache.d <= 128``;
-    meant for ``G·Nq <= 8`` (more rows run in blocks of 8 on gridDim.z, each re-reading the cache).
-    ``causal``: True (bottom-right: query ``i`` sees positions ``<= length - Nq + i``, the new tokens appended
-    last), False or ``"upper_left"``.  With one query (``Nq = 1``) every choice is the same mask and ``causal``
-    may be left out; with more it must be given: ``flashnb.attention(..., impl="flash-decoding")`` is False by
-    default, like every impl, while decoding new tokens wants True, so no default serves both.
-    ``num_splits``: chunks the cache is split into (default :func:`default_splits` for ``gpu``'s SMs:
-    :func:`sm_count`, this GPU's own when None); more splits than tiles leave some splits empty, which is
-    allowed.  ``warps``: per split block (default :func:`default_warps`); K/V tiles are ``32·warps`` keys."""
-    if not isinstance(cache, KVCache):
-        raise TypeError(f"cache must be a flashnb.kernels.decode.KVCache, got {type(cache).__name__}")
-    if cache.length < 1:
-        raise ValueError("cache is empty (length 0): append keys and values first")
-    shape = tuple(getattr(q, "shape", np.shape(q)))
-    if len(shape) != 3 or shape[2] != cache.d:
-        raise ValueError(f"q must have shape (BH, Nq, d) with the cache's d = {cache.d}, got {shape}")
-    qd = _device_rows("q", q, shape[0], cache.d)
-    BH, Nq, d = (int(n) for n in qd.shape)
-    if BH % cache.heads:
-        raise ValueError(f"q's batch·heads ({BH}) must be a multiple of the cache's heads ({cache.heads})")
-    G = BH // cache.heads
-    if d > 128:
-        raise ValueError(f"head dim d must be <= 128, got {d}")
-    s = check_scale(scale, d)
-    causal = check_causal(_decode_causal(causal, Nq), Nq, cache.length)
-    NQ, row_blocks = _row_blocks(Nq, G)
-    warps = _check_warps(warps, d, NQ)
-    Bc = WARP * warps
-    S = default_splits(BH, Nq, cache.length, d, warps, gpu, group=G) if num_splits is None \
-        else positive_int("num_splits", num_splits)
-    chunk = chunk_length(cache.length, S, Bc)
-    O_part = empty((BH, S, Nq, d))
-    L_part = empty((BH, S, Nq))
-    launch(make_split(NQ, d, warps, bool(causal)), (S, cache.heads, row_blocks), Bc, qd, cache.K, cache.V, O_part,
-           L_part, s, cache.length, chunk, causal_diag(causal, Nq, cache.length), label="split-KV partials")
-    O = empty((BH, Nq, d))
-    L = empty((BH, Nq))
-    launch(make_merge(d), (Nq, BH), WARP, O_part, L_part, O, L, label="merge splits")
-    return O, L
-
-
-def forward(q, k, v, *, causal=False, scale, num_splits=None, warps=None):
-    """``impl="flash-decoding"``: :func:`decode` of ``q`` against ``k``, ``v`` as a full cache (forward only)."""
-    return decode(q, KVCache.wrap(k, v), scale=scale, causal=causal, num_splits=num_splits, warps=warps)
-
-
-register_impl("flash-decoding", stage="decode",
-              description="flash-decoding: split-KV blocks write partial (O, LSE), a merge kernel combines them "
-                          "(forward only; for Nq <= 8 new queries against a KV cache)",
-              forward=forward, options=("num_splits", "warps"), gqa=True)
-
-
-# --------------------------------------------------------------------------- models
-
-
-def _launch(name, reads, writes, shared_reads, shared_writes):
-    return dict(launch=name, reads={a: n for a, n in reads.items() if n},
-                writes={a: n for a, n in writes.items() if n}, atomics={},
-                shared_reads=int(shared_reads), shared_writes=int(shared_writes))
-
-
-def _split_blocks(Nq, length, causal, S, Bc, group=1):
-    """``[(s, b, rows, keys)]`` per block of one K/V head: its valid rows (of the ``group·Nq`` sharing the K/V
-    head) and the keys its chunk reads (``hi - lo``), in launch order (x fastest)."""
-    diag = causal_diag(causal, Nq, length)
-    NQ, n_blocks = _row_blocks(Nq, group)
-    F = group * Nq
-    chunk = chunk_length(length, S, Bc)
-    out = []
-    for b in range(n_blocks):
-        f0, f1 = b * NQ, min(b * NQ + NQ, F) - 1
-        q_hi = Nq if f1 // Nq > f0 // Nq else f1 % Nq + 1     # one past the last query of these rows
-        for s in range(S):
-            lo = s * chunk
-            hi = min(lo + chunk, length)
-            if causal:
-                hi = min(hi, q_hi + diag)
-            out.append((s, b, f1 - f0 + 1, max(0, hi - lo)))
-    return out
-
-
-def _plan(BH, Nq, length, d, causal, num_splits, warps, gpu, group):
-    causal = check_causal(causal, Nq, length)
-    if BH % positive_int("group", group):
-        raise ValueError(f"group={group} must divide batch·heads = {BH}")
-    NQ, _ = _row_blocks(Nq, group)
-    warps = _check_warps(warps, d, NQ)
-    S = default_splits(BH, Nq, length, d, warps, gpu, group=group) if num_splits is None \
-        else positive_int("num_splits", num_splits)
-    return causal, NQ, warps, S
-
-
-def model_forward(BH, Nq, Nk, d, *, causal=False, num_splits=None, warps=None, gpu="H100 SXM", group=1):
-    """Element accesses of :func:`decode` with ``Nk`` = the cache length (two launches).
-
-    Split: every block reads its group's Q rows and the keys of its chunk once (K and V: ``(hi - lo)·d``, V
-    straight from HBM), writes ``O_part``, ``L_part`` rows; shared: ``Q_i`` written (NQ·d), per tile ``K_j``
-    written (Bc·d) and read by every thread (d, plus NQ·d of ``Q_i``), then the warps' states written
-    (2·warps·NQ + warps·NQ·Dp) and read 4·warps times per output element.  Merge: ``L_part`` read twice, ``O_part``
-    once, O and L written; shared: 2 writes and 64 reads per row (:func:`flashnb.stages.softmax.warp_reduce_state`).
-    ``group`` (GQA, ``BH_q / BH_kv``): the blocks run per K/V head, each on up to 8 of the ``group·Nq`` rows that
-    share it, so K and V are read once per K/V head and chunk (per 8 rows)."""
-    causal, NQ, warps, S = _plan(BH, Nq, Nk, d, causal, num_splits, warps, gpu, group)
-    Bc, Dp = WARP * warps, WARP * cdiv(d, WARP)
-    blocks = _split_blocks(Nq, Nk, causal, S, Bc, group)
-    BHkv = BH // group
-    keys = sum(kk for *_, kk in blocks)
-    tiles = sum(cdiv(kk, Bc) for *_, kk in blocks)
-    n = len(blocks)
-    split = _launch("split-KV partials", {"Q": BH * S * Nq * d, "K": BHkv * keys * d, "V": BHkv * keys * d},
-                    {"O_part": BH * S * Nq * d, "L_part": BH * S * Nq},
-                    BHkv * (tiles * Bc * d * (NQ + 1) + n * NQ * d * 4 * warps),
-                    BHkv * (n * NQ * d + tiles * Bc * d + n * warps * NQ * (2 + Dp)))
-    merge = _launch("merge splits", {"O_part": BH * Nq * S * d, "L_part": 2 * BH * Nq * S},
-                    {"O": BH * Nq * d, "L": BH * Nq}, BH * Nq * 2 * WARP, BH * Nq * 2)
-    return [split, merge]
-
-
-def launch_blocks(BH, Nq, Nk, d, *, causal=True, num_splits=None, warps=None, gpu="H100 SXM", group=1) -> dict:
-    """Thread blocks of each launch of :func:`decode`: ``{"split-KV partials": S · BH_kv · ceil(group·Nq / 8),
-    "merge splits": Nq · BH}``."""
-    causal, NQ, warps, S = _plan(BH, Nq, Nk, d, causal, num_splits, warps, gpu, group)
-    return {"split-KV partials": S * (BH // group) * _row_blocks(Nq, group)[1], "merge splits": Nq * BH}
-
-
-def _schedule(blocks, g) -> tuple[float, int]:
-    """Per-SM roofline: each SM gets ``1/SMs`` of the HBM bandwidth and of the FP32 peak; a block lasts
-    ``max(bytes / its bandwidth, FLOPs / its peak)``; blocks go, in launch order, to the SM that frees first.
-    Returns (seconds until the last SM is done, SMs that get a block)."""
-    bw, peak = g.hbm_bandwidth / g.sm_count, g.fp32_peak / g.sm_count
-    heap = [0.0] * g.sm_count
-    for nbytes, flops in blocks:
-        heapq.heappush(heap, heapq.heappop(heap) + max(nbytes / bw, flops / peak))
-    return max(heap), min(len(blocks), g.sm_count)
-
-
-def modelled_time(BH, Nq, Nk, d, *, causal=True, num_splits=None, warps=None, gpu="H100 SXM", group=1) -> dict:
-    """**Modelled, not measured**: :func:`decode`'s time on ``gpu`` by a per-SM roofline (see ``_schedule``:
-    one SM is assumed to reach only its share of the bandwidth, so idle SMs cost time; launch overhead, caches
-    and latency are left out).  Per block: HBM bytes of its own accesses (as :func:`model_forward` counts
-    them), FLOPs ``4·d·rows·keys`` (the scores it computes, masked or not).  Returns blocks, busy SMs, bytes,
-    seconds of each launch and in all (the two launches run one after the other)."""
-    g = roofline.get_gpu(gpu)
-    causal, NQ, warps, S = _plan(BH, Nq, Nk, d, causal, num_splits, warps, gpu, group)
-    split = [(4 * (2 * rows * d + rows + 2 * keys * d), 4 * d * rows * keys)
-             for _ in range(BH // group) for _, _, rows, keys in _split_blocks(Nq, Nk, causal, S, WARP * warps, group)]
-    merge = [(4 * (2 * S + S * d + d + 1), 2 * S * d)] * (BH * Nq)
-    t_split, busy_split = _schedule(split, g)
-    t_merge, busy_merge = _schedule(merge, g)
-    return dict(impl="flash-decoding", num_splits=S, blocks=len(split) + len(merge), split_blocks=len(split),
-                merge_blocks=len(merge), busy_sms=busy_split, sms=g.sm_count,
-                bytes=sum(b for b, _ in split) + sum(b for b, _ in merge),
-                seconds=t_split + t_merge, split_seconds=t_split, merge_seconds=t_merge, gpu=g.name,
-                kind="modelled")
-
-
-def fa2_modelled_time(BH, Nq, Nk, d, *, causal=True, gpu="H100 SXM", Br=None, Bc=None, warps=None) -> dict:
-    """FA2's forward (:mod:`flashnb.stages.fa2`, default tiles) by the same per-SM roofline as :func:`modelled_time`:
-    one block per ``Br`` query rows of each head, each reading Q_i, its visited K/V tiles, writing O_i, L_i."""
-    from ..stages import fa2
-
-    g = roofline.get_gpu(gpu)
-    causal = check_causal(causal, Nq, Nk)
-    t = fa2.default_tiles(d)
-    Br, Bc = Br or t["Br"], Bc or t["Bc"]
-    per_block = {}
-    for i, _, rows, cols in fa2.tiles_visited(Nq, Nk, Br, Bc, causal):
-        per_block[i] = per_block.get(i, 0) + cols
-    blocks = []
-    for _ in range(BH):
-        for i in range(cdiv(Nq, Br)):
-            rows, cols = min(Br, Nq - i * Br), per_block.get(i, 0)
-            blocks.append((4 * (2 * rows * d + rows + 2 * cols * d), 4 * d * rows * cols))
-    seconds, busy = _schedule(blocks, g)
-    return dict(impl="fa2", blocks=len(blocks), busy_sms=busy, sms=g.sm_count, bytes=sum(b for b, _ in blocks),
-                seconds=seconds, gpu=g.name, kind="modelled")
-
-
-# --------------------------------------------------------------------------- measurement (GPU only)
-
-
-def measure_gpu(BH: int = 8, length: int = 32768, d: int = 128, Nq: int = 1, splits=(1, 4, 16, None), *,
-                repeats: int = 20, warmup: int = 3, seed: int = 0) -> list[dict]:
-    """CUDA-event times (GPU only; for notebook 11) of :func:`decode` at each split count in ``splits`` (None:
-    the heuristic for this GPU's SMs) and of FA2's forward (:func:`flashnb.stages.fa2.forward`, default tiles) on the
-    same ``Nq`` queries and cache, with the blocks each launches.  The cache is filled before timing."""
-    from ..common import poisoning
-    from ..instruments import bench
-    from ..stages import fa2
-
-    if runtime.MODE != "gpu":
-        raise RuntimeError("measure_gpu times kernels on a GPU; on the simulator use bench.on_gpu("
-                           "'flashnb.kernels.decode:measure_gpu', ...), which measures nothing without a GPU")
-    info = bench.device_info()
-    rng = np.random.default_rng(seed)
-    q = to_device(rng.standard_normal((BH, Nq, d), dtype=np.float32))
-    k, v = (to_device(rng.standard_normal((BH, length, d), dtype=np.float32)) for _ in range(2))
-    cache = KVCache.wrap(k, v)
-    scale = d ** -0.5
-    flops = 4.0 * BH * Nq * length * d
-    out = []
-    with poisoning(False):                           # time the kernels, not the NaN fill of fresh outputs
-        for S in splits:
-            S_used = default_splits(BH, Nq, length, d, gpu=None) if S is None else S
-            timing = bench.time_call(lambda: decode(q, cache, scale=scale, causal=True, num_splits=S_used),
-                                     repeats=repeats, warmup=warmup, info=info, flops=flops)
-            blocks = launch_blocks(BH, Nq, length, d, num_splits=S_used)
-            out.append(timing.row(impl="flash-decoding", num_splits=S_used, heuristic=S is None, BH=BH, Nq=Nq,
-                                  length=length, d=d, blocks=sum(blocks.values()),
-                                  split_blocks=blocks["split-KV partials"]))
-        timing = bench.time_call(lambda: fa2.forward(q, k, v, causal=True, scale=scale), repeats=repeats,
-                                 warmup=warmup, info=info, flops=flops)
-        out.append(timing.row(impl="fa2", num_splits=None, heuristic=False, BH=BH, Nq=Nq, length=length, d=d,
-                              blocks=cdiv(Nq, fa2.default_tiles(d)["Br"]) * BH, split_blocks=None))
-    return out
+        return getattr(importlib.import_module(MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,3 +12,13 @@
 
 The product kernel every call runs by default is not a lesson: it lives in :mod:`flashnb.kernels`.
 """
+
+
+def __getattr__(name):
+    """A submodule not imported yet (``import flashnb`` defers them), imported on first use as an attribute."""
+    import importlib
+    import importlib.util
+
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

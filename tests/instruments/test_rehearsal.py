@@ -183,8 +183,10 @@ def test_measure_impls_rehearsal():
 @pytest.mark.slow
 def test_softmax_and_block_sparse_measurements_rehearsal():
     with pretend_gpu():
-        sm = flashnb.stages.softmax.measure_gpu(rows=2, n=64, threads=32, repeats=2)
-        bsr = flashnb.stages.block_sparse.measure_gpu(BH=1, N=64, d=16, densities=(1.0, 0.5), repeats=1)
+        from flashnb.instruments.measure import block_sparse, softmax
+
+        sm = softmax.measure_gpu(rows=2, n=64, threads=32, repeats=2)
+        bsr = block_sparse.measure_gpu(BH=1, N=64, d=16, densities=(1.0, 0.5), repeats=1)
     assert [r["method"] for r in sm] == ["unsafe", "safe", "online"]
     # the modelled bytes come from model_softmax: 3, 4, 3 accesses per element of a 2 x 64 matrix
     assert [r["model_bytes"] for r in sm] == [4 * 3 * 128, 4 * 4 * 128, 4 * 3 * 128]
@@ -212,8 +214,8 @@ def test_gpu_child_process_rehearsal():
 
 def test_softmax_rows_come_back_from_the_child_process():
     env = dict(os.environ, FLASHNB_DEVICE="sim", NUMBA_ENABLE_CUDASIM="1", **{rehearsal.ENV: "1"})
-    rows = bench._run_child("flashnb.stages.softmax:measure_gpu", dict(rows=2, n=32, threads=32, repeats=1, warmup=1),
-                            env, timeout=300)
+    rows = bench._run_child("flashnb.instruments.measure.softmax:measure_gpu",
+                            dict(rows=2, n=32, threads=32, repeats=1, warmup=1), env, timeout=300)
     assert [r["method"] for r in rows] == ["unsafe", "safe", "online"] and all(r["gb_per_s"] > 0 for r in rows)
 
 

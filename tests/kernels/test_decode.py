@@ -11,7 +11,9 @@ from conftest import assert_close, qkv
 import flashnb
 from flashnb import common, reference
 from flashnb.instruments import roofline, traffic
-from flashnb.kernels import decode
+from flashnb.instruments.measure import decode as measure
+from flashnb.kernels import decode, decode_models
+from flashnb.kernels.launch import decode as host
 from flashnb.stages import fa2
 
 # Float32 kernels vs the float64 reference.  Each output element is a dot product of d <= 64 terms (the score),
@@ -23,7 +25,7 @@ CAPACITY = 128   # the cache is larger than its filled part: positions >= length
 
 
 def _cache(k, v, capacity=CAPACITY):
-    return decode.KVCache(k.shape[0], capacity, k.shape[2]).append(k, v)
+    return host.KVCache(k.shape[0], capacity, k.shape[2]).append(k, v)
 
 
 # (BH_q, BH_kv, Nq, length, d, num_splits, warps, causal): lengths not a multiple of the tile (32·warps);
@@ -46,7 +48,7 @@ IDS = [f"bh{c[0]}/{c[1]}-nq{c[2]}-len{c[3]}-d{c[4]}-s{c[5]}-w{c[6]}-{c[7] if c[7
 def test_decode_matches_reference(rng, BH, BHkv, Nq, length, d, S, warps, causal):
     q = rng.standard_normal((BH, Nq, d))
     k, v = rng.standard_normal((2, BHkv, length, d))
-    O, L = decode.decode(q, _cache(k, v), causal=causal, num_splits=S, warps=warps)
+    O, L = host.decode(q, _cache(k, v), causal=causal, num_splits=S, warps=warps)
     o_ref, lse_ref = reference.attention_forward(q, k, v, causal=causal)
     assert_close(O.copy_to_host(), o_ref, **TOL, what="o")    # also: no NaN left, -inf exactly where expected
     assert_close(L.copy_to_host(), lse_ref, **TOL, what="lse")
@@ -96,7 +98,7 @@ def test_merge_kernel_alone_matches_numpy(rng):
 
 
 def test_append_writes_rows_and_leaves_the_rest_unwritten(rng):
-    cache = decode.KVCache(2, 10, 5)
+    cache = host.KVCache(2, 10, 5)
     k1, v1 = rng.standard_normal((2, 2, 3, 5))
     k2, v2 = rng.standard_normal((2, 2, 4, 5))
     cache.append(k1, v1).append(common.to_device(k2), common.to_device(v2))   # NumPy, then device arrays
@@ -121,7 +123,7 @@ def test_append_writes_rows_and_leaves_the_rest_unwritten(rng):
 def test_append_refuses_bad_rows(k_new, error, says):
     from numba import cuda
 
-    cache = decode.KVCache(2, 10, 5)
+    cache = host.KVCache(2, 10, 5)
     if isinstance(k_new, str):
         k_new = cuda.to_device(np.ones((2, 3, 5)))
     with pytest.raises(error, match=says):
@@ -142,14 +144,14 @@ def test_counted_traffic_equals_model(rng, BH, BHkv, Nq, length, d, S, warps, ca
     k, v = rng.standard_normal((2, BHkv, length, d))
     cache = _cache(k, v)
     with traffic.count() as t:
-        decode.decode(q, cache, causal=causal, num_splits=S, warps=warps)
+        host.decode(q, cache, causal=causal, num_splits=S, warps=warps)
     G = BH // BHkv
-    model = decode.model_forward(BH, Nq, length, d, causal=causal, num_splits=S, warps=warps, group=G)
+    model = decode_models.model_forward(BH, Nq, length, d, causal=causal, num_splits=S, warps=warps, group=G)
     assert t.summary() == model
     # K/V read once per K/V head and chunk (each block's rows share them): at most length·d each per block row
     assert model[0]["reads"]["K"] <= BHkv * math.ceil(G * Nq / 8) * length * d
     # the per-block time model prices the same global bytes
-    mt = decode.modelled_time(BH, Nq, length, d, causal=causal, num_splits=S, warps=warps, group=G)
+    mt = decode_models.modelled_time(BH, Nq, length, d, causal=causal, num_splits=S, warps=warps, group=G)
     assert mt["bytes"] == 4 * sum(sum(x[key].values()) for x in model for key in ("reads", "writes"))
     assert [lt.grid for lt in t.launches] == [(S, BHkv, math.ceil(G * Nq / 8)), (Nq, BH, 1)]
     assert mt["split_blocks"] == S * BHkv * math.ceil(G * Nq / 8) and mt["merge_blocks"] == Nq * BH
@@ -157,25 +159,25 @@ def test_counted_traffic_equals_model(rng, BH, BHkv, Nq, length, d, S, warps, ca
 
 def test_split_heuristic_fills_the_sms_within_the_cache():
     sms = roofline.get_gpu("H100 SXM").sm_count
-    assert decode.default_splits(8, 1, 32768, 128) == sms // 8 == 16         # 8 heads: 128 blocks in one wave
-    assert decode.default_splits(8, 1, 32768, 128, gpu="A100 80GB SXM") == 108 // 8
-    assert decode.default_splits(8, 12, 32768, 128) == sms // 16             # 12 queries: two blocks of <= 8
-    assert decode.default_splits(32, 1, 32768, 128, group=4) == sms // 8     # 4 query heads per K/V head: 8 blocks
-    assert decode.default_splits(4, 1, 100, 64) == 1                          # 100 keys: one tile of 128
-    assert decode.default_splits(1, 1, 300, 64, warps=1) == 10                # 10 tiles of 32 < 132
-    assert decode.default_splits(256, 1, 32768, 64) == 1                      # enough heads already
-    assert decode.default_splits(100, 1, 32768, 64) == 1                      # 2 splits would need a 2nd wave
-    assert decode.chunk_length(100, 5, 32) == 32 and decode.chunk_length(128, 3, 32) == 64
+    assert host.default_splits(8, 1, 32768, 128) == sms // 8 == 16         # 8 heads: 128 blocks in one wave
+    assert host.default_splits(8, 1, 32768, 128, gpu="A100 80GB SXM") == 108 // 8
+    assert host.default_splits(8, 12, 32768, 128) == sms // 16             # 12 queries: two blocks of <= 8
+    assert host.default_splits(32, 1, 32768, 128, group=4) == sms // 8     # 4 query heads per K/V head: 8 blocks
+    assert host.default_splits(4, 1, 100, 64) == 1                          # 100 keys: one tile of 128
+    assert host.default_splits(1, 1, 300, 64, warps=1) == 10                # 10 tiles of 32 < 132
+    assert host.default_splits(256, 1, 32768, 64) == 1                      # enough heads already
+    assert host.default_splits(100, 1, 32768, 64) == 1                      # 2 splits would need a 2nd wave
+    assert host.chunk_length(100, 5, 32) == 32 and host.chunk_length(128, 3, 32) == 64
 
 
 def test_fa2_model_is_fa2s_traffic_and_decode_uses_more_sms_at_nq_1():
     BH, Nk, d = 8, 32768, 128
-    f = decode.fa2_modelled_time(BH, 1, Nk, d, causal=True)
+    f = decode_models.fa2_modelled_time(BH, 1, Nk, d, causal=True)
     model = fa2.model_forward(BH, 1, Nk, d, causal=True)
     assert f["bytes"] == 4 * sum(sum(x[key].values()) for x in model for key in ("reads", "writes"))
     assert f["blocks"] == BH and f["busy_sms"] == BH                          # one block per head
-    g = decode.modelled_time(BH, 1, Nk, d, causal=True)
-    assert g["split_blocks"] == BH * decode.default_splits(BH, 1, Nk, d) == 128 and g["busy_sms"] == 128
+    g = decode_models.modelled_time(BH, 1, Nk, d, causal=True)
+    assert g["split_blocks"] == BH * host.default_splits(BH, 1, Nk, d) == 128 and g["busy_sms"] == 128
     # same keys read once, plus the partials: a few KiB more than fa2, and (modelled) faster by the idle SMs
     assert 0 < g["bytes"] - f["bytes"] < 0.001 * f["bytes"]
     assert g["seconds"] < f["seconds"] / 10
@@ -185,29 +187,29 @@ def test_fa2_model_is_fa2s_traffic_and_decode_uses_more_sms_at_nq_1():
 
 
 def test_bad_inputs_are_clear_errors(rng):
-    cache = decode.KVCache(2, 16, 8)
+    cache = host.KVCache(2, 16, 8)
     q = rng.standard_normal((2, 1, 8))
     with pytest.raises(ValueError, match="cache is empty"):
-        decode.decode(q, cache)
+        host.decode(q, cache)
     cache.append(*rng.standard_normal((2, 2, 4, 8)))
-    with pytest.raises(TypeError, match="cache must be a flashnb.kernels.decode.KVCache"):
-        decode.decode(q, "cache")
+    with pytest.raises(TypeError, match="cache must be a flashnb.kernels.launch.decode.KVCache"):
+        host.decode(q, "cache")
     with pytest.raises(ValueError, match=r"q must have shape \(BH, Nq, d\) with the cache's d = 8"):
-        decode.decode(rng.standard_normal((2, 1, 4)), cache)
+        host.decode(rng.standard_normal((2, 1, 4)), cache)
     with pytest.raises(ValueError, match=r"q's batch·heads \(3\) must be a multiple of the cache's heads \(2\)"):
-        decode.decode(rng.standard_normal((3, 1, 8)), cache)
+        host.decode(rng.standard_normal((3, 1, 8)), cache)
     with pytest.raises(ValueError, match="num_splits must be a positive int"):
-        decode.decode(q, cache, num_splits=0)
-    wide = decode.KVCache(1, 8, 128).append(*rng.standard_normal((2, 1, 8, 128)))
+        host.decode(q, cache, num_splits=0)
+    wide = host.KVCache(1, 8, 128).append(*rng.standard_normal((2, 1, 8, 128)))
     with pytest.raises(ValueError, match=r"flash-decoding: tiles of Bc=128 keys \(warps=4\) at d=128, Nq=1 need "
                        r"68,640 B .* over the 49,152 B \(48 KiB\).*use fewer warps"):
-        decode.decode(rng.standard_normal((1, 1, 128)), wide, warps=4)
+        host.decode(rng.standard_normal((1, 1, 128)), wide, warps=4)
     with pytest.raises(ValueError, match=r"warps must be in 1..32"):
-        decode.decode(q, cache, warps=33)
+        host.decode(q, cache, warps=33)
     with pytest.raises(TypeError, match="causal must be"):
-        decode.decode(q, cache, causal="diagonal")
+        host.decode(q, cache, causal="diagonal")
     with pytest.raises(ValueError, match="capacity must be a positive int"):
-        decode.KVCache(1, 0, 8)
+        host.KVCache(1, 0, 8)
     with pytest.raises(ValueError, match="has no backward"):
         flashnb.attention_backward(q, q, q, q, np.zeros((2, 1)), q, impl="flash-decoding")
     with pytest.raises(TypeError, match=r"got unexpected option\(s\) \['Br'\]"):
@@ -239,7 +241,7 @@ def test_decode_passes_all_four_sanitizer_tools(rng):
     def run(length=None):
         cache = _cache(k, v, capacity=144)
         cache.length = length or cache.length
-        decode.decode(q, cache, causal=True, num_splits=2, warps=2)
+        host.decode(q, cache, causal=True, num_splits=2, warps=2)
 
     with sim.sanitize() as report:
         run()
@@ -261,9 +263,9 @@ def test_gpu_measurement_rehearsal():
     from flashnb.instruments.rehearsal import pretend_gpu
 
     with pytest.raises(RuntimeError, match="measure_gpu times kernels on a GPU"):
-        decode.measure_gpu(BH=1, length=64, d=8)
+        measure.measure_gpu(BH=1, length=64, d=8)
     with pretend_gpu():
-        rows = decode.measure_gpu(BH=1, length=64, d=8, splits=(2, None), repeats=1, warmup=0)
+        rows = measure.measure_gpu(BH=1, length=64, d=8, splits=(2, None), repeats=1, warmup=0)
     assert [(r["impl"], r["num_splits"]) for r in rows] == [("flash-decoding", 2), ("flash-decoding", 1),
                                                             ("fa2", None)]
     assert [r["blocks"] for r in rows] == [2 + 1, 1 + 1, 1] and all(r["mode"] == "rehearsal" for r in rows)
@@ -281,13 +283,21 @@ def test_decode_and_the_impl_agree_on_causal(rng):
         impl = {c: flashnb.attention(q, k, v, causal=c, impl="flash-decoding", num_splits=2, warps=1)
                 for c in ((False, True) if Nq > 1 else (False,))}
         if Nq == 1:
-            o = decode.decode(q, cache, num_splits=2, warps=1)[0].copy_to_host()
+            o = host.decode(q, cache, num_splits=2, warps=1)[0].copy_to_host()
             assert_close(o, reference.attention(q, k, v), **TOL, what="o")
             assert_close(impl[False], reference.attention(q, k, v), **TOL, what="impl o")
             continue
         with pytest.raises(ValueError, match=r"causal: decoding Nq = 3 new queries needs causal=True"):
-            decode.decode(q, cache, num_splits=2, warps=1)
+            host.decode(q, cache, num_splits=2, warps=1)
         for c in (False, True):
-            o = decode.decode(q, cache, causal=c, num_splits=2, warps=1)[0].copy_to_host()
+            o = host.decode(q, cache, causal=c, num_splits=2, warps=1)[0].copy_to_host()
             assert_close(o, impl[c], **TOL, what=f"causal={c}")
             assert_close(o, reference.attention(q, k, v, causal=c), **TOL, what=f"causal={c} vs reference")
+
+
+def test_old_names_reach_the_new_homes():
+    """``decode.KVCache``, ``decode.model_forward``, ``decode.measure_gpu``: the host side, the models and the GPU
+    measurement left the kernels' module; their old names there still give the same objects."""
+    assert decode.KVCache is host.KVCache and decode.decode is host.decode and decode.forward is host.forward
+    assert decode.model_forward is decode_models.model_forward and decode.measure_gpu is measure.measure_gpu
+    assert flashnb.decode is decode

@@ -10,7 +10,7 @@ from conftest import FEATURE_IMPLS, MODULE_OF, assert_close
 
 import flashnb
 from flashnb import common, reference
-from flashnb.instruments import bench, traffic
+from flashnb.instruments import traffic
 
 U16 = 2.0 ** -11   # float16's unit roundoff: a round-to-nearest store changes a value by at most this, relative
 UBF = 2.0 ** -8    # bfloat16's (8 significand bits)
@@ -334,7 +334,7 @@ def test_uint16_without_bfloat16_storage_is_refused(rng):
     storage="bfloat16" is a TypeError naming it and storage="bfloat16": for q of the default storage, do alone in a
     backward, an explicit storage="float32", an impl without half storage, a torch tensor's values, and
     flash-decoding's cache.  Other integer dtypes stay integer values."""
-    from flashnb.kernels import decode
+    from flashnb.kernels.launch import decode
 
     q, k, v = (rng.standard_normal((1, 16, 8)) for _ in range(3))
     bits = [common.to_bfloat16(a) for a in (q, k, v)]
@@ -403,12 +403,13 @@ def test_torch_half_cuda_path_rehearsed(rng, impl):
 
 @pytest.mark.slow   # ~7 s on the simulator (six rehearsed timings); like the other notebooks' measurement rehearsals
 def test_measure_storage_rehearsed():
-    """Notebook 11's GPU measurement (bench.measure_storage) with its GPU branches taken on the simulator: rows in
-    every storage and direction, labelled rehearsal, with the modelled bytes (float16 = bfloat16 < float32)."""
+    """Notebook 11's GPU measurement (measure.storage.measure_storage) with its GPU branches taken on the simulator:
+    rows in every storage and direction, labelled rehearsal, with the modelled bytes (float16 = bfloat16 < float32)."""
+    from flashnb.instruments.measure.storage import measure_storage
     from flashnb.instruments.rehearsal import pretend_gpu
 
     with pretend_gpu():
-        rows = bench.measure_storage(BH=1, N=16, d=8, repeats=1, warmup=1)
+        rows = measure_storage(BH=1, N=16, d=8, repeats=1, warmup=1)
     assert [(r["storage"], r["direction"]) for r in rows] == [
         (s, dr) for s in ("float32", "float16", "bfloat16") for dr in ("forward", "backward")]
     assert all(r["mode"] == "rehearsal" for r in rows)

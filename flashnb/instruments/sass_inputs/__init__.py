@@ -1,1 +1,2 @@
-"""The SASS time model's inputs per kernel family (configs, shapes, launch orders, edge tiles)."""
+"""The SASS time model's inputs for each kernel (configurations, shapes, launch orders, edge tiles), apart from the
+kernels they describe."""

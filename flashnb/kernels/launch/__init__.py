@@ -1,1 +1,2 @@
-"""Host launchers of the kernels: argument checks, tiles, launches."""
+"""Host launchers: a kernel's tiles fitted and checked, its arrays allocated, its grid launched, and the impl
+registered (``flashnb.attention(..., impl=...)``)."""
