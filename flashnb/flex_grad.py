@@ -589,9 +589,10 @@ def score_mod_grad_of(score_mod, score_mod_grad=None):
 
 
 def _register() -> None:
-    from .kernels import policies
+    import importlib
 
-    policies._DERIVE = derivative     # the product kernel derives a score_mod without .grad through this
+    # the product kernel derives a score_mod without .grad through this
+    importlib.import_module("flashnb.kernels.policies.modifiers")._DERIVE = derivative
 
 
 _register()

@@ -183,7 +183,7 @@ def make_forward(Br, Bc, d, warps, causal, dynamic=False, storage="float32", spa
     tile_state, is_set = policies.tile_state(sparse), policies.is_set
     score, allowed_bits, _ = policies.modifiers(score_mod, mask_mod, H)
     drop_state, keep_bits, factor = policies.dropout(dropout)
-    kv_head = policies.gqa(gqa)[0]
+    kv_head, kv_tile = policies.gqa(gqa)[0], policies.kv_rows()
 
 
     @cuda.jit
@@ -234,8 +234,9 @@ def make_forward(Br, Bc, d, warps, causal, dynamic=False, storage="float32", spa
             j0 = jt * Bc
             full = j0 + Bc <= Nk
             cuda.syncthreads()                         # every warp is done with K_{j-1}, V_{j-1}
-            load_tile(K, Ks, KO, LD, kz, j0, Nk, Bc, full, tid)         # line 7: K_j, V_j
-            load_tile(V, Vs, VO, Dp, kz, j0, Nk, Bc, full, tid)
+            kh, kr = kv_tile(kz, j0)                   # where K_j, V_j are stored
+            load_tile(K, Ks, KO, LD, kh, kr, Nk, Bc, full, tid)         # line 7: K_j, V_j
+            load_tile(V, Vs, VO, Dp, kh, kr, Nk, Bc, full, tid)
             cuda.syncthreads()
             qk(Qs, Ks, S, qrow, kcol)                  # line 8: S = Q_i K_jᵀ
             crossing = not full or (causal and j0 + Bc - 1 > i0 + diag)
@@ -316,7 +317,7 @@ def make_backward(Br, Bc, d, warps, causal, storage="float32", sparse=False, sco
     tile_state, is_set = policies.tile_state(sparse), policies.is_set
     score, allowed_bits, grad = policies.modifiers(score_mod, mask_mod, H, score_mod_grad)
     drop_state, keep_bits, factor = policies.dropout(dropout)
-    group = policies.gqa(gqa)[1]
+    group, kv_tile = policies.gqa(gqa)[1], policies.kv_rows()
 
     @cuda.jit
     def flash_backward(Q, K, V, dO, L, D, dQ, dK, dV, scale, diag, M, threshold, inv_keep, seed_lo, seed_hi, rb, rstep,
@@ -347,8 +348,9 @@ def make_backward(Br, Bc, d, warps, causal, storage="float32", sparse=False, sco
         G = group(Q, K)                                # GQA: the query heads kz·G .. kz·G + G - 1
         dst = drop_state(threshold, inv_keep, seed_lo, seed_hi, rb, rstep, rsplit, rjump, cb, cstep, csplit, cjump)
         kfull = j0 + Bc <= Nk
-        load_tile(K, Ks, 0, LD, kz, j0, Nk, Bc, kfull, tid)             # Alg. 2 line 6: K_j, V_j once
-        load_tile(V, Vs, 0, LD, kz, j0, Nk, Bc, kfull, tid)
+        kh, kr = kv_tile(kz, j0)                       # where K_j, V_j are stored
+        load_tile(K, Ks, 0, LD, kh, kr, Nk, Bc, kfull, tid)             # Alg. 2 line 6: K_j, V_j once
+        load_tile(V, Vs, 0, LD, kh, kr, Nk, Bc, kfull, tid)
         for a in range(TM):                            # line 7: dK_j = dV_j = 0 (registers)
             for c in range(DN):
                 dKj[a, c] = ZERO
