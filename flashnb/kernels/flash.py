@@ -67,6 +67,7 @@ from . import blocks, policies
 from .blocks import LC, LR, PAD, VEC, bwd_geometry, geometry, needs_dynamic, shared_bytes
 from .models import itemsizes, model_backward, model_bytes, model_forward, tiles_visited  # noqa: F401  (the impl's)
 from .policies import EMPTY, FULL, PARTIAL
+from .policies.tiles import heavy_first, kv_tile_count, q_tile_range
 from .tiles import (  # noqa: F401  (the impl's tiles and block masks)
     DESIGN_OPTIN_BYTES,
     PreparedMask,
@@ -202,9 +203,7 @@ def make_forward(Br, Bc, d, warps, causal, dynamic=False, storage="float32", spa
         m = cuda.local.array(TM, float32)
         l = cuda.local.array(TM, float32)
         z = cuda.blockIdx.y
-        qb = cuda.blockIdx.x                           # the Q block (heavy first when causal)
-        if causal:
-            qb = cuda.gridDim.x - 1 - cuda.blockIdx.x
+        qb = heavy_first(cuda.blockIdx.x, cuda.gridDim.x, causal)      # the Q block (heavy first when causal)
         i0 = qb * Br
         tid = cuda.threadIdx.x
         lane = tid % 32
@@ -223,10 +222,7 @@ def make_forward(Br, Bc, d, warps, causal, dynamic=False, storage="float32", spa
             l[a] = ZERO
             for c in range(DN):
                 Oi[a, c] = ZERO
-        n_tiles = (Nk + Bc - 1) // Bc
-        if causal:                                     # skip K/V blocks entirely above the diagonal
-            last = min(i0 + Br, Nq) - 1 + diag
-            n_tiles = min(n_tiles, last // Bc + 1) if last >= 0 else 0
+        n_tiles = kv_tile_count(i0, Br, Bc, Nq, Nk, diag, causal)      # causal: no tile above the diagonal
         for jt in range(n_tiles):                      # line 6
             st = tile_state(M, z, qb, jt, lane)        # block mask: EMPTY, FULL or PARTIAL (FULL when dense)
             if st == EMPTY:
@@ -355,13 +351,10 @@ def make_backward(Br, Bc, d, warps, causal, storage="float32", sparse=False, sco
             for c in range(DN):
                 dKj[a, c] = ZERO
                 dVj[a, c] = ZERO
-        i_first = 0
-        if causal:                                     # skip Q blocks whose rows all precede key j0
-            first = j0 - diag
-            i_first = first // Br if first > 0 else 0
+        i_first, _, n_i = q_tile_range(j0, Br, Bc, Nq, diag, causal)   # causal: no Q block before key j0
         for gz in range(G):
             z = kz * G + gz                            # the query head
-            for it in range(i_first, (Nq + Br - 1) // Br):             # line 8
+            for it in range(i_first, n_i):             # line 8
                 st = tile_state(M, z, it, jb, lane)    # block mask: EMPTY tiles are never loaded
                 if st == EMPTY:
                     continue

@@ -166,6 +166,7 @@ from ..kernels.blocks import (  # noqa: F401  (the geometry is stage 6's public 
     needs_dynamic,
     shared_bytes,
 )
+from ..kernels.policies.tiles import heavy_first, kv_tile_count, q_tile_range
 from ..registry import kernel_factory, register_impl
 from . import fa2
 
@@ -256,9 +257,7 @@ def make_forward(Br, Bc, d, warps, causal, dynamic=False):
         m = cuda.local.array(TM, float32)
         l = cuda.local.array(TM, float32)
         z = cuda.blockIdx.y
-        i0 = cuda.blockIdx.x * Br
-        if causal:                                     # heavy first: the last Q block sees the most K/V tiles
-            i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * Br
+        i0 = heavy_first(cuda.blockIdx.x, cuda.gridDim.x, causal) * Br  # causal: the heaviest Q block first
         tid = cuda.threadIdx.x
         lane = tid % 32
         lr = lane // LC
@@ -274,10 +273,7 @@ def make_forward(Br, Bc, d, warps, causal, dynamic=False):
             l[a] = ZERO
             for c in range(DN):
                 Oi[a, c] = ZERO
-        n_tiles = (Nk + Bc - 1) // Bc
-        if causal:                                     # skip K/V blocks entirely above the diagonal
-            last = min(i0 + Br, Nq) - 1 + diag
-            n_tiles = min(n_tiles, last // Bc + 1) if last >= 0 else 0
+        n_tiles = kv_tile_count(i0, Br, Bc, Nq, Nk, diag, causal)      # causal: no tile above the diagonal
         for jt in range(n_tiles):                      # line 6
             j0 = jt * Bc
             full = j0 + Bc <= Nk
@@ -368,11 +364,8 @@ def make_backward(Br, Bc, d, warps, causal):
             for c in range(DN):
                 dKj[a, c] = ZERO
                 dVj[a, c] = ZERO
-        i_first = 0
-        if causal:                                     # skip Q blocks whose rows all precede key j0
-            first = j0 - diag
-            i_first = first // Br if first > 0 else 0
-        for it in range(i_first, (Nq + Br - 1) // Br):  # line 8
+        i_first, _, n_i = q_tile_range(j0, Br, Bc, Nq, diag, causal)   # causal: no Q block before key j0
+        for it in range(i_first, n_i):                 # line 8
             i0 = it * Br
             qfull = i0 + Br <= Nq
             cuda.syncthreads()                         # every warp is done with Q_{i-1}, dO_{i-1}, dS
