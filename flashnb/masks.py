@@ -2,7 +2,7 @@
 
 A :class:`BlockMask` is the ``M`` of block-sparse FlashAttention (FA1 paper, Algorithm 5): ``M_ij = 0`` blocks are
 never loaded.  Stage 5's lesson kernel (:mod:`flashnb.stages.block_sparse`, on stage 4's FA2) reads two states,
-empty and computed; the product kernel (:mod:`flashnb.kernels.flash`) reads three, as a block mask built from a
+empty and computed; the product kernel (:mod:`flashnb.kernels.launch.flash`) reads three, as a block mask built from a
 ``mask_mod`` (:func:`flashnb.flex.create_block_mask`) carries them: ``EMPTY`` (skipped), ``FULL`` (every element
 allowed: no per-element work) and ``PARTIAL`` (``mask_mod`` per element).  The type lives here, below the stages
 and the kernels, so that both read it and neither imports the other for it.

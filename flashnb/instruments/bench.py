@@ -716,9 +716,10 @@ def measure_storage(BH: int = 16, N: int = 4096, d: int = 64, storages=("float32
     """CUDA-event time of the product kernel's forward and backward with Q, K, V, O (dO, dK, dV, dQ) in each
     storage, at one shape (GPU only; notebook 11's measurement, through :func:`on_gpu`).  Same values in every
     storage (drawn once, rounded to float16); each row carries the modelled HBM bytes
-    (:func:`flashnb.kernels.flash.model_bytes`) of its launches."""
+    (:func:`flashnb.kernels.models.simt.model_bytes`) of its launches."""
     from ..common import poisoning, to_bfloat16, to_device
-    from ..kernels.flash import backward, forward, model_backward, model_bytes, model_forward
+    from ..kernels.launch.flash import backward, forward
+    from ..kernels.models.simt import model_backward, model_bytes, model_forward
 
     info = device_info()
     rng = np.random.default_rng(seed)

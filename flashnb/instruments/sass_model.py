@@ -351,8 +351,16 @@ def modelled_time(c: SassCounts, *, tiles_per_block: Sequence[int], warps: int, 
 
 
 def _module_of(kernel: str):
-    """The module that defines a registered kernel's factory (it provides the model's inputs)."""
+    """The module that provides a kernel's model inputs: its family's in :mod:`flashnb.instruments.sass_inputs`
+    where there is one, else the module that defines its factory."""
     import sys
+    from importlib.util import find_spec
+
+    inputs = f"flashnb.instruments.sass_inputs.{kernel.split('.')[0]}"
+    if find_spec(inputs) is not None:
+        import importlib
+
+        return importlib.import_module(inputs)
 
     from ..registry import KERNELS
 

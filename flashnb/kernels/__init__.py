@@ -1,17 +1,21 @@
-"""flashnb's kernels beyond the stages' lessons.
+"""flashnb's kernels beyond the stages' lessons, laid out by feature and by backend.
 
-* The product kernels: one fast FA2 forward and backward with every feature as a policy --
-  :mod:`flashnb.kernels.blocks` (the fast loop's building blocks: tile loads, the ``S = Q_i K_jᵀ`` micro-tile, the
-  online-softmax update, ``P~ V_j``, the epilogues; the backward's phases, shared with stage 6's lessons),
-  :mod:`flashnb.kernels.policies` (the features as small device-function policies the loop calls),
-  :mod:`flashnb.kernels.flash` (the forward, preprocessing, backward and dQ-conversion kernels, their launchers, the
-  SASS time model's inputs, and ``impl="flash"``), with :mod:`~flashnb.kernels.tiles` (default tiles, block masks on
-  the kernels' tiles) and :mod:`~flashnb.kernels.models` (traffic models) as its host side.
+* :mod:`flashnb.kernels.policies`: the features as small device-function policies every loop calls at the same
+  place, one per file (storage, block mask, modifiers, dropout, GQA, K/V rows, the causal tile range).
+* :mod:`flashnb.kernels.simt`: the product kernels on CUDA cores -- the fast loop's building blocks
+  (:mod:`~flashnb.kernels.simt.blocks`, shared with stage 6's lessons), the forward and the backward.
 * Stage 7, the tensor cores: the intrinsics (:mod:`flashnb.kernels.mma`, with simulator twins), their GPU check
   (:mod:`flashnb.kernels.mma_check`) and FlashAttention-2 on them (:mod:`flashnb.kernels.flash_tc`,
   ``impl="fa2-tc"``).
+* :mod:`flashnb.kernels.launch`: the host launchers (``impl="flash"``: :mod:`~flashnb.kernels.launch.flash`) and
+  the tile fitting both backends share (:mod:`~flashnb.kernels.launch.fit`); :mod:`flashnb.kernels.models`: the
+  traffic models.
 * The default, ``impl="auto"`` (:mod:`flashnb.kernels.auto`): fa2-tc for half inputs on a checked sm_80+ GPU,
   else the product kernel.
+
+The modules' old names (``flashnb.kernels.flash``, ``.blocks``, ``.tiles``, ``.models``) still import and give the
+names they had.
 """
 
-from . import auto, blocks, flash, flash_tc, mma, mma_check, models, policies, tiles  # noqa: F401  (registers the impls)
+from . import auto, blocks, flash, flash_tc, mma, mma_check, models, policies, tiles  # noqa: F401  (registers the impls)  # noqa: F401  (old names)
+from .launch import flash as _flash_launch  # noqa: F401  (registers impl="flash")

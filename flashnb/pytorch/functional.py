@@ -187,7 +187,7 @@ def attention(q, k, v, *, causal=False, scale=None, impl: str = "auto", block_ma
         scale: softmax scale, default ``1/sqrt(d)``.
         impl: any impl with a backward (:func:`impls_with_backward`); a forward-only impl when no gradient is
             needed.  Default ``"auto"`` (:mod:`flashnb.kernels.auto`): the product kernel ``"flash"``
-            (:mod:`flashnb.kernels.flash`), or ``"fa2-tc"`` (tensor cores) for float16 and bfloat16 tensors on a
+            (:mod:`flashnb.kernels.launch.flash`), or ``"fa2-tc"`` (tensor cores) for float16 and bfloat16 tensors on a
             checked sm_80+ GPU unless tile options (the product kernel's) are given.
         block_mask: the block-sparse mask of ``impl="flash"`` and ``"fa2-tc"`` (a boolean block array), or a
             ``flashnb.flex.create_block_mask`` of a ``mask_mod``.

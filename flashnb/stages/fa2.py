@@ -29,7 +29,7 @@ Kernels (float32, C-contiguous, ``(BH, N, d)``; ``L``/``D`` are ``(BH, N)``):
 They are dense or causal (bottom-right aligned, ``diag = Nk - Nq``: query ``r`` sees keys ``<= r + diag``), plus
 stage 5's one line: with ``sparse``, a tile whose block-mask entry ``M_ij`` is 0 is skipped (FA1 Alg. 5,
 :mod:`flashnb.stages.block_sparse`).  Everything else a user may want -- half storage, attention modifiers,
-dropout, grouped-query attention -- is the product kernel's (:mod:`flashnb.kernels.flash`, ``impl="flash"``),
+dropout, grouped-query attention -- is the product kernel's (:mod:`flashnb.kernels.launch.flash`, ``impl="flash"``),
 where each is a small policy on stage 6's loop rather than a branch of this lesson.
 """
 

@@ -125,9 +125,9 @@ causal), 220 at d = 128 (212 causal), 160 at d = 32; static shared memory 23,296
 44,160 B (d = 128).
 
 Kernels: :func:`make_forward` (``"fa2_fast.forward"``) and :func:`make_backward` (``"fa2_fast.backward"``),
-each composed of the device-function blocks of :mod:`flashnb.kernels.blocks` (tile loads, the ``S = Q_i K_jᵀ``
+each composed of the device-function blocks of :mod:`flashnb.kernels.simt.blocks` (tile loads, the ``S = Q_i K_jᵀ``
 micro-tile, the online-softmax update, ``P~ V_j``, the epilogues; the backward's phases), which the product kernels
-(:mod:`flashnb.kernels.flash`) compose too, with their feature policies.
+(:mod:`flashnb.kernels.launch.flash`) compose too, with their feature policies.
 Impl ``"fa2-fast"``: this forward and this backward.  Its options ``Br, Bc, warps`` go to both, as for stage 4
 (FA2 names the tiles alike in Alg. 1 and Alg. 2); the backward's defaults are :func:`bwd_default_tiles`, and
 tiles that suit the forward but not the backward (``Bc`` a multiple of ``4·warps``, ``Br`` of 8 and of
@@ -154,8 +154,9 @@ from ..common import (
     shared_optin_limit,
     warn_fallback,
 )
-from ..kernels import blocks
-from ..kernels.blocks import (  # noqa: F401  (the geometry is stage 6's public API)
+from ..kernels.policies.tiles import heavy_first, kv_tile_count, q_tile_range
+from ..kernels.simt import blocks
+from ..kernels.simt.blocks import (  # noqa: F401  (the geometry is stage 6's public API)
     LC,
     LR,
     PAD,
@@ -166,7 +167,6 @@ from ..kernels.blocks import (  # noqa: F401  (the geometry is stage 6's public 
     needs_dynamic,
     shared_bytes,
 )
-from ..kernels.policies.tiles import heavy_first, kv_tile_count, q_tile_range
 from ..registry import kernel_factory, register_impl
 from . import fa2
 
@@ -229,7 +229,7 @@ def _dynamic_bytes(Br, Bc, d, warps, dynamic=False, **_):
                 threads=lambda warps, **_: 32 * warps, dynamic_shared=_dynamic_bytes)
 def make_forward(Br, Bc, d, warps, causal, dynamic=False):
     """FA2 Alg. 1 for one (Br, Bc, d, warps, causal); grid ``(Tr, BH)``, block ``32·warps`` threads, built from
-    the blocks of :mod:`flashnb.kernels.blocks`.  With ``dynamic`` the kernel declares one *dynamic* shared array
+    the blocks of :mod:`flashnb.kernels.simt.blocks`.  With ``dynamic`` the kernel declares one *dynamic* shared array
     (launched with :func:`shared_bytes` dynamic bytes) carved into ``Q_i, K_j, V_j``: what lets a block use more
     than the 48 KiB of static shared memory."""
     g = geometry(Br, Bc, d, warps)
@@ -322,7 +322,7 @@ def _bwd_configs():
                 threads=lambda warps, **_: 32 * warps)
 def make_backward(Br, Bc, d, warps, causal):
     """FA2 Alg. 2 for one (Br, Bc, d, warps, causal); grid ``(Tc, BH)``, block ``32·warps`` threads, built from
-    the blocks of :mod:`flashnb.kernels.blocks`."""
+    the blocks of :mod:`flashnb.kernels.simt.blocks`."""
     g = bwd_geometry(Br, Bc, d, warps)
     TM, TN, DN, Dp, TQ, E, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["TQ"], g["E"], g["threads"]
     LD = Dp + PAD                                       # row length of K_j, V_j, Q_i, dO_i in shared memory

@@ -1,9 +1,9 @@
 """The product kernels' features as small policies: device functions the fast loop calls, compiled away when off.
 
-Each policy is made by a factory of its compile-time switches and returns the device functions the loop of
-:mod:`flashnb.kernels.flash` calls at fixed places; with the feature off they are constants or the identity, which
-inline to nothing (``x * 1``, ``s`` unchanged, a constant ``FULL`` tile state), so the kernel compiles to stage 6's
-code.  Every function is ``inline="always"``: its per-lane values stay in registers.
+Each policy is made by a factory of its compile-time switches and returns the device functions the loops of
+:mod:`flashnb.kernels.simt` (and the tensor-core kernels) call at fixed places; with the feature off they are
+constants or the identity, which inline to nothing (``x * 1``, ``s`` unchanged, a constant ``FULL`` tile state),
+so the kernel compiles to stage 6's code.  Every function is ``inline="always"``: its per-lane values stay in registers.
 
 One file per policy.
 
@@ -38,7 +38,7 @@ the compiler unrolls a loop nest only while its code stays small: 32 elements pe
 answer is one bit (``mask_mod``, dropout's ``Z``) run in a loop of their own, which may stay a loop, over a lane's
 elements, and hand the tile loop a 64-bit mask; what the unrolled code does per element is one bit test.
 ``score_mod`` changes the score itself, so it is inlined per element: a long one (``tanh`` soft-capping) is given
-tiles with fewer elements per lane by the launchers (:func:`flashnb.kernels.flash.default_tiles`).
+tiles with fewer elements per lane by the launchers (:func:`flashnb.kernels.launch.fit.default_tiles`).
 
 Nothing here imports a user surface: ``score_mod`` / ``mask_mod`` arrive as Python functions (or ``"module:attr"``
 names, as the PTX guard's configs carry them) and are compiled here as inlined device functions; the block mask's

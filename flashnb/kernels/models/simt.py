@@ -1,12 +1,12 @@
 """The product kernels' analytic traffic models: element accesses per launch, equal to the traffic counter's, and
-their bytes at a storage (host side of :mod:`flashnb.kernels.flash`)."""
+their bytes at a storage (host side of :mod:`flashnb.kernels.launch.flash`)."""
 
 from __future__ import annotations
 
-from ..common import cdiv, check_storage, positive_int, storage_dtype
-from .blocks import bwd_geometry, geometry
-from .policies.tiles import tiles_visited
-from .tiles import _mask_at_tiles
+from ...common import cdiv, check_storage, positive_int, storage_dtype
+from ..launch.fit import _mask_at_tiles
+from ..policies.tiles import tiles_visited
+from ..simt.blocks import bwd_geometry, geometry
 
 __all__ = ["tiles_visited", "visited_per_head", "model_forward", "model_backward", "itemsizes", "model_bytes"]
 
