@@ -104,11 +104,9 @@ from pathlib import Path
 import numpy as np
 from numba import cuda, float32
 
-from . import masks
 from .common import cdiv, positive_int
 from .kernels.policies import python_modifier
-from .masks import BlockMask
-from .modifiers import (  # noqa: F401  (flex's names: a modifier as a value lives in flashnb.modifiers)
+from .kernels.policies.modifier_keys import (  # noqa: F401  (flex's names: a modifier as a value, kernels.policies)
     _UNSET,
     ARGS,
     ModifierError,
@@ -125,6 +123,7 @@ from .modifiers import (  # noqa: F401  (flex's names: a modifier as a value liv
     name_of,
     snapshot,
 )
+from .masks import BlockMask
 from .stages import fa2
 
 __all__ = ["ModifierError", "check_modifiers", "check_many", "create_block_mask", "mask_array", "numpy_modifier",
@@ -425,7 +424,8 @@ def _block_mask(mask_mod: "Snapshot", B, H, Nq, Nk, Br, Bc) -> BlockMask:
     tiles = lambda a: a.reshape(B, H, Tr, Br, Tc, Bc)
     any_ = tiles(np.pad(allowed, pad, constant_values=False)).any(axis=(3, 5))
     all_ = tiles(np.pad(allowed, pad, constant_values=True)).all(axis=(3, 5))
-    return BlockMask(any_, Br, Bc, partial=any_ & ~all_, mask_mod=mask_mod)
+    return BlockMask(any_, Br, Bc, partial=any_ & ~all_, mask_mod=mask_mod,   # recomputed exactly at finer tiles:
+                     retile=functools.partial(_block_mask, mask_mod), elements=functools.partial(_mask_array, mask_mod))
 
 
 def create_block_mask(mask_mod, B, H, Nq, Nk, *, Br=None, Bc=None, d=64) -> BlockMask:
@@ -586,5 +586,3 @@ GALLERY = {"causal": causal, "sliding_window": sliding_window, "alibi": alibi, "
            "document": document, "prefix_lm": prefix_lm}
 
 from .flex_grad import NotDifferentiable, derivative, derivative_source, score_mod_grad_of  # noqa: E402  (builds on this module)
-
-masks._FLEX = sys.modules[__name__]   # a BlockMask from a mask_mod calls back into this module (snapshots, finer tiles)

@@ -132,9 +132,11 @@ def _options(impl, causal, scale, dropout_p, seed, storage, dtype, needs_grad, s
         from .. import flex
 
         check = [(options[n], n) for n in ops._MODIFIERS if n in options]
-        if needs_grad and score_mod is not None and score_mod_grad is None and \
-                getattr(getattr(score_mod, "py_func", score_mod), "grad", None) is None:
-            check.append((flex.derivative(score_mod), "score_mod_grad"))   # a refusal names the construct
+        if needs_grad and score_mod is not None and score_mod_grad is None and "score_mod_grad" in entry.options:
+            derived = getattr(getattr(score_mod, "py_func", score_mod), "grad", None) is None
+            options["score_mod_grad"] = flex.score_mod_grad_of(score_mod)   # .grad, else derived: kernels never derive
+            if derived:
+                check.append((options["score_mod_grad"], "score_mod_grad"))   # a refusal names the construct
         flex.check_many(check)                    # compiled alone for a GPU, once per code and captured types
     resolved = devices._storage(entry, impl, storage, dtype)
     if resolved != "float32":

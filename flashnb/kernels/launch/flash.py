@@ -15,8 +15,8 @@ away when off (with all of them off the kernels are stage 6's):
   per-element work), ``PARTIAL`` (``mask_mod`` per element).
 * **attention modifiers** -- ``score_mod`` on every score, ``mask_mod`` through its block mask (built by the user
   surfaces with :func:`flashnb.flex.create_block_mask`), and the backward's ``score_mod_grad`` (default:
-  ``score_mod.grad``, else derived from the modifier's source by :mod:`flashnb.flex_grad`, which registers itself
-  with :mod:`~flashnb.kernels.policies`: the kernels never import a user surface).
+  ``score_mod.grad``; the user surfaces derive one from a modifier's source, :mod:`flashnb.flex_grad`, before they
+  launch: the kernels never import a user surface).
 * **dropout** -- ``dropout_p``, ``seed``: Philox (:mod:`flashnb.rng`) regenerated per element in both directions;
   ``dropout_at`` keys it by positions in a longer sequence (a context-parallel shard).
 * **GQA / MQA** -- K, V with fewer heads than Q; the backward's blocks loop over their group's query heads, so K_j,
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ... import modifiers
 from ...common import (
     allow_dynamic_shared,
     causal_diag,
@@ -56,6 +55,7 @@ from ...common import (
 )
 from ...registry import register_impl
 from .. import policies
+from ..policies import modifier_keys
 from ..simt.backward import CONVERT_THREADS, make_backward, make_convert
 from ..simt.blocks import needs_dynamic, shared_bytes
 from ..simt.forward import PRE_WARPS, _fwd_sig, make_forward, make_preprocess
@@ -116,7 +116,7 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, block
             raise
         t, M, bm_mod, partial = _launch_mask("forward", d, None, None, None, block_mask, BH, Nq, Nk, static=True)
         fallback = str(exc)
-    mask_mod, H = modifiers.launch_modifiers(score_mod, mask_mod, None, block_mask, heads, BH)
+    mask_mod, H = modifier_keys.launch_modifiers(score_mod, mask_mod, None, block_mask, heads, BH)
     config = dict(Br=t["Br"], Bc=t["Bc"], d=d, warps=t["warps"], causal=bool(causal), dynamic=t["dynamic"],
                   storage=storage, sparse=M is not None, score_mod=score_mod, mask_mod=mask_mod if partial else None,
                   H=H, gqa=G > 1, dropout=drop is not policies.NO_DROPOUT)
@@ -151,17 +151,18 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     K/V column block of each K/V head (looping over its GQA group's query heads), then, with half storage, dQ
     narrowed by a third launch.  ``Br, Bc, warps`` default to :func:`bwd_default_tiles` (with a block mask: the
     largest dividing its blocks); options as in :func:`forward`, with the forward's ``dropout_p``, ``seed`` (the
-    mask is regenerated) and ``score_mod_grad`` (default ``score_mod.grad``, else derived from ``score_mod``'s
-    source: :func:`flashnb.flex_grad.derivative`).  ``o`` is the (dropped) output."""
+    mask is regenerated) and ``score_mod_grad`` (default ``score_mod.grad``; :func:`flashnb.attention_backward`
+    derives one from ``score_mod``'s source: :func:`flashnb.flex_grad.derivative`).  ``o`` is the (dropped)
+    output."""
     storage = _storage(storage, q=q, k=k, v=v, o=o, do=do)
     BH, Nq, d = q.shape
     Nk = k.shape[1]
     G = policies.gqa_group(BH, k, v)
     drop = policies.dropout_args(dropout_p, seed, dropout_at)
     t, M, bm_mod, partial = _launch_mask("backward", d, Br, Bc, warps, block_mask, BH, Nq, Nk)
-    mask_mod, H = modifiers.launch_modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH)
+    mask_mod, H = modifier_keys.launch_modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH)
     if score_mod is not None and score_mod_grad is None:
-        score_mod_grad = policies.score_mod_grad_of(score_mod)   # score_mod.grad, else derived from its source
+        score_mod_grad = policies.score_mod_grad_of(score_mod)   # score_mod.grad (the surfaces derive the rest)
     D = empty((BH, Nq))
     dQ = empty((BH, Nq, d))                            # float32: the atomics' accumulator
     launch(make_preprocess(storage), (cdiv(Nq, PRE_WARPS), BH), 32 * PRE_WARPS, o, do, D, dQ,

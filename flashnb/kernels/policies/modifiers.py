@@ -31,19 +31,18 @@ def python_modifier(fn):
     return getattr(fn, "py_func", fn)
 
 
-_DERIVE = None   # flashnb.flex_grad.derivative, registered by flex_grad at its import (no import cycle)
-
-
 def score_mod_grad_of(score_mod):
-    """``d score_mod / d score`` for a backward: ``score_mod.grad`` when the modifier carries one, else derived from
-    its source by :func:`flashnb.flex_grad.derivative` (which registers itself here when imported)."""
+    """``d score_mod / d score`` for a backward given none: ``score_mod.grad`` (the gallery's modifiers and the PTX
+    guard's carry one).  The kernels never derive one: the user surfaces resolve a modifier without ``.grad``
+    before they launch (:func:`flashnb.flex_grad.score_mod_grad_of` derives it from the source) and pass it as
+    ``score_mod_grad``."""
     grad = getattr(python_modifier(score_mod), "grad", None)
-    if grad is not None:
-        return grad
-    if _DERIVE is None:
-        raise RuntimeError("score_mod has no .grad and deriving it needs flashnb.flex_grad: import flashnb (which "
-                           "imports it) first, or pass score_mod_grad")
-    return _DERIVE(score_mod)
+    if grad is None:
+        name = getattr(python_modifier(score_mod), "__name__", None) or repr(score_mod)
+        raise ValueError(f"score_mod {name!r} has no .grad: pass score_mod_grad=, or call through flashnb."
+                         "attention_backward / flashnb.pytorch, which derive it from the source "
+                         "(flashnb.flex.derivative)")
+    return grad
 
 
 def device_modifier(fn):

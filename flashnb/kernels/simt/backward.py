@@ -56,12 +56,12 @@ def make_backward(Br, Bc, d, warps, causal, storage="float32", sparse=False, sco
                   gqa=False, score_mod_grad=None, dropout=False):
     """FA2 Alg. 2 on stage 6's loop, grid ``(Tc, BH_kv)``: each block keeps ``K_j, V_j`` and streams the Q tiles of
     its K/V head's query heads (one, or the ``G`` of a GQA group: dK_j, dV_j summed on chip).  Features as in
-    :func:`make_forward`; ``score_mod_grad`` (default: ``score_mod.grad``, else derived from ``score_mod``'s source
-    by :func:`flashnb.flex_grad.derivative`) makes ``dS = P ∘ (dP - D) · d score_mod /
+    :func:`make_forward`; ``score_mod_grad`` (default: ``score_mod.grad``; the user surfaces derive one from
+    ``score_mod``'s source, :func:`flashnb.flex_grad.derivative`) makes ``dS = P ∘ (dP - D) · d score_mod /
     d score``; dropout regenerates the forward's ``Z`` (``dV_j += (P ∘ W)ᵀ dO_i``, ``dS = P ∘ (dP ∘ W - D)``,
     ``W = Z / (1-p)``); half ``storage`` narrows dK, dV at their store (dQ: :func:`make_convert`)."""
     if score_mod is not None and score_mod_grad is None:
-        score_mod_grad = policies.score_mod_grad_of(score_mod)   # score_mod.grad, else derived from its source
+        score_mod_grad = policies.score_mod_grad_of(score_mod)   # score_mod.grad (the surfaces derive the rest)
     g = bwd_geometry(Br, Bc, d, warps)
     TM, TN, DN, Dp, TQ, E, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["TQ"], g["E"], g["threads"]
     H = policies.check_features(sparse, mask_mod, dropout, H, TM * TN)
