@@ -12,7 +12,16 @@ HOMES = ("flashnb.kernels.launch.flash", "flashnb.kernels.simt.forward", "flashn
          "flashnb.kernels.policies", "flashnb.instruments.sass_inputs.flash")
 
 
+_NAMES = ("make_forward", "make_backward", "make_preprocess", "make_convert", "forward", "backward",
+          "default_tiles", "bwd_default_tiles", "mask_tiles", "prepare_block_mask", "PreparedMask", "tiles_visited",
+          "model_forward", "model_backward", "itemsizes", "model_bytes", "sass_config", "sass_shape", "launch_order",
+          "last_forward", "EMPTY", "FULL", "PARTIAL")
+__all__ = list(_NAMES)                           # the names the module had (each forwarded)
+
+
 def __getattr__(name):
+    if name.startswith("__"):                    # a module's own attributes (no __path__: not a package)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     for home in HOMES:
         module = importlib.import_module(home)
         if hasattr(module, name):
