@@ -2,7 +2,7 @@
 
 Every implementation (``impl="naive"``, ``"fa1"``, ``"fa2"``, ...) is reached through these three
 functions; each stage registers itself in :data:`flashnb.registry.IMPLS`.  The default, ``impl="auto"``
-(:mod:`flashnb.kernels.auto`), runs the product kernel, ``impl="flash"`` (:mod:`flashnb.kernels.flash`: stage 6's
+(:mod:`flashnb.kernels.auto`), runs the product kernel, ``impl="flash"`` (:mod:`flashnb.kernels.launch.flash`: stage 6's
 fast loop with every feature below), except for float16 and bfloat16 inputs on an sm_80+ GPU whose tensor cores
 passed flashnb's check, which go to ``impl="fa2-tc"`` (stage 7) unless tile options name the product kernel's.
 
@@ -541,12 +541,12 @@ def _mask_rows(entry, options: dict, BH: int, Nq: int, Nk: int, d: int, causal: 
         H = options.get("heads", 1)
         full = mask_array(mask_mod, BH // H, H, Nq, Nk).reshape(BH, Nq, Nk)
     elif full is None and options.get("block_mask") is not None:
-        from .kernels import flash
+        from .kernels.launch.fit import PreparedMask
         from .masks import BlockMask
         from .stages import fa2
 
         bm = options["block_mask"]
-        if isinstance(bm, (fa2.PreparedMask, flash.PreparedMask)):
+        if isinstance(bm, (fa2.PreparedMask, PreparedMask)):
             blocks = (bm.M.copy_to_host().astype(bool), bm.tiles["Br"], bm.tiles["Bc"])
         else:
             if not isinstance(bm, BlockMask):   # a plain array is read at the forward's tiles (fa2.block_tiles)

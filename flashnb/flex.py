@@ -9,7 +9,7 @@ A modifier is a plain Python function the user writes::
         return q_idx >= kv_idx
 
 ``flashnb.attention(q, k, v, score_mod=..., mask_mod=...)`` compiles them (``numba.cuda.jit(device=True)``) into
-the product kernel (:func:`flashnb.kernels.flash.make_forward` / ``make_backward``) as compile-time options, so a
+the product kernel (:func:`flashnb.kernels.simt.forward.make_forward` / ``make_backward``) as compile-time options, so a
 kernel is compiled once per distinct function and tile configuration, and memoised like every other configuration;
 ``None`` is the unchanged kernel.  ``b``, ``h`` come from
 ``z = blockIdx.y = b·H + h`` (``H`` = q's heads), ``q_idx``, ``kv_idx`` are the element's row and column; all four
@@ -22,7 +22,7 @@ How it works:
   with three states per tile: **empty** (no element allowed: the tile is skipped -- never loaded, never
   computed, exactly as stage 5's block-sparse kernels), **full** (every element allowed: no per-element work),
   **partial** (``mask_mod`` is called per element).  Counted traffic therefore falls with the mask's density
-  (:func:`flashnb.kernels.flash.model_forward` / ``model_backward`` take the block mask and equal the counter).
+  (:func:`flashnb.kernels.models.simt.model_forward` / ``model_backward`` take the block mask and equal the counter).
 * The backward needs ``d score_mod / d score``.  flashnb **derives it from the modifier's source**
   (:func:`derivative`, :mod:`flashnb.flex_grad`: forward mode, source to source, over a stated subset --
   arithmetic, comparisons, conditional expressions, ``math.exp/log/tanh/sqrt``, ``abs``, ``min``/``max``,
@@ -83,7 +83,7 @@ Where flashnb departs from FlexAttention, or from the simplest design, and why:
   model.
 * ``causal()`` in the gallery is top-left aligned by default (``q_idx >= kv_idx``, as FlexAttention and SDPA);
   ``causal(offset=Nk - Nq)`` is flashnb's bottom-right ``causal=True``.  ``causal=`` and ``mask_mod`` combine by AND.
-* ``impl="flash"`` (the product kernel, the default: :mod:`flashnb.kernels.flash`) takes modifiers and GQA; the
+* ``impl="flash"`` (the product kernel, the default: :mod:`flashnb.kernels.launch.flash`) takes modifiers and GQA; the
   stages' impls (``fa2``, ``fa2-fast``, ...) refuse them with an error naming the impl.  The product
   kernel calls back into this module only to derive a missing ``score_mod_grad``:
   :func:`flashnb.api.attention_forward` and :mod:`flashnb.pytorch` check its modifiers and build a ``mask_mod``'s
@@ -104,11 +104,9 @@ from pathlib import Path
 import numpy as np
 from numba import cuda, float32
 
-from . import masks
 from .common import cdiv, positive_int
 from .kernels.policies import python_modifier
-from .masks import BlockMask
-from .modifiers import (  # noqa: F401  (flex's names: a modifier as a value lives in flashnb.modifiers)
+from .kernels.policies.modifier_keys import (  # noqa: F401  (flex's names: a modifier as a value, kernels.policies)
     _UNSET,
     ARGS,
     ModifierError,
@@ -125,6 +123,7 @@ from .modifiers import (  # noqa: F401  (flex's names: a modifier as a value liv
     name_of,
     snapshot,
 )
+from .masks import BlockMask
 from .stages import fa2
 
 __all__ = ["ModifierError", "check_modifiers", "check_many", "create_block_mask", "mask_array", "numpy_modifier",
@@ -425,7 +424,8 @@ def _block_mask(mask_mod: "Snapshot", B, H, Nq, Nk, Br, Bc) -> BlockMask:
     tiles = lambda a: a.reshape(B, H, Tr, Br, Tc, Bc)
     any_ = tiles(np.pad(allowed, pad, constant_values=False)).any(axis=(3, 5))
     all_ = tiles(np.pad(allowed, pad, constant_values=True)).all(axis=(3, 5))
-    return BlockMask(any_, Br, Bc, partial=any_ & ~all_, mask_mod=mask_mod)
+    return BlockMask(any_, Br, Bc, partial=any_ & ~all_, mask_mod=mask_mod,   # recomputed exactly at finer tiles:
+                     retile=functools.partial(_block_mask, mask_mod), elements=functools.partial(_mask_array, mask_mod))
 
 
 def create_block_mask(mask_mod, B, H, Nq, Nk, *, Br=None, Bc=None, d=64) -> BlockMask:
@@ -586,5 +586,3 @@ GALLERY = {"causal": causal, "sliding_window": sliding_window, "alibi": alibi, "
            "document": document, "prefix_lm": prefix_lm}
 
 from .flex_grad import NotDifferentiable, derivative, derivative_source, score_mod_grad_of  # noqa: E402  (builds on this module)
-
-masks._FLEX = sys.modules[__name__]   # a BlockMask from a mask_mod calls back into this module (snapshots, finer tiles)

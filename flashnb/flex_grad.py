@@ -53,7 +53,7 @@ import numpy as np
 from numba import float32
 from numba.core import types as numba_types
 
-from .modifiers import ModifierError
+from .kernels.policies.modifier_keys import ModifierError
 
 __all__ = ["derivative", "derivative_source", "score_mod_grad_of", "NotDifferentiable"]
 
@@ -493,7 +493,7 @@ def _env_of(fn) -> dict:
 
 def _derive(fn, name: str):
     """``(source, function)``: the derivative of the Python function ``fn`` (a snapshot's frozen copy)."""
-    from . import modifiers as flex  # a modifier's source and snapshot (flex re-exports them)
+    from .kernels.policies import modifier_keys as flex  # a modifier's source and snapshot (flex re-exports them)
 
     try:
         desc = flex._describe(fn, "score_mod")
@@ -550,7 +550,7 @@ def derivative(score_mod):
     Raises :class:`NotDifferentiable` naming the first construct outside the subset."""
     from collections import OrderedDict
 
-    from . import modifiers as flex  # a modifier's source and snapshot (flex re-exports them)
+    from .kernels.policies import modifier_keys as flex  # a modifier's source and snapshot (flex re-exports them)
     from .registry import KERNEL_CACHE_SIZE
 
     snap = flex.snapshot(score_mod)
@@ -570,7 +570,7 @@ def derivative(score_mod):
 
 def derivative_source(score_mod) -> str:
     """The Python source :func:`derivative` writes for ``score_mod``."""
-    from . import modifiers as flex  # a modifier's source and snapshot (flex re-exports them)
+    from .kernels.policies import modifier_keys as flex  # a modifier's source and snapshot (flex re-exports them)
 
     derivative(score_mod)
     return _DERIVED[flex.snapshot(score_mod)][0]
@@ -586,12 +586,3 @@ def score_mod_grad_of(score_mod, score_mod_grad=None):
         return score_mod_grad
     grad = getattr(python_modifier(score_mod), "grad", None)
     return grad if grad is not None else derivative(score_mod)
-
-
-def _register() -> None:
-    from .kernels import policies
-
-    policies._DERIVE = derivative     # the product kernel derives a score_mod without .grad through this
-
-
-_register()

@@ -2,7 +2,7 @@
 
 A :class:`BlockMask` is the ``M`` of block-sparse FlashAttention (FA1 paper, Algorithm 5): ``M_ij = 0`` blocks are
 never loaded.  Stage 5's lesson kernel (:mod:`flashnb.stages.block_sparse`, on stage 4's FA2) reads two states,
-empty and computed; the product kernel (:mod:`flashnb.kernels.flash`) reads three, as a block mask built from a
+empty and computed; the product kernel (:mod:`flashnb.kernels.launch.flash`) reads three, as a block mask built from a
 ``mask_mod`` (:func:`flashnb.flex.create_block_mask`) carries them: ``EMPTY`` (skipped), ``FULL`` (every element
 allowed: no per-element work) and ``PARTIAL`` (``mask_mod`` per element).  The type lives here, below the stages
 and the kernels, so that both read it and neither imports the other for it.
@@ -10,7 +10,7 @@ and the kernels, so that both read it and neither imports the other for it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -20,16 +20,6 @@ __all__ = ["BlockMask", "EMPTY", "FULL", "PARTIAL"]
 
 EMPTY, FULL, PARTIAL = 0, 1, 2   # the tile states of BlockMask.states, as the kernels read them
 
-_FLEX = None   # flashnb.flex, which builds on this module, registers itself here when imported (no import cycle)
-
-
-def _flex_module():
-    """:mod:`flashnb.flex` (block masks from ``mask_mod``, snapshots): registered by flex at its import."""
-    if _FLEX is None:
-        raise RuntimeError("a block mask from a mask_mod needs flashnb.flex: import flashnb (which imports it) first")
-    return _FLEX
-
-
 @dataclass(frozen=True, eq=False)
 class BlockMask:
     """A boolean block mask ``(..., Tr, Tc)`` (True = compute the block) and the tiles ``Br × Bc`` it was
@@ -38,13 +28,17 @@ class BlockMask:
     From a ``mask_mod`` (:func:`flashnb.flex.create_block_mask`) it has three states: ``partial`` (boolean, a
     subset of ``mask``) marks the computed blocks where ``mask_mod`` is applied per element; the other computed
     blocks are full (every element allowed: no per-element work), the rest empty (never loaded).  Such a mask
-    keeps its ``mask_mod`` and leading axes ``(B, H)``, so that it is recomputed exactly at finer tiles."""
+    keeps its ``mask_mod`` (a snapshot: what it captured when these tiles were computed) and leading axes
+    ``(B, H)``, with what the surface that built it gave to recompute it exactly: ``retile(B, H, Nq, Nk, Br, Bc)``,
+    the mask at finer tiles, and ``elements(B, H, Nq, Nk)``, the boolean element mask."""
 
     mask: np.ndarray
     Br: int
     Bc: int
     partial: np.ndarray | None = None
     mask_mod: object = None
+    retile: object = field(default=None, repr=False)
+    elements: object = field(default=None, repr=False)
 
     def __post_init__(self):
         a = np.asarray(self.mask)
@@ -60,9 +54,9 @@ class BlockMask:
                 raise ValueError(f"block_mask.partial must be a boolean array of the mask's shape {a.shape} marking "
                                  "computed blocks only")
             object.__setattr__(self, "partial", p)
-            # the mask_mod as it was when these tiles were computed (its captured arrays copied): the kernels and
-            # the finer tiles of the backward use that, and a launch refuses the mask once the original changed
-            object.__setattr__(self, "mask_mod", _flex_module().snapshot(self.mask_mod))
+            if self.retile is None or self.elements is None:
+                raise ValueError("block_mask: a mask from a mask_mod is made by flashnb.flex.create_block_mask "
+                                 "(which gives it its finer tiles and elements)")
         object.__setattr__(self, "mask", a)
         object.__setattr__(self, "Br", positive_int("Br", self.Br))
         object.__setattr__(self, "Bc", positive_int("Bc", self.Bc))
@@ -102,11 +96,8 @@ class BlockMask:
             raise ValueError(f"block_mask built for Br={self.Br}, Bc={self.Bc} cannot be read at tiles "
                              f"Br={Br}, Bc={Bc} (they must divide {self.Br}, {self.Bc})")
         if self.mask_mod is not None:
-            flex = _flex_module()
-
             B, H = self.mask.shape[:2] if self.mask.ndim == 4 else (1, 1)
-            m = self.states if (Br, Bc) == (self.Br, self.Bc) else \
-                flex.create_block_mask(self.mask_mod, B, H, Nq, Nk, Br=Br, Bc=Bc).states
+            m = self.states if (Br, Bc) == (self.Br, self.Bc) else self.retile(B, H, Nq, Nk, Br, Bc).states
             m = m.reshape((-1,) + m.shape[-2:])
             return np.ascontiguousarray(np.broadcast_to(m, (BH,) + m.shape[1:]), dtype=np.uint8)
         m = self.mask.reshape((-1,) + self.mask.shape[-2:])
@@ -119,10 +110,8 @@ class BlockMask:
 
         self.check(Nq, Nk)
         if self.mask_mod is not None:
-            flex = _flex_module()
-
             B, H = self.mask.shape[:2] if self.mask.ndim == 4 else (1, 1)
-            return flex.mask_array(self.mask_mod, B, H, Nq, Nk).reshape(self.mask.shape[:-2] + (Nq, Nk))
+            return self.elements(B, H, Nq, Nk).reshape(self.mask.shape[:-2] + (Nq, Nk))
         return expand_block_mask(self.mask, Nq, Nk, self.Br, self.Bc)
 
     def __and__(self, other: "BlockMask") -> "BlockMask":

@@ -272,13 +272,14 @@ def test_markers_come_from_the_folder_and_the_stage_docstring(tmp_path):
 def test_kernels_never_import_a_user_surface():
     """The lessons (flashnb.stages), the product kernels (flashnb.kernels) and what they stand on (common, registry,
     rng, masks, modifiers) import no user surface -- api, flex, flex_grad, torch, distributed, course, exercises,
-    cli -- not even inside a function: the surfaces sit above the kernels (a surface registers a callback where a
-    kernel needs one, as flex does for block masks and flex_grad for derived score_mod gradients)."""
+    cli -- not even inside a function: the surfaces sit above the kernels and resolve what a kernel needs before
+    they call it (a block mask's finer tiles, a score_mod's derivative); no lower module holds a hook set from
+    above."""
     graph = import_graph()
     surfaces = ("flashnb.api", "flashnb.flex", "flashnb.flex_grad", "flashnb.pytorch", "flashnb.distributed",
                 "flashnb.course", "flashnb.exercises", "flashnb.cli")
     below = [m for m in graph if m.startswith(("flashnb.stages", "flashnb.kernels")) or m in (
-        "flashnb.common", "flashnb.registry", "flashnb.rng", "flashnb.masks", "flashnb.modifiers")]
+        "flashnb.common", "flashnb.registry", "flashnb.rng", "flashnb.masks")]
     assert len(below) > 15, below                  # the scan found the kernel modules
     upward = {m: sorted(t for t in graph[m] if t.startswith(surfaces)) for m in below}
     assert {m: t for m, t in upward.items() if t} == {}

@@ -148,9 +148,9 @@ def min_block_tokens(flops: float, bandwidth: float, *, H: int = 1, H_kv: int = 
 
 def block_hbm_bytes(blocks, B: int, H: int, H_kv: int, d: int, direction: str = "forward", **tiles) -> int:
     """HBM bytes flashnb's kernels move for a step's ``blocks`` (:func:`flashnb.distributed.blocks.plan`), from the
-    product kernel's traffic model (:func:`flashnb.kernels.flash.model_forward` / ``model_backward``; ``tiles``:
+    product kernel's traffic model (:func:`flashnb.kernels.models.simt.model_forward` / ``model_backward``; ``tiles``:
     Br, Bc, warps)."""
-    from ..kernels import models
+    from ..kernels.models import simt as models
 
     model = models.model_forward if direction == "forward" else models.model_backward
     total = 0

@@ -354,6 +354,7 @@ def _module_of(kernel: str):
     """The module that provides a kernel's model inputs: ``flashnb.instruments.sass_inputs.<family>`` where there is
     one (``"fa2_tc.forward"``: :mod:`~flashnb.instruments.sass_inputs.fa2_tc`), else the module that defines the
     registered kernel's factory."""
+    import importlib
     import importlib.util
     import sys
 

@@ -1,19 +1,35 @@
-"""flashnb's kernels beyond the stages' lessons.
+"""flashnb's kernels beyond the stages' lessons, laid out by feature and by backend.
 
-* The product kernels: one fast FA2 forward and backward with every feature as a policy --
-  :mod:`flashnb.kernels.blocks` (the fast loop's building blocks: tile loads, the ``S = Q_i K_jᵀ`` micro-tile, the
-  online-softmax update, ``P~ V_j``, the epilogues; the backward's phases, shared with stage 6's lessons),
-  :mod:`flashnb.kernels.policies` (the features as small device-function policies the loop calls),
-  :mod:`flashnb.kernels.flash` (the forward, preprocessing, backward and dQ-conversion kernels, their launchers, the
-  SASS time model's inputs, and ``impl="flash"``), with :mod:`~flashnb.kernels.tiles` (default tiles, block masks on
-  the kernels' tiles) and :mod:`~flashnb.kernels.models` (traffic models) as its host side.
-* Stage 7, the tensor cores (:mod:`flashnb.kernels.tensorcore`): the intrinsics (``tensorcore.mma``, with simulator
-  twins), their GPU check (``tensorcore.check``) and FlashAttention-2 on them (``tensorcore.forward``,
-  ``tensorcore.backward``), launched by :mod:`flashnb.kernels.launch.tensorcore` (``impl="fa2-tc"``).
+* :mod:`flashnb.kernels.policies`: the features as small device-function policies every loop calls at the same
+  place, one per file (storage, block mask, modifiers, dropout, GQA, K/V rows, the causal tile range).
+* :mod:`flashnb.kernels.simt`: the product kernels on CUDA cores -- the fast loop's building blocks
+  (:mod:`~flashnb.kernels.simt.blocks`, shared with stage 6's lessons), the forward and the backward.
+* :mod:`flashnb.kernels.tensorcore`: the product kernels on tensor cores -- the intrinsics (``tensorcore.mma``, with
+  simulator twins), their GPU check (``tensorcore.check``), fragment layouts, geometry, the forward and the backward
+  in its phases (``impl="fa2-tc"``).
+* :mod:`flashnb.kernels.launch`: the host launchers (``impl="flash"``: :mod:`~flashnb.kernels.launch.flash`;
+  ``impl="fa2-tc"``: :mod:`~flashnb.kernels.launch.tensorcore`; flash-decoding) and the tile fitting both backends
+  share (:mod:`~flashnb.kernels.launch.fit`); :mod:`flashnb.kernels.models`: the traffic models.
+* :mod:`flashnb.kernels.decode`: flash-decoding's kernels (split K/V, merge, append).
 * The default, ``impl="auto"`` (:mod:`flashnb.kernels.auto`): fa2-tc for half inputs on a checked sm_80+ GPU,
   else the product kernel.
+
+The modules' old names (``flashnb.kernels.flash``, ``.flash_tc``, ``.mma``, ``.mma_check``, ``.blocks``, ``.tiles``,
+``.models``) still import and give the names they had.
 """
 
-from . import auto, blocks, flash, models, policies, tiles  # noqa: F401  (registers the impls)
-from .launch import tensorcore  # noqa: F401  (registers impl="fa2-tc")
-from .tensorcore import check  # noqa: F401  (registers the intrinsics' check kernels)
+from . import auto, policies  # noqa: F401  (auto registers impl="auto")
+from .launch import flash as _flash_launch  # noqa: F401  (registers impl="flash")
+from .launch import tensorcore as _tensorcore_launch  # noqa: F401  (registers impl="fa2-tc")
+from .tensorcore import check as _check  # noqa: F401  (registers the intrinsics' check kernels)
+
+
+def __getattr__(name):
+    """A submodule not imported yet (an old name, or one ``import flashnb`` defers), imported on first use as an
+    attribute."""
+    import importlib
+    import importlib.util
+
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

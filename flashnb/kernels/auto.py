@@ -8,7 +8,7 @@ The rule, applied to each launch (forward and backward alike):
   modifiers and block masks;
 * ``"flash"``, the product kernel, otherwise -- float32 inputs (fa2-tc would round them to TF32), tile options
   (``Br``, ``Bc``, ``warps`` name the product kernel's tiles) and masks prepared for its tiles
-  (:class:`~flashnb.kernels.tiles.PreparedMask`), the simulator, sm_75 and older GPUs.
+  (:class:`~flashnb.kernels.launch.fit.PreparedMask`), the simulator, sm_75 and older GPUs.
 
 :func:`tensor_cores_checked` runs :func:`flashnb.kernels.tensorcore.check.run` once per process and GPU: every
 tensor-core intrinsic against its simulator twin on the same random fragments.  The twins' fragment layouts are
@@ -26,8 +26,7 @@ import warnings
 
 from .. import runtime
 from ..registry import IMPLS, Impl, register_auto
-from . import flash  # noqa: F401  (the two impls it chooses between, registered first)
-from .launch import tensorcore  # noqa: F401
+from .launch import flash, tensorcore  # noqa: F401  (the two impls it chooses between, registered first)
 
 __all__ = ["choose", "tensor_cores_checked", "last_choice", "HALF", "TC_OPTIONS", "ENV"]
 
@@ -107,7 +106,7 @@ def choose(options: dict) -> tuple[str, str]:
     extra = sorted(n for n, v in options.items() if n not in TC_OPTIONS and v is not None)
     if extra:
         return "flash", f"option(s) {extra} are the product kernel's"
-    from .tiles import PreparedMask
+    from .launch.fit import PreparedMask
 
     if isinstance(options.get("block_mask"), PreparedMask):
         return "flash", "the block mask was prepared for the product kernel's tiles"

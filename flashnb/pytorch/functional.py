@@ -132,9 +132,11 @@ def _options(impl, causal, scale, dropout_p, seed, storage, dtype, needs_grad, s
         from .. import flex
 
         check = [(options[n], n) for n in ops._MODIFIERS if n in options]
-        if needs_grad and score_mod is not None and score_mod_grad is None and \
-                getattr(getattr(score_mod, "py_func", score_mod), "grad", None) is None:
-            check.append((flex.derivative(score_mod), "score_mod_grad"))   # a refusal names the construct
+        if needs_grad and score_mod is not None and score_mod_grad is None and "score_mod_grad" in entry.options:
+            derived = getattr(getattr(score_mod, "py_func", score_mod), "grad", None) is None
+            options["score_mod_grad"] = flex.score_mod_grad_of(score_mod)   # .grad, else derived: kernels never derive
+            if derived:
+                check.append((options["score_mod_grad"], "score_mod_grad"))   # a refusal names the construct
         flex.check_many(check)                    # compiled alone for a GPU, once per code and captured types
     resolved = devices._storage(entry, impl, storage, dtype)
     if resolved != "float32":
@@ -187,7 +189,7 @@ def attention(q, k, v, *, causal=False, scale=None, impl: str = "auto", block_ma
         scale: softmax scale, default ``1/sqrt(d)``.
         impl: any impl with a backward (:func:`impls_with_backward`); a forward-only impl when no gradient is
             needed.  Default ``"auto"`` (:mod:`flashnb.kernels.auto`): the product kernel ``"flash"``
-            (:mod:`flashnb.kernels.flash`), or ``"fa2-tc"`` (tensor cores) for float16 and bfloat16 tensors on a
+            (:mod:`flashnb.kernels.launch.flash`), or ``"fa2-tc"`` (tensor cores) for float16 and bfloat16 tensors on a
             checked sm_80+ GPU unless tile options (the product kernel's) are given.
         block_mask: the block-sparse mask of ``impl="flash"`` and ``"fa2-tc"`` (a boolean block array), or a
             ``flashnb.flex.create_block_mask`` of a ``mask_mod``.

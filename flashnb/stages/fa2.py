@@ -29,7 +29,7 @@ Kernels (float32, C-contiguous, ``(BH, N, d)``; ``L``/``D`` are ``(BH, N)``):
 They are dense or causal (bottom-right aligned, ``diag = Nk - Nq``: query ``r`` sees keys ``<= r + diag``), plus
 stage 5's one line: with ``sparse``, a tile whose block-mask entry ``M_ij`` is 0 is skipped (FA1 Alg. 5,
 :mod:`flashnb.stages.block_sparse`).  Everything else a user may want -- half storage, attention modifiers,
-dropout, grouped-query attention -- is the product kernel's (:mod:`flashnb.kernels.flash`, ``impl="flash"``),
+dropout, grouped-query attention -- is the product kernel's (:mod:`flashnb.kernels.launch.flash`, ``impl="flash"``),
 where each is a small policy on stage 6's loop rather than a branch of this lesson.
 """
 
@@ -42,6 +42,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from ..common import NEG_INF, ONE, ZERO, causal_diag, cdiv, check_shared_fit, empty, launch, load_rows, load_rows_T
+from ..kernels.policies import tiles as tile_ranges
 from ..masks import BlockMask
 from ..registry import kernel_factory, register_impl
 
@@ -588,24 +589,7 @@ def tiles_visited(Nq, Nk, Br, Bc, causal, direction="forward", block_mask=None):
     """``[(outer, inner, rows, cols), ...]`` -- the (Q tile, K/V tile) pairs a launch computes, with their
     valid row/column counts.  Forward: outer = Q block i, inner = K/V block j; backward the reverse.
     ``block_mask``: a boolean ``(ceil(Nq/Br), ceil(Nk/Bc))`` array at these tiles; pairs with 0 are left out."""
-    diag = causal_diag(causal, Nq, Nk)
-    out = []
-    if direction == "forward":
-        for i in range(cdiv(Nq, Br)):
-            n = cdiv(Nk, Bc)
-            if causal:
-                last = min((i + 1) * Br, Nq) - 1 + diag
-                n = min(n, last // Bc + 1) if last >= 0 else 0
-            out += [(i, j, min(Br, Nq - i * Br), min(Bc, Nk - j * Bc)) for j in range(n)]
-    else:
-        for j in range(cdiv(Nk, Bc)):
-            first = j * Bc - diag
-            i_first = first // Br if (causal and first > 0) else 0
-            out += [(j, i, min(Br, Nq - i * Br), min(Bc, Nk - j * Bc)) for i in range(i_first, cdiv(Nq, Br))]
-    if block_mask is not None:
-        ij = (lambda o, n: (o, n)) if direction == "forward" else (lambda o, n: (n, o))
-        out = [tile for tile in out if block_mask[ij(tile[0], tile[1])]]
-    return out
+    return tile_ranges.tiles_visited(Nq, Nk, Br, Bc, causal, direction, block_mask)   # the kernels' own ranges
 
 
 

@@ -125,9 +125,9 @@ causal), 220 at d = 128 (212 causal), 160 at d = 32; static shared memory 23,296
 44,160 B (d = 128).
 
 Kernels: :func:`make_forward` (``"fa2_fast.forward"``) and :func:`make_backward` (``"fa2_fast.backward"``),
-each composed of the device-function blocks of :mod:`flashnb.kernels.blocks` (tile loads, the ``S = Q_i K_jᵀ``
+each composed of the device-function blocks of :mod:`flashnb.kernels.simt.blocks` (tile loads, the ``S = Q_i K_jᵀ``
 micro-tile, the online-softmax update, ``P~ V_j``, the epilogues; the backward's phases), which the product kernels
-(:mod:`flashnb.kernels.flash`) compose too, with their feature policies.
+(:mod:`flashnb.kernels.launch.flash`) compose too, with their feature policies.
 Impl ``"fa2-fast"``: this forward and this backward.  Its options ``Br, Bc, warps`` go to both, as for stage 4
 (FA2 names the tiles alike in Alg. 1 and Alg. 2); the backward's defaults are :func:`bwd_default_tiles`, and
 tiles that suit the forward but not the backward (``Bc`` a multiple of ``4·warps``, ``Br`` of 8 and of
@@ -154,8 +154,9 @@ from ..common import (
     shared_optin_limit,
     warn_fallback,
 )
-from ..kernels import blocks
-from ..kernels.blocks import (  # noqa: F401  (the geometry is stage 6's public API)
+from ..kernels.policies.tiles import heavy_first, kv_tile_count, q_tile_range
+from ..kernels.simt import blocks
+from ..kernels.simt.blocks import (  # noqa: F401  (the geometry is stage 6's public API)
     LC,
     LR,
     PAD,
@@ -228,7 +229,7 @@ def _dynamic_bytes(Br, Bc, d, warps, dynamic=False, **_):
                 threads=lambda warps, **_: 32 * warps, dynamic_shared=_dynamic_bytes)
 def make_forward(Br, Bc, d, warps, causal, dynamic=False):
     """FA2 Alg. 1 for one (Br, Bc, d, warps, causal); grid ``(Tr, BH)``, block ``32·warps`` threads, built from
-    the blocks of :mod:`flashnb.kernels.blocks`.  With ``dynamic`` the kernel declares one *dynamic* shared array
+    the blocks of :mod:`flashnb.kernels.simt.blocks`.  With ``dynamic`` the kernel declares one *dynamic* shared array
     (launched with :func:`shared_bytes` dynamic bytes) carved into ``Q_i, K_j, V_j``: what lets a block use more
     than the 48 KiB of static shared memory."""
     g = geometry(Br, Bc, d, warps)
@@ -256,9 +257,7 @@ def make_forward(Br, Bc, d, warps, causal, dynamic=False):
         m = cuda.local.array(TM, float32)
         l = cuda.local.array(TM, float32)
         z = cuda.blockIdx.y
-        i0 = cuda.blockIdx.x * Br
-        if causal:                                     # heavy first: the last Q block sees the most K/V tiles
-            i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * Br
+        i0 = heavy_first(cuda.blockIdx.x, cuda.gridDim.x, causal) * Br  # causal: the heaviest Q block first
         tid = cuda.threadIdx.x
         lane = tid % 32
         lr = lane // LC
@@ -274,10 +273,7 @@ def make_forward(Br, Bc, d, warps, causal, dynamic=False):
             l[a] = ZERO
             for c in range(DN):
                 Oi[a, c] = ZERO
-        n_tiles = (Nk + Bc - 1) // Bc
-        if causal:                                     # skip K/V blocks entirely above the diagonal
-            last = min(i0 + Br, Nq) - 1 + diag
-            n_tiles = min(n_tiles, last // Bc + 1) if last >= 0 else 0
+        n_tiles = kv_tile_count(i0, Br, Bc, Nq, Nk, diag, causal)      # causal: no tile above the diagonal
         for jt in range(n_tiles):                      # line 6
             j0 = jt * Bc
             full = j0 + Bc <= Nk
@@ -326,7 +322,7 @@ def _bwd_configs():
                 threads=lambda warps, **_: 32 * warps)
 def make_backward(Br, Bc, d, warps, causal):
     """FA2 Alg. 2 for one (Br, Bc, d, warps, causal); grid ``(Tc, BH)``, block ``32·warps`` threads, built from
-    the blocks of :mod:`flashnb.kernels.blocks`."""
+    the blocks of :mod:`flashnb.kernels.simt.blocks`."""
     g = bwd_geometry(Br, Bc, d, warps)
     TM, TN, DN, Dp, TQ, E, NT = g["TM"], g["TN"], g["DN"], g["Dp"], g["TQ"], g["E"], g["threads"]
     LD = Dp + PAD                                       # row length of K_j, V_j, Q_i, dO_i in shared memory
@@ -368,11 +364,8 @@ def make_backward(Br, Bc, d, warps, causal):
             for c in range(DN):
                 dKj[a, c] = ZERO
                 dVj[a, c] = ZERO
-        i_first = 0
-        if causal:                                     # skip Q blocks whose rows all precede key j0
-            first = j0 - diag
-            i_first = first // Br if first > 0 else 0
-        for it in range(i_first, (Nq + Br - 1) // Br):  # line 8
+        i_first, _, n_i = q_tile_range(j0, Br, Bc, Nq, diag, causal)   # causal: no Q block before key j0
+        for it in range(i_first, n_i):                 # line 8
             i0 = it * Br
             qfull = i0 + Br <= Nq
             cuda.syncthreads()                         # every warp is done with Q_{i-1}, dO_{i-1}, dS

@@ -49,6 +49,7 @@ import numpy as np
 from numba import cuda, float32
 
 from ..common import NEG_INF, ONE, ZERO, causal_allowed, cdiv, check_shared_fit, empty, launch, load_rows, load_rows_T
+from ..kernels.policies.tiles import kv_tile_count, q_tile_range
 from ..registry import kernel_factory, register_impl
 from . import fa2
 
@@ -155,17 +156,6 @@ def fa2_backward_numpy(Q, K, V, O, dO, L, Br, Bc, causal=False, scale=None):
 # --------------------------------------------------------------------------- kernels
 
 
-@cuda.jit(device=True, inline="always")
-def kv_tiles(i0, Br, Nq, Nk, Bc, diag, causal):
-    """How many K/V tiles Alg. 1 line 6 visits for the query block starting at row ``i0``: all ``Tc``, or
-    with ``causal`` only up to the last key the block's last row may see (Section 3.1.1)."""
-    n = (Nk + Bc - 1) // Bc
-    if causal:
-        last = min(i0 + Br, Nq) - 1 + diag
-        n = min(n, last // Bc + 1) if last >= 0 else 0
-    return n
-
-
 def _rows_configs():
     return [dict(Br=32, Bc=32, d=16, causal=False), dict(Br=32, Bc=32, d=64, causal=True),
             dict(Br=32, Bc=32, d=128, causal=True), dict(Br=16, Bc=16, d=20, causal=False)]
@@ -196,7 +186,7 @@ def make_rows_forward(Br, Bc, d, causal):
             o[x] = ZERO
         m = NEG_INF
         l = ZERO
-        for jt in range(kv_tiles(i0, Br, Nq, Nk, Bc, diag, causal)):   # line 6
+        for jt in range(kv_tile_count(i0, Br, Bc, Nq, Nk, diag, causal)):   # line 6
             j0 = jt * Bc
             cuda.syncthreads()                       # every row is done with K_{j-1}, V_{j-1}
             load_rows(K, z, j0, K_j, tid, Br)        # line 7: load K_j, V_j (all threads, coalesced)
@@ -279,7 +269,7 @@ def make_splitq_forward(Br, Bc, d, warps, causal):
             l[a] = ZERO
             for x in range(dd):
                 o[a, x] = ZERO
-        for jt in range(kv_tiles(i0, Br, Nq, Nk, Bc, diag, causal)):   # line 6
+        for jt in range(kv_tile_count(i0, Br, Bc, Nq, Nk, diag, causal)):   # line 6
             j0 = jt * Bc
             cuda.syncthreads()                       # Q_i stored; every warp is done with K_{j-1}, V_{j-1}
             load_rows(K, z, j0, K_j, tid, NT)        # line 7
@@ -330,14 +320,6 @@ def make_splitq_forward(Br, Bc, d, warps, causal):
 _BWD_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, {_A2}, {_A3}, {_A3}, {_A3}, float32, int32)"
 
 
-@cuda.jit(device=True, inline="always")
-def q_first(j0, Br, diag, causal):
-    """The first query tile Alg. 2 line 8 visits for the key block starting at ``j0``: 0, or with ``causal``
-    the tile of row ``j0 - diag``, the first that may see key ``j0`` (Section 3.1.1)."""
-    first = j0 - diag
-    return first // Br if causal and first > 0 else 0
-
-
 def _rows_bwd_configs():
     return [dict(Br=32, Bc=32, d=16, causal=False), dict(Br=32, Bc=32, d=64, causal=True),
             dict(Br=32, Bc=32, d=128, causal=True), dict(Br=16, Bc=16, d=20, causal=False)]
@@ -372,7 +354,8 @@ def make_rows_backward(Br, Bc, d, causal):
             v[x] = V[z, j, x] if active else ZERO
             dk[x] = ZERO
             dv[x] = ZERO
-        for it in range(q_first(j0, Br, diag, causal), (Nq + Br - 1) // Br):   # line 8
+        i_first, _, n_i = q_tile_range(j0, Br, Bc, Nq, diag, causal)   # causal: no Q block before key j0
+        for it in range(i_first, n_i):               # line 8
             i0 = it * Br
             cuda.syncthreads()                       # every key row is done with Q_{i-1}, dO_{i-1}
             load_rows(Q, z, i0, Q_i, tid, Bc)        # line 9: load Q_i, dO_i, L_i, D_i (all threads)
@@ -441,7 +424,8 @@ def make_splitq_backward(Br, Bc, d, warps, causal):
             for x in range(dd):
                 dk[a, x] = ZERO
                 dv[a, x] = ZERO
-        for it in range(q_first(j0, Br, diag, causal), (Nq + Br - 1) // Br):   # line 8
+        i_first, _, n_i = q_tile_range(j0, Br, Bc, Nq, diag, causal)   # causal: no Q block before key j0
+        for it in range(i_first, n_i):               # line 8
             i0 = it * Br
             cuda.syncthreads()                       # K_j, V_j stored; every warp is done with the last tile
             load_rows(Q, z, i0, Q_i, tid, NT)        # line 9

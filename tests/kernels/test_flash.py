@@ -16,6 +16,7 @@ from flashnb import common, flex, reference, sim
 from flashnb import rng as frng
 from flashnb.instruments import traffic
 from flashnb.kernels import flash, policies
+from flashnb.kernels.launch import flash as launch_flash
 from flashnb.stages import block_sparse as bs
 
 # As tests/stages/test_fa2.py and test_fa2_fast.py: float32 sums of <= 128 products of O(1) values (forward); the
@@ -78,7 +79,7 @@ def test_fallback_to_static_tiles_when_the_device_refuses(rng, monkeypatch):
     """A device whose opt-in limit is below the d = 128 defaults' 100,352 B (a faked limit): the launch falls back to
     the static tiles with a warning and says so; explicit tiles beyond the limit are an error."""
     q, k, v = qkv(rng, (1, 9, 128), 11)
-    monkeypatch.setattr(flash, "shared_optin_limit", lambda: 48 * 1024 + 512)
+    monkeypatch.setattr(launch_flash, "shared_optin_limit", lambda: 48 * 1024 + 512)
     with pytest.warns(RuntimeWarning, match="falling back to the static tiles Br=24, Bc=32"):
         o, lse = flashnb.attention_forward(q, k, v, impl="flash")
     assert flash.last_forward["dynamic"] is False and "opt-in limit of 49,664 B" in flash.last_forward["fallback"]

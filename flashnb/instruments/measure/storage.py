@@ -1,4 +1,4 @@
-"""Notebook 11's GPU measurement: the product kernel's forward and backward (:mod:`flashnb.kernels.flash`) timed
+"""Notebook 11's GPU measurement: the product kernel's forward and backward (:mod:`flashnb.kernels.launch.flash`) timed
 with CUDA events in each storage, float32, float16 and bfloat16, beside the modelled HBM bytes of its launches."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from ...common import poisoning, to_bfloat16, to_device
-from ...kernels.flash import backward, forward, model_backward, model_bytes, model_forward
+from ...kernels.launch.flash import backward, forward
+from ...kernels.models.simt import model_backward, model_bytes, model_forward
 from ..bench import device_info, time_call
 
 __all__ = ["measure_storage"]
@@ -17,7 +18,7 @@ def measure_storage(BH: int = 16, N: int = 4096, d: int = 64, storages=("float32
     """CUDA-event time of the product kernel's forward and backward with Q, K, V, O (dO, dK, dV, dQ) in each
     storage, at one shape (GPU only; notebook 11's measurement, through :func:`flashnb.instruments.bench.on_gpu`).
     Same values in every storage (drawn once, rounded to float16); each row carries the modelled HBM bytes
-    (:func:`flashnb.kernels.flash.model_bytes`) of its launches."""
+    (:func:`flashnb.kernels.models.simt.model_bytes`) of its launches."""
     info = device_info()
     rng = np.random.default_rng(seed)
     values = [rng.standard_normal((BH, N, d)).astype(np.float16).astype(np.float32) for _ in range(4)]

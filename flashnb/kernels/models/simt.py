@@ -1,38 +1,14 @@
 """The product kernels' analytic traffic models: element accesses per launch, equal to the traffic counter's, and
-their bytes at a storage (host side of :mod:`flashnb.kernels.flash`)."""
+their bytes at a storage (host side of :mod:`flashnb.kernels.launch.flash`)."""
 
 from __future__ import annotations
 
-from ..common import causal_diag, cdiv, check_storage, positive_int, storage_dtype
-from .blocks import bwd_geometry, geometry
-from .policies import EMPTY
-from .tiles import _mask_at_tiles
+from ...common import cdiv, check_storage, positive_int, storage_dtype
+from ..launch.fit import _mask_at_tiles
+from ..policies.tiles import tiles_visited
+from ..simt.blocks import bwd_geometry, geometry
 
 __all__ = ["tiles_visited", "visited_per_head", "model_forward", "model_backward", "itemsizes", "model_bytes"]
-
-
-def tiles_visited(Nq, Nk, Br, Bc, causal, direction="forward", states=None):
-    """``[(outer, inner, rows, cols), ...]``: the (Q tile, K/V tile) pairs a launch computes for one head, with their
-    valid row and column counts -- forward: outer = Q block i, inner = K/V block j; backward the reverse.  ``states``:
-    the block mask's ``(ceil(Nq/Br), ceil(Nk/Bc))`` tile states at these tiles (``EMPTY`` pairs are left out)."""
-    diag = causal_diag(causal, Nq, Nk)
-    out = []
-    if direction == "forward":
-        for i in range(cdiv(Nq, Br)):
-            n = cdiv(Nk, Bc)
-            if causal:
-                last = min((i + 1) * Br, Nq) - 1 + diag
-                n = min(n, last // Bc + 1) if last >= 0 else 0
-            out += [(i, j, min(Br, Nq - i * Br), min(Bc, Nk - j * Bc)) for j in range(n)]
-    else:
-        for j in range(cdiv(Nk, Bc)):
-            first = j * Bc - diag
-            i_first = first // Br if (causal and first > 0) else 0
-            out += [(j, i, min(Br, Nq - i * Br), min(Bc, Nk - j * Bc)) for i in range(i_first, cdiv(Nq, Br))]
-    if states is not None:
-        ij = (lambda o, n: (o, n)) if direction == "forward" else (lambda o, n: (n, o))
-        out = [tile for tile in out if states[ij(tile[0], tile[1])] != EMPTY]
-    return out
 
 
 def visited_per_head(direction, Nq, Nk, t, causal, M, BH):
