@@ -24,9 +24,8 @@ import numpy as np
 __all__ = ["KernelSpec", "Impl", "KERNELS", "IMPLS", "AUTO", "impl_entry", "impl_names", "kernel_factory",
            "register_impl", "register_auto", "variant", "using", "KERNEL_CACHE_SIZE", "IMPL_MODULES", "MODULES"]
 
-#: The module(s) that register each impl, imported the first time the impl is asked for.  ``"flash"``, ``"fa2-tc"``
-#: and ``"auto"`` are registered by :mod:`flashnb.kernels` (whichever of its files defines them); the product
-#: kernels take attention modifiers, so :mod:`flashnb.flex` comes with them.
+#: The module(s) that register each impl, imported the first time the impl is asked for: the stage's lesson, or
+#: the product kernels' host launchers (:mod:`flashnb.kernels.launch`).
 IMPL_MODULES: dict[str, tuple[str, ...]] = {
     "naive": ("flashnb.stages.naive",),
     "onepass": ("flashnb.stages.softmax",),
@@ -36,17 +35,18 @@ IMPL_MODULES: dict[str, tuple[str, ...]] = {
     "fa2-splitq": ("flashnb.stages.fa2_steps",),
     "fa2-sparse": ("flashnb.stages.block_sparse",),
     "fa2-fast": ("flashnb.stages.fa2_fast",),
-    "flash": ("flashnb.kernels", "flashnb.flex"),
-    "fa2-tc": ("flashnb.kernels", "flashnb.flex"),
+    "flash": ("flashnb.kernels.launch.flash",),
+    "fa2-tc": ("flashnb.kernels.launch.tensorcore",),
     "flash-decoding": ("flashnb.kernels.launch.decode",),
-    "auto": ("flashnb.kernels", "flashnb.flex"),
+    "auto": ("flashnb.kernels.auto",),
 }
 
 #: Every module that registers kernels or impls, in the order a listing imports them (and lists what they
 #: register): the stages' lessons, then the product kernels, then the instruments' own kernels.
 MODULES: tuple[str, ...] = (
     "flashnb.rng", "flashnb.stages.naive", "flashnb.stages.softmax", "flashnb.stages.fa1", "flashnb.stages.fa2",
-    "flashnb.stages.fa2_steps", "flashnb.stages.block_sparse", "flashnb.kernels", "flashnb.flex",
+    "flashnb.stages.fa2_steps", "flashnb.stages.block_sparse", "flashnb.kernels.launch.flash",
+    "flashnb.kernels.launch.tensorcore", "flashnb.kernels.tensorcore.check", "flashnb.kernels.auto", "flashnb.flex",
     "flashnb.stages.fa2_fast", "flashnb.stages.fa2_fast_steps", "flashnb.stages.tensor_cores",
     "flashnb.kernels.decode",
     "flashnb.kernels.launch.decode", "flashnb.instruments.bench",

@@ -16,12 +16,11 @@
 
 The modules' old names (``flashnb.kernels.flash``, ``.flash_tc``, ``.mma``, ``.mma_check``, ``.blocks``, ``.tiles``,
 ``.models``) still import and give the names they had.
-"""
 
-from . import auto, policies  # noqa: F401  (auto registers impl="auto")
-from .launch import flash as _flash_launch  # noqa: F401  (registers impl="flash")
-from .launch import tensorcore as _tensorcore_launch  # noqa: F401  (registers impl="fa2-tc")
-from .tensorcore import check as _check  # noqa: F401  (registers the intrinsics' check kernels)
+Importing the package imports none of its modules: the building blocks a lesson imports (``tensorcore.mma``,
+``simt.blocks``, ``policies.tiles``) bring nothing above them, and the modules that register an impl are imported
+when the impl is first asked for (:data:`flashnb.registry.IMPL_MODULES`).
+"""
 
 
 def __getattr__(name):

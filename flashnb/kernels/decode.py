@@ -33,7 +33,7 @@ This module holds the kernels only.  The host side -- :class:`~flashnb.kernels.l
 :func:`~flashnb.kernels.launch.decode.decode`, the split heuristic and ``impl="flash-decoding"`` -- is
 :mod:`flashnb.kernels.launch.decode`; the traffic and time models (:func:`model_forward`, equal to the traffic
 counter's, and :func:`modelled_time`, a per-SM roofline that sees idle SMs: **modelled, not measured**) are
-:mod:`flashnb.kernels.decode_models`; the GPU measurement is :mod:`flashnb.instruments.measure.decode`.  Their old
+:mod:`flashnb.kernels.models.decode`; the GPU measurement is :mod:`flashnb.instruments.measure.decode`.  Their old
 names here still reach them (:data:`MOVED`).
 """
 
@@ -306,10 +306,10 @@ MOVED = {
     "default_splits": "flashnb.kernels.launch.decode",
     "chunk_length": "flashnb.kernels.launch.decode",
     "sm_count": "flashnb.kernels.launch.decode",
-    "model_forward": "flashnb.kernels.decode_models",
-    "launch_blocks": "flashnb.kernels.decode_models",
-    "modelled_time": "flashnb.kernels.decode_models",
-    "fa2_modelled_time": "flashnb.kernels.decode_models",
+    "model_forward": "flashnb.kernels.models.decode",
+    "launch_blocks": "flashnb.kernels.models.decode",
+    "modelled_time": "flashnb.kernels.models.decode",
+    "fa2_modelled_time": "flashnb.kernels.models.decode",
     "measure_gpu": "flashnb.instruments.measure.decode",
 }
 

@@ -7,7 +7,7 @@ import importlib
 
 _HOMES = ("flashnb.kernels.launch.tensorcore", "flashnb.kernels.tensorcore.forward",
           "flashnb.kernels.tensorcore.backward", "flashnb.kernels.tensorcore.geometry",
-          "flashnb.kernels.tensorcore.fragments", "flashnb.kernels.tensorcore.traffic")
+          "flashnb.kernels.tensorcore.fragments", "flashnb.kernels.models.tensorcore")
 _STUDIES = {"sass_config": "sass_inputs.fa2_tc", "model_options": "sass_inputs.fa2_tc", "sass_shape":
             "sass_inputs.fa2_tc", "launch_order": "sass_inputs.fa2_tc", "edge_tile": "sass_inputs.fa2_tc",
             "bwd_sass_config": "sass_inputs.fa2_tc", "bwd_model_options": "sass_inputs.fa2_tc",
@@ -16,8 +16,8 @@ _STUDIES = {"sass_config": "sass_inputs.fa2_tc", "model_options": "sass_inputs.f
 
 
 def __getattr__(name):
-    if name in _STUDIES:
-        raise AttributeError(f"flashnb.kernels.flash_tc.{name} moved to flashnb.instruments.{_STUDIES[name]}.{name}")
+    if name in _STUDIES:     # an old name only: the library itself imports these from their homes
+        return getattr(importlib.import_module(f"flashnb.instruments.{_STUDIES[name]}"), name)
     for home in _HOMES:
         module = importlib.import_module(home)
         if name in vars(module):

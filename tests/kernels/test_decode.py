@@ -12,8 +12,9 @@ import flashnb
 from flashnb import common, reference
 from flashnb.instruments import roofline, traffic
 from flashnb.instruments.measure import decode as measure
-from flashnb.kernels import decode, decode_models
+from flashnb.kernels import decode
 from flashnb.kernels.launch import decode as host
+from flashnb.kernels.models import decode as decode_models
 from flashnb.stages import fa2
 
 # Float32 kernels vs the float64 reference.  Each output element is a dot product of d <= 64 terms (the score),

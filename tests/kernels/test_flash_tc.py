@@ -20,6 +20,7 @@ from flashnb import common, flex, reference, sim
 from flashnb.instruments import traffic
 from flashnb.kernels import policies
 from flashnb.kernels.launch import tensorcore as tc
+from flashnb.kernels.models import tensorcore as tc_models
 from flashnb.kernels.tensorcore import backward as tc_backward
 from flashnb.kernels.tensorcore import forward as tc_forward
 from flashnb.kernels.tensorcore import geometry, mma
@@ -76,14 +77,14 @@ def test_grouped_query_heads_within_flashattentions_rule(rng, storage, d, causal
     scale = 1 / np.sqrt(d)
     with traffic.count() as t:
         o, lse = flashnb.attention_forward(q, k, v, causal=causal, impl="fa2-tc", storage=storage, **TILES)
-    assert t.summary() == tc.model_forward(BH, Nq, Nk, d, causal=causal, storage=storage, group=G, **TILES)
+    assert t.summary() == tc_models.model_forward(BH, Nq, Nk, d, causal=causal, storage=storage, group=G, **TILES)
     o_ref, _ = reference.attention_forward(*exact[:3], causal=causal)
     pt = torch_half(*tensors, causal, scale, group=G)
     assert maxerr(values(o, storage), o_ref) <= 2 * maxerr(pt[0], o_ref)
     with traffic.count() as t:
         grads = flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, impl="fa2-tc", storage=storage,
                                            **TILES)
-    model = tc.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, group=G, **TILES)
+    model = tc_models.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, group=G, **TILES)
     assert t.summary() == model
     assert model[1]["reads"]["K"] == Hkv * Nk * d                # K, V once per K/V head
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
@@ -118,7 +119,7 @@ def test_dropout_draws_the_product_kernels_mask(rng, storage, shape_q, Nk, causa
     opts = dict(causal=causal, impl="fa2-tc", storage=storage, dropout_p=p, seed=seed, **TILES)
     with traffic.count() as t:
         o, lse = flashnb.attention_forward(q, k, v, **opts)
-    assert t.summary() == tc.model_forward(BH, Nq, Nk, d, causal=causal, storage=storage, group=G, **TILES)
+    assert t.summary() == tc_models.model_forward(BH, Nq, Nk, d, causal=causal, storage=storage, group=G, **TILES)
     krep, vrep = (np.repeat(a, G, axis=0) for a in exact[1:3])
     o_ref, lse_ref = reference.attention_forward(exact[0], krep, vrep, causal=causal, dropout_mask=W)
     pt = torch_half(*tensors, causal, scale, group=G, W=W)
@@ -128,7 +129,7 @@ def test_dropout_draws_the_product_kernels_mask(rng, storage, shape_q, Nk, causa
     assert_close(lse, lse_ref, atol=2e-5, rtol=2e-5, what=f"{storage} lse")        # as without dropout
     with traffic.count() as t:
         grads = flashnb.attention_backward(q, k, v, o, lse, do, **opts)
-    assert t.summary() == tc.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, group=G, **TILES)
+    assert t.summary() == tc_models.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, group=G, **TILES)
     refs = reference.attention_backward(exact[0], krep, vrep, exact[3], causal=causal, dropout_mask=W)
     refs = (refs[0], *(r.reshape(Hkv, G, Nk, d).sum(axis=1) for r in refs[1:]))   # K/V gradients sum per group
     for name, g, r, pg in zip(("dq", "dk", "dv"), grads, refs, pt[1:]):
@@ -212,13 +213,13 @@ def test_traffic_equals_the_model(rng, storage, d, causal):
     scale = 1 / np.sqrt(d)
     with traffic.count() as t:
         o, lse = tc.forward(q, k, v, causal=causal, scale=scale, storage=storage, **TILES)
-    t.check_model(tc.model_forward(BH, Nq, Nk, d, causal=causal, storage=storage, **TILES))
+    t.check_model(tc_models.model_forward(BH, Nq, Nk, d, causal=causal, storage=storage, **TILES))
     with traffic.count() as t:
         tc.backward(q, k, v, o, lse, do, causal=causal, scale=scale, storage=storage, **TILES)
-    t.check_model(tc.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, **TILES))
+    t.check_model(tc_models.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, **TILES))
     from flashnb.kernels.models import model_bytes
     assert [lt.read_bytes for lt in t.launches] == [m["read_bytes"] for m in model_bytes(
-        tc.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, **TILES), storage)]
+        tc_models.model_backward(BH, Nq, Nk, d, causal=causal, storage=storage, **TILES), storage)]
 
 
 # --------------------------------------------------------------------------- attention modifiers and block masks
@@ -291,7 +292,7 @@ def test_modifiers_and_block_masks_within_flashattentions_rule(rng, checked_modi
     bm = None if mask_mod is None else flex.create_block_mask(mask_mod, B, H, Nq, Nk, Br=TILES["Br"], Bc=TILES["Bc"])
     if bm is not None:
         assert {0, 2} <= set(np.unique(bm.states)), "the case must have EMPTY and PARTIAL tiles"
-    assert t.summary() == tc.model_forward(B * H, Nq, Nk, d, causal=causal, storage=storage, group=G,
+    assert t.summary() == tc_models.model_forward(B * H, Nq, Nk, d, causal=causal, storage=storage, group=G,
                                                  block_mask=bm, **TILES)
     sm = None if score_mod is None else flex.numpy_modifier(score_mod)
     krep, vrep = (np.repeat(a, G, axis=1) for a in exact[1:3])
@@ -305,7 +306,7 @@ def test_modifiers_and_block_masks_within_flashattentions_rule(rng, checked_modi
     assert_close(lse, lse_ref, atol=5e-5, rtol=5e-5, what=f"{storage} lse")
     with traffic.count() as t:
         grads = flashnb.attention_backward(q, k, v, o, lse, do, **opts)
-    assert t.summary() == tc.model_backward(B * H, Nq, Nk, d, causal=causal, storage=storage, group=G,
+    assert t.summary() == tc_models.model_backward(B * H, Nq, Nk, d, causal=causal, storage=storage, group=G,
                                                   block_mask=bm, **TILES)
     # the reference's derivative: the gallery's own, or (rel_bias, which the kernel derives from its source) 1
     g = None if score_mod is None else (flex.numpy_modifier(score_mod.grad) if hasattr(score_mod, "grad") else
@@ -399,8 +400,8 @@ def test_a_block_mask_with_gaps_pipelines_the_visited_tiles(rng):
         o, lse = flashnb.attention_forward(q, k, v, impl="fa2-tc", block_mask=bm)
         grads = flashnb.attention_backward(q, k, v, o, lse, do, impl="fa2-tc", block_mask=bm)
     assert not report.findings
-    model = (tc.model_forward(2, 64, 96, 16, block_mask=bm)
-             + tc.model_backward(2, 64, 96, 16, block_mask=bm))
+    model = (tc_models.model_forward(2, 64, 96, 16, block_mask=bm)
+             + tc_models.model_backward(2, 64, 96, 16, block_mask=bm))
     assert t.summary() == model
     o_ref, _ = reference.attention_forward(*exact[:3], mask=mask)
     assert_close(values(o, "float16"), o_ref, atol=2e-3, rtol=2e-3, what="o")
@@ -510,7 +511,7 @@ def test_backward_default_tiles_at_d128(rng, storage, shape_q, Nk, causal):
         grads = flashnb.attention_backward(q, k, v, o, lse, do, causal=causal, impl="fa2-tc", storage=storage)
     assert tc.last_backward == dict(d=128, Br=16, Bc=128, warps=8, dynamic=True, shared_bytes=77_952,
                                           fallback=None)
-    assert t.summary() == tc.model_backward(shape_q[0], shape_q[1], Nk, d, causal=causal, storage=storage)
+    assert t.summary() == tc_models.model_backward(shape_q[0], shape_q[1], Nk, d, causal=causal, storage=storage)
     refs = reference.attention_backward(*exact, causal=causal)
     pt = torch_half(*tensors, causal, 1 / np.sqrt(d))
     for name, g, r, p in zip(("dq", "dk", "dv"), grads, refs, pt[1:]):

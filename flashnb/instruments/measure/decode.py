@@ -7,8 +7,8 @@ import numpy as np
 
 from ... import runtime
 from ...common import cdiv, poisoning, to_device
-from ...kernels.decode_models import launch_blocks
 from ...kernels.launch.decode import KVCache, decode, default_splits
+from ...kernels.models.decode import launch_blocks
 from ...stages import fa2
 from .. import bench
 

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 from ...common import causal_diag, cdiv
-from ...kernels.tensorcore.geometry import BWD_LABEL, _bwd_tiles, _tiles, bwd_geometry, geometry
-from ...kernels.tensorcore.traffic import hbm_bytes, model_backward, model_forward
+from ...kernels.launch.tensorcore import _bwd_tiles, _tiles
+from ...kernels.models.tensorcore import hbm_bytes, model_backward, model_forward
+from ...kernels.tensorcore.geometry import BWD_LABEL, bwd_geometry, geometry
 
 __all__ = ["sass_config", "model_options", "sass_shape", "launch_order", "edge_tile", "bwd_sass_config",
            "bwd_model_options", "bwd_sass_shape", "bwd_launch_order", "bwd_edge_tile", "model_forward",

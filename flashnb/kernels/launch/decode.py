@@ -226,4 +226,4 @@ def forward(q, k, v, *, causal=False, scale, num_splits=None, warps=None):
 register_impl("flash-decoding", stage="decode",
               description="flash-decoding: split-KV blocks write partial (O, LSE), a merge kernel combines them "
                           "(forward only; for Nq <= 8 new queries against a KV cache)",
-              forward=forward, options=("num_splits", "warps"), gqa=True, models="flashnb.kernels.decode_models")
+              forward=forward, options=("num_splits", "warps"), gqa=True, models="flashnb.kernels.models.decode")

@@ -2,18 +2,18 @@
 
 :func:`forward` (FA2 Alg. 1) and :func:`backward` (Alg. 2: with the product kernel's preprocessing and dQ
 conversion launches) on the kernels of :mod:`flashnb.kernels.tensorcore`; their traffic models
-(:func:`model_forward`, :func:`model_backward`) are :mod:`flashnb.kernels.tensorcore.traffic`'s.
+(:func:`model_forward`, :func:`model_backward`) are :mod:`flashnb.kernels.models.tensorcore`'s.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ... import modifiers
 from ...common import (
     allow_dynamic_shared,
     causal_diag,
     cdiv,
+    check_shared_fit,
     empty,
     launch,
     opt_in_or_fall_back,
@@ -22,8 +22,11 @@ from ...common import (
     warn_fallback,
 )
 from ...registry import register_impl
-from .. import flash, policies, tiles
+from .. import policies
 from ..policies import PARTIAL
+from ..policies import modifier_keys as modifiers
+from ..simt.backward import CONVERT_THREADS, make_convert
+from ..simt.forward import PRE_WARPS, make_preprocess
 from ..tensorcore import backward as tc_backward
 from ..tensorcore import forward as tc_forward
 from ..tensorcore import mma
@@ -32,21 +35,129 @@ from ..tensorcore.geometry import (
     BWD_LABEL,
     STORAGES,
     _bwd_dynamic_bytes,
-    _bwd_tiles,
-    _fit_mask,
-    _mask_tiles,
-    _tiles,
     bwd_default_tiles,
+    bwd_geometry,
     bwd_needs_dynamic,
     bwd_shared_bytes,
+    default_tiles,
+    geometry,
+    shared_bytes,
 )
-from ..tensorcore.traffic import model_backward, model_forward  # noqa: F401  (the impl's traffic models)
+from . import fit
 
-__all__ = ["forward", "backward", "check_inputs", "device_arch", "last_backward", "model_forward", "model_backward"]
+__all__ = ["forward", "backward", "check_inputs", "device_arch", "last_backward"]
 
 #: What the last :func:`backward` launch ran with: ``dict(d=, Br=, Bc=, warps=, dynamic=, shared_bytes=, fallback=None
 #: or the reason it fell back to the static tiles)``.
 last_backward: dict = {}
+
+
+# --------------------------------------------------------------------------- the tiles of a launch
+
+
+def _override(t, Br, Bc, warps):
+    """The tiles ``t`` with the options given (ValueError naming one that is not a positive int)."""
+    for name, value in (("Br", Br), ("Bc", Bc), ("warps", warps)):
+        if value is not None:
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            t[name] = int(value)
+
+
+def _tiles(storage, d, Br, Bc, warps, arch):
+    """Validated forward tiles: the defaults, overridden by the options, within shared memory."""
+    t = default_tiles(d, storage)
+    _override(t, Br, Bc, warps)
+    geometry(storage, d, t["Br"], t["Bc"], t["warps"], arch)
+    check_shared_fit("fa2-tc forward", f"Br={t['Br']}, Bc={t['Bc']} at d={d} ({storage})",
+                     shared_bytes(storage, d, t["Br"], t["Bc"], t["warps"], arch), "choose smaller Br/Bc")
+    return t
+
+
+def _fit_mask(direction, d, t, given, block_mask, BH, Nq, Nk):
+    """``(tiles, M or None)`` of a launch with ``block_mask`` (a
+    :class:`flashnb.masks.BlockMask`, or a boolean array read at the ``Br``, ``Bc`` options or
+    :func:`flashnb.kernels.launch.fit.mask_tiles`): the tiles made to divide the mask's blocks (a given tile must, a
+    default one shrinks to the largest that does and that the fragment layout allows), and the mask's states at
+    them (:meth:`BlockMask.at_tiles`: uint8 ``(BH, ceil(Nq/Br), ceil(Nk/Bc))``)."""
+    if block_mask is None:
+        return t, None
+    if isinstance(block_mask, fit.PreparedMask):
+        raise TypeError("block_mask: fa2-tc takes a flashnb.masks.BlockMask (flashnb.flex.create_block_mask) or a "
+                        "boolean array; a PreparedMask is mapped onto the product kernel's tiles")
+    bm = fit._as_block_mask(block_mask, d, given.get("Br"), given.get("Bc"))
+    bm.check(Nq, Nk, BH=BH)
+    t = dict(t)
+
+    def shrink(name, within, step, cap):
+        x = fit._largest_divisor(within, cap, step)
+        if x is None:
+            raise ValueError(f"block_mask was built for tiles Br={bm.Br}, Bc={bm.Bc}: the fa2-tc {direction} needs "
+                             f"{name} a multiple of {step} dividing {within}; build the mask for tiles that are "
+                             "multiples of 16, e.g. flashnb.flex.create_block_mask(..., Br=32, Bc=32)")
+        return x
+
+    def refuse_given(name):
+        if name in given:
+            raise ValueError(f"block_mask was built for tiles Br={bm.Br}, Bc={bm.Bc}; the fa2-tc {direction} tiles "
+                             f"Br={t['Br']}, Bc={t['Bc']} must divide them: build the mask for these tiles or pass "
+                             f"Br, Bc that divide {bm.Br}, {bm.Bc}")
+
+    if direction == "forward":              # Br = 16·MT·warps rows, Bc a multiple of 16 keys
+        if bm.Br % t["Br"]:
+            refuse_given("Br")
+            t["Br"] = shrink("Br", bm.Br, 16 * t["warps"] if "warps" in given else 16, t["Br"])
+            if "warps" not in given:
+                t["warps"] = max(w for w in range(1, t["warps"] + 1) if t["Br"] % (16 * w) == 0)
+        if bm.Bc % t["Bc"]:
+            refuse_given("Bc")
+            t["Bc"] = shrink("Bc", bm.Bc, 16, t["Bc"])
+    else:                                   # Bc = 16·warps keys, Br a multiple of 16·warps queries
+        if bm.Bc % t["Bc"] or bm.Br % t["Br"] or t["Br"] % t["Bc"]:
+            if bm.Bc % t["Bc"]:
+                refuse_given("Bc")
+                refuse_given("warps")
+            if bm.Br % t["Br"] or t["Br"] % t["Bc"]:
+                refuse_given("Br")
+            # the most keys (warps) for which some Br, a multiple of Bc, divides the mask's rows too
+            keys = [t["Bc"]] if "Bc" in given or "warps" in given else range(t["Bc"], 0, -16)
+            for Bc in keys:
+                Br = t["Br"] if "Br" in given else next(
+                    (x for x in range(max(t["Br"], Bc) // Bc * Bc, 0, -Bc) if bm.Br % x == 0), None)
+                if bm.Bc % Bc == 0 and Br is not None and bm.Br % Br == 0 and Br % Bc == 0:
+                    t.update(Br=Br, Bc=Bc, warps=Bc // 16)
+                    break
+            else:
+                raise ValueError(f"block_mask was built for tiles Br={bm.Br}, Bc={bm.Bc}: the fa2-tc backward needs "
+                                 "Bc a multiple of 16 dividing the mask's Bc and Br a multiple of that Bc dividing "
+                                 "the mask's Br; build the mask for tiles that are multiples of 16, e.g. "
+                                 "flashnb.flex.create_block_mask(..., Br=32, Bc=32)")
+    return t, bm.at_tiles(t["Br"], t["Bc"], Nq, Nk, BH)
+
+
+
+def _bwd_tiles(storage, d, Br, Bc, warps, gqa=False, optin=fit.DESIGN_OPTIN_BYTES, static=False):
+    """Validated backward tiles (``static``: the static defaults) with ``dynamic`` (over 48 KiB: dynamic shared
+    memory, up to ``optin`` bytes; more is a ValueError naming the tiles and the limit)."""
+    t = bwd_default_tiles(d, storage, gqa, static)
+    _override(t, Br, Bc, warps)
+    if Bc is None and warps is not None:
+        t["Bc"] = 16 * t["warps"]
+    if Br is None and (warps is not None or Bc is not None):
+        t["Br"] = max(t["Br"], 16 * t["warps"]) // (16 * t["warps"]) * 16 * t["warps"]
+    bwd_geometry(storage, d, t["Br"], t["Bc"], t["warps"])
+    check_shared_fit("fa2-tc backward", f"Br={t['Br']}, Bc={t['Bc']} at d={d} ({storage})",
+                     bwd_shared_bytes(storage, d, t["Br"], t["Bc"], t["warps"]), "choose smaller Br/Bc", optin=optin)
+    t["dynamic"] = bwd_needs_dynamic(storage, d, t["Br"], t["Bc"], t["warps"])
+    return t
+
+
+
+def _mask_tiles(d, Br=None, Bc=None) -> dict:
+    """The tiles the user surfaces build a ``mask_mod``'s block mask at: the product kernel's
+    (:func:`flashnb.kernels.launch.fit.mask_tiles`, so one mask means the same blocks to every impl), or the
+    ``Br``, ``Bc`` options; fa2-tc's tiles shrink to divide them."""
+    return dict(fit.mask_tiles(d), **{n: x for n, x in (("Br", Br), ("Bc", Bc)) if x is not None})
 
 
 def check_inputs(storage=None, **arrays):
@@ -112,7 +223,7 @@ def forward(q, k, v, *, causal=False, scale, Br=None, Bc=None, warps=None, stora
     kernel = tc_forward.make_forward(t["Br"], t["Bc"], d, t["warps"], bool(causal), storage, arch, G > 1,
                                      drop is not policies.NO_DROPOUT, M is not None, score_mod, mask_mod, H)
     launch(kernel, (cdiv(Nq, t["Br"]), BH), 32 * t["warps"], q, k, v, O, Lse, scale, causal_diag(causal, Nq, Nk),
-           tiles._device_mask(M), *drop, label="FA2 tensor-core forward")
+           fit._device_mask(M), *drop, label="FA2 tensor-core forward")
     return O, Lse
 
 
@@ -164,7 +275,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
 
     D = empty((BH, Nq))
     dQ = empty((BH, Nq, d))                          # float32: the atomics' accumulator
-    launch(flash.make_preprocess(storage), (cdiv(Nq, flash.PRE_WARPS), BH), 32 * flash.PRE_WARPS, o, do, D, dQ,
+    launch(make_preprocess(storage), (cdiv(Nq, PRE_WARPS), BH), 32 * PRE_WARPS, o, do, D, dQ,
            label="D = rowsum(dO∘O)")
     dK = empty((BH // G, Nk, d), storage=storage)
     dV = empty((BH // G, Nk, d), storage=storage)
@@ -183,10 +294,10 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     last_backward = dict(d=d, Br=t["Br"], Bc=t["Bc"], warps=t["warps"], dynamic=t["dynamic"],
                          shared_bytes=bwd_shared_bytes(storage, d, t["Br"], t["Bc"], t["warps"]), fallback=fallback)
     launch(kernel, (cdiv(Nk, t["Bc"]), BH // G), 32 * t["warps"], q, k, v, do, lse, D, dQ, dK, dV, scale,
-           causal_diag(causal, Nq, Nk), tiles._device_mask(M), *drop, label=BWD_LABEL, shared=nbytes)
+           causal_diag(causal, Nq, Nk), fit._device_mask(M), *drop, label=BWD_LABEL, shared=nbytes)
     if storage != "float32":
         dQh = empty((BH, Nq, d), storage=storage)
-        launch(flash.make_convert(storage), (cdiv(Nq * d, flash.CONVERT_THREADS), BH), flash.CONVERT_THREADS, dQ, dQh,
+        launch(make_convert(storage), (cdiv(Nq * d, CONVERT_THREADS), BH), CONVERT_THREADS, dQ, dQh,
                label=f"dQ -> {storage}")
         dQ = dQh
     return dQ, dK, dV
@@ -199,5 +310,6 @@ register_impl("fa2-tc", stage="7",
               forward=forward, backward=backward,
               options=("Br", "Bc", "warps", "storage", "dropout_p", "seed", "dropout_at", "block_mask", "score_mod",
                        "mask_mod", "score_mod_grad"), precision="tf32",
-              gqa=True, mask_tiles=lambda d, Br=None, Bc=None: _mask_tiles(d, Br, Bc))
+              gqa=True, mask_tiles=lambda d, Br=None, Bc=None: _mask_tiles(d, Br, Bc),
+              models="flashnb.kernels.models.tensorcore")
 

@@ -14,11 +14,11 @@ from numba import cuda, float32, uint32
 from ...common import NEG_INF, ONE, ZERO, storage_array_type
 from ...registry import kernel_factory
 from .. import policies
-from ..launch.fit import bwd_default_tiles
 from ..policies import EMPTY
 from ..policies.tiles import q_tile_range
 from . import blocks
 from .blocks import LC, LR, PAD, VEC, bwd_geometry
+from .defaults import bwd_default_tiles
 from .forward import _A2, _A3, _MASK, _MODS, _MODS_2
 
 __all__ = ["make_backward", "make_convert", "CONVERT_THREADS"]

@@ -13,11 +13,11 @@ from numba import cuda, float32, uint32
 from ...common import NEG_INF, ZERO, storage_array_type
 from ...registry import kernel_factory
 from .. import policies
-from ..launch.fit import _dynamic_bytes, default_tiles
 from ..policies import EMPTY
 from ..policies.tiles import heavy_first, kv_tile_count
 from . import blocks
 from .blocks import LC, LR, PAD, VEC, geometry
+from .defaults import _dynamic_bytes, default_tiles
 
 __all__ = ["make_forward", "make_preprocess", "PRE_WARPS"]
 

@@ -9,6 +9,6 @@
 * :mod:`~flashnb.kernels.tensorcore.forward` (FA2 Alg. 1) and :mod:`~flashnb.kernels.tensorcore.backward` (FA2
   Alg. 2, in its phases).
 
-The host side: :mod:`~flashnb.kernels.tensorcore.traffic` (the traffic models) and the launchers,
+The host side: :mod:`flashnb.kernels.models.tensorcore` (the traffic models) and the launchers,
 :mod:`flashnb.kernels.launch.tensorcore` (``impl="fa2-tc"``).
 """

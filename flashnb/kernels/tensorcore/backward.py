@@ -21,6 +21,7 @@ from ...common import ZERO, storage_array_type
 from ...registry import kernel_factory
 from .. import policies
 from ..policies import EMPTY, FULL, PARTIAL
+from ..policies.tiles import q_tile_range
 from . import mma
 from .forward import _A2, _M
 from .fragments import _SHARED_TYPE, _SIGN, LOG2E, POS_INF, _layout, _make_bwd_loaders, _make_policies
@@ -479,14 +480,8 @@ def make_backward(Br, Bc, d, warps, causal, storage="float16", gqa=False, dropou
         flip = SIGN if scale < ZERO else uint32(0)     # a negative scale: K negated in Sᵀ, |scale| in the exponent
         sl2 = abs(scale) * LOG2E
         dst = drop_state(threshold, inv_keep, seed_lo, seed_hi, rb, rstep, rsplit, rjump, cb, cstep, csplit, cjump)
-        n_i = (Nq + Br - 1) // Br                      # line 6: the Q tiles this block sees
-        i_first = 0
-        i_full = 0                                     # the first Q tile no causal mask touches
-        if causal:
-            first = j0 - diag
-            i_first = first // Br if first > 0 else 0
-            i_full = max(i_first, (j0 + Bc - 1 - diag + Br - 1) // Br)
-            i_full = min(i_full, n_i)
+        # line 6: the Q tiles this block sees, i_first .. n_i - 1; from i_full on no causal mask touches a tile
+        i_first, i_full, n_i = q_tile_range(j0, Br, Bc, Nq, diag, causal)
         z = kz * G                                     # the first query head
         kv_fragments(K, V, Q, dO, L, D, sm, LDs, ka, va, dk, dv, kz, z, j0, i_first, n_i, tid, lane, w16, flip, Nq,
                      Nk)                               # line 5: K_j, V_j (with the first Q_i, dO_i)

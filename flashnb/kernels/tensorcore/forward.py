@@ -64,6 +64,7 @@ from ...common import NEG_INF, ONE, ZERO, storage_array_type
 from ...registry import kernel_factory
 from .. import policies
 from ..policies import EMPTY, FULL, PARTIAL
+from ..policies.tiles import heavy_first, kv_tile_range
 from . import mma
 from .fragments import _SHARED_TYPE, _SIGN, FULL_MASK, LN2, LOG2E, _make_policies
 from .geometry import _archs, _configs, geometry
@@ -361,9 +362,7 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
         m = cuda.local.array((MT, 2), float32)         # m_i of rows g and g+8 of each m-tile (base 2, scaled)
         lsum = cuda.local.array((MT, 2), float32)      # this lane's part of l_i
         z = cuda.blockIdx.y
-        bi = cuda.blockIdx.x
-        if causal:                                     # heavy first: the last Q block sees the most K/V tiles
-            bi = cuda.gridDim.x - 1 - cuda.blockIdx.x
+        bi = heavy_first(cuda.blockIdx.x, cuda.gridDim.x, causal)   # causal: the last Q block (the most tiles) first
         i0 = bi * Br
         tid = cuda.threadIdx.x
         lane = tid % 32
@@ -378,13 +377,8 @@ def make_forward(Br, Bc, d, warps, causal, storage="float16", arch=80, gqa=False
         if SCORED:
             sl2 = ONE                                  # the modified scores are base 2 already
         dst = drop_state(threshold, inv_keep, seed_lo, seed_hi, rb, rstep, rsplit, rjump, cb, cstep, csplit, cjump)
-        n_tiles = (Nk + Bc - 1) // Bc                  # line 5 (causal: no tile entirely above the diagonal)
-        n_full = Nk // Bc                              # the leading tiles that need no mask
-        if causal:
-            last = min(i0 + Br, Nq) - 1 + diag
-            n_tiles = min(n_tiles, last // Bc + 1) if last >= 0 else 0
-            n_full = min(n_full, max(0, (i0 + diag + 1) // Bc))
-        n_full = min(n_full, n_tiles)
+        # line 5 (causal: no tile entirely above the diagonal); the leading n_full tiles need no mask
+        n_tiles, n_full = kv_tile_range(i0, Br, Bc, Nq, Nk, diag, causal)
         j, st = 0, int32(FULL)                         # the first tile visited (with a block mask: not EMPTY)
         if sparse:
             j, st = next_tile(M, z, bi, 0, n_tiles, lane)

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...common import SHARED_LIMIT_BYTES, cdiv, check_shared_fit
-from .. import tiles
+from ...common import SHARED_LIMIT_BYTES, cdiv
 
 __all__ = ["STORAGES", "TF32_MAX_D", "TF32_MAX_D_BWD", "ARCHS", "geometry", "shared_bytes", "default_tiles",
            "bwd_geometry", "bwd_shared_bytes", "bwd_default_tiles", "bwd_needs_dynamic", "BWD_LABEL"]
@@ -207,7 +206,7 @@ _BWD_GQA = {"float16": {64: dict(Br=16, Bc=128, warps=8)}}
 
 def bwd_default_tiles(d: int, storage: str = "float16", gqa: bool = False, static: bool = False) -> dict:
     """The backward's default ``Br, Bc, warps`` at head dim ``d`` for ``storage`` (no spills; within the A100's
-    opt-in shared memory, :data:`flashnb.kernels.tiles.DESIGN_OPTIN_BYTES`); ``gqa``: for K/V with fewer heads than
+    opt-in shared memory, :data:`flashnb.kernels.launch.fit.DESIGN_OPTIN_BYTES`); ``gqa``: for K/V with fewer heads than
     Q; ``static``: the largest within 48 KiB of static shared memory (the fallback when dynamic shared memory is
     refused)."""
     key = storage if storage in _BWD_DEFAULTS else "float16"
@@ -273,113 +272,3 @@ def _bwd_dynamic_bytes(Br, Bc, d, warps, storage="float16", dynamic=False, **_):
         return 0
     g = bwd_geometry(storage, d, Br, Bc, warps)
     return g["itemsize"] * g["total"]
-
-
-
-# --------------------------------------------------------------------------- the tiles of a launch
-
-
-def _override(t, Br, Bc, warps):
-    """The tiles ``t`` with the options given (ValueError naming one that is not a positive int)."""
-    for name, value in (("Br", Br), ("Bc", Bc), ("warps", warps)):
-        if value is not None:
-            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-            t[name] = int(value)
-
-
-def _tiles(storage, d, Br, Bc, warps, arch):
-    """Validated forward tiles: the defaults, overridden by the options, within shared memory."""
-    t = default_tiles(d, storage)
-    _override(t, Br, Bc, warps)
-    geometry(storage, d, t["Br"], t["Bc"], t["warps"], arch)
-    check_shared_fit("fa2-tc forward", f"Br={t['Br']}, Bc={t['Bc']} at d={d} ({storage})",
-                     shared_bytes(storage, d, t["Br"], t["Bc"], t["warps"], arch), "choose smaller Br/Bc")
-    return t
-
-
-def _fit_mask(direction, d, t, given, block_mask, BH, Nq, Nk):
-    """``(tiles, M or None)`` of a launch with ``block_mask`` (a
-    :class:`flashnb.masks.BlockMask`, or a boolean array read at the ``Br``, ``Bc`` options or
-    :func:`flashnb.kernels.tiles.mask_tiles`): the tiles made to divide the mask's blocks (a given tile must, a
-    default one shrinks to the largest that does and that the fragment layout allows), and the mask's states at
-    them (:meth:`BlockMask.at_tiles`: uint8 ``(BH, ceil(Nq/Br), ceil(Nk/Bc))``)."""
-    if block_mask is None:
-        return t, None
-    if isinstance(block_mask, tiles.PreparedMask):
-        raise TypeError("block_mask: fa2-tc takes a flashnb.masks.BlockMask (flashnb.flex.create_block_mask) or a "
-                        "boolean array; a PreparedMask is mapped onto the product kernel's tiles")
-    bm = tiles._as_block_mask(block_mask, d, given.get("Br"), given.get("Bc"))
-    bm.check(Nq, Nk, BH=BH)
-    t = dict(t)
-
-    def shrink(name, within, step, cap):
-        x = tiles._largest_divisor(within, cap, step)
-        if x is None:
-            raise ValueError(f"block_mask was built for tiles Br={bm.Br}, Bc={bm.Bc}: the fa2-tc {direction} needs "
-                             f"{name} a multiple of {step} dividing {within}; build the mask for tiles that are "
-                             "multiples of 16, e.g. flashnb.flex.create_block_mask(..., Br=32, Bc=32)")
-        return x
-
-    def refuse_given(name):
-        if name in given:
-            raise ValueError(f"block_mask was built for tiles Br={bm.Br}, Bc={bm.Bc}; the fa2-tc {direction} tiles "
-                             f"Br={t['Br']}, Bc={t['Bc']} must divide them: build the mask for these tiles or pass "
-                             f"Br, Bc that divide {bm.Br}, {bm.Bc}")
-
-    if direction == "forward":              # Br = 16·MT·warps rows, Bc a multiple of 16 keys
-        if bm.Br % t["Br"]:
-            refuse_given("Br")
-            t["Br"] = shrink("Br", bm.Br, 16 * t["warps"] if "warps" in given else 16, t["Br"])
-            if "warps" not in given:
-                t["warps"] = max(w for w in range(1, t["warps"] + 1) if t["Br"] % (16 * w) == 0)
-        if bm.Bc % t["Bc"]:
-            refuse_given("Bc")
-            t["Bc"] = shrink("Bc", bm.Bc, 16, t["Bc"])
-    else:                                   # Bc = 16·warps keys, Br a multiple of 16·warps queries
-        if bm.Bc % t["Bc"] or bm.Br % t["Br"] or t["Br"] % t["Bc"]:
-            if bm.Bc % t["Bc"]:
-                refuse_given("Bc")
-                refuse_given("warps")
-            if bm.Br % t["Br"] or t["Br"] % t["Bc"]:
-                refuse_given("Br")
-            # the most keys (warps) for which some Br, a multiple of Bc, divides the mask's rows too
-            keys = [t["Bc"]] if "Bc" in given or "warps" in given else range(t["Bc"], 0, -16)
-            for Bc in keys:
-                Br = t["Br"] if "Br" in given else next(
-                    (x for x in range(max(t["Br"], Bc) // Bc * Bc, 0, -Bc) if bm.Br % x == 0), None)
-                if bm.Bc % Bc == 0 and Br is not None and bm.Br % Br == 0 and Br % Bc == 0:
-                    t.update(Br=Br, Bc=Bc, warps=Bc // 16)
-                    break
-            else:
-                raise ValueError(f"block_mask was built for tiles Br={bm.Br}, Bc={bm.Bc}: the fa2-tc backward needs "
-                                 "Bc a multiple of 16 dividing the mask's Bc and Br a multiple of that Bc dividing "
-                                 "the mask's Br; build the mask for tiles that are multiples of 16, e.g. "
-                                 "flashnb.flex.create_block_mask(..., Br=32, Bc=32)")
-    return t, bm.at_tiles(t["Br"], t["Bc"], Nq, Nk, BH)
-
-
-
-def _bwd_tiles(storage, d, Br, Bc, warps, gqa=False, optin=tiles.DESIGN_OPTIN_BYTES, static=False):
-    """Validated backward tiles (``static``: the static defaults) with ``dynamic`` (over 48 KiB: dynamic shared
-    memory, up to ``optin`` bytes; more is a ValueError naming the tiles and the limit)."""
-    t = bwd_default_tiles(d, storage, gqa, static)
-    _override(t, Br, Bc, warps)
-    if Bc is None and warps is not None:
-        t["Bc"] = 16 * t["warps"]
-    if Br is None and (warps is not None or Bc is not None):
-        t["Br"] = max(t["Br"], 16 * t["warps"]) // (16 * t["warps"]) * 16 * t["warps"]
-    bwd_geometry(storage, d, t["Br"], t["Bc"], t["warps"])
-    check_shared_fit("fa2-tc backward", f"Br={t['Br']}, Bc={t['Bc']} at d={d} ({storage})",
-                     bwd_shared_bytes(storage, d, t["Br"], t["Bc"], t["warps"]), "choose smaller Br/Bc", optin=optin)
-    t["dynamic"] = bwd_needs_dynamic(storage, d, t["Br"], t["Bc"], t["warps"])
-    return t
-
-
-
-def _mask_tiles(d, Br=None, Bc=None) -> dict:
-    """The tiles the user surfaces build a ``mask_mod``'s block mask at: the product kernel's
-    (:func:`flashnb.kernels.tiles.mask_tiles`, so one mask means the same blocks to every impl), or the ``Br``, ``Bc``
-    options; fa2-tc's tiles shrink to divide them."""
-    return dict(tiles.mask_tiles(d), **{n: x for n, x in (("Br", Br), ("Bc", Bc)) if x is not None})
-

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from ...common import cdiv
-from ..models import model_bytes, visited_per_head
-from .geometry import BWD_LABEL, _bwd_tiles, _fit_mask, _tiles, bwd_geometry, geometry
+from ..launch.tensorcore import _bwd_tiles, _fit_mask, _tiles
+from ..tensorcore.geometry import BWD_LABEL, bwd_geometry, geometry
+from .simt import model_bytes, visited_per_head
 
 __all__ = ["model_forward", "model_backward", "hbm_bytes"]
 

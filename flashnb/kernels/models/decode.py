@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import heapq
 
-from ..common import causal_diag, cdiv, positive_int
-from ..instruments import roofline
-from ..reference import check_causal
-from ..stages import fa2
-from .decode import WARP
-from .launch.decode import _check_warps, _row_blocks, chunk_length, default_splits
+from ...common import causal_diag, cdiv, positive_int
+from ...instruments import roofline
+from ...reference import check_causal
+from ...stages import fa2
+from ..decode import WARP
+from ..launch.decode import _check_warps, _row_blocks, chunk_length, default_splits
 
 __all__ = ["model_forward", "launch_blocks", "modelled_time", "fa2_modelled_time"]
 
