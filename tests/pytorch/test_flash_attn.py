@@ -1,0 +1,195 @@
+"""flashnb.pytorch.flash_attn: flash-attn 2.x's functions checked against an independent float64 reference.
+
+The reference (:func:`_ref`) is plain torch float64 math written here from flash-attn's documented semantics:
+scores ``scale·q kᵀ``, then ``softcap·tanh(s/softcap)``, then ALiBi's ``-slope·|i + Sk - Sq - j|``, masked by the
+bottom-right causal mask and the window ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``, softmax (a row with
+no key gives 0), dropout's keep mask scaled by ``1/(1-p)``, times v; K/V heads repeated for GQA.  Gradients are
+float64 autograd through it.
+
+Shapes are flash-attn's test shapes scaled down to simulator sizes: its ``(seqlen_q, seqlen_k)`` pairs
+(113, 203), (128, 217), (108, 256), (512, 256), (1023, 1024), (1024, 1023) and (1, 147) become about 1/8 of
+them, so Sq != Sk both ways, odd lengths and 1-token sequences; head dims 8, 16 and odd ones (7, 9, like its 59).
+
+Tolerance.  flashnb computes in float32 (u = 2^-24 ≈ 6e-8) on float32 inputs; the reference computes in float64
+on the same values, so the difference is flashnb's float32 rounding.  Every output or gradient element is a few
+chained sums of at most max(Sq, Sk, d) <= 32 products of O(1) numbers (standard-normal inputs, softmax weights
+<= 1; softcap's tanh and ALiBi's bias are O(1)-conditioned): n·u·sum|terms| ≈ 2e-6 per sum.  TOL = 2e-5 covers a
+chain of several; the measured errors are below 1e-6, while a wrong mask, offset or missing term gives 0.1-1.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from flashnb import runtime  # noqa: E402
+from flashnb.pytorch import _draw_seed  # noqa: E402
+from flashnb.pytorch.flash_attn import flash_attn_func  # noqa: E402
+from flashnb.rng import dropout_keep_np  # noqa: E402
+
+TOL = 2e-5
+SMALL = dict(Br=16, Bc=16, warps=1)   # one-warp tiles: 32 simulator threads per block
+
+
+def _ref(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, slopes=None, scale=None, keep=None, p=0.0):
+    """flash-attn's semantics in float64: q ``(B, Sq, H, d)``, k, v ``(B, Sk, Hk, d)`` -> ``(B, Sq, H, d)``."""
+    q, k, v = (t.double() for t in (q, k, v))
+    B, Sq, H, d = q.shape
+    Sk, Hk = k.shape[1], k.shape[2]
+    k, v = k.repeat_interleave(H // Hk, dim=2), v.repeat_interleave(H // Hk, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * (d ** -0.5 if scale is None else scale)
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    i, j = torch.arange(Sq)[:, None], torch.arange(Sk)[None, :]
+    if slopes is not None:
+        sl = slopes.double().expand(B, H)
+        s = s - sl[:, :, None, None] * (i + Sk - Sq - j).abs()
+    left, right = window
+    if causal:
+        right = 0
+    ok = torch.ones(Sq, Sk, dtype=torch.bool)
+    if left >= 0:
+        ok &= j >= i + Sk - Sq - left
+    if right >= 0:
+        ok &= j <= i + Sk - Sq + right
+    s = s.masked_fill(~ok, float("-inf"))
+    P = torch.softmax(s, dim=-1).nan_to_num(0.0)        # a row without a key: 0 (flash-attn's convention)
+    if keep is not None:
+        P = P * keep / (1.0 - p)
+    return torch.einsum("bhqk,bkhd->bqhd", P, v)
+
+
+def _inputs(seed, B, Sq, Sk, H, Hk, d, dtype=torch.float32, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Sq, H, d, generator=g).to(dtype)
+    k = torch.randn(B, Sk, Hk, d, generator=g).to(dtype)
+    v = torch.randn(B, Sk, Hk, d, generator=g).to(dtype)
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+def _close(actual, expected, what, tol=TOL):
+    actual, expected = actual.detach().double(), expected.detach().double()
+    assert actual.shape == expected.shape, what
+    assert torch.isfinite(actual).all(), f"{what}: NaN or inf (an element not written?)"
+    err = (actual - expected).abs().max().item()
+    assert torch.allclose(actual, expected, atol=tol, rtol=tol), f"{what}: max abs error {err:.2e}"
+
+
+def _check_grads(out, inputs, ref_fn, what, tol=TOL):
+    """``out`` against ``ref_fn(*float64 copies)``, and the gradients of ``<out, do>`` against float64 autograd."""
+    ref_inputs = [t.detach().double().requires_grad_() for t in inputs]
+    expected = ref_fn(*ref_inputs)
+    _close(out, expected, f"{what}: out", tol)
+    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.dtype)
+    out.backward(do)
+    expected.backward(do.double())
+    for name, t, r in zip("qkv", inputs, ref_inputs):
+        _close(t.grad, r.grad, f"{what}: d{name}", tol)
+
+
+# --------------------------------------------------------------------------- flash_attn_func
+
+CASES = [   # (B, Sq, Sk, H, Hk, d, options): flash-attn's seqlen pairs / 8, GQA and MQA, odd d
+    (2, 14, 25, 2, 2, 8, dict(causal=True)),                          # (113, 203)
+    (1, 16, 27, 4, 2, 7, dict()),                                     # (128, 217), odd d
+    (2, 32, 16, 2, 1, 8, dict(causal=True)),                          # (512, 256): 16 rows see no key
+    (1, 1, 18, 4, 1, 16, dict(causal=True)),                          # (1, 147): one query, MQA
+    (1, 13, 32, 2, 2, 9, dict(window_size=(5, 3))),                   # (108, 256), a window both sides
+    (1, 16, 15, 2, 1, 8, dict(window_size=(4, 0))),                   # (1024, 1023): a causal window
+    (1, 15, 16, 2, 2, 8, dict(window_size=(-1, 2))),                  # (1023, 1024): right side only
+    (2, 14, 25, 2, 1, 8, dict(softcap=1.5, causal=True)),
+    (1, 14, 25, 4, 2, 16, dict(alibi=(4,))),                          # slopes (heads,)
+    (2, 13, 19, 2, 1, 7, dict(alibi=(2, 2), softcap=2.0, window_size=(6, -1), causal=True,
+                              softmax_scale=0.3)),                    # slopes (batch, heads), everything
+]
+
+
+@pytest.mark.parametrize("B,Sq,Sk,H,Hk,d,opts", CASES)
+def test_func_matches_reference(B, Sq, Sk, H, Hk, d, opts):
+    q, k, v = _inputs(B * 100 + Sq, B, Sq, Sk, H, Hk, d)
+    opts = dict(opts)
+    slopes = None
+    if "alibi" in opts:
+        slopes = torch.rand(opts.pop("alibi"), generator=torch.Generator().manual_seed(3)) * 0.5
+        opts["alibi_slopes"] = slopes
+    out = flash_attn_func(q, k, v, **opts, **SMALL)
+    assert out.shape == (B, Sq, H, d) and out.dtype == q.dtype and out.is_contiguous()
+
+    def ref(q, k, v):
+        return _ref(q, k, v, causal=opts.get("causal", False), window=opts.get("window_size", (-1, -1)),
+                    softcap=opts.get("softcap", 0.0), slopes=slopes, scale=opts.get("softmax_scale"))
+
+    _check_grads(out, (q, k, v), ref, f"{opts}")
+    if opts.get("causal") and Sq > Sk:             # rows that see no key: exactly 0, as flash-attn's
+        assert (out[:, :Sq - Sk] == 0).all()
+
+
+def test_func_dropout_matches_reference_with_flashnb_mask():
+    """Dropout's mask is flashnb's Philox mask, its seed drawn from torch's generator: replayed here."""
+    B, Sq, Sk, H, Hk, d, p = 1, 14, 25, 2, 1, 8, 0.25
+    q, k, v = _inputs(5, B, Sq, Sk, H, Hk, d)
+    torch.manual_seed(11)
+    seed = _draw_seed()
+    keep = torch.from_numpy(dropout_keep_np(seed, p, B * H, Sq, Sk)).reshape(B, H, Sq, Sk)
+    torch.manual_seed(11)
+    out = flash_attn_func(q, k, v, dropout_p=p, causal=True, **SMALL)
+    _check_grads(out, (q, k, v), lambda q, k, v: _ref(q, k, v, causal=True, keep=keep, p=p), "dropout")
+
+
+def test_func_half_precision():
+    """float16 / bfloat16 tensors (flash-attn's own dtypes) stay in their dtype; error against float64 of order
+    the dtype's rounding (2^-11 / 2^-8 relative) of O(1) values."""
+    for dtype, tol in ((torch.float16, 4e-3), (torch.bfloat16, 3e-2)):
+        q, k, v = _inputs(9, 1, 14, 25, 2, 1, 8, dtype=dtype, grad=False)
+        out = flash_attn_func(q, k, v, causal=True, softcap=2.0, **SMALL)
+        assert out.dtype == dtype
+        _close(out, _ref(q, k, v, causal=True, softcap=2.0), f"{dtype}", tol)
+
+
+def test_deterministic_on_the_simulator_bitwise():
+    """The simulator applies dQ's atomics in a fixed order: deterministic=True is allowed there, and two
+    backwards give the same bits."""
+    grads = []
+    for _ in range(2):
+        q, k, v = _inputs(2, 1, 14, 25, 2, 1, 8)
+        flash_attn_func(q, k, v, causal=True, deterministic=True, **SMALL).sum().backward()
+        grads.append([t.grad.clone() for t in (q, k, v)])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_deterministic_refused_on_a_gpu(monkeypatch):
+    q, k, v = _inputs(2, 1, 4, 4, 1, 1, 8)
+    monkeypatch.setattr(runtime, "MODE", "gpu")
+    with pytest.raises(ValueError, match="deterministic=True: .*atomics"):
+        flash_attn_func(q, k, v, deterministic=True)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(sinks=torch.zeros(2)), ValueError, "sinks: .*not supported yet"),
+    (dict(return_attn_probs=True), ValueError, "return_attn_probs=True is not supported"),
+    (dict(window_size=(-2, 0)), ValueError, "window_size must be"),
+    (dict(window_size=3), TypeError, "window_size must be a pair"),
+    (dict(softcap=-1.0), ValueError, "softcap must be"),
+    (dict(alibi_slopes=torch.zeros(2, dtype=torch.float64)), TypeError, "alibi_slopes must be float32"),
+    (dict(alibi_slopes=torch.zeros(3)), ValueError, r"alibi_slopes must have shape \(heads,\) = \(2,\)"),
+])
+def test_func_bad_options(kwargs, exc, match):
+    q, k, v = _inputs(1, 1, 4, 4, 2, 1, 8)
+    with pytest.raises(exc, match=match):
+        flash_attn_func(q, k, v, **kwargs)
+
+
+def test_func_bad_tensors():
+    q, k, v = _inputs(1, 1, 4, 5, 4, 2, 8)
+    with pytest.raises(ValueError, match="v: a value head dim different"):
+        flash_attn_func(q, k, v[..., :4])
+    with pytest.raises(ValueError, match=r"heads in q \(4\) must be a multiple of k's and v's \(3\)"):
+        flash_attn_func(q, torch.randn(1, 5, 3, 8), torch.randn(1, 5, 3, 8))
+    with pytest.raises(ValueError, match=r"q must have shape \(batch, seqlen, heads, d\)"):
+        flash_attn_func(q[0], k, v)
+    with pytest.raises(TypeError, match="k must be a torch.Tensor"):
+        flash_attn_func(q, np.zeros((1, 5, 2, 8)), v)
+    with pytest.raises(ValueError, match="one batch size"):
+        flash_attn_func(q.expand(2, -1, -1, -1), k, v)
+
