@@ -27,6 +27,7 @@ from flashnb.pytorch import _draw_seed  # noqa: E402
 from flashnb.pytorch.flash_attn import (  # noqa: E402
     flash_attn_func,
     flash_attn_varlen_func,
+    flash_attn_with_kvcache,
 )
 from flashnb.rng import dropout_keep_np  # noqa: E402
 
@@ -288,3 +289,92 @@ def test_varlen_bad_input(change, exc, match):
     with pytest.raises(exc, match=match):
         flash_attn_varlen_func(**args)
 
+
+# --------------------------------------------------------------------------- flash_attn_with_kvcache
+
+def _cache(seed, B, S, Hk, d):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, S, Hk, d, generator=g), torch.randn(B, S, Hk, d, generator=g)
+
+
+@pytest.mark.parametrize("Sq,H,Hk,d,paged,opts", [
+    (1, 4, 2, 8, False, dict(causal=True)),                   # decoding one token: flash-decoding
+    (2, 4, 1, 7, True, dict(causal=True)),                    # two tokens, MQA, odd d, a paged cache
+    (3, 2, 2, 8, True, dict(causal=True, softcap=1.5, window_size=(5, -1), alibi=True)),   # the product kernel
+])
+def test_kvcache_appends_in_place_and_matches_reference(Sq, H, Hk, d, paged, opts):
+    B, S, page = 3, 24, 8
+    lengths = [5, 0, 17]                  # keys cached before the call; Sq new ones are appended
+    k_cache, v_cache = _cache(1, B, S, Hk, d)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(B, Sq, H, d, generator=g)
+    k_new, v_new = torch.randn(B, Sq, Hk, d, generator=g), torch.randn(B, Sq, Hk, d, generator=g)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for b, n in enumerate(lengths):
+        expected_k[b, n:n + Sq], expected_v[b, n:n + Sq] = k_new[b], v_new[b]
+    opts = dict(opts)
+    slopes = torch.rand(H, generator=g) * 0.5 if opts.pop("alibi", False) else None
+    call = dict(k=k_new, v=v_new, cache_seqlens=torch.tensor(lengths, dtype=torch.int32), alibi_slopes=slopes,
+                **opts)
+    if paged:                              # the same cache cut into pages, scattered in a pool
+        perm = torch.randperm(B * S // page, generator=g)
+        pool_k = torch.zeros(B * S // page + 2, page, Hk, d)
+        pool_v = torch.zeros_like(pool_k)
+        pool_k[perm], pool_v[perm] = (c.reshape(-1, page, Hk, d) for c in (k_cache, v_cache))
+        table = perm.reshape(B, S // page).to(torch.int32)
+        out = flash_attn_with_kvcache(q, pool_k, pool_v, block_table=table, **call)
+        got_k, got_v = (p[table.long()].reshape(B, S, Hk, d) for p in (pool_k, pool_v))
+    else:
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, **call)
+        got_k, got_v = k_cache, v_cache
+    assert torch.equal(got_k, expected_k) and torch.equal(got_v, expected_v)     # appended in place
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    for b, n in enumerate(lengths):
+        r = _ref(q[b:b + 1], expected_k[b:b + 1, :n + Sq], expected_v[b:b + 1, :n + Sq],
+                 causal=opts.get("causal", False), window=opts.get("window_size", (-1, -1)),
+                 softcap=opts.get("softcap", 0.0), slopes=slopes)
+        _close(out[b:b + 1], r, f"kvcache sequence {b}")
+
+
+def test_kvcache_picks_flash_decoding_and_num_splits():
+    from flashnb.instruments import traffic
+
+    k_cache, v_cache = _cache(3, 2, 40, 2, 8)
+    q = torch.randn(2, 1, 4, 8)
+    with traffic.count() as t:
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=33, num_splits=3, warps=1)
+    labels = [lt.label for lt in t.launches]
+    assert labels == ["split-KV partials", "merge splits"] * 2, labels        # flash-decoding, per sequence
+    assert t.launches[0].writes["L_part"] == 4 * 3                            # 4 heads × num_splits = 3
+    _close(out, _ref(q, k_cache[:, :33], v_cache[:, :33]), "flash-decoding")
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    (dict(cache_seqlens=torch.tensor([20, 23], dtype=torch.int32)), ValueError,
+     r"cache_seqlens\[1\] = 23: with 2 new keys .*capacity of 24"),
+    (dict(cache_seqlens=torch.tensor([1, 2])), TypeError, "cache_seqlens must have dtype torch.int32"),
+    (dict(cache_seqlens=None), ValueError, "cache_seqlens must be given with new k, v"),
+    (dict(block_table=torch.tensor([[0, 1, 2], [3, 4, 9]], dtype=torch.int32),
+          cache_seqlens=torch.tensor([3, 17], dtype=torch.int32)), ValueError,
+     r"block_table\[1, 2\] = 9 is outside the cache's 6 pages"),        # 19 positions: 3 pages used
+    (dict(block_table=torch.tensor([[0, 1, 2]], dtype=torch.int32)), ValueError,
+     r"block_table must have shape \(batch, max_blocks\) with batch = q.shape\[0\] = 2"),
+    (dict(k=torch.zeros(2, 2, 2, 8, dtype=torch.float64)), TypeError, "k, v must have the cache's dtype"),
+    (dict(k=torch.zeros(2, 2, 1, 8)), ValueError, r"k, v must have shape \(batch, seqlen_new, heads_k, d\)"),
+    (dict(v=None), ValueError, "pass both new keys and values"),
+    (dict(rotary_cos=torch.zeros(4, 4)), ValueError, "rotary_cos, rotary_sin: rotary embeddings"),
+    (dict(return_softmax_lse=True), ValueError, "return_softmax_lse=True is not supported"),
+    (dict(sinks=torch.zeros(4)), ValueError, "sinks"),
+    (dict(cache_batch_idx=torch.tensor([0, 5], dtype=torch.int32)), ValueError, "cache_batch_idx must be"),
+])
+def test_kvcache_bad_input_writes_nothing(change, exc, match):
+    k_cache, v_cache = _cache(4, 2, 24, 2, 8)
+    before = k_cache.clone(), v_cache.clone()
+    args = dict(q=torch.zeros(2, 2, 4, 8), k_cache=k_cache, v_cache=v_cache, k=torch.ones(2, 2, 2, 8),
+                v=torch.ones(2, 2, 2, 8), cache_seqlens=torch.tensor([3, 4], dtype=torch.int32))
+    if "block_table" in change:            # the same storage seen as 6 pages of 8
+        args.update(k_cache=k_cache.view(6, 8, 2, 8), v_cache=v_cache.view(6, 8, 2, 8))
+    args.update(change)
+    with pytest.raises(exc, match=match):
+        flash_attn_with_kvcache(**args)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
