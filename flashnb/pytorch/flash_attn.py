@@ -38,8 +38,9 @@ kernels once per sequence (forward and backward): no padding is read or computed
 of each sequence's own -- but a packed-sequence tile scheduler (one launch over all sequences) is future work.
 :func:`flash_attn_with_kvcache` gathers a paged cache's pages on the host into one contiguous ``(length, heads,
 d)`` copy per sequence before the decode kernel runs; paged addressing inside the decode kernel is future work.
-Each distinct ``Sk - Sq`` with a window or ALiBi, and each distinct ALiBi slope row, is a distinct modifier
-constant: on a GPU a kernel compile each (cached; the simulator compiles nothing).
+The window's bounds, ``Sk - Sq``, the softcap and the ALiBi slopes are arrays the modifiers capture: on a GPU
+each distinct set of values is a kernel compile (cached, bounded: :mod:`flashnb.flex`), so packed sequences of
+many different ``Sk - Sq`` with a window or ALiBi compile several kernels; the simulator compiles nothing.
 """
 
 from __future__ import annotations
@@ -148,10 +149,13 @@ def _check_deterministic(deterministic, q, k, v):
 
 
 def _window_mask(lo: int, hi: int):
-    """Query ``i`` sees key ``j`` iff ``i + lo <= j <= i + hi`` (``lo``, ``hi`` already offset by ``Sk - Sq``)."""
+    """Query ``i`` sees key ``j`` iff ``i + lo <= j <= i + hi`` (``lo``, ``hi`` already offset by ``Sk - Sq``).
+    The bounds are a captured array, not captured numbers: the GPU compile check is keyed by the types of
+    captured arrays but the values of captured numbers, so every new ``Sk - Sq`` would be checked again."""
+    band = np.array([lo, hi], dtype=np.int64)
 
     def window_mask(b, h, q_idx, kv_idx):
-        return kv_idx >= q_idx + lo and kv_idx <= q_idx + hi
+        return kv_idx >= q_idx + band[0] and kv_idx <= q_idx + band[1]
 
     window_mask.numpy = lambda b, h, q, kv: (kv >= q + lo) & (kv <= q + hi)
     return window_mask
@@ -163,15 +167,17 @@ def _ones(s, b, h, q, kv):
 
 def _score_mod(cap: float, slopes, off: int):
     """``c·tanh(s/c)`` (``cap > 0``), then ``- slope[b, h]·|i + off - j|`` (``slopes`` a ``(B, H)`` float32 array),
-    with its derivative ``.grad`` and NumPy twins ``.numpy`` (float64)."""
-    c = np.float32(cap)
-    c64 = float(c)
+    with its derivative ``.grad`` and NumPy twins ``.numpy`` (float64).  ``c`` and ``off`` are captured as
+    arrays (see :func:`_window_mask`)."""
+    c = np.array([cap], dtype=np.float32)
+    c64 = float(c[0])
+    offset = np.array([off], dtype=np.int64)
     if slopes is None:
         def softcap_score(score, b, h, q_idx, kv_idx):
-            return c * float32(math.tanh(score / c))
+            return c[0] * float32(math.tanh(score / c[0]))
 
         def softcap_grad(score, b, h, q_idx, kv_idx):
-            t = float32(math.tanh(score / c))
+            t = float32(math.tanh(score / c[0]))
             return float32(1) - t * t
 
         softcap_grad.numpy = lambda s, b, h, q, kv: 1.0 - np.tanh(s / c64) ** 2
@@ -182,7 +188,7 @@ def _score_mod(cap: float, slopes, off: int):
     s64 = slopes.astype(np.float64)
     if cap == 0:
         def alibi_score(score, b, h, q_idx, kv_idx):
-            return score - slopes[b, h] * float32(abs(q_idx + off - kv_idx))
+            return score - slopes[b, h] * float32(abs(q_idx + offset[0] - kv_idx))
 
         def alibi_grad(score, b, h, q_idx, kv_idx):
             return float32(1)
@@ -193,10 +199,10 @@ def _score_mod(cap: float, slopes, off: int):
         return alibi_score
 
     def softcap_alibi_score(score, b, h, q_idx, kv_idx):
-        return c * float32(math.tanh(score / c)) - slopes[b, h] * float32(abs(q_idx + off - kv_idx))
+        return c[0] * float32(math.tanh(score / c[0])) - slopes[b, h] * float32(abs(q_idx + offset[0] - kv_idx))
 
     def softcap_alibi_grad(score, b, h, q_idx, kv_idx):
-        t = float32(math.tanh(score / c))
+        t = float32(math.tanh(score / c[0]))
         return float32(1) - t * t
 
     softcap_alibi_grad.numpy = lambda s, b, h, q, kv: 1.0 - np.tanh(s / c64) ** 2
@@ -519,6 +525,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise ValueError(f"num_splits must be an int >= 0 (0: the heuristic), got {num_splits!r}")
     if q.device != k_cache.device:
         raise ValueError(f"q and k_cache must be on one device, got {q.device}, {k_cache.device}")
+    if not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise TypeError(f"q, k_cache, v_cache must have one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) and \
+            not (q.dtype == torch.float64 and options.get("allow_float64")):
+        raise TypeError(f"q, k_cache, v_cache must be float32, float16 or bfloat16 (float64 with "
+                        f"allow_float64=True), got {q.dtype}")
 
     G = H // k_cache.shape[2]
     outs = []

@@ -362,6 +362,7 @@ def test_kvcache_picks_flash_decoding_and_num_splits():
     (dict(k=torch.zeros(2, 2, 2, 8, dtype=torch.float64)), TypeError, "k, v must have the cache's dtype"),
     (dict(k=torch.zeros(2, 2, 1, 8)), ValueError, r"k, v must have shape \(batch, seqlen_new, heads_k, d\)"),
     (dict(v=None), ValueError, "pass both new keys and values"),
+    (dict(q=torch.zeros(2, 2, 4, 8, dtype=torch.float16)), TypeError, "q, k_cache, v_cache must have one dtype"),
     (dict(rotary_cos=torch.zeros(4, 4)), ValueError, "rotary_cos, rotary_sin: rotary embeddings"),
     (dict(return_softmax_lse=True), ValueError, "return_softmax_lse=True is not supported"),
     (dict(sinks=torch.zeros(4)), ValueError, "sinks"),
