@@ -379,3 +379,52 @@ def test_kvcache_bad_input_writes_nothing(change, exc, match):
     with pytest.raises(exc, match=match):
         flash_attn_with_kvcache(**args)
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+def test_kvcache_batch_idx_and_leftpad():
+    """cache_batch_idx picks each sequence's cache row; cache_leftpad its first valid key (the new keys still go
+    to cache_seqlens, counted from position 0)."""
+    k_cache, v_cache = _cache(6, 3, 16, 1, 8)
+    g = torch.Generator().manual_seed(8)
+    q, k_new, v_new = torch.randn(2, 1, 2, 8, generator=g), torch.randn(2, 1, 1, 8, generator=g), \
+        torch.randn(2, 1, 1, 8, generator=g)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    rows, lengths, pads = [2, 0], [9, 4], [3, 0]
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new,
+                                  cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+                                  cache_batch_idx=torch.tensor(rows, dtype=torch.int32),
+                                  cache_leftpad=torch.tensor(pads, dtype=torch.int32), causal=True)
+    for b, (r, n, p) in enumerate(zip(rows, lengths, pads)):
+        before_k[r, n], before_v[r, n] = k_new[b, 0], v_new[b, 0]
+        _close(out[b:b + 1], _ref(q[b:b + 1], before_k[r:r + 1, p:n + 1], before_v[r:r + 1, p:n + 1], causal=True),
+               f"sequence {b}")
+    assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)   # row 1 untouched
+
+
+def test_the_cuda_tensor_path_rehearsed():
+    """The path CUDA tensors take (zero-copy views, launches on a stream), rehearsed on the simulator with CPU
+    tensors: the three functions give the NumPy path's results."""
+    import flashnb.pytorch as ft
+    from flashnb.instruments.rehearsal import pretend_gpu
+
+    q, k, v = _inputs(12, 1, 9, 17, 2, 1, 8)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 8, 17], dtype=torch.int32)
+    k_cache, v_cache = _cache(13, 1, 24, 1, 8)
+
+    def run():
+        o = flash_attn_func(q, k, v, causal=True, softcap=2.0, **SMALL)
+        o.sum().backward()
+        o2 = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu_k, 5, 9, window_size=(3, 3), **SMALL)
+        o3 = flash_attn_with_kvcache(q[:, :1].detach(), k_cache.clone(), v_cache.clone(), cache_seqlens=20)
+        grads = [t.grad.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        return [o, o2, o3, *grads]
+
+    expected = run()
+    with pretend_gpu(), ft.rehearse_cuda() as bridge:
+        got = run()
+    assert bridge.streams                                   # the device path ran
+    for a, b in zip(got, expected):
+        _close(a, b, "rehearsed", tol=1e-6)
