@@ -16,9 +16,9 @@ def test_python_examples_run(capsys):
     # (the experimenting page's resource report reads its kernel's source from there)
     blocks = [b for text in [README] + [p.read_text() for p in PAGES]
               for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)]
-    assert len(blocks) == 8, ("the python examples: the README's first call, modifiers, experimenting, changing a "
-                              "library kernel, sanitizer and profiler, torch, transformers, the start page's product "
-                              "kernel")
+    assert len(blocks) == 9, ("the python examples: the README's first call, modifiers, experimenting, changing a "
+                              "library kernel, sanitizer and profiler, torch, transformers, flash-attn's functions, "
+                              "the start page's product kernel")
     for n, block in enumerate(blocks):
         if "flashnb.pytorch" in block and importlib.util.find_spec("torch") is None:
             continue   # PyTorch is optional (the [torch] extra); its example runs wherever it is installed

@@ -22,6 +22,8 @@ Needs PyTorch (``pip install "flashnb[torch]"``); ``import flashnb`` never impor
   program in another process: :mod:`flashnb.pytorch.ops`.
 * :func:`register_transformers` plugs flashnb into Hugging Face transformers' ``AttentionInterface``
   (:mod:`flashnb.pytorch.transformers`).
+* :mod:`flashnb.pytorch.flash_attn` has flash-attn 2.x's ``flash_attn_func``, ``flash_attn_varlen_func`` and
+  ``flash_attn_with_kvcache`` (its names, arguments and layouts) on these operators.
 * :class:`FlashAttentionFunction` is the same computation as a ``torch.autograd.Function`` on flattened
   ``(BH, N, d)`` tensors (not traceable by ``torch.compile``); :func:`refuse_second_order` is its refusal.
 
