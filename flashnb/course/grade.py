@@ -49,6 +49,8 @@ from .build import BUNDLE_FILES, bundle_hashes  # noqa: F401  (re-exported: the 
 #: teaching assistants: the grader checks them but never sends them to a child)
 GIB = 1 << 30
 MIB = 1 << 20
+#: wall seconds the child may take to compile the answer before its first test (``flashnb.course.vouch``)
+COMPILE_S = 300.0
 #: what the feedback of a submission graded with ``--no-sandbox`` says
 NO_SANDBOX = ("graded without the operating-system sandbox (--no-sandbox): this submission's code ran with the "
               "grading account's access to files, processes and the network")
@@ -480,6 +482,10 @@ class _Run:
                 self.deadline = time.monotonic() + self.tests.get(self.current, {}).get("timeout", 120.0)
             elif ev == "result":
                 self.current = None
+                self.deadline = time.monotonic() + self.limits.startup_s
+            elif ev == "compiling":       # the compiler vouches for the answer: NVVM, a minute for a large kernel
+                self.deadline = time.monotonic() + COMPILE_S
+            elif ev == "compiled":
                 self.deadline = time.monotonic() + self.limits.startup_s
             self.events.append(rec)
             self.on_event(rec)
