@@ -109,10 +109,16 @@ def _compile(items) -> list[str | None]:
     from .. import instruments as fi
     from ..instruments.shipping import _describe_function, _python_function
     from . import criteria
+    from .child import python_calls
 
     out: list[str | None] = [None] * len(items)
     todo = []
     for i, (k, sig) in enumerate(items):
+        py = python_calls(k)
+        if py:
+            out[i] = (f"it calls {', '.join(sorted(set(py))[:3])}, a Python function of your answer that is not "
+                      "@cuda.jit(device=True)")
+            continue
         try:
             _describe_function(_python_function(k))       # what cannot be sent cannot be compiled
         except Exception as exc:   # noqa: BLE001 -- a Python function the kernel calls, a value of the host
