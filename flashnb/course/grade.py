@@ -6,7 +6,8 @@ What a submission's code can do to its grade, to other grades and to the grading
 1. **The answer grammar** (:mod:`flashnb.course.grammar`, an allow-list) reads the answer cells before anything
    runs: definitions of kernels, device functions, factories, a launcher and constants in the Numba CUDA subset
    are accepted, other top-level lines are blanked (never run); a refused submission scores 0 with the lines and
-   the rule.  The older deny-list (:mod:`flashnb.course.screen`) runs behind it.
+   the rule.  The older deny-list (:mod:`flashnb.course.screen`) runs behind it.  In the child, before any test,
+   the compiler vouches for the answer's kernels and device functions (:mod:`flashnb.course.vouch`).
 2. **A child process per submission, in a sandbox** (:mod:`flashnb.course.child`, :mod:`flashnb.course.sandbox`):
    bubblewrap with an allow-listed read-only filesystem (no bundle, submissions or output), a size-limited
    private ``/tmp``, no network, its own PID namespace; the setup and tests reach it on stdin.
