@@ -90,15 +90,23 @@ def _sections(text: str) -> tuple[list[str], dict[str, list[str]]]:
         m = re.match(r"## .*\(`([\w-]+)`\)$", line)
         if m:
             current = sections.setdefault(m.group(1), [])
+        elif line == OLD_GRADER_HEADING:
+            current = sections.setdefault(OLD_GRADER_HEADING, [])
         current.append(line)
     return header, sections
 
 
+#: a section written by scripts/regrade_hostile_old.py (slow: run by hand), kept as it is by every run of this one
+OLD_GRADER_HEADING = "## Against the grader before the sandbox"
+
+
 def catalogue(names=None, previous: str | None = None) -> str:
     """The whole catalogue; with ``names``, only those assignments are graded again and the others' sections are
-    kept from ``previous`` (the catalogue as the script last wrote it), header included."""
+    kept from ``previous`` (the catalogue as the script last wrote it), header included.  The section of
+    :data:`OLD_GRADER_HEADING` is always kept from ``previous``."""
     masters = sorted((ROOT / "assignments").glob("*/master.py"))
     header, kept = (_sections(previous) if names and previous else (None, {}))
+    old_grader = _sections(previous)[1].get(OLD_GRADER_HEADING, []) if previous else []
     out = list(header) if header else _header()
     with tempfile.TemporaryDirectory() as tmp:
         for m in masters:
@@ -108,6 +116,9 @@ def catalogue(names=None, previous: str | None = None) -> str:
                     out += kept[name]
                 continue
             out += _section(m, Path(tmp))
+    while old_grader and not old_grader[-1].strip():
+        old_grader.pop()
+    out += old_grader + ([""] if old_grader else [])
     return "\n".join(out) + "\n"
 
 

@@ -62,6 +62,9 @@ from flashnb.stages.softmax import NEG_INF, ONE, ZERO  # noqa: F401  -- for your
 # flashnb-course: todo merge_state "[m, d] = [m_a, d_a] ⊕ [m_b, d_b]; two empty states give [-inf, 0]"
 
 # %% tags=["tests"]
+# What the grader compiles before any test runs (a device function no kernel calls: with these argument types)
+course.compiled("merge_state", question="q1", device=("float32",) * 4)
+
 def _merge_kernel(merge):
     """A launch that applies ``merge`` elementwise (the test's harness, not part of the answer)."""
     @cuda.jit
@@ -167,6 +170,11 @@ def _(ns):
     criteria.compiles([(mine(32), sig)])
 
 
+course.compiled("make_online_partials", question="q2", kernels=lambda ns: [(
+    criteria.variant_from(ns, "make_online_partials", softmax.make_online_partials)(32),
+    registry.KERNELS["softmax.online_partials"].signature_for(dict(TPB=32)))])
+
+
 # %% tags=["hidden-tests"]
 @course.test("q2", points=1, name="other shapes: one chunk, one element per chunk, empty last chunks",
              requires="partial states of 2 rows x 100 in 3 chunks")
@@ -241,6 +249,11 @@ def _(ns):
     mine = criteria.variant_from(ns, "make_softmax_online", softmax.make_softmax_online)
     spec = registry.KERNELS["softmax.online"]
     criteria.compiles([(mine(32, "block"), spec.signature_for(dict(TPB=32, reduce="block")))])
+
+
+course.compiled("make_softmax_online", question="q3", kernels=lambda ns: [(
+    criteria.variant_from(ns, "make_softmax_online", softmax.make_softmax_online)(32, "block"),
+    registry.KERNELS["softmax.online"].signature_for(dict(TPB=32, reduce="block")))])
 
 
 # %% tags=["hidden-tests"]

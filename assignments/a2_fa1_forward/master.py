@@ -163,6 +163,12 @@ def _(ns):
     criteria.compiles([(_mine(ns)(**config), registry.KERNELS["fa1.forward"].signature_for(config))])
 
 
+# what the grader compiles before any test runs
+course.compiled("make_forward", question="q1", kernels=lambda ns: [
+    (_mine(ns)(**c), registry.KERNELS["fa1.forward"].signature_for(c))
+    for c in [dict(Br=16, Bc=16, d=16, W=2, causal=True)]])
+
+
 # %% tags=["hidden-tests"]
 @course.test("q1", points=2, name="bottom-right causal with Nq != Nk (Nq > Nk: rows that see no key)",
              requires=PUBLIC)

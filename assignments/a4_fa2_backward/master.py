@@ -136,6 +136,10 @@ def _(ns):
     criteria.compiles([(mine(), fa2._PRE_SIG)])
 
 
+# what the grader compiles before any test runs
+course.compiled("make_preprocess", question="q1", kernels=lambda ns: [(_mine(ns, "make_preprocess")(), fa2._PRE_SIG)])
+
+
 # %% tags=["hidden-tests"]
 @course.test("q1", points=1, name="other shapes: d = 1, d = 70 (three columns per lane), one row, 3 heads",
              requires=Q1_OK)
@@ -261,6 +265,11 @@ def _(ns):
     mine = _mine(ns, "make_backward")
     config = dict(Br=16, Bc=16, d=32, warps=2, causal=True)
     criteria.compiles([(mine(**config), registry.KERNELS["fa2.backward"].signature_for(config))])
+
+
+course.compiled("make_backward", question="q2", kernels=lambda ns: [
+    (_mine(ns, "make_backward")(**c), registry.KERNELS["fa2.backward"].signature_for(c))
+    for c in [dict(Br=16, Bc=16, d=32, warps=2, causal=True)]])
 
 
 # %% tags=["hidden-tests"]

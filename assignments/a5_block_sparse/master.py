@@ -174,6 +174,12 @@ def _(ns):
     criteria.compiles([(_mine(ns)(**cfg), sig)])
 
 
+# what the grader compiles before any test runs
+course.compiled("make_forward", question="q1", kernels=lambda ns: [
+    (_mine(ns)(**c), registry.KERNELS["fa2.forward"].signature_for(c))
+    for c in [dict(Br=64, Bc=32, d=64, warps=4, causal=True, sparse=True)]])
+
+
 # %% tags=["hidden-tests"]
 @course.test("q1", points=2, name="Nq != Nk, a block row with no allowed tile (o = 0, lse = -inf), two heads "
                                   "with their own masks", requires=_Q1_OK)

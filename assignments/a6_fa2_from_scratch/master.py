@@ -304,6 +304,10 @@ def _(ns):
     criteria.compiles([(_defined(ns, "make_forward")(64, 64, 64, True), SIG)])
 
 
+# what the grader compiles before any test runs (launch_forward is host code: the grammar's, never compiled)
+course.compiled("make_forward", question="q1", kernels=lambda ns: [(_defined(ns, "make_forward")(64, 64, 64, True), SIG)])
+
+
 # %% tags=["hidden-tests"]
 @course.test("q1", points=2, name="bottom-right causal with Nq > Nk: rows and whole query blocks that see no key "
              "(O = 0, L = -inf)", requires=PUBLIC)

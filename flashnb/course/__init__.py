@@ -32,7 +32,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["test", "manual", "check", "Fail", "Test", "TESTS", "MANUAL", "reset", "run_tests", "Result"]
+__all__ = ["test", "manual", "check", "Fail", "Test", "TESTS", "MANUAL", "reset", "run_tests", "Result", "compiled",
+           "Compiled", "COMPILED"]
 
 
 class Fail(AssertionError):
@@ -86,6 +87,31 @@ def reset() -> None:
     """Forget every registered test (the grader does this before loading an assignment's tests)."""
     TESTS.clear()
     MANUAL.clear()
+    COMPILED.clear()
+
+
+@dataclass
+class Compiled:
+    """An answer name the grader compiles before any test runs (:mod:`flashnb.course.vouch`).  ``kernels(ns)``:
+    the ``(kernel, signature)`` pairs the tests launch it as (a factory called with the assignment's configs);
+    ``device``: for a device function, the argument types it is compiled with where no kernel calls it."""
+
+    name: str
+    question: str
+    kernels: Callable | None = None
+    device: tuple | None = None
+
+
+COMPILED: dict[str, Compiled] = {}
+
+
+def compiled(name: str, *, question: str, kernels: Callable | None = None, device=None) -> None:
+    """Declare the answer ``name`` of ``question`` as device code: before any test runs, the grader compiles it
+    with numba's CUDA compiler, and what does not compile scores 0 on every test of ``question``.
+    ``kernels(ns)`` returns the ``(kernel, signature)`` pairs to compile (a kernel factory called with the configs
+    the tests use); ``device`` (argument type names, e.g. ``("float32", "float32")``) compiles a device function
+    that none of those kernels calls."""
+    COMPILED[name] = Compiled(name, question, kernels, tuple(device) if device is not None else None)
 
 
 def test(question: str, *, points: float, name: str, hidden: bool | None = None, timeout: float = 120.0,

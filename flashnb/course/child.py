@@ -12,7 +12,9 @@ per-run secret.  The child reads it whole before any submitted code runs, then:
    launch, then takes the **integrity snapshot**: every name of every module in ``sys.modules``, every
    attribute of the classes they define, and the items of flashnb's module-level lists and dicts;
 3. runs the answer cells (a ``BaseException`` such as ``SystemExit`` is reported, not obeyed);
-4. compares the snapshot; then runs each test, comparing again after each one.
+4. compares the snapshot; has the compiler vouch for the answer's kernels and device functions
+   (:mod:`flashnb.course.vouch`: what does not compile scores 0 on its question's tests, which then do not run);
+   then runs each test, comparing again after each one.
 
 A change -- ``numpy.abs`` replaced, ``course.Result`` rebound, a hook appended to ``flashnb.common.launch_hooks``
 -- is reported as ``tampered`` with what changed, and the parent scores the whole submission 0.  Each record is
@@ -273,6 +275,7 @@ def main() -> None:
 
     run_one, Result, replace = course.run_one, course.Result, dataclasses.replace
     tests = [replace(t) for t in course.TESTS.values()]          # this function's copies: what is run
+    declared = {k: replace(c) for k, c in course.COMPILED.items()}    # what the compiler must vouch for
     linecache.cache["<grader warm-up>"] = (len(_WARM), None, _WARM.splitlines(keepends=True), "<grader warm-up>")
     exec(compile(_WARM, "<grader warm-up>", "exec"), {"__name__": "flashnb_course_warm_up"})
     from flashnb import common
@@ -296,13 +299,32 @@ def main() -> None:
         emit(event="tampered", changes=bad)
         exit_now(0)
 
+    # the compiler vouches for the answer before any test runs: what does not compile scores 0 on its question
+    failed: dict = {}
+    if declared and any(t.id not in payload["skip"] for t in tests):
+        from flashnb.course.vouch import vouch
+
+        emit(event="compiling")
+        try:
+            failed = vouch(ns, declared)
+        except Exception as exc:   # noqa: BLE001 -- the tests' own checks report what this could not build
+            problems.append(f"the compile check could not run: {type(exc).__name__}: {str(exc)[:300]}")
+        emit(event="compiled", failed=failed)
+        bad = changes(snap)
+        if bad:
+            emit(event="tampered", changes=bad)
+            exit_now(0)
+
     done = {k: Result(**v) for k, v in payload["done"].items()}
     for t in tests:
         if t.id in payload["skip"]:
             continue
         emit(event="start", id=t.id)
         try:
-            r = run_one(t, ns, done)
+            if t.question in failed:
+                r = Result(t.id, t.question, t.points, 0.0, failed[t.question], t.hidden, 0.0, "fail")
+            else:
+                r = run_one(t, ns, done)
         except BaseException as exc:   # noqa: BLE001 -- KeyboardInterrupt, SystemExit, GeneratorExit from a test
             r = Result(t.id, t.question, t.points, 0.0, f"{type(exc).__name__}: {str(exc)[:500]}", t.hidden, 0.0,
                        "error")

@@ -239,11 +239,9 @@ def compiles(kernels, ccs=((8, 0), (9, 0))) -> None:
 
     from .. import instruments as fi
 
-    cache = os.environ.get("FLASHNB_COURSE_CACHE")
     todo = []
     for k, sig in kernels:
-        key = _compile_key(k, sig, ccs) if cache else None
-        path = os.path.join(cache, key + ".json") if key else None
+        path = _verdict_path(k, sig, ccs)
         if path and os.path.exists(path):
             _gpu_verdict(json.loads(open(path).read()))
             continue
@@ -252,12 +250,34 @@ def compiles(kernels, ccs=((8, 0), (9, 0))) -> None:
     results = fi.resources_of(jobs, keep_ptx=False) if jobs else []
     for n, (k, sig, path) in enumerate(todo):
         bad = [p for res in results[n * len(ccs):(n + 1) * len(ccs)] for p in fi.problems(res)]
-        if path:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path + ".tmp", "w") as f:
-                json.dump(bad, f)
-            os.replace(path + ".tmp", path)
+        _write_verdict(path, bad)
         _gpu_verdict(bad)
+
+
+def _verdict_path(kernel, sig, ccs) -> str | None:
+    """Where the batch's verdict cache keeps ``kernel``'s verdict (None: no cache, or no key)."""
+    import os
+
+    cache = os.environ.get("FLASHNB_COURSE_CACHE")
+    key = _compile_key(kernel, sig, ccs) if cache else None
+    return os.path.join(cache, key + ".json") if key else None
+
+
+def _write_verdict(path, bad: list) -> None:
+    import json
+    import os
+
+    if path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(bad, f)
+        os.replace(path + ".tmp", path)
+
+
+def store_verdict(kernel, sig, ccs, bad: list) -> None:
+    """Keep the guard's findings ``bad`` of a kernel compiled elsewhere (:mod:`flashnb.course.vouch`) in the
+    batch's verdict cache, where :func:`compiles` finds them."""
+    _write_verdict(_verdict_path(kernel, sig, tuple(tuple(c) for c in ccs)), bad)
 
 
 def _gpu_verdict(bad: list) -> None:

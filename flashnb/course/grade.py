@@ -6,7 +6,8 @@ What a submission's code can do to its grade, to other grades and to the grading
 1. **The answer grammar** (:mod:`flashnb.course.grammar`, an allow-list) reads the answer cells before anything
    runs: definitions of kernels, device functions, factories, a launcher and constants in the Numba CUDA subset
    are accepted, other top-level lines are blanked (never run); a refused submission scores 0 with the lines and
-   the rule.  The older deny-list (:mod:`flashnb.course.screen`) runs behind it.
+   the rule.  The older deny-list (:mod:`flashnb.course.screen`) runs behind it.  In the child, before any test,
+   the compiler vouches for the answer's kernels and device functions (:mod:`flashnb.course.vouch`).
 2. **A child process per submission, in a sandbox** (:mod:`flashnb.course.child`, :mod:`flashnb.course.sandbox`):
    bubblewrap with an allow-listed read-only filesystem (no bundle, submissions or output), a size-limited
    private ``/tmp``, no network, its own PID namespace; the setup and tests reach it on stdin.
@@ -49,6 +50,8 @@ from .build import BUNDLE_FILES, bundle_hashes  # noqa: F401  (re-exported: the 
 #: teaching assistants: the grader checks them but never sends them to a child)
 GIB = 1 << 30
 MIB = 1 << 20
+#: wall seconds the child may take to compile the answer before its first test (``flashnb.course.vouch``)
+COMPILE_S = 300.0
 #: what the feedback of a submission graded with ``--no-sandbox`` says
 NO_SANDBOX = ("graded without the operating-system sandbox (--no-sandbox): this submission's code ran with the "
               "grading account's access to files, processes and the network")
@@ -480,6 +483,10 @@ class _Run:
                 self.deadline = time.monotonic() + self.tests.get(self.current, {}).get("timeout", 120.0)
             elif ev == "result":
                 self.current = None
+                self.deadline = time.monotonic() + self.limits.startup_s
+            elif ev == "compiling":       # the compiler vouches for the answer: NVVM, a minute for a large kernel
+                self.deadline = time.monotonic() + COMPILE_S
+            elif ev == "compiled":
                 self.deadline = time.monotonic() + self.limits.startup_s
             self.events.append(rec)
             self.on_event(rec)

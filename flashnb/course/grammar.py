@@ -34,9 +34,10 @@ the traffic counter sees.  Free names resolve to what the answer binds, or to fl
 each classified by what it *is* (a constant, a device function, an allowed host helper, ``math``/NumPy/``cuda``);
 a name that is anything else (a module, the grader, a function not listed) is refused.
 
-What passes is then compiled by numba where the tests compile it (``criteria.compiles``: ``compile_ptx`` and
-ptxas for sm_80 and sm_90).  :func:`check` returns the findings (cell, line, construct, rule): a submission with
-any scores 0 with them as feedback.
+What passes is then compiled by numba before any test runs (:mod:`flashnb.course.vouch`: ``compile_ptx`` for
+sm_80 and sm_90; what does not compile scores 0 on its question), and the tests' own compile check
+(``criteria.compiles``) adds the PTX guard's verdict.  :func:`check` returns the findings (cell, line,
+construct, rule): a submission with any scores 0 with them as feedback.
 """
 
 from __future__ import annotations

@@ -795,3 +795,60 @@ def test_a_kernel_that_reads_an_array_it_was_not_given_fails(tmp_path):
     py = graded["a_captures"]["results"][1]                                # a plain Python "device function"
     assert py["earned"] == 0 and "the kernel calls twice, a Python function of your answer" in py["message"], py
     assert [r["earned"] for r in graded["b_argument"]["results"]] == [1, 1], graded["b_argument"]["results"]
+
+
+#: CAPTURE with its answers declared as device code: the grader compiles them before any test runs
+VOUCHED = CAPTURE.replace('''# %% tags=["tests"]
+@course.test("q1"''', '''# %% tags=["tests"]
+course.compiled("make_double", question="q1", kernels=lambda ns: [(ns["make_double"](),
+                                                                     "void(float32[::1], float32[::1])")])
+course.compiled("twice", question="q2", device=("float32",))
+
+
+@course.test("q1"''')
+
+
+def test_what_the_compiler_refuses_scores_zero_before_any_launch(tmp_path):
+    """A device function the grammar accepts but NVVM rejects (``int`` of a string: plain Python, which the simulator
+    would run) scores 0 on every test of its question before anything launches, with one line naming the function
+    and the compiler's first error line; called by the kernel, it takes the kernel's question with it.  A helper
+    device function at the top of the cell, called by the kernel, is compiled with it and scores."""
+    rel = _tiny(tmp_path, VOUCHED, "vouched")
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    head = "from flashnb.common import launch\nfrom numba import cuda\n\n\n"
+    helper = "@cuda.jit(device=True)\ndef helper(x):\n    y = %s\n    return 2 * x\n\n\n"
+    kernel = ("def make_double():\n    @cuda.jit\n    def double(X, Y):\n        i = cuda.grid(1)\n"
+              "        if i < Y.shape[0]:\n            Y[i] = helper(X[i])\n    return double\n\n\n"
+              "def run(X, Y):\n    launch(make_double(), 1, 32, X, Y, label='double')\n\n\n")
+    twice = "@cuda.jit(device=True)\ndef twice(x):\n    y = %s\n    return x + x\n"
+    _sub(subs / "a_twice.ipynb", head + helper % "x" + kernel + twice % 'int("3")')
+    _sub(subs / "b_helper.ipynb", head + helper % 'int("3")' + kernel + twice % "x")
+    graded = {g["student"]: g for g in grade.grade(rel / "autograder", subs, tmp_path / "scores.csv",
+                                                   progress=lambda *_: None)}
+    a, b = graded["a_twice"]["results"], graded["b_helper"]["results"]
+    assert [r["earned"] for r in a] == [1, 0] and [r["earned"] for r in b] == [0, 1], (a, b)
+    for r, name in ((a[1], "twice"), (b[0], "make_double (its kernel double)")):
+        msg = r["message"]
+        assert msg.startswith(f"{name} does not compile for a GPU (numba's CUDA compiler): TypingError: ") and \
+            "int" in msg and "\n" not in msg and "/" not in msg and r["seconds"] == 0, r
+
+
+def test_an_answer_device_function_no_kernel_calls_needs_declared_types():
+    """Nothing is compiled for it: the assignment must say what to compile it with."""
+    import linecache
+
+    from flashnb import course
+    from flashnb.course import vouch
+
+    src = "@cuda.jit(device=True)\ndef half(x):\n    return x / 2\n"
+    linecache.cache["<answer cell 1>"] = (len(src), None, src.splitlines(True), "<answer cell 1>")
+    ns = {"__name__": "__main__"}
+    exec("from numba import cuda", ns)
+    exec(compile(src, "<answer cell 1>", "exec"), ns)
+    got = vouch.vouch(ns, {"half": course.Compiled("half", "q3")})
+    assert got == {"q3": "half: a device function no kernel of your answer calls, and the assignment gives no "
+                         "types to compile it with"}
+    assert vouch.first_error_line("TypingError: Failed in cuda mode pipeline (step: nopython frontend)\n"
+                                  "\x1b[1mUnknown attribute 'x' at /home/grader/venv/lib/numba/typing.py\x1b[0m") == \
+        "TypingError: Unknown attribute 'x' at typing.py"
