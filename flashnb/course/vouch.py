@@ -103,18 +103,17 @@ def _wrapper(name: str, fn, types: tuple):
     return cuda.jit(ns[f"_compile_{name}"]), "void(" + ", ".join(types) + ")"
 
 
-def _compile(items) -> list[str | None]:
+def _compile(items, python_calls=None) -> list[str | None]:
     """Compile ``[(kernel, signature)]`` for :data:`CCS` in child processes; per item None (it compiles) or the
     compiler's first error line.  The guard's verdicts of what compiles go into the batch's verdict cache."""
     from .. import instruments as fi
     from ..instruments.shipping import _describe_function, _python_function
     from . import criteria
-    from .child import python_calls
 
     out: list[str | None] = [None] * len(items)
     todo = []
     for i, (k, sig) in enumerate(items):
-        py = python_calls(k)
+        py = python_calls(k) if python_calls is not None else []
         if py:
             out[i] = (f"it calls {', '.join(sorted(set(py))[:3])}, a Python function of your answer that is not "
                       "@cuda.jit(device=True)")
@@ -151,9 +150,11 @@ def _compile(items) -> list[str | None]:
     return out
 
 
-def vouch(ns: dict, declared: dict) -> dict[str, str]:
+def vouch(ns: dict, declared: dict, python_calls=None) -> dict[str, str]:
     """Compile the answer in ``ns`` as the assignment ``declared`` it (``{name: course.Compiled}``); returns
-    ``{question: message}`` for each question whose code does not compile."""
+    ``{question: message}`` for each question whose code does not compile.  ``python_calls(kernel)``: the Python
+    functions of the answer a kernel calls (:func:`flashnb.course.child.python_calls`), each a reason it cannot
+    compile for a GPU."""
     failed: dict[str, str] = {}
     items, owners = [], []           # (kernel, signature), (question, what)
     seen: set = set()
@@ -183,7 +184,7 @@ def vouch(ns: dict, declared: dict) -> dict[str, str]:
             failed.setdefault(c.question, f"{name} does not compile: {first_error_line(str(exc))}")
             continue
         owners.append((c.question, name))
-    for (question, what), err in zip(owners, _compile(items)):
+    for (question, what), err in zip(owners, _compile(items, python_calls)):
         if err is not None:
             failed.setdefault(question, f"{what} does not compile for a GPU (numba's CUDA compiler): {err}")
     return failed
