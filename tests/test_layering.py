@@ -251,3 +251,12 @@ def test_the_scan_sees_function_level_imports_and_packages(tmp_path):
     assert "flashnb" not in edges["flashnb.stages.fa2"]                      # its own package: left out
     assert part_of("flashnb.kernels.decode") == "kernels.decode" and part_of("flashnb.kernels.flash") == "kernels"
     assert part_of("flashnb.instruments.measure.decode") == "studies"
+
+
+def test_scan_sees_function_level_and_relative_imports():
+    edges = import_edges()
+    assert "flashnb.regions" in edges["flashnb.registry"]   # inside variant()
+    assert "flashnb.stages.fa2" in edges["flashnb.stages.block_sparse"]   # from . import fa2, from .fa2 import ...
+    assert "flashnb.runtime" in edges["flashnb.sim"]              # from .. import runtime
+    assert "flashnb.sim.fastbarrier" in edges["flashnb.sim.warp"]  # from .fastbarrier import ...
+    assert "flashnb" not in edges["flashnb.instruments.bench"]     # its own package: implied, left out

@@ -164,89 +164,16 @@ def test_a_one_sided_change_is_caught(edit):
 
 
 # --------------------------------------------------------------------------- import graph
+# (the scan of every import, the layers and the cycle test: tests/test_layering.py)
 
 PACKAGE = ROOT / "flashnb"
 
 
-def _modules() -> dict[str, Path]:
-    """Every module of the package: dotted name -> file (a package is its ``__init__.py``)."""
-    out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return out
-
-
 def import_graph() -> dict[str, set[str]]:
-    """module -> the flashnb modules it imports, from every ``import`` / ``from ... import`` statement
-    anywhere in its source (function-level ones too, since a cycle through a lazy import is still a
-    cycle).  ``from a import b`` counts as importing ``a.b`` when that is a module.  An import of a
-    package the module lies in (``import flashnb`` in ``flashnb.instruments.bench``) is left out: Python initialises
-    a module's parent packages before the module in any case, so that edge is not a design choice."""
-    modules = _modules()
-    graph = {}
-    for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        targets = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                    base = ".".join(anchor + ([node.module] if node.module else []))
-                for alias in node.names:
-                    sub = f"{base}.{alias.name}"
-                    targets.add(sub if sub in modules else base)
-        graph[name] = {t for t in targets if t in modules and t != name and not name.startswith(t + ".")}
-    return graph
+    """module -> the flashnb modules it imports (every import statement, function-level ones too)."""
+    from test_layering import import_edges
 
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import cycle ``[a, b, ..., a]`` of ``graph``, or None when it is acyclic (depth-first search)."""
-    state: dict[str, int] = {}   # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def visit(node):
-        state[node] = 1
-        path.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
-            if nxt not in state:
-                found = visit(nxt)
-                if found:
-                    return found
-        path.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state:
-            found = visit(node)
-            if found:
-                return found
-    return None
-
-
-def test_scan_sees_function_level_and_relative_imports():
-    graph = import_graph()
-    assert "flashnb.regions" in graph["flashnb.registry"]   # inside variant()
-    assert "flashnb.stages.fa2" in graph["flashnb.stages.block_sparse"]   # from . import fa2, from .fa2 import ...
-    assert "flashnb.runtime" in graph["flashnb.sim"]              # from .. import runtime
-    assert "flashnb.sim.fastbarrier" in graph["flashnb.sim.warp"]  # from .fastbarrier import ...
-    assert "flashnb" not in graph["flashnb.instruments.bench"]                # its own package: implied, left out
-
-
-def test_find_cycle_reports_the_cycle():
-    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
-    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
-
-
-def test_no_import_cycles_in_the_package():
-    cycle = find_cycle(import_graph())
-    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+    return {m: set(targets) for m, targets in import_edges().items()}
 
 
 def test_markers_come_from_the_folder_and_the_stage_docstring(tmp_path):

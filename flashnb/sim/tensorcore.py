@@ -1,7 +1,7 @@
 """Simulator twins of the tensor-core instructions: ``mma.sync``, ``ldmatrix``, ``cp.async`` and the conversions.
 
-On a GPU these are single PTX instructions (:mod:`flashnb.kernels.mma` emits them as inline assembly).  Here each
-one has a *twin* with the same name and arguments, written in two layers:
+On a GPU these are single PTX instructions (:mod:`flashnb.kernels.tensorcore.mma` emits them as inline assembly).
+Here each one has a *twin* with the same name and arguments, written in two layers:
 
 * a **NumPy core** that takes the 32 lanes' registers as arrays and returns theirs -- shape ``(..., 32, regs)``,
   so one call can serve one warp or every warp of a launch at once.  The core rebuilds the matrices from the
