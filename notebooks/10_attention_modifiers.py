@@ -52,7 +52,7 @@ rng = np.random.default_rng(10)
 # %% [markdown]
 # ## The change to the kernels: one call per element, compiled only when asked for
 #
-# Modifiers are a feature of the product kernel (`flashnb.kernels.flash`, `impl="flash"`, the default), not of
+# Modifiers are a feature of the product kernel (`flashnb.kernels.simt` with `flashnb.kernels.policies`, `impl="flash"`, the default), not of
 # the lessons: stage 4's kernels of notebooks 05-07 stay dense and causal. The product kernel's factories take
 # `score_mod=None, mask_mod=None` (and `H`, the number of query heads, so that `b = z // H`, `h = z % H` from
 # `z = blockIdx.y`) and hand them to a small *policy*, `policies.modifiers`, which returns three device

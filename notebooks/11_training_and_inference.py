@@ -57,7 +57,7 @@ T_NOTEBOOK = time.perf_counter()
 # FlashAttention itself takes float16 or bfloat16 inputs (2 bytes) and does its arithmetic in float32: the
 # matmuls accumulate in float32, and $m_i$, $\ell_i$, $L$, $D$ and the $dQ$ accumulator are float32.
 #
-# flashnb's product kernel (`flashnb.kernels.flash`, `impl="flash"`) does the same with one compile-time option of
+# flashnb's product kernel (`flashnb.kernels.simt`, `impl="flash"`) does the same with one compile-time option of
 # its factories, `storage`, a small policy (`policies.storage`) that its loop calls:
 #
 # * the kernel **signature** types $Q, K, V, O$ (and $dO, dK, dV$) as `float16[:, :, ::1]` (bfloat16: `uint16`

@@ -1,6 +1,6 @@
 """The product kernel against stage 6, measured without a GPU: ``python scripts/product_parity.py``.
 
-For ``impl="flash"`` (:mod:`flashnb.kernels.flash`) with every policy off, and with each feature on, forward and
+For ``impl="flash"`` (:mod:`flashnb.kernels.simt`) with every policy off, and with each feature on, forward and
 backward: the hot loop's FFMA share and the shape of the matmul loops in the SASS (:mod:`flashnb.instruments.sass`,
 sm_90) beside stage 6's (:mod:`flashnb.stages.fa2_fast`), local memory and spills (ptxas), and -- on full tiles, on the
 simulator's memory profiler (:func:`flashnb.sim.profile`) -- shared-memory bank conflicts and global sectors per
