@@ -216,10 +216,24 @@ assert 3 * 128 * 128 * 16 == ladder["(b)"].summary()[0]["shared_reads"]   # 2 re
 # (`group_max`, printed after the kernel; `group_sum` is the same with a sum) and $\tilde P V$ fetches each
 # $\tilde P_{ij}$ from its owner lane with `shfl_sync`. The tiles are loaded by `common.load_rows_T` (transposed)
 # and `common.load_rows`: consecutive threads read consecutive addresses, and rows past $N$ are zero.
+#
+# Lines 8-10 for one K/V tile are the device function `fa2_tile`, what a lane does on its micro-tile (with the
+# file's line numbers; `show_source(fa2.make_forward)` prints the whole factory):
 
 # %%
-show_source(fa2.make_forward)
+show_source(fa2.make_forward, region="fa2_tile")
 show_source(fa2.group_max)
+
+# %% [markdown]
+# Around it, the kernel: $Q_i$ loaded once (line 4), then line 6's loop -- how many K/V tiles the block visits
+# (causal: none entirely above the diagonal), the barrier before $K_j, V_j$ are overwritten, the loads (line 7),
+# `fa2_tile` -- and lines 12-14, where each row's $\ell_i$ is summed across its row group once, at the end:
+
+# %%
+show_source(fa2.make_forward, region="tile-count")
+show_source(fa2.make_forward, region="kv-barrier")
+show_source(fa2.make_forward, region="kv-load")
+show_source(fa2.make_forward, region="epilogue")
 
 # %% [markdown]
 # Checked and counted like steps (a) and (b). Each lane now holds a $T_M \times T_N$ tile of $S$ and reads

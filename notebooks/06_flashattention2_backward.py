@@ -185,9 +185,14 @@ assert bwd_ladder["(a)"]["atomics"]["dQ"] == 64 * bwd_ladder["(b)"]["atomics"]["
 # memory once per tile, as in step (b), and every thread forms some elements of $dS\,K_j$ and adds them into HBM.
 # What is new is how a lane computes: a $T_M \times T_N$ micro-tile each of $S^\top$ and $dP^\top$, each from
 # $T_M + T_N$ shared reads per $k$, and $P$, $dS$ passed to the lanes that need them by `shfl_sync`, not through memory.
+#
+# A lane's work on one Q tile is the device function `fa2_bwd_tile` (lines 10-16, with the file's line numbers;
+# `show_source(fa2.make_backward)` prints the whole factory), and line 15's atomic add of $dQ_i$ is the region
+# `dq-update` of the kernel's loop:
 
 # %%
-show_source(fa2.make_backward)
+show_source(fa2.make_backward, region="fa2_bwd_tile")
+show_source(fa2.make_backward, region="dq-update")
 check_bwd_step("(c)", "fa2", fa2.model_backward, Br=16, Bc=64, warps=2)
 
 # %% [markdown]
