@@ -88,9 +88,6 @@ KNOWN_BREAKS: set[tuple[str, str]] = {
     ("flashnb.sim.tensorcore", "flashnb.instruments.traffic"),
     ("flashnb.sim.vector.launch", "flashnb.instruments"),
     ("flashnb.sim.vector.launch", "flashnb.instruments.traffic"),
-    # inside a function the threads simulator's typing prints the fallback note of sim.vector.fallback, which
-    # initialises sim.vector (its launcher imports the adapter, which imports this typing): the note belongs below
-    ("flashnb.sim.threads_typing", "flashnb.sim.vector"),
 }
 
 

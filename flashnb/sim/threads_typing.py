@@ -203,7 +203,7 @@ def typed(fn):
 def _typed(fn):
     inner = _build(fn)
     if inner is None:
-        from .vector.fallback import say
+        from .fallback import say
 
         say((fn.__qualname__, "numpy rules"), f"flashnb.sim: {fn.__qualname__} computes by NumPy's scalar rules on "
             "the threads simulator, not numba's (its source could not be read or rewritten)")

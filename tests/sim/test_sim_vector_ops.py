@@ -14,8 +14,8 @@ from numba import cuda, float32, uint32
 
 from flashnb import sim
 from flashnb.sim import arith, vector
+from flashnb.sim.fallback import KernelFault, Unsupported
 from flashnb.sim.vector import values
-from flashnb.sim.vector.fallback import KernelFault, Unsupported
 from flashnb.sim.vector.values import BINOPS, V
 
 F32 = np.float32

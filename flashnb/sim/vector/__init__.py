@@ -9,7 +9,8 @@ computes, bit for bit (the same float32 arithmetic, numba's scalar typing -- :mo
 Python's exceptions), and counts what
 its traffic counter counts; the sanitizer's four tools and the memory profiler work on it with the same
 findings.  See :mod:`.translate` (what is translated), :mod:`.values` (the scalar semantics), :mod:`.arrays`,
-:mod:`.warp`, :mod:`.tensorcore` (``mma.sync``, ``ldmatrix``, ``cp.async``), :mod:`.tools` and :mod:`.fallback`.
+:mod:`.warp`, :mod:`.tensorcore` (``mma.sync``, ``ldmatrix``, ``cp.async``), :mod:`.tools`, and
+:mod:`flashnb.sim.fallback`.
 
 Choosing the simulator: ``FLASHNB_SIM=vector`` (the default) or ``FLASHNB_SIM=threads`` (the Numba simulator's
 threads: to step through one thread in a debugger, or to print in thread order), before flashnb is imported, or
@@ -21,13 +22,13 @@ at any time::
 
 A kernel the vectorised simulator cannot run (a construct it does not translate, no source, a warp operation
 only some of the lanes reach, ...) runs on the threads simulator, after a one-line note per kernel and reason
-on stderr (:func:`~.fallback.notes` lists them; ``FLASHNB_SIM_QUIET=1`` keeps them off stderr).  A kernel
+on stderr (:func:`flashnb.sim.fallback.notes` lists them; ``FLASHNB_SIM_QUIET=1`` keeps them off stderr).  A kernel
 *error* is never retried: it is raised as the threads simulator raises it.
 """
 
 from __future__ import annotations
 
-from .fallback import KernelFault, Unsupported, notes
+from ..fallback import KernelFault, Unsupported, notes
 
 __all__ = ["Unsupported", "KernelFault", "notes", "explain", "counts"]
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..fallback import KernelFault, Unsupported
 from . import tools
-from .fallback import KernelFault, Unsupported
 from .tools import lane_values as _lane_vals
 from .tools import pre_at as _pre_at
 from .values import (

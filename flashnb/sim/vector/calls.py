@@ -16,9 +16,9 @@ import builtins
 import numpy as np
 
 from .. import arith as _arith
+from ..fallback import KernelFault, Unsupported
 from . import arrays, tools
 from .arrays import Arr, Local
-from .fallback import KernelFault, Unsupported
 from .values import (
     Mixed,
     U,

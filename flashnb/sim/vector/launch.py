@@ -22,9 +22,9 @@ import functools
 
 import numpy as np
 
+from ..fallback import KernelFault, Undo, Unsupported, note
 from . import profile, race, tools, translate, values
 from .arrays import Arr, set_fake_shape
-from .fallback import KernelFault, Undo, Unsupported, note
 from .warp import Geometry, VectorCuda, apply_deferred
 
 __all__ = ["run", "CHUNK_LANES", "FELL_BACK"]

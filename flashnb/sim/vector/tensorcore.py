@@ -32,9 +32,9 @@ from __future__ import annotations
 import numpy as np
 
 from .. import tensorcore as tc
+from ..fallback import KernelFault, Unsupported
 from . import arrays, tools
 from .arrays import Arr
-from .fallback import KernelFault, Unsupported
 from .values import _FPE, Mixed, Partial, V, _replay_fp, first_lane, lanes_in_order, make, now, scalar_at, scalarise
 
 __all__ = ["twin_of", "TWINS"]

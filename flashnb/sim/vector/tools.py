@@ -22,7 +22,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from .fallback import KernelFault, Undo, Unsupported
+from ..fallback import KernelFault, Undo, Unsupported
 
 __all__ = ["LaunchTools", "cur", "where", "register_site"]
 

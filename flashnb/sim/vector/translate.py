@@ -31,8 +31,8 @@ import inspect
 import textwrap
 import types
 
+from ..fallback import Unsupported
 from . import calls, tools, values
-from .fallback import Unsupported
 
 __all__ = ["translate", "instance", "reset_instances", "HELPERS"]
 

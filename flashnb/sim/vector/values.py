@@ -32,7 +32,7 @@ import warnings
 import numpy as np
 
 from .. import arith
-from .fallback import KernelFault, Unsupported
+from ..fallback import KernelFault, Unsupported
 
 arith.CALLER_SKIP.add(__file__)
 

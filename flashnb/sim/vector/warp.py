@@ -25,9 +25,9 @@ import math
 
 import numpy as np
 
+from ..fallback import KernelFault, Unsupported
 from . import tools
 from .arrays import Arr, Local, resolve
-from .fallback import KernelFault, Unsupported
 from .values import (
     _FLOAT_KINDS,
     BINOPS,
