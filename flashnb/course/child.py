@@ -298,10 +298,14 @@ def main() -> None:
         except BaseException as exc:   # noqa: BLE001 -- SystemExit too: reported with every test that then fails
             problems.append(f"answer cell {i} raised {type(exc).__name__}: {str(exc)[:500]}")
     emit(event="answers", problems=problems)
-    bad = changes(snap)
-    if bad:
-        emit(event="tampered", changes=bad)
-        exit_now(0)
+
+    def stop_if_tampered():
+        bad = changes(snap)
+        if bad:
+            emit(event="tampered", changes=bad)
+            exit_now(0)
+
+    stop_if_tampered()
 
     # the compiler vouches for the answer before any test runs: what does not compile scores 0 on its question
     failed: dict = {}
@@ -314,10 +318,7 @@ def main() -> None:
         except Exception as exc:   # noqa: BLE001 -- the tests' own checks report what this could not build
             problems.append(f"the compile check could not run: {type(exc).__name__}: {str(exc)[:300]}")
         emit(event="compiled", failed=failed)
-        bad = changes(snap)
-        if bad:
-            emit(event="tampered", changes=bad)
-            exit_now(0)
+        stop_if_tampered()
 
     done = {k: Result(**v) for k, v in payload["done"].items()}
     for t in tests:
