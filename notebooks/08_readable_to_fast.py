@@ -301,10 +301,14 @@ for p, s in zip((False, True), stream_sass):
 #
 # With a causal mask, Q block $i$ visits about $i + 1$ K/V tiles: the blocks are unequal. A GPU hands blocks to
 # SMs in launch order. Stage 4 launches the lightest first, so the heaviest start last and the launch ends with
-# a few SMs busy and the rest idle. Stage 6 runs block `blockIdx.x` as Q block $T_r - 1 -$ `blockIdx.x`:
+# a few SMs busy and the rest idle. Stage 6 runs block `blockIdx.x` as Q block $T_r - 1 -$ `blockIdx.x`, through
+# the small policy every causal loop of the product kernels calls too (`flashnb.kernels.policies.tiles`):
 
 # %%
-show_source(fa2_fast.make_forward, grep="heavy first")
+from flashnb.kernels.policies import tiles as tile_ranges  # noqa: E402
+
+show_source(fa2_fast.make_forward, grep="heavy_first(")
+show_source(tile_ranges.heavy_first)
 
 # %% [markdown]
 # The model schedules the same blocks in both orders (same per-tile counts, only the order changes):
