@@ -74,20 +74,6 @@ ALLOWED: dict[str, set[str]] = {
 #: planned layout; each goes when its module moves.  A known break that is gone fails the test below, so the entry
 #: is removed with it.
 KNOWN_BREAKS: set[tuple[str, str]] = {
-    # the simulator's tools hook the traffic counter's launch patch (observer_factory, FELL_BACK, _Counted), which
-    # imports the simulator back: the counter's core belongs in sim
-    ("flashnb.sim", "flashnb.instruments"),
-    ("flashnb.sim", "flashnb.instruments.traffic"),
-    ("flashnb.sim.memprofile", "flashnb.instruments"),
-    ("flashnb.sim.memprofile", "flashnb.instruments.traffic"),
-    ("flashnb.sim.racecheck", "flashnb.instruments"),
-    ("flashnb.sim.racecheck", "flashnb.instruments.traffic"),
-    ("flashnb.sim.sanitizer", "flashnb.instruments"),
-    ("flashnb.sim.sanitizer", "flashnb.instruments.traffic"),
-    ("flashnb.sim.tensorcore", "flashnb.instruments"),
-    ("flashnb.sim.tensorcore", "flashnb.instruments.traffic"),
-    ("flashnb.sim.vector.launch", "flashnb.instruments"),
-    ("flashnb.sim.vector.launch", "flashnb.instruments.traffic"),
 }
 
 

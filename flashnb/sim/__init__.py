@@ -154,8 +154,7 @@ def install() -> bool:
                 stacklevel=2,
             )
         return False
-    from ..instruments import traffic
-    from . import warp
+    from . import traffic, warp
     from .fastbarrier import FastBlockManager
 
     _state["stock_block_manager"] = kernel.BlockManager
@@ -197,7 +196,7 @@ _mode = {"sim": runtime.SIM}
 
 
 def _apply_mode() -> None:
-    from ..instruments import traffic
+    from . import traffic
 
     if _state["installed"] and _mode["sim"] == "vector":
         from .vector.launch import run

@@ -53,8 +53,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..instruments import traffic
-from . import racecheck
+from . import racecheck, traffic
 from .racecheck import _where
 
 __all__ = ["profile", "MemoryProfile", "LineStats", "request_cost", "METRICS"]

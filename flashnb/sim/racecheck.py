@@ -28,8 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..instruments import traffic
-from . import kernel_line
+from . import kernel_line, traffic
 
 __all__ = ["check", "Race", "RaceReport", "RaceError"]
 

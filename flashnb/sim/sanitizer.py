@@ -44,8 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import common
-from ..instruments import traffic
-from . import fastbarrier, racecheck
+from . import fastbarrier, racecheck, traffic
 from .racecheck import _elements, _where
 
 __all__ = ["sanitize", "TOOLS", "Finding", "SanitizerReport", "SanitizerError", "MemcheckError"]

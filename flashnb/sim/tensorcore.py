@@ -328,7 +328,7 @@ def _ndarray(arr) -> np.ndarray:
     simulator's device array's."""
     if isinstance(arr, np.ndarray):
         return arr
-    from ..instruments.traffic import _Counted
+    from .traffic import _Counted
 
     if isinstance(arr, _Counted):
         return arr._a

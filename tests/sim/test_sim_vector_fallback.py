@@ -14,6 +14,7 @@ from numba import cuda, float32, int32
 import flashnb
 from flashnb import sim
 from flashnb.instruments import traffic
+from flashnb.sim import traffic as sim_traffic
 from flashnb.sim import vector
 
 pytestmark = pytest.mark.skipif(flashnb.MODE != "sim", reason="simulator-only")
@@ -173,7 +174,7 @@ def test_an_unknown_access_observer_falls_back(monkeypatch):
         def finish(self):
             pass
 
-    monkeypatch.setattr(traffic, "observer_factory", lambda label, kernel: Observer())
+    monkeypatch.setattr(sim_traffic, "observer_factory", lambda label, kernel: Observer())
     x = np.arange(4, dtype=np.float32)
     out = np.zeros(4, np.float32)
     with traffic.count():

@@ -37,7 +37,7 @@ CHUNK_LANES = 1 << 15
 _RUNTIME_STATE = ("COUNTS", "_THREAD_ERR")
 COUNTS = {"vector": 0, "threads": 0}
 
-from ...instruments.traffic import FELL_BACK  # noqa: E402
+from ..traffic import FELL_BACK  # noqa: E402
 
 
 def _kernel_name(kernel):
@@ -177,7 +177,7 @@ def run(kernel, args):
     FakeShape = sim("cudadrv.devicearray", "FakeShape")
 
     from ...common import current_label
-    from ...instruments import traffic
+    from .. import traffic
 
     set_fake_shape(FakeShape)
     fn = kernel.fn
