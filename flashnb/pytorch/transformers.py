@@ -20,9 +20,20 @@ is transformers' own ``sdpa_mask``, so the attention function gets what SDPA get
   reproduces the mask exactly.  The kernel then gets ``causal=`` for the diagonals it knows and a ``mask_mod``
   capturing ``keep`` (and the window) for the rest (:mod:`flashnb.flex`).  Left and right padding, KV caches and
   sliding-window layers are expressible.
+* **packed documents** (transformers' padding-free batches: ``DataCollatorWithFlattening`` puts several documents
+  in one row, with ``position_ids`` restarting at 0 at each one).  transformers passes them in one of three
+  ways, and each is read as the documents' boundaries (:func:`fit_documents`, :func:`documents_from_kwargs`): a
+  block-diagonal causal mask (what ``sdpa_mask`` builds for packed ``position_ids`` when the model has no cache),
+  checked element by element as above; with ``attention_mask=None``, the collator's ``cu_seq_lens_q`` /
+  ``cu_seq_lens_k`` kwargs, else ``position_ids`` that restart (a model run with a cache gets no packed mask from
+  transformers, only its ``position_ids``).  Each document is then attended alone, causal inside it, by
+  :func:`flashnb.pytorch.flash_attn.flash_attn_varlen_func`: one launch per document on its own slices of Q, K,
+  V, so no other document's keys are read and the counted bytes are the documents' own.  Under
+  ``torch.compile`` the boundaries cannot be read (``position_ids`` are then not inspected; ``cu_seq_lens_*`` is
+  a ValueError).
 * anything else is a ValueError naming ``attention_mask``, never an approximation: a mask that differs between
-  heads, a packed-sequence (document) mask or any other pattern the fit does not reproduce, additive values
-  other than 0 and -inf (a bias: ``position_bias``), attention sinks (``s_aux``).
+  heads, documents with a sliding window or padding, a prefix-LM mask or any other pattern the fits do not
+  reproduce, additive values other than 0 and -inf (a bias: ``position_bias``), attention sinks (``s_aux``).
 
 Query rows that may attend to no key (the left padding of a causal model) come out as 0 from flashnb, while
 eager softmaxes such a row over the dtype's minimum (uniform weights): those positions are padding, and their
@@ -219,7 +230,7 @@ def fit_mask(attention_mask, B: int, Hq: int, Nq: int, Nk: int):
         if torch.equal(fit, allowed):
             return _express(keep, padded, diag, window, Nq, Nk)
     raise ValueError("attention_mask is not causal (any diagonal), a sliding window and key padding: flashnb cannot "
-                     "express it (a packed-sequence or document mask, a prefix-LM mask, ...); use "
+                     "express it (a prefix-LM mask, documents with padding or a window, ...); use "
                      "attn_implementation='sdpa' or 'eager' for this input, or pass a flashnb mask_mod to "
                      "flashnb.pytorch.attention directly")
 
