@@ -20,9 +20,20 @@ is transformers' own ``sdpa_mask``, so the attention function gets what SDPA get
   reproduces the mask exactly.  The kernel then gets ``causal=`` for the diagonals it knows and a ``mask_mod``
   capturing ``keep`` (and the window) for the rest (:mod:`flashnb.flex`).  Left and right padding, KV caches and
   sliding-window layers are expressible.
+* **packed documents** (transformers' padding-free batches: ``DataCollatorWithFlattening`` puts several documents
+  in one row, with ``position_ids`` restarting at 0 at each one).  transformers passes them in one of three
+  ways, and each is read as the documents' boundaries (:func:`fit_documents`, :func:`documents_from_kwargs`): a
+  block-diagonal causal mask (what ``sdpa_mask`` builds for packed ``position_ids`` when the model has no cache),
+  checked element by element as above; with ``attention_mask=None``, the collator's ``cu_seq_lens_q`` /
+  ``cu_seq_lens_k`` kwargs, else ``position_ids`` that restart (a model run with a cache gets no packed mask from
+  transformers, only its ``position_ids``).  Each document is then attended alone, causal inside it, by
+  :func:`flashnb.pytorch.flash_attn.flash_attn_varlen_func`: one launch per document on its own slices of Q, K,
+  V, so no other document's keys are read and the counted bytes are the documents' own.  Under
+  ``torch.compile`` the boundaries cannot be read (``position_ids`` are then not inspected; ``cu_seq_lens_*`` is
+  a ValueError).
 * anything else is a ValueError naming ``attention_mask``, never an approximation: a mask that differs between
-  heads, a packed-sequence (document) mask or any other pattern the fit does not reproduce, additive values
-  other than 0 and -inf (a bias: ``position_bias``), attention sinks (``s_aux``).
+  heads, documents with a sliding window or padding, a prefix-LM mask or any other pattern the fits do not
+  reproduce, additive values other than 0 and -inf (a bias: ``position_bias``), attention sinks (``s_aux``).
 
 Query rows that may attend to no key (the left padding of a causal model) come out as 0 from flashnb, while
 eager softmaxes such a row over the dtype's minimum (uniform weights): those positions are padding, and their
@@ -46,7 +57,8 @@ import torch
 from .. import flex
 from ..registry import impl_entry
 
-__all__ = ["register_transformers", "attention_forward", "fit_mask", "DEFAULT_NAME"]
+__all__ = ["register_transformers", "attention_forward", "fit_mask", "fit_documents", "documents_from_kwargs",
+           "DEFAULT_NAME"]
 
 DEFAULT_NAME = "fnb"
 
@@ -91,21 +103,49 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         opts["score_mod"] = _softcap(float(cap))
     B, Hq, Nq, d = query.shape
     Nk = key.shape[2]
+    causal_flag = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    documents = None
     if attention_mask is None:
-        causal_flag = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         causal = "upper_left" if causal_flag and Nq > 1 else False
+        documents = documents_from_kwargs(kwargs, B, Nq, Nk)
     else:
         if torch.compiler.is_compiling():
             raise ValueError("attention_mask: under torch.compile flashnb's transformers attention takes no mask "
                              "tensor (fitting one needs its values): compile without padding, or run eagerly")
-        causal, mask_mod = fit_mask(attention_mask, B, Hq, Nq, Nk)
-        if mask_mod is not None:
-            opts["mask_mod"] = mask_mod
+        try:
+            causal, mask_mod = fit_mask(attention_mask, B, Hq, Nq, Nk)
+        except ValueError:
+            documents = fit_documents(attention_mask, B, Hq, Nq, Nk)
+            if documents is None:
+                raise
+            causal_flag = True
+        else:
+            if mask_mod is not None:
+                opts["mask_mod"] = mask_mod
     if key.shape[1] != Hq and not impl_entry(impl).gqa:                 # impls without grouped-query attention
         key, value = (t.repeat_interleave(Hq // t.shape[1], dim=1) for t in (key, value))
+    if documents is not None:
+        return _attend_documents(query, key, value, documents, causal=bool(causal_flag), dropout=dropout,
+                                 scaling=scaling, softcap=cap, impl=impl, options=dict(options or {})), None
     o = functional.attention(query, key, value, causal=causal, scale=scaling, impl=impl,
                              dropout_p=float(dropout or 0.0), **opts)
     return o.transpose(1, 2).contiguous(), None
+
+
+def _attend_documents(query, key, value, cu_seqlens, *, causal, dropout, scaling, softcap, impl, options):
+    """Packed documents: the ``(B, H, N, d)`` rows flattened to ``(B·N, H, d)`` and each document (``cu_seqlens``
+    over the flattened tokens) attended alone by :func:`flashnb.pytorch.flash_attn.flash_attn_varlen_func`: one
+    launch per document, its own slices of Q, K, V, no other document's keys read.  ``(B, N, H, d)`` out."""
+    from .flash_attn import flash_attn_varlen_func
+
+    B, Hq, N, d = query.shape
+    q, k, v = (t.transpose(1, 2).reshape(B * N, t.shape[1], d) for t in (query, key, value))
+    cu = torch.tensor(cu_seqlens, dtype=torch.int32)
+    longest = max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]))
+    o = flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, dropout_p=float(dropout or 0.0),
+                               softmax_scale=scaling, causal=causal, softcap=float(softcap or 0.0), impl=impl,
+                               **options)
+    return o.reshape(B, N, Hq, d)
 
 
 @functools.lru_cache(maxsize=32)
@@ -190,9 +230,68 @@ def fit_mask(attention_mask, B: int, Hq: int, Nq: int, Nk: int):
         if torch.equal(fit, allowed):
             return _express(keep, padded, diag, window, Nq, Nk)
     raise ValueError("attention_mask is not causal (any diagonal), a sliding window and key padding: flashnb cannot "
-                     "express it (a packed-sequence or document mask, a prefix-LM mask, ...); use "
+                     "express it (a prefix-LM mask, documents with padding or a window, ...); use "
                      "attn_implementation='sdpa' or 'eager' for this input, or pass a flashnb mask_mod to "
                      "flashnb.pytorch.attention directly")
+
+
+def fit_documents(attention_mask, B: int, Hq: int, Nq: int, Nk: int):
+    """Packed documents: when ``attention_mask`` (4-D, as :func:`fit_mask` takes it) is block-diagonal causal --
+    each row of each batch entry a run of contiguous documents, query ``i`` of a document seeing that document's
+    keys ``start <= j <= i`` and nothing else -- the documents' ``cu_seqlens`` over the ``B·N`` flattened tokens
+    (entry ``b``'s tokens at ``b·N ...``); otherwise None.  Checked element by element, as :func:`fit_mask`."""
+    if Nq != Nk:                                                    # a KV cache: not a packed prefill
+        return None
+    allowed = _allowed(attention_mask, B, Hq, Nq, Nk)
+    N = Nq
+    if not bool(allowed.any(dim=2).all()):                          # a query that sees no key: padding
+        return None
+    idx = torch.arange(N)
+    start = allowed.to(torch.uint8).argmax(dim=2)                   # (B, N): the first key query i sees
+    new = start == idx                                              # a document starts at i
+    prev = torch.cat([torch.zeros(B, 1, dtype=start.dtype), start[:, :-1]], dim=1)
+    if not bool((new | (start == prev)).all()):                     # starts must be shared within a document
+        return None
+    i, j = idx[:, None], idx[None, :]
+    if not torch.equal((j >= start[:, :, None]) & (j <= i), allowed):
+        return None
+    cu = [0]
+    for b in range(B):
+        cu += [b * N + int(t) for t in torch.nonzero(new[b]).flatten().tolist() if t > 0] + [(b + 1) * N]
+    return cu
+
+
+def documents_from_kwargs(kwargs, B: int, Nq: int, Nk: int):
+    """Packed documents without a mask (``attention_mask=None``), as transformers' FlashAttention path reads them:
+    ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), else
+    ``position_ids`` of one batch entry that restart (a position not one more than the previous one starts a
+    document).  The documents' ``cu_seqlens`` (as :func:`fit_documents`), or None for a single sequence."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        if torch.compiler.is_compiling():
+            raise ValueError("cu_seq_lens_q: under torch.compile flashnb's transformers attention cannot read "
+                             "packed-sequence boundaries (they are needed on the host); run eagerly")
+        values = [torch.as_tensor(c).flatten().tolist() if c is not None else None for c in (cu_q, cu_k)]
+        cu = values[0] if values[0] is not None else values[1]
+        if (values[0] is not None and values[1] is not None and values[0] != values[1]) or B != 1 or Nq != Nk \
+                or len(cu) < 2 or cu[0] != 0 or cu[-1] != Nq or any(b < a for a, b in zip(cu[:-1], cu[1:])):
+            raise ValueError(f"cu_seq_lens_q / cu_seq_lens_k: flashnb takes packed documents of one batch entry "
+                             f"with queries and keys alike, [0, ..., {Nq}] non-decreasing; got {values[0]} and "
+                             f"{values[1]} for batch {B}, {Nq} queries, {Nk} keys")
+        return [int(c) for c in cu]
+    pos = kwargs.get("position_ids")
+    if pos is None or torch.compiler.is_compiling() or Nq != Nk or Nq < 2 or not isinstance(pos, torch.Tensor) \
+            or pos.dim() != 2 or pos.shape[-1] != Nq or pos.shape[0] not in (1, B):
+        return None
+    pos = pos.detach().cpu().expand(B, Nq)
+    starts = torch.ones(B, Nq, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    if not bool(starts[:, 1:].any()):
+        return None
+    cu = [0]
+    for b in range(B):
+        cu += [b * Nq + int(t) for t in torch.nonzero(starts[b]).flatten().tolist() if t > 0] + [(b + 1) * Nq]
+    return cu
 
 
 def _express(keep, padded, diag, window, Nq, Nk):

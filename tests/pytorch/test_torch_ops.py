@@ -322,19 +322,90 @@ def test_transformers_models_match_eager(fnb, model, padding):
 
 
 def test_transformers_masks_flashnb_cannot_express_are_refused():
-    from flashnb.pytorch.transformers import fit_mask
+    from flashnb.pytorch.transformers import attention_forward, fit_documents, fit_mask
 
     doc = torch.zeros(1, 1, 8, 8, dtype=torch.bool)             # two packed documents of 4 tokens
     for a, b in ((0, 4), (4, 8)):
         doc[0, 0, a:b, a:b] = torch.tril(torch.ones(4, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="attention_mask is not causal"):
-        fit_mask(doc, 1, 2, 8, 8)
+        fit_mask(doc, 1, 2, 8, 8)                                # as one mask: no; as packed documents: yes
+    assert fit_documents(doc, 1, 2, 8, 8) == [0, 4, 8]
+    assert fit_documents(doc.expand(2, 1, 8, 8), 2, 2, 8, 8) == [0, 4, 8, 12, 16]     # the B·N flattened tokens
+    prefix = doc.clone()
+    prefix[0, 0, :4, :4] = True                                 # a bidirectional prefix: neither
+    for m in (prefix, doc.transpose(-1, -2)):
+        with pytest.raises(ValueError, match="attention_mask is not causal"):
+            fit_mask(m, 1, 2, 8, 8)
+        with pytest.raises(ValueError, match="attention_mask is not causal"):
+            attention_forward(None, *_qkv(0, H=2, Nq=8, Nk=8), m, options=SMALL)
     bias = torch.zeros(1, 1, 8, 8)
     bias[..., 0] = 0.5
     with pytest.raises(ValueError, match="additive values other than 0 and -inf"):
         fit_mask(bias, 1, 2, 8, 8)
     with pytest.raises(ValueError, match="contains 'flash'|containing 'flash'"):
         ft.register_transformers("flashnb")
+
+
+DOCS = (5, 9, 3)
+
+
+def _packed_llama(fnb, seed=2):
+    """docs/pytorch.md's tiny Llama twice with the same random weights: on flashnb, and on SDPA."""
+    cfg = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+               num_key_value_heads=2)
+    torch.manual_seed(seed)
+    models = [transformers.LlamaForCausalLM._from_config(transformers.LlamaConfig(**cfg), attn_implementation=a)
+              for a in (fnb, "sdpa")]                           # one config each: _from_config sets its attn
+    models[1].load_state_dict(models[0].state_dict())
+    return [m.train(False) for m in models]
+
+
+@pytest.mark.parametrize("path", ["position_ids", "cu_seq_lens", "mask"])
+def test_transformers_packed_documents_are_each_attended_alone(fnb, path, monkeypatch):
+    """transformers' padding-free batch (``DataCollatorWithFlattening``: one row, ``position_ids`` restarting at each
+    document) on flashnb against each document run alone on SDPA: logits, every parameter's gradient, and the
+    kernels' counted bytes equal to the documents' own.  The three ways the documents reach the attention function:
+    ``position_ids`` with no mask (a model with a cache: transformers builds no packed mask then), the collator's
+    ``cu_seq_lens_q/k`` kwargs, and transformers' block-diagonal causal mask (``use_cache=False``).
+
+    Tolerance 1e-5 as for the models above: float32 both ways, flashnb's online softmax against SDPA's, one layer;
+    a document attending to another's keys moves logits by O(0.1)."""
+    from flashnb.instruments import traffic
+    from flashnb.pytorch import transformers as backend
+
+    fitted = []
+    fit = backend.fit_documents
+    monkeypatch.setattr(backend, "fit_documents", lambda *a: fitted.append(fit(*a)) or fitted[-1])
+    g = torch.Generator().manual_seed(4)
+    docs = [torch.randint(0, 64, (n,), generator=g).tolist() for n in DOCS]
+    batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=path == "cu_seq_lens")(
+        [{"input_ids": d} for d in docs])
+    assert batch["input_ids"].shape == (1, sum(DOCS))
+    assert batch["position_ids"].tolist() == [[i for n in DOCS for i in range(n)]]
+    del batch["labels"]
+    packed, alone = _packed_llama(fnb)
+
+    with traffic.count() as t:
+        logits = packed(**batch, use_cache=path != "mask").logits
+        logits.square().sum().backward()
+    assert fitted == ([[0, 5, 14, 17]] if path == "mask" else [])
+    got = logits.detach(), {n: p.grad for n, p in packed.named_parameters()}
+    want = [alone(input_ids=torch.tensor([d])).logits for d in docs]
+    sum(w.square().sum() for w in want).backward()
+    assert torch.allclose(got[0], torch.cat(want, dim=1).detach(), atol=1e-5, rtol=1e-5)
+    for name, p in alone.named_parameters():
+        assert torch.allclose(got[1][name], p.grad, atol=1e-5, rtol=1e-5), name
+
+    def counted(tr):
+        return tr.global_read_bytes + tr.global_write_bytes + 4 * tr.atomics
+
+    packed.zero_grad()
+    own = 0
+    for d in docs:                                              # each document alone, on flashnb
+        with traffic.count() as td:
+            packed(input_ids=torch.tensor([d])).logits.square().sum().backward()
+        own += counted(td)
+    assert counted(t) == own                                    # only real tokens, no other document's keys
 
 
 def test_compiled_score_mod_without_a_derivative_trains():
