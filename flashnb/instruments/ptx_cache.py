@@ -42,11 +42,13 @@ _DIGESTS: dict[str, str] = {}
 
 
 #: Parts of the package that hold no device code, so no kernel's PTX depends on them: the simulator, the course
-#: kit, the PyTorch and distributed front ends, and host-only tools.  :func:`package_digest` leaves them out, so
-#: editing them keeps the PTX guard's record (``tests/instruments/test_ptx_guard.py`` checks that none of them defines a
-#: ``cuda.jit`` function, an intrinsic, or a registered kernel factory).
+#: kit, the PyTorch and distributed front ends, the kernels' host launchers and traffic models, and host-only tools.
+#: :func:`package_digest` leaves them out, so editing them keeps the PTX guard's record
+#: (``tests/instruments/test_ptx_guard.py`` checks that none of them defines a ``cuda.jit`` function, an intrinsic,
+#: or a registered kernel factory).
 HOST_ONLY = ("sim/", "course/", "pytorch/", "distributed/", "cli.py", "notebook.py", "regions.py", "_gpu_child.py",
-             "tiny_transformer.py", "kernels/auto.py", "instruments/measure/", "instruments/sass_inputs/",
+             "tiny_transformer.py", "kernels/auto.py", "kernels/launch/", "kernels/models/", "instruments/measure/",
+             "instruments/sass_inputs/",
              *(f"instruments/{m}.py" for m in ("__init__", "sass", "sass_model", "roofline", "traffic", "rehearsal",
                                                 "occupancy", "ptxas", "ptx_cache", "shipping", "jobs", "compiled",
                                                 "guard", "report")))

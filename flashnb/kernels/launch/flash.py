@@ -163,22 +163,37 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
     mask_mod, H = modifier_keys.launch_modifiers(score_mod, mask_mod, score_mod_grad, block_mask, heads, BH)
     if score_mod is not None and score_mod_grad is None:
         score_mod_grad = policies.score_mod_grad_of(score_mod)   # score_mod.grad (the surfaces derive the rest)
-    D = empty((BH, Nq))
-    dQ = empty((BH, Nq, d))                            # float32: the atomics' accumulator
-    launch(make_preprocess(storage), (cdiv(Nq, PRE_WARPS), BH), 32 * PRE_WARPS, o, do, D, dQ,
-           label="D = rowsum(dO∘O)")
+    D, dQ = preprocess(o, do, storage)
     dK = empty((BH // G, Nk, d), storage=storage)
     dV = empty((BH // G, Nk, d), storage=storage)
     kernel = make_backward(t["Br"], t["Bc"], d, t["warps"], bool(causal), storage, M is not None, score_mod,
                            mask_mod if partial else None, H, G > 1, score_mod_grad, drop is not policies.NO_DROPOUT)
     launch(kernel, (cdiv(Nk, t["Bc"]), BH // G), 32 * t["warps"], q, k, v, do, lse, D, dQ, dK, dV, scale,
            causal_diag(causal, Nq, Nk), _device_mask(None) if M is None else M, *drop, label="flash backward")
-    if storage != "float32":
-        dQh = empty((BH, Nq, d), storage=storage)
-        launch(make_convert(storage), (cdiv(Nq * d, CONVERT_THREADS), BH), CONVERT_THREADS, dQ, dQh,
-               label=f"dQ -> {storage}")
-        dQ = dQh
-    return dQ, dK, dV
+    return convert_dq(dQ, storage), dK, dV
+
+
+def preprocess(o, do, storage):
+    """FA2 Alg. 2 line 4, the backward's first launch (both backends): ``D = rowsum(dO ∘ O)`` and the float32 dQ
+    accumulator the atomics add into, zeroed.  Returns ``(D, dQ)``."""
+    BH, Nq, d = o.shape
+    D = empty((BH, Nq))
+    dQ = empty((BH, Nq, d))                            # float32: the atomics' accumulator
+    launch(make_preprocess(storage), (cdiv(Nq, PRE_WARPS), BH), 32 * PRE_WARPS, o, do, D, dQ,
+           label="D = rowsum(dO∘O)")
+    return D, dQ
+
+
+def convert_dq(dQ, storage):
+    """The backward's last launch with half storage (both backends): the float32 dQ accumulator rounded once into
+    the inputs' storage (FlashAttention-2 ends its backward the same way); float32 is returned as it is."""
+    if storage == "float32":
+        return dQ
+    BH, Nq, d = dQ.shape
+    dQh = empty((BH, Nq, d), storage=storage)
+    launch(make_convert(storage), (cdiv(Nq * d, CONVERT_THREADS), BH), CONVERT_THREADS, dQ, dQh,
+           label=f"dQ -> {storage}")
+    return dQh
 
 
 register_impl("flash", stage="product",

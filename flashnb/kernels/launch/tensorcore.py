@@ -25,8 +25,6 @@ from ...registry import register_impl
 from .. import policies
 from ..policies import PARTIAL
 from ..policies import modifier_keys as modifiers
-from ..simt.backward import CONVERT_THREADS, make_convert
-from ..simt.forward import PRE_WARPS, make_preprocess
 from ..tensorcore import backward as tc_backward
 from ..tensorcore import forward as tc_forward
 from ..tensorcore import mma
@@ -44,6 +42,7 @@ from ..tensorcore.geometry import (
     shared_bytes,
 )
 from . import fit
+from .flash import convert_dq, preprocess
 
 __all__ = ["forward", "backward", "check_inputs", "device_arch", "last_backward"]
 
@@ -273,10 +272,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
                                          bm_mod if partial else None, H,
                                          score_mod_grad if score_mod is not None else None, dynamic=t["dynamic"])
 
-    D = empty((BH, Nq))
-    dQ = empty((BH, Nq, d))                          # float32: the atomics' accumulator
-    launch(make_preprocess(storage), (cdiv(Nq, PRE_WARPS), BH), 32 * PRE_WARPS, o, do, D, dQ,
-           label="D = rowsum(dO∘O)")
+    D, dQ = preprocess(o, do, storage)                # line 4 and the float32 dQ accumulator (as the product's)
     dK = empty((BH // G, Nk, d), storage=storage)
     dV = empty((BH // G, Nk, d), storage=storage)
     kernel = build(t, M)
@@ -295,12 +291,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale, Br=None, Bc=None, warp
                          shared_bytes=bwd_shared_bytes(storage, d, t["Br"], t["Bc"], t["warps"]), fallback=fallback)
     launch(kernel, (cdiv(Nk, t["Bc"]), BH // G), 32 * t["warps"], q, k, v, do, lse, D, dQ, dK, dV, scale,
            causal_diag(causal, Nq, Nk), fit._device_mask(M), *drop, label=BWD_LABEL, shared=nbytes)
-    if storage != "float32":
-        dQh = empty((BH, Nq, d), storage=storage)
-        launch(make_convert(storage), (cdiv(Nq * d, CONVERT_THREADS), BH), CONVERT_THREADS, dQ, dQh,
-               label=f"dQ -> {storage}")
-        dQ = dQh
-    return dQ, dK, dV
+    return convert_dq(dQ, storage), dK, dV
 
 
 
