@@ -53,13 +53,13 @@ import torch
 from numba import float32
 
 from .. import runtime
+from ..common import MAX_HEAD_DIM  # flash-decoding's largest head dim, as every impl's
+from ..kernels.decode import MAX_NQ  # flash-decoding's rows per block (query heads of a group × new queries)
 from .functional import attention
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
 _UNBOUNDED = 1 << 30   # a window side without a bound: further than any index (int64 arithmetic in the mask)
-_DECODE_ROWS = 8       # flash-decoding's rows per block (query heads of a group × new queries)
-_DECODE_MAX_D = 128    # flash-decoding's largest head dim
 
 
 # --------------------------------------------------------------------------- argument checks
@@ -549,7 +549,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 continue
             at = tuple(i.to(k_cache.device) for i in at)
             kb, vb = k_cache[at][None], v_cache[at][None]       # the gather: (1, Sk, heads_k, d) copies
-            decodes = cap == 0 and slopes is None and d <= _DECODE_MAX_D and G * Sq <= _DECODE_ROWS and \
+            decodes = cap == 0 and slopes is None and d <= MAX_HEAD_DIM and G * Sq <= MAX_NQ and \
                 window[0] < 0 and (window[1] < 0 or causal) and (not causal or Sq <= Sk)
             chosen = impl if impl is not None else "flash-decoding" if decodes else "auto"
             opts = dict(options)

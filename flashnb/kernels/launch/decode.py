@@ -8,6 +8,7 @@ from numba import cuda
 
 from ... import runtime
 from ...common import (
+    MAX_HEAD_DIM,
     causal_diag,
     cdiv,
     check_bfloat16_bits,
@@ -198,8 +199,8 @@ def decode(q, cache: KVCache, *, scale=None, causal=None, num_splits=None, warps
     if BH % cache.heads:
         raise ValueError(f"q's batch·heads ({BH}) must be a multiple of the cache's heads ({cache.heads})")
     G = BH // cache.heads
-    if d > 128:
-        raise ValueError(f"head dim d must be <= 128, got {d}")
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"head dim d must be <= {MAX_HEAD_DIM}, got {d}")
     s = check_scale(scale, d)
     causal = check_causal(_decode_causal(causal, Nq), Nq, cache.length)
     NQ, row_blocks = _row_blocks(Nq, G)
