@@ -79,8 +79,9 @@ def _plain(v) -> bool:
 
 def changes(snap: list, limit: int = 5) -> list[str]:
     """What differs from ``snap``: deleted names, rebound functions, classes, modules and other objects of
-    modules (a module global rebound from data to data is allowed), any rebound class attribute, changed items
-    of flashnb's lists and dicts (new keys of dicts and modules are allowed: caches fill and submodules load)."""
+    modules (a module global rebound from data to data is allowed), any rebound class attribute, any name added
+    to a flashnb class, changed items of flashnb's lists and dicts (new keys of dicts and modules are allowed:
+    caches fill and submodules load)."""
     bad = []
     for obj, items, where in snap:
         if type(obj) is list:
@@ -93,6 +94,13 @@ def changes(snap: list, limit: int = 5) -> list[str]:
                 if now is not v and not (where.startswith("module") and _plain(v) and _plain(now)):
                     bad.append(f"{where}: {k} " + ("deleted" if now is _MISSING else "replaced"))
                     break
+            else:
+                if where.startswith("class flashnb"):
+                    # a name added to one of flashnb's classes overrides what it inherited (a subclass's method
+                    # shadowed): the library adds none while it runs, so an added name is the submission's
+                    added = sorted(set(obj) - {k for k, _ in items})
+                    if added:
+                        bad.append(f"{where}: {added[0]} replaced (added over what the class inherited)")
         if len(bad) >= limit:
             break
     return bad
